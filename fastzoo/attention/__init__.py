@@ -1,0 +1,82 @@
+"""The attention registry: one word picks a kernel.
+
+Built-in backends are named here by import path and imported on first use, so that
+``import fastzoo`` never imports a kernel library. Users add their own with
+:func:`register_attention`.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from fastzoo.attention.base import (
+    AttentionBackend,
+    AttnContext,
+    AttnRequest,
+    Capabilities,
+    FunctionBackend,
+)
+from fastzoo.errors import UnknownBackendError
+
+_BUILTIN = {
+    "eager": "fastzoo.attention.eager:EagerBackend",
+    "sdpa": "fastzoo.attention.sdpa:SdpaBackend",
+    "flex": "fastzoo.attention.flex:FlexBackend",
+}
+_REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
+
+
+def register_attention(
+    name: str,
+    backend: type[AttentionBackend] | Callable,
+    *,
+    capabilities: Capabilities | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Add a backend under ``name``.
+
+    ``backend`` is an :class:`AttentionBackend` subclass, or a function
+    ``fn(q_BHSD, k_BHSD, v_BHSD, ctx) -> o_BHSD`` together with its ``capabilities``.
+    """
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"attention backend {name!r} is already registered; pass overwrite=True to replace it")
+    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        if capabilities is not None:
+            backend = type(backend.__name__, (backend,), {"capabilities": capabilities})
+        _REGISTRY[name] = type(backend.__name__, (backend,), {"name": name})
+        return
+    if not callable(backend):
+        raise TypeError(f"backend must be an AttentionBackend subclass or a function, got {type(backend).__name__}")
+    if capabilities is None:
+        raise TypeError("a function backend needs capabilities=Capabilities(...) saying what it can serve")
+    _REGISTRY[name] = type(
+        f"{name}Backend", (FunctionBackend,), {"name": name, "capabilities": capabilities, "fn": staticmethod(backend)}
+    )
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _REGISTRY:
+        raise UnknownBackendError(name, _REGISTRY)
+    entry = _REGISTRY[name]
+    if isinstance(entry, str):
+        module, cls = entry.split(":")
+        entry = _REGISTRY[name] = getattr(importlib.import_module(module), cls)
+    return entry
+
+
+def get_backend(name: str, **options) -> AttentionBackend:
+    """A configured backend instance; options are the backend's own (see ``fastzoo list``)."""
+    return backend_class(name)(**options)
+
+
+def list_attention(available_only: bool = False) -> list[str]:
+    names = sorted(_REGISTRY)
+    if available_only:
+        names = [n for n in names if backend_class(n).is_available()]
+    return names
+
+
+__all__ = [
+    "AttentionBackend", "AttnContext", "AttnRequest", "Capabilities",
+    "backend_class", "get_backend", "list_attention", "register_attention",
+]

@@ -1,0 +1,212 @@
+"""The attention contract every backend follows.
+
+A backend receives ``q_BHSD, k_BHSD, v_BHSD`` (batch, heads, sequence, head dim; the
+layout of ``F.scaled_dot_product_attention``) and an :class:`AttnContext`, and returns
+``o_BHSD``. Packed sequences use a batch of one, ``S = T`` tokens, and ``ctx.cu_seqlens``.
+
+Each backend declares :class:`Capabilities`. Models state what they need as an
+:class:`AttnRequest`; :meth:`AttentionBackend.check` compares the two when a model is
+built or its backend is switched, so that an impossible request fails before the first
+forward with a message that names the missing piece.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, fields
+from typing import Callable, ClassVar
+
+import torch
+
+from fastzoo.errors import BackendUnavailableError
+
+FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+_DTYPE_NAMES = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can serve. ``devices`` maps a device type to the dtypes it takes there."""
+
+    devices: dict[str, tuple[torch.dtype, ...]]
+    causal: bool = True
+    padding_mask: bool = True
+    varlen: bool = False
+    score_mod: bool = False
+    backward: tuple[str, ...] = ("cpu", "cuda")  # device types on which backward works
+    compile: bool = True
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    min_cuda_capability: tuple[int, int] | None = None
+    packages: tuple[str, ...] = ()  # import names the backend needs
+    install: str | None = None  # how to get those packages
+    verified: str = "not verified on hardware"  # where parity was last shown
+
+    def dtypes_text(self) -> str:
+        return "; ".join(f"{dev}: {'/'.join(dtype_name(d) for d in dts)}" for dev, dts in self.devices.items())
+
+
+@dataclass
+class AttnContext:
+    """Per-forward facts about the attention a model asks for."""
+
+    causal: bool = False
+    key_padding_mask: torch.Tensor | None = None  # [B, S] bool, True = real token
+    cu_seqlens: torch.Tensor | None = None  # [N+1] int32 offsets of packed sequences along S
+    max_seqlen: int | None = None
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    dropout_p: float = 0.0
+    grid_size: tuple[int, int] | None = None  # ViT patch grid (rows, cols), for 2-D masks
+    num_prefix_tokens: int = 0  # class/register tokens before the patch tokens
+
+
+@dataclass(frozen=True)
+class AttnRequest:
+    """What a model needs from its attention backend. ``None`` means: not known yet."""
+
+    head_dim: int
+    causal: bool = False
+    padding_mask: bool = False
+    varlen: bool = False
+    device: str | None = None
+    dtype: torch.dtype | None = None
+    backward: bool | None = None
+
+
+def package_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class AttentionBackend:
+    """Base class: subclasses set ``name`` and ``capabilities`` and implement :meth:`forward`.
+
+    Options passed to the constructor are the backend's own (``sdpa_backend=`` for sdpa,
+    ``score_mod=`` for flex...). A subclass lists them in ``options`` with their defaults.
+    """
+
+    name: ClassVar[str] = "?"
+    capabilities: Capabilities  # class default; an instance may narrow it from its options
+    options: ClassVar[dict] = {}
+    description: ClassVar[str] = ""
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            known = ", ".join(sorted(self.options)) or "none"
+            raise TypeError(f"attention backend {self.name!r} got unknown option(s) {unknown}; its options are: {known}")
+        self.opts = {**self.options, **options}
+
+    # -- availability ---------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine at all, or None if it can somewhere."""
+        caps = cls.capabilities
+        missing = [p for p in caps.packages if not package_available(p)]
+        if missing:
+            how = f" Install it with `{caps.install}`." if caps.install else ""
+            return f"needs the package(s) {', '.join(missing)}, which are not installed.{how}"
+        local = [d for d in caps.devices if _device_present(d)]
+        if not local:
+            return f"runs on {'/'.join(caps.devices)} only, and this machine has none"
+        if caps.min_cuda_capability and set(caps.devices) == {"cuda"}:
+            cc = torch.cuda.get_device_capability()
+            if cc < caps.min_cuda_capability:
+                need = ".".join(map(str, caps.min_cuda_capability))
+                return f"needs a GPU of compute capability >= {need}; this one is {cc[0]}.{cc[1]}"
+        return None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.unavailable_reason() is None
+
+    def check(self, req: AttnRequest) -> None:
+        """Raise :class:`BackendUnavailableError` if this backend cannot serve ``req``."""
+        caps = self.capabilities
+        problems = []
+        reason = self.unavailable_reason()
+        if reason:
+            problems.append(reason)
+        if req.device is not None and req.device not in caps.devices:
+            problems.append(f"does not run on {req.device} (runs on {'/'.join(caps.devices)})")
+        elif req.device is not None and req.dtype is not None and req.dtype not in caps.devices[req.device]:
+            problems.append(f"does not take {dtype_name(req.dtype)} on {req.device} ({caps.dtypes_text()})")
+        if caps.max_head_dim is not None and req.head_dim > caps.max_head_dim:
+            problems.append(f"supports head dim <= {caps.max_head_dim}, the model has {req.head_dim}")
+        if req.head_dim % caps.head_dim_multiple:
+            problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
+        if req.causal and not caps.causal:
+            problems.append("has no causal masking, which this model needs")
+        if req.padding_mask and not caps.padding_mask:
+            problems.append("takes no key-padding mask, which this model needs")
+        if req.varlen and not caps.varlen:
+            problems.append("takes no packed sequences (cu_seqlens), which this model needs")
+        if req.backward and req.device is not None and req.device not in caps.backward:
+            problems.append(f"has no backward on {req.device} (backward on: {'/'.join(caps.backward) or 'none'})")
+        if problems:
+            raise BackendUnavailableError(self._message(problems))
+
+    def _message(self, problems: list[str]) -> str:
+        from fastzoo.attention import list_attention  # the registry imports this module
+
+        here = ", ".join(list_attention(available_only=True))
+        return f"attention backend {self.name!r} " + "; ".join(problems) + f". Available on this machine: {here}."
+
+    def check_call(self, q: torch.Tensor, ctx: AttnContext) -> None:
+        """Cheap per-forward check of what is only known at call time (no device sync)."""
+        caps = self.capabilities
+        dev = q.device.type
+        if dev not in caps.devices:
+            raise BackendUnavailableError(self._message([f"got tensors on {dev} (runs on {'/'.join(caps.devices)})"]))
+        if q.dtype not in caps.devices[dev]:
+            raise BackendUnavailableError(
+                self._message([f"got {dtype_name(q.dtype)} on {dev} ({caps.dtypes_text()}); use autocast or .to(dtype)"])
+            )
+        if dev not in caps.backward and torch.is_grad_enabled() and q.requires_grad:
+            raise BackendUnavailableError(
+                self._message([f"has no backward on {dev}: run under torch.no_grad() / inference_mode, or pick another backend"])
+            )
+        if ctx.key_padding_mask is not None and not caps.padding_mask:
+            raise BackendUnavailableError(self._message(["takes no key-padding mask"]))
+        if ctx.cu_seqlens is not None and not caps.varlen:
+            raise BackendUnavailableError(self._message(["takes no packed sequences (cu_seqlens)"]))
+
+    # -- compute --------------------------------------------------------------------
+    def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        self.check_call(q_BHSD, ctx)
+        return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
+
+    def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx: AttnContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self.opts.items() if v != self.options.get(k)}
+        args = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        return f"{type(self).__name__}({args})"
+
+
+def _device_present(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    mod = getattr(torch, device_type, None)
+    return bool(mod is not None and getattr(mod, "is_available", lambda: False)())
+
+
+class FunctionBackend(AttentionBackend):
+    """Wraps a user's ``fn(q_BHSD, k_BHSD, v_BHSD, ctx) -> o_BHSD`` with declared capabilities."""
+
+    fn: ClassVar[Callable]
+
+    def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        return type(self).fn(q_BHSD, k_BHSD, v_BHSD, ctx)
+
+
+def capability_fields() -> list[str]:
+    return [f.name for f in fields(Capabilities)]

@@ -1,0 +1,166 @@
+"""Masks and score modifications, written once as FlexAttention ``mask_mod``/``score_mod`` functions.
+
+A ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and a ``score_mod(score, b, h, q_idx, kv_idx)``
+use only elementwise tensor ops, so the same function serves FlexAttention (which calls it
+on scalars inside its kernel) and the dense reference (:func:`dense_mask`, which calls it
+once on broadcast index grids). That is what lets ``eager`` prove ``flex`` on every preset.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fastzoo.attention.base import AttnContext
+
+MaskMod = Callable[..., torch.Tensor]
+ScoreMod = Callable[..., torch.Tensor]
+
+
+# -- presets ------------------------------------------------------------------------------
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding_window(window: int, is_causal: bool = True) -> MaskMod:
+    """Keys at most ``window`` positions away (behind only, if ``is_causal``)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        near = (q_idx - kv_idx).abs() <= window
+        return near & (q_idx >= kv_idx) if is_causal else near
+
+    return mask_mod
+
+
+def neighborhood(grid_size: tuple[int, int], radius: int, num_prefix_tokens: int = 0) -> MaskMod:
+    """2-D neighbourhood attention over a ViT patch grid (Chebyshev distance <= ``radius``).
+
+    Prefix tokens (class/register) attend to and are attended by every token, so pooling
+    through the class token keeps a global view.
+    """
+    cols = grid_size[1]
+    p = num_prefix_tokens
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qi, ki = q_idx - p, kv_idx - p
+        near = ((qi // cols - ki // cols).abs() <= radius) & ((qi % cols - ki % cols).abs() <= radius)
+        return near | (q_idx < p) | (kv_idx < p)
+
+    return mask_mod
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Gemma-2 style logit soft-capping: ``cap * tanh(score / cap)``."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
+def document(cu_seqlens: torch.Tensor, total: int) -> MaskMod:
+    """Tokens attend only inside their own packed sequence."""
+    doc_T = document_ids(cu_seqlens, total)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc_T[q_idx] == doc_T[kv_idx]
+
+    return mask_mod
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[T] index of the packed sequence each token belongs to (tokens past the end get -1)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths.long(), output_size=None)
+    if ids.numel() < total:  # trailing padding after the last sequence
+        ids = torch.cat([ids, ids.new_full((total - ids.numel(),), -1)])
+    return ids
+
+
+def padding(key_padding_mask: torch.Tensor) -> MaskMod:
+    """Real queries see real keys only. A padding query sees every key: its output is
+    never used, and this keeps its softmax row non-empty (no NaN leaking into gradients)."""
+    valid_BS = key_padding_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return valid_BS[b, kv_idx] | ~valid_BS[b, q_idx]
+
+    return mask_mod
+
+
+def and_masks(*mods: MaskMod | None) -> MaskMod | None:
+    mods = [m for m in mods if m is not None]
+    if not mods:
+        return None
+    if len(mods) == 1:
+        return mods[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+
+    return mask_mod
+
+
+# -- resolving user options -------------------------------------------------------------
+SCORE_PRESETS = ("softcap",)
+MASK_PRESETS = ("causal", "sliding_window", "neighborhood")
+
+
+def resolve_score_mod(score_mod, *, softcap_value: float) -> ScoreMod | None:
+    if score_mod is None or callable(score_mod):
+        return score_mod
+    if score_mod == "softcap":
+        return softcap(softcap_value)
+    raise ValueError(f"score_mod={score_mod!r} is not a preset ({', '.join(SCORE_PRESETS)}) nor a callable")
+
+
+def resolve_mask_mod(mask_mod, ctx: AttnContext, *, window: int, radius: int) -> MaskMod | None:
+    """A preset name becomes a mask_mod; presets needing the ViT grid read it from ``ctx``."""
+    if mask_mod is None or callable(mask_mod):
+        return mask_mod
+    if mask_mod == "causal":
+        return causal
+    if mask_mod == "sliding_window":
+        return sliding_window(window, is_causal=ctx.causal)
+    if mask_mod == "neighborhood":
+        if ctx.grid_size is None:
+            raise ValueError("mask_mod='neighborhood' needs a 2-D token grid: only ViT models provide one")
+        return neighborhood(ctx.grid_size, radius, ctx.num_prefix_tokens)
+    raise ValueError(f"mask_mod={mask_mod!r} is not a preset ({', '.join(MASK_PRESETS)}) nor a callable")
+
+
+def check_mod_option(name: str, value, presets) -> None:
+    if value is not None and not callable(value) and value not in presets:
+        raise ValueError(f"{name}={value!r} is not a preset ({', '.join(presets)}) nor a callable")
+
+
+def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = None) -> MaskMod | None:
+    """The one mask the context implies: causal, padding, packed documents, plus ``extra``."""
+    return and_masks(
+        causal if ctx.causal else None,
+        padding(ctx.key_padding_mask) if ctx.key_padding_mask is not None else None,
+        document(ctx.cu_seqlens, total_q) if ctx.cu_seqlens is not None else None,
+        extra,
+    )
+
+
+# -- dense evaluation (reference path) -----------------------------------------------------
+def _index_grids(B: int, H: int, Sq: int, Sk: int, device):
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    q = torch.arange(Sq, device=device).view(1, 1, Sq, 1)
+    kv = torch.arange(Sk, device=device).view(1, 1, 1, Sk)
+    return b, h, q, kv
+
+
+def dense_mask(mask_mod: MaskMod, B: int, H: int, Sq: int, Sk: int, device) -> torch.Tensor:
+    """``mask_mod`` evaluated on every (b, h, q, kv): a bool tensor broadcastable to [B, H, Sq, Sk]."""
+    return mask_mod(*_index_grids(B, H, Sq, Sk, device))
+
+
+def apply_score_mod(score_mod: ScoreMod, scores_BHSS: torch.Tensor) -> torch.Tensor:
+    B, H, Sq, Sk = scores_BHSS.shape
+    return score_mod(scores_BHSS, *_index_grids(B, H, Sq, Sk, scores_BHSS.device))

@@ -1,0 +1,75 @@
+"""``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``, optionally pinned to one kernel.
+
+``sdpa_backend=None`` lets PyTorch pick; ``flash`` | ``efficient`` | ``cudnn`` | ``math``
+pins it with ``torch.nn.attention.sdpa_kernel`` so that a benchmark measures the kernel it
+names and a request the kernel cannot serve fails instead of quietly running another one.
+Causal-only attention uses ``is_causal=True``; padding and packed sequences use a boolean
+mask built from the same ``mask_mod`` as the reference, so their meaning cannot drift.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fastzoo.attention import masks
+from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities
+from fastzoo.errors import BackendUnavailableError
+
+_ALL = (FP32, BF16, FP16)
+_HALF = (BF16, FP16)
+_KERNELS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+_BASE = Capabilities(devices={"cpu": _ALL, "cuda": _ALL}, varlen=True, verified="CPU fp32 (torch 2.14.1)")
+# What each pinned kernel takes, from PyTorch's sdp_utils checks. On CPU "flash" is
+# PyTorch's C++ flash kernel (fp32 too, masks allowed); on CUDA it is FlashAttention-2.
+_KERNEL_CAPS = {
+    None: _BASE,
+    "math": _BASE,
+    "flash": dataclasses.replace(
+        _BASE, devices={"cpu": _ALL, "cuda": _HALF}, max_head_dim=256, min_cuda_capability=(8, 0)
+    ),
+    "efficient": dataclasses.replace(_BASE, devices={"cuda": _ALL}, verified="not verified on hardware"),
+    "cudnn": dataclasses.replace(
+        _BASE, devices={"cuda": _HALF}, max_head_dim=128, min_cuda_capability=(8, 0), verified="not verified on hardware"
+    ),
+}
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+    description = "torch scaled_dot_product_attention (sdpa_backend= flash|efficient|cudnn|math)"
+    capabilities = _BASE
+    options = {"sdpa_backend": None}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        kernel = self.opts["sdpa_backend"]
+        if kernel not in _KERNEL_CAPS:
+            raise ValueError(f"sdpa_backend={kernel!r}: choose one of {', '.join(_KERNELS)} (or None to let PyTorch pick)")
+        self.capabilities = _KERNEL_CAPS[kernel]
+        self.kernel = _KERNELS.get(kernel)
+
+    def check(self, req):
+        super().check(req)
+        # FlashAttention-2 inside SDPA on CUDA takes no arbitrary mask.
+        if self.opts["sdpa_backend"] == "flash" and req.device == "cuda" and (req.padding_mask or req.varlen):
+            raise BackendUnavailableError(self._message(["flash on CUDA takes no mask (padding / packed sequences)"]))
+
+    def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        B, H, Sq, _ = q_BHSD.shape
+        only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None
+        mask_mod = None if only_causal else masks.context_mask_mod(ctx, Sq)
+        attn_mask = None
+        if mask_mod is not None:
+            attn_mask = masks.dense_mask(mask_mod, B, 1, Sq, k_BHSD.shape[-2], q_BHSD.device)
+        kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale)
+        if self.kernel is None:
+            return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
+        with sdpa_kernel(self.kernel):
+            return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)

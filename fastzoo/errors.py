@@ -1,0 +1,42 @@
+"""The exceptions fastzoo raises. Every message names what was wrong and what to do."""
+from __future__ import annotations
+
+import difflib
+
+
+class FastzooError(Exception):
+    """Base class of every error fastzoo raises on purpose."""
+
+
+def did_you_mean(name: str, choices) -> str:
+    close = difflib.get_close_matches(str(name), list(choices), n=3, cutoff=0.5)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+class _KeyErrorWithMessage(FastzooError, KeyError):
+    # KeyError.__str__ quotes its argument; a message reads better unquoted.
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownModelError(_KeyErrorWithMessage):
+    def __init__(self, name: str, choices):
+        super().__init__(
+            f"unknown model {name!r}.{did_you_mean(name, choices)} Known models: {', '.join(sorted(choices))}."
+        )
+
+
+class UnknownBackendError(_KeyErrorWithMessage):
+    def __init__(self, name: str, choices):
+        super().__init__(
+            f"unknown attention backend {name!r}.{did_you_mean(name, choices)} "
+            f"Known backends: {', '.join(sorted(choices))}."
+        )
+
+
+class BackendUnavailableError(FastzooError, RuntimeError):
+    """A backend cannot serve the request: missing package, device, dtype, head dim or feature."""
+
+
+class CheckpointError(FastzooError, ValueError):
+    """A checkpoint cannot be read or does not fit the model. Nothing was loaded."""

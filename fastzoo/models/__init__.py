@@ -1,0 +1,1 @@
+"""One architecture per file; ``fastzoo/configs/*.yaml`` names the variants."""

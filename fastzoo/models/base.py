@@ -1,0 +1,100 @@
+"""What every fastzoo model shares: a config, a swappable attention backend, save/load."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastzoo.attention import AttnRequest, get_backend
+from fastzoo.errors import did_you_mean
+
+
+class ModelConfig:
+    """Mixin for a model's config dataclass: built from a dict with field names checked."""
+
+    @classmethod
+    def from_dict(cls, values: dict, *, what: str = "override"):
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in values if k not in names]
+        if unknown:
+            k = unknown[0]
+            raise TypeError(f"unknown {what} {k!r} for {cls.__name__}.{did_you_mean(k, names)} Valid fields: {', '.join(names)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class FastzooModel(nn.Module):
+    """Base of the zoo's models. Subclasses set ``family`` and implement ``attention_needs``."""
+
+    family: str = "?"
+    config_class: type = ModelConfig
+    model_name: str | None = None
+    attn_name: str | None = None
+
+    def adapt_checkpoint(self, state: dict, changed: set[str]) -> tuple[dict, list[str], list[str]]:
+        """Fit a converted checkpoint to config fields the user changed on purpose
+        (``changed``). Returns the state, the keys left freshly initialised, and notes."""
+        return state, [], []
+
+    def attention_needs(self) -> dict:
+        """head_dim / causal / padding_mask / varlen this model asks of a backend."""
+        return {}
+
+    def attention_request(self, device: str | None = None, dtype: torch.dtype | None = None) -> AttnRequest:
+        """What the model needs; device/dtype are those given, else the parameters' when not the default cpu/fp32."""
+        p = next(self.parameters(), None)
+        if device is None and p is not None and p.device.type != "cpu":
+            device = p.device.type
+        if dtype is None and p is not None and p.dtype != torch.float32:
+            dtype = p.dtype
+        return AttnRequest(device=device, dtype=dtype, backward=self.training if device else None, **self.attention_needs())
+
+    def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
+        """Switch every attention layer to backend ``name`` (options are the backend's own).
+
+        The backend is checked against this model's needs first; nothing changes if it fails.
+        """
+        from fastzoo.layers.attention import UsesAttention
+
+        backend = get_backend(name, **options)
+        device = torch.device(device).type if device is not None else None
+        backend.check(self.attention_request(device=device, dtype=dtype))
+        for m in self.modules():
+            if isinstance(m, UsesAttention):
+                m.backend = backend
+        self.attn_name = name
+        return self
+
+    @property
+    def attention_backend(self):
+        from fastzoo.layers.attention import UsesAttention
+
+        return next((m.backend for m in self.modules() if isinstance(m, UsesAttention)), None)
+
+    def save_pretrained(self, path) -> Path:
+        """Write ``config.json`` (the architecture) and ``model.safetensors`` (fastzoo keys)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict()}
+        (path / "config.json").write_text(json.dumps(meta, indent=2))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(_untie(state), str(path / "model.safetensors"), metadata={"format": "fastzoo"})
+        return path
+
+
+def _untie(state: dict) -> dict:
+    """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+        out[k] = v.clone() if ptr in seen else v
+        if ptr is not None:
+            seen.add(ptr)
+    return out
