@@ -78,5 +78,36 @@ def list_attention(available_only: bool = False) -> list[str]:
 
 __all__ = [
     "AttentionBackend", "AttnContext", "AttnRequest", "Capabilities",
-    "backend_class", "get_backend", "list_attention", "register_attention",
+    "backend_class", "capability_matrix", "get_backend", "list_attention", "register_attention",
 ]
+
+
+MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
+                  "score_mod", "backward", "compile", "head dim", "verified")
+
+
+def capability_matrix() -> list[dict]:
+    """One row per backend, from the backends' own declarations (README and `fastzoo list`)."""
+    rows = []
+    for name in list_attention():
+        cls = backend_class(name)
+        caps = cls.capabilities
+        reason = cls.unavailable_reason()
+        yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+        head = f"<= {caps.max_head_dim}" if caps.max_head_dim else "any"
+        if caps.head_dim_multiple > 1:
+            head += f", multiple of {caps.head_dim_multiple}"
+        rows.append({
+            "backend": name,
+            "available here": "yes" if reason is None else f"no: {reason}",
+            "devices: dtypes": caps.dtypes_text(),
+            "causal": yes(caps.causal),
+            "padding mask": yes(caps.padding_mask),
+            "varlen": yes(caps.varlen),
+            "score_mod": yes(caps.score_mod),
+            "backward": "/".join(caps.backward) or "no",
+            "compile": yes(caps.compile),
+            "head dim": head,
+            "verified": caps.verified,
+        })
+    return rows

@@ -1,0 +1,45 @@
+"""Command line: ``fastzoo list | bench | check | convert``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def markdown_table(rows: list[dict], columns=None) -> str:
+    columns = list(columns or (rows[0].keys() if rows else []))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_list(args) -> int:
+    import fastzoo
+    from fastzoo.attention import MATRIX_COLUMNS, capability_matrix
+    from fastzoo.registry import get_entry
+
+    print("Models:")
+    for name in fastzoo.list_models():
+        e = get_entry(name)
+        print(f"  {name:<14} {e.description}  [peer: {e.peer}]")
+    print("\nAttention backends (capabilities as declared; 'available here' is this machine):")
+    print(markdown_table(capability_matrix(), MATRIX_COLUMNS))
+    return 0
+
+
+COMMANDS = {"list": (cmd_list, "models and the attention capability matrix", None)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastzoo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (fn, help_, add_args) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        if add_args:
+            add_args(p)
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
