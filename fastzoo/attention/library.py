@@ -21,6 +21,7 @@ import torch
 
 from fastzoo.attention.base import AttentionBackend, package_available
 from fastzoo.attention.packing import from_THD, max_seqlen_of, repad, to_THD, unpad
+from fastzoo.errors import BackendUnavailableError
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,6 +58,12 @@ class LibraryBackend(AttentionBackend):
                 if err:
                     problems.append(f"has {p} installed, but it does not import ({err}); reinstall it for this torch/CUDA")
         return "; ".join(problems) or None
+
+    def check(self, req) -> None:
+        super().check(req)  # declarations against the request; missing package or device
+        reason = self.unavailable_reason()  # what only an import shows (a wheel built for another torch)
+        if reason:
+            raise BackendUnavailableError(self._message([reason]))
 
     # -- compute: route the contract's three cases to the library's two entry points -------------
     def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal: bool, scale: float | None, dropout_p: float):
