@@ -88,17 +88,17 @@ def test_registered_function_backend_works_end_to_end(register):
     def mine(q, k, v, ctx):
         return F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)
 
-    register("mine", mine, CPU_FP32)
+    register("parity_user_fn", mine, CPU_FP32)
     torch.manual_seed(0)
     ref = fastzoo.create("vit_s16", attn="eager", **TINY["vit"]).eval()
-    model = fastzoo.create("vit_s16", attn="mine", **TINY["vit"]).eval()
+    model = fastzoo.create("vit_s16", attn="parity_user_fn", **TINY["vit"]).eval()
     model.load_state_dict(ref.state_dict())
     x = torch.randn(2, 3, 32, 32)
     assert (model(x) - ref(x)).abs().max() <= 1e-4  # DESIGN.md fp32 CPU tolerance
-    assert check_parity("vit_s16", "mine", **VIT).passed
+    assert check_parity("vit_s16", "parity_user_fn", **VIT).passed
     # its declaration is enforced like a built-in's: fp32-only, so bf16 is refused at create
     with pytest.raises(BackendUnavailableError, match="does not take bf16 on cpu"):
-        fastzoo.create("vit_s16", attn="mine", device="cpu", dtype=torch.bfloat16, **TINY["vit"])
+        fastzoo.create("vit_s16", attn="parity_user_fn", device="cpu", dtype=torch.bfloat16, **TINY["vit"])
 
 
 def test_unavailable_backend_raises_like_create():
