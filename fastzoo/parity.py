@@ -333,6 +333,13 @@ def cmd_check(args) -> int:
             rows.append({"backend": name, "device": args.device, "dtype": args.dtype, "result": f"unavailable: {e}"})
             results.append({"backend": name, "options": {k: repr(v) for k, v in options.items()}, "unavailable": str(e)})
             continue
+        except Exception as e:  # a kernel that crashes is a failed check, and the table goes on
+            failed = True
+            rows.append({"backend": name, "device": args.device, "dtype": args.dtype,
+                         "result": f"ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            results.append({"backend": name, "options": {k: repr(v) for k, v in options.items()},
+                            "error": f"{type(e).__name__}: {e}", "passed": False})
+            continue
         failed |= not res.passed
         rows.extend(res.rows())
         rows.extend({"backend": name, "result": f"note: {n}"} for n in res.notes)
