@@ -22,6 +22,8 @@ _BUILTIN = {
     "eager": "fastzoo.attention.eager:EagerBackend",
     "sdpa": "fastzoo.attention.sdpa:SdpaBackend",
     "flex": "fastzoo.attention.flex:FlexBackend",
+    "nested": "fastzoo.attention.nested:NestedBackend",
+    "varlen": "fastzoo.attention.varlen:VarlenBackend",
 }
 _REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
 
