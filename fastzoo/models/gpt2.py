@@ -59,8 +59,6 @@ class GPT2Config(ModelConfig):
     def __post_init__(self):
         if self.activation_function not in ACTIVATIONS:
             raise ValueError(f"activation_function={self.activation_function!r}: choose one of {', '.join(ACTIVATIONS)}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
 
 
 class CausalSelfAttention(UsesAttention):
@@ -68,6 +66,8 @@ class CausalSelfAttention(UsesAttention):
 
     def __init__(self, cfg: GPT2Config, layer_idx: int):
         super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
