@@ -46,7 +46,9 @@ class NestedBackend(AttentionBackend):
             offsets = cu_seqlens.long()
 
             def jagged_NHjD(x_BHSD):
-                return torch.nested.nested_tensor_from_jagged(thd(x_BHSD), offsets=offsets, max_seqlen=max_seqlen).transpose(1, 2)
+                # the jagged kernels need the values contiguous (a [1, T, H, D] view may not be)
+                values_THD = thd(x_BHSD).contiguous()
+                return torch.nested.nested_tensor_from_jagged(values_THD, offsets=offsets, max_seqlen=max_seqlen).transpose(1, 2)
 
             o_NHjD = F.scaled_dot_product_attention(
                 jagged_NHjD(q_BHSD), jagged_NHjD(k_BHSD), jagged_NHjD(v_BHSD),
