@@ -133,11 +133,11 @@ class VarlenBackend(AttentionBackend):
         self._flex = None
 
     def check(self, req):
-        super().check(req)
         impl = self.opts["impl"]
         reason = impl_unavailable(impl) if impl else None
-        if reason:
+        if reason:  # named first: "impl='flash' needs flash_attn" says more than "runs on cuda only"
             raise BackendUnavailableError(self._message([reason]))
+        super().check(req)
 
     def _fits(self, impl: str, q, ctx) -> bool:
         caps = _CAPS[impl]
