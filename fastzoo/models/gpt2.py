@@ -13,7 +13,13 @@ One model, three input forms (see :meth:`GPT2LMHeadModel.forward`):
 - a jagged NestedTensor of ids: run packed, logits returned as a jagged NestedTensor.
 
 Only ``cu_seqlens`` (or a NestedTensor) makes a batch packed: position ids never change
-what attends to what, so a padded batch can never turn into cross-sequence attention.
+what attends to what, so a padded batch can never turn into cross-sequence attention, and
+position ids that restart inside a padded row (packed data without its ``cu_seqlens``) are
+refused. Inputs are validated before any kernel sees them (ids, positions, offsets); that
+reads a few scalars on the host, one device sync per forward on GPU.
+
+A padded batch given to a backend that takes packed sequences but no padding mask
+(``varlen``, ``nested``) is unpadded into a packed one and the logits scattered back.
 """
 from __future__ import annotations
 
