@@ -26,6 +26,8 @@ _BUILTIN = {
     "fa3": "fastzoo.attention.flash:Fa3Backend",
     "te": "fastzoo.attention.te:TeBackend",
     "xformers": "fastzoo.attention.xformers:XformersBackend",
+    "nested": "fastzoo.attention.nested:NestedBackend",
+    "varlen": "fastzoo.attention.varlen:VarlenBackend",
 }
 _REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
 
