@@ -1,0 +1,1 @@
+"""Batching helpers: ``boxes`` collates detection targets."""
