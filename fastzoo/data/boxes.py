@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from fastzoo.losses.giou import check_boxes
+from fastzoo.losses.giou import check_boxes, first_bad_box
 
 
 @dataclass
@@ -29,6 +29,7 @@ class BoxTargets:
     boxes: Tensor  # [N, 4] xyxy, all images concatenated
     labels: Tensor  # [N] int64
     batch_index: Tensor  # [N] int64: image of each box
+    slot: Tensor  # [N] int64: position of each box in its image (its column in ``padded``)
     padded: Tensor  # [B, M, 4], zeros in padding
     padded_labels: Tensor  # [B, M], -1 in padding
     mask: Tensor  # [B, M] bool, True = a real box
@@ -61,37 +62,44 @@ def collate_boxes(
     boxes: Sequence[Tensor], labels: Sequence[Tensor] | None = None, *, pad_to: int | None = None, validate: bool = True
 ) -> BoxTargets:
     """All three layouts of per-image boxes ``[n_i, 4]`` (xyxy) and optional labels ``[n_i]``
-    (default: class 0). ``pad_to`` fixes M (static shapes, e.g. for torch.compile)."""
+    (default: class 0). ``pad_to`` fixes M (static shapes, e.g. for torch.compile).
+    Built on the boxes' device (the CPU in a DataLoader worker)."""
     if len(boxes) == 0:
         raise ValueError("boxes is empty: need one [n_i, 4] tensor per image (n_i may be 0)")
-    boxes = [torch.as_tensor(b, dtype=torch.float32) if not isinstance(b, Tensor) else b for b in boxes]
     for i, b in enumerate(boxes):
-        if b.ndim != 2 or b.shape[-1] != 4:
-            raise ValueError(f"boxes[{i}] must be [n, 4] (xyxy), got shape {tuple(b.shape)}")
-        check_boxes(b, f"boxes[{i}]", values=validate)
+        if not isinstance(b, Tensor) or b.ndim != 2 or b.shape[-1] != 4:
+            raise ValueError(f"boxes[{i}] must be an [n, 4] tensor (xyxy), got {getattr(b, 'shape', type(b).__name__)}")
+        check_boxes(b, f"boxes[{i}]", values=False)
     counts = tuple(b.shape[0] for b in boxes)
+    B, dtype, device = len(boxes), boxes[0].dtype, boxes[0].device
+    cat = torch.cat([b.to(dtype) for b in boxes])
+    if validate:  # once for the whole batch: one host sync at most
+        bad = first_bad_box(cat)
+        if bad is not None:
+            i = next(i for i in range(B) if bad < sum(counts[: i + 1]))
+            check_boxes(boxes[i], f"boxes[{i}]")
     if labels is None:
-        labels = [torch.zeros(n, dtype=torch.long) for n in counts]
-    if len(labels) != len(boxes):
-        raise ValueError(f"labels has {len(labels)} entries but boxes has {len(boxes)} images")
+        labels = [torch.zeros(n, dtype=torch.long, device=device) for n in counts]
+    if len(labels) != B:
+        raise ValueError(f"labels has {len(labels)} entries but boxes has {B} images")
     for i, (lab, n) in enumerate(zip(labels, counts)):
-        if lab.shape != (n,) or lab.is_floating_point():
-            raise ValueError(f"labels[{i}] must be an integer tensor of shape ({n},), got {lab.dtype} {tuple(lab.shape)}")
+        if not isinstance(lab, Tensor) or lab.shape != (n,) or lab.is_floating_point():
+            raise ValueError(f"labels[{i}] must be an integer tensor of shape ({n},), got {getattr(lab, 'shape', lab)}")
     M = max(counts) if pad_to is None else pad_to
     if M < max(counts):
         raise ValueError(f"pad_to={pad_to} is less than the largest box count in the batch ({max(counts)})")
-    B, dtype = len(boxes), boxes[0].dtype
-    cat = torch.cat(boxes).to(dtype) if sum(counts) else torch.zeros(0, 4, dtype=dtype)
     cat_labels = torch.cat([lab.long() for lab in labels])
-    batch_index = torch.repeat_interleave(torch.arange(B), torch.tensor(counts, dtype=torch.long))
-    slot = torch.cat([torch.arange(n) for n in counts]) if sum(counts) else torch.zeros(0, dtype=torch.long)
-    padded = torch.zeros(B, M, 4, dtype=dtype)
-    padded_labels = torch.full((B, M), -1, dtype=torch.long)
-    mask = torch.zeros(B, M, dtype=torch.bool)
+    counts_t = torch.tensor(counts, dtype=torch.long, device=device)
+    batch_index = torch.repeat_interleave(torch.arange(B, device=device), counts_t)
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    slot = torch.arange(cat.shape[0], device=device) - starts[batch_index]
+    padded = torch.zeros(B, M, 4, dtype=dtype, device=device)
+    padded_labels = torch.full((B, M), -1, dtype=torch.long, device=device)
+    mask = torch.zeros(B, M, dtype=torch.bool, device=device)
     padded[batch_index, slot] = cat
     padded_labels[batch_index, slot] = cat_labels
     mask[batch_index, slot] = True
-    return BoxTargets(counts, cat, cat_labels, batch_index, padded, padded_labels, mask)
+    return BoxTargets(counts, cat, cat_labels, batch_index, slot, padded, padded_labels, mask)
 
 
 def collate_detection(batch: Sequence[tuple]) -> tuple[Tensor, BoxTargets]:

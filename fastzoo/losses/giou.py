@@ -57,12 +57,19 @@ def check_boxes(boxes: torch.Tensor, name: str, *, values: bool = True) -> None:
         raise ValueError(f"{name} must be floating point, got {boxes.dtype}")
     if not values or boxes.numel() == 0:
         return
-    b = boxes.detach().reshape(-1, 4)
-    bad = ~torch.isfinite(b).all(-1) | (b[:, 2] < b[:, 0]) | (b[:, 3] < b[:, 1])
-    if bool(bad.any()):  # the one host sync of validation
-        i = int(bad.nonzero()[0, 0])
+    i = first_bad_box(boxes)
+    if i is not None:
+        b = boxes.detach().reshape(-1, 4)
         what = "is not finite" if not torch.isfinite(b[i]).all() else "has x2 < x1 or y2 < y1"
         raise ValueError(f"{name}: box {i} {what}: {b[i].tolist()}; boxes must be finite xyxy with x2 >= x1, y2 >= y1")
+
+
+def first_bad_box(boxes: torch.Tensor) -> int | None:
+    """Row of the first non-finite or inverted box of ``boxes`` [..., 4] (flattened), or None.
+    One host sync on a GPU."""
+    b = boxes.detach().reshape(-1, 4)
+    bad = ~torch.isfinite(b).all(-1) | (b[:, 2] < b[:, 0]) | (b[:, 3] < b[:, 1])
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
 
 
 def _check_pair(pred, target, validate: bool) -> None:
