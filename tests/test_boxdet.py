@@ -116,7 +116,7 @@ def test_a_few_training_steps_lower_the_loss():
     images, boxes = _square_images(4, g)
     opt = torch.optim.AdamW(det.parameters(), lr=2e-3)
     losses = []
-    for _ in range(25):
+    for _ in range(12):
         loss = det.loss(det(images), boxes)
         opt.zero_grad()
         loss.backward()
