@@ -99,8 +99,16 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     return args
 
 
+def _jsonable(v):
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
 def args_to_json(args: argparse.Namespace) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {k: _jsonable(v) for k, v in vars(args).items()}
 
 
 def run_main(main, argv=None) -> None:
