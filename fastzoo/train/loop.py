@@ -223,12 +223,14 @@ class Trainer:
         step = state.step + 1
         batch = to_device(batch, self.device)
         rng = get_rng_state() if args.nan_guard else None
+        # the forward updates buffers (BatchNorm running stats): keep their pre-step values for a capture
+        buffers = {n: b.detach().clone() for n, b in self.raw.named_buffers()} if args.nan_guard else None
         loss, grad_norm, loss_sum, count, count_global = self.forward_backward(batch, step)
         if args.nan_guard:
             bad = D.all_reduce_(nan_guard.nonfinite_flag(loss, grad_norm), op=torch.distributed.ReduceOp.MAX
                                 if self.world.distributed else None)
             if bad.item():  # the one per-step host sync; --no-nan-guard removes it
-                return self._capture(step, state, batch, rng, loss, count_global)
+                return self._capture(step, state, batch, rng, loss, count_global, buffers)
         if args.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, args.clip_grad, grad_norm)
         self.optimizer.step()
@@ -246,9 +248,10 @@ class Trainer:
                              + "  ".join(f"{k} {v:.4f}" for k, v in result.items()))
             progress.write_record({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in result.items()}})
 
-    def _capture(self, step, state, batch, rng, loss, count_global) -> int:
+    def _capture(self, step, state, batch, rng, loss, count_global, buffers) -> int:
         world = self.world
         weights = D.full_model_state(self.raw)
+        weights.update({k: v.cpu() for k, v in buffers.items() if k in weights})
         root = self.out / f"nan_step{step}"
         path = root / f"rank{world.rank}" if world.distributed else root
         meta = {"step": step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
