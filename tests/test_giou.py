@@ -94,12 +94,12 @@ def test_low_precision_is_computed_in_fp32(impl, dtype, ulp):
 
 def test_kernel_path_is_reported():
     p, t = box_pairs()
-    assert kernel_path("cpu") == "cpu-fused"
+    assert kernel_path("cpu") == "cpu-cpp"
     assert kernel_path("cuda") == "triton"
     giou_loss(p, t, impl="kernel")
-    assert G.last_impl == "cpu-fused"
+    assert G.last_impl == "cpu-cpp"
     giou_loss(p, t, impl="auto")
-    assert G.last_impl == "cpu-fused"  # auto = the fused kernel, never the naive path silently
+    assert G.last_impl == "cpu-cpp"  # auto = the fused kernel, never the naive path silently
     giou_loss(p, t, impl="torch")
     assert G.last_impl == "torch"
 
