@@ -3,7 +3,9 @@
 // giou_cpu.py (torch.utils.cpp_extension) and registered as the CPU kernels of the
 // torch.library ops defined in giou_op.py; the math is giou_op.py's closed form, element by
 // element, in torchvision's op order (fp16/bf16 boxes computed in fp32, fp64 in fp64).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
