@@ -22,6 +22,7 @@ import torch
 from fastzoo.errors import BackendUnavailableError
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+FLOATS, HALF = (FP32, BF16, FP16), (BF16, FP16)  # the dtype sets backends declare
 _DTYPE_NAMES = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
 
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from fastzoo.attention.base import BF16, FP16, Capabilities
+from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
-_HALF = (BF16, FP16)
 
 
 def _out(result):
@@ -56,7 +55,7 @@ class Fa2Backend(LibraryBackend):
     name = "fa2"
     description = "FlashAttention-2 (flash-attn): flash_attn_func / flash_attn_varlen_func"
     capabilities = Capabilities(
-        devices={"cuda": _HALF},
+        devices={"cuda": HALF},
         padding_mask=False,
         varlen=True,
         backward=("cuda",),
@@ -80,7 +79,7 @@ class Fa3Backend(LibraryBackend):
     name = "fa3"
     description = "FlashAttention-3 for Hopper (flash_attn_interface); no dropout"
     capabilities = Capabilities(
-        devices={"cuda": _HALF},
+        devices={"cuda": HALF},
         padding_mask=False,
         varlen=True,
         backward=("cuda",),

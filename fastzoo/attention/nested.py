@@ -13,17 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import packing
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
 from fastzoo.attention.varlen import packed_sdpa
 
-_ALL = (FP32, BF16, FP16)
 
 
 class NestedBackend(AttentionBackend):
     name = "nested"
     description = "jagged NestedTensor through SDPA (packed sequences)"
     capabilities = Capabilities(
-        devices={"cpu": _ALL, "cuda": _ALL}, padding_mask=False, varlen=True, verified="CPU fp32 (torch 2.14.1)"
+        devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32 (torch 2.14.1)"
     )
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):

@@ -15,7 +15,7 @@ it holds no weights, so the model's state dict is untouched.
 """
 from __future__ import annotations
 
-from fastzoo.attention.base import BF16, FP16, Capabilities
+from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
@@ -23,7 +23,7 @@ class TeBackend(LibraryBackend):
     name = "te"
     description = "Transformer Engine DotProductAttention (bshd; thd with cu_seqlens)"
     capabilities = Capabilities(
-        devices={"cuda": (BF16, FP16)},
+        devices={"cuda": HALF},
         padding_mask=False,
         varlen=True,
         backward=("cuda",),

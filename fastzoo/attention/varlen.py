@@ -25,33 +25,25 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import packing
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities, unavailable
-from fastzoo.attention.flash import fa2_varlen
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, unavailable
+from fastzoo.attention.flash import Fa2Backend, fa2_varlen
 from fastzoo.attention.masks import document_ids
-from fastzoo.attention.xformers import xformers_varlen
+from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
 
-_ALL = (FP32, BF16, FP16)
-_HALF = (BF16, FP16)
 _BASE = Capabilities(
-    devices={"cpu": _ALL, "cuda": _ALL}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
+    devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
 )
 _CAPS = {
     None: _BASE,
     "torch": dataclasses.replace(
-        _BASE, devices={"cuda": _HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
+        _BASE, devices={"cuda": HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
     ),
-    "flash": dataclasses.replace(
-        _BASE, devices={"cuda": _HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
-        packages=("flash_attn",), install="pip install flash-attn --no-build-isolation", verified="not verified on hardware",
-    ),
-    "xformers": dataclasses.replace(
-        _BASE, devices={"cuda": _ALL}, backward=("cuda",), packages=("xformers",), install="pip install xformers",
-        verified="not verified on hardware",
-    ),
+    "flash": Fa2Backend.capabilities,  # the same kernels: one declaration
+    "xformers": XformersBackend.capabilities,
     "flex": dataclasses.replace(_BASE, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
-    "cpu": dataclasses.replace(_BASE, devices={"cpu": _ALL}, backward=("cpu",)),
+    "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
 _DROPOUT = {"torch": False, "flash": True, "xformers": True, "flex": False, "cpu": True}
 _CUDA_ORDER = ("torch", "flash", "xformers", "flex")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fastzoo.attention.base import BF16, FP16, FP32, Capabilities
+from fastzoo.attention.base import FLOATS, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
@@ -35,7 +35,7 @@ class XformersBackend(LibraryBackend):
     name = "xformers"
     description = "xFormers memory_efficient_attention (LowerTriangularMask, BlockDiagonalMask)"
     capabilities = Capabilities(
-        devices={"cuda": (FP32, BF16, FP16)},
+        devices={"cuda": FLOATS},
         padding_mask=False,
         varlen=True,
         backward=("cuda",),
