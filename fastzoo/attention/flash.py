@@ -30,7 +30,6 @@ from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
-
 def _out(result):
     """FA3 builds differ: some return ``(out, softmax_lse)``, others ``out``."""
     return result[0] if isinstance(result, tuple) else result

@@ -17,7 +17,6 @@ from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
 from fastzoo.attention.varlen import packed_sdpa
 
 
-
 class NestedBackend(AttentionBackend):
     name = "nested"
     description = "jagged NestedTensor through SDPA (packed sequences)"

@@ -6,8 +6,8 @@ Does Not Need O(n^2) Memory"; xFormers, Lefaudeux et al. 2022).
 (CUTLASS, which also takes fp32, or FlashAttention for fp16/bf16). Masks are bias objects:
 ``LowerTriangularMask()`` for causal attention, and
 ``fmha.attn_bias.BlockDiagonalMask.from_seqlens(...)`` / ``BlockDiagonalCausalMask`` for packed
-sequences (batch of one); a model unpads a padded batch into a packed one first. Building a block-diagonal bias reads the sequence lengths
-on the host: one device sync per call.
+sequences (batch of one); a model unpads a padded batch into a packed one first. Building
+a block-diagonal bias reads the sequence lengths on the host: one device sync per call.
 """
 from __future__ import annotations
 
