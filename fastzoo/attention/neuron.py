@@ -63,7 +63,7 @@ class _NkiFlashAttention(torch.autograd.Function):
     """flash_fwd forward, flash_attn_bwd backward; q/k/v/o in BHSD at the boundary."""
 
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, causal: bool, scale: float | None, dropout_p: float):
+    def forward(ctx, q_BHSD, k_BHSD, v_BHSD, causal: bool, scale: float | None, dropout_p: float, training: bool):
         from neuronxcc.nki.kernels.attention import FlashConfig, flash_fwd
 
         B, H, S, _ = q_BHSD.shape
@@ -71,7 +71,6 @@ class _NkiFlashAttention(torch.autograd.Function):
         bias = None if P == S or causal else pad_bias(S, P, dtype=q_BHSD.dtype, device=q_BHSD.device)
         q_BHDS, k_BHDS = (_pad_seq(x, P).transpose(2, 3).contiguous() for x in (q_BHSD, k_BHSD))
         v_BHSD = _pad_seq(v_BHSD, P).contiguous()
-        training = torch.is_grad_enabled() and any(x.requires_grad for x in (q_BHSD, k_BHSD, v_BHSD))
         training = training or dropout_p > 0  # the kernel allows dropout only in its training mode
         # The kernel reads the seed only for dropout; inference mode requires None.
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32).to(q_BHSD.device) if training else None
@@ -99,7 +98,7 @@ class _NkiFlashAttention(torch.autograd.Function):
             logit_bias_ref=bias[0] if bias else None, use_causal_mask=causal, mixed_precision=True,
             dropout_p=dropout_p, softmax_scale=scale,
         )
-        return (*(g_BHDS.transpose(2, 3)[:, :, :S] for g_BHDS in (dq, dk, dv)), None, None, None)
+        return (*(g_BHDS.transpose(2, 3)[:, :, :S] for g_BHDS in (dq, dk, dv)), None, None, None, None)
 
 
 class NeuronBackend(AttentionBackend):
@@ -127,4 +126,6 @@ class NeuronBackend(AttentionBackend):
             raise ValueError("neuron: flash_fwd needs self-attention with q, k, v of one shape [B, H, S, D] "
                              f"(no GQA, seq_q == seq_k); got {tuple(q_BHSD.shape)}, {tuple(k_BHSD.shape)}, "
                              f"{tuple(v_BHSD.shape)}")
-        return _NkiFlashAttention.apply(q_BHSD, k_BHSD, v_BHSD, ctx.causal, ctx.scale, ctx.dropout_p)
+        # Decided here: inside Function.forward grad mode is off. Training mode makes flash_fwd return lse.
+        training = torch.is_grad_enabled() and any(x.requires_grad for x in (q_BHSD, k_BHSD, v_BHSD))
+        return _NkiFlashAttention.apply(q_BHSD, k_BHSD, v_BHSD, ctx.causal, ctx.scale, ctx.dropout_p, training)
