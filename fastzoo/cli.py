@@ -26,7 +26,22 @@ def cmd_list(args) -> int:
     return 0
 
 
-COMMANDS = {"list": (cmd_list, "models and the attention capability matrix", None)}
+def cmd_bench(args) -> int:
+    from fastzoo.bench.cli import cmd_bench as run
+
+    return run(args)
+
+
+def _bench_args(p):
+    from fastzoo.bench.cli import add_args
+
+    add_args(p)
+
+
+COMMANDS = {
+    "list": (cmd_list, "models and the attention capability matrix", None),
+    "bench": (cmd_bench, "parity-gated speed of every attention backend vs the peer library", _bench_args),
+}
 
 
 def main(argv=None) -> int:
