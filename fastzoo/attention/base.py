@@ -12,7 +12,7 @@ forward with a message that names the missing piece.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
@@ -105,21 +105,8 @@ class AttentionBackend:
     # -- availability ---------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        """Why this backend cannot run on this machine at all, or None if it can somewhere."""
-        caps = cls.capabilities
-        missing = [p for p in caps.packages if not package_available(p)]
-        if missing:
-            how = f" Install it with `{caps.install}`." if caps.install else ""
-            return f"needs the package(s) {', '.join(missing)}, which are not installed.{how}"
-        local = [d for d in caps.devices if _device_present(d)]
-        if not local:
-            return f"runs on {'/'.join(caps.devices)} only, and this machine has none"
-        if caps.min_cuda_capability and set(caps.devices) == {"cuda"}:
-            cc = torch.cuda.get_device_capability()
-            if cc < caps.min_cuda_capability:
-                need = ".".join(map(str, caps.min_cuda_capability))
-                return f"needs a GPU of compute capability >= {need}; this one is {cc[0]}.{cc[1]}"
-        return None
+        """Why this backend (with default options) cannot run on this machine at all, or None."""
+        return _unavailable(cls.capabilities)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -129,7 +116,7 @@ class AttentionBackend:
         """Raise :class:`BackendUnavailableError` if this backend cannot serve ``req``."""
         caps = self.capabilities
         problems = []
-        reason = self.unavailable_reason()
+        reason = _unavailable(caps)
         if reason:
             problems.append(reason)
         if req.device is not None and req.device not in caps.devices:
@@ -190,6 +177,22 @@ class AttentionBackend:
         return f"{type(self).__name__}({args})"
 
 
+def _unavailable(caps: Capabilities) -> str | None:
+    missing = [p for p in caps.packages if not package_available(p)]
+    if missing:
+        how = f" Install it with `{caps.install}`." if caps.install else ""
+        return f"needs the package(s) {', '.join(missing)}, which are not installed.{how}"
+    local = [d for d in caps.devices if _device_present(d)]
+    if not local:
+        return f"runs on {'/'.join(caps.devices)} only, and this machine has none"
+    if caps.min_cuda_capability and set(caps.devices) == {"cuda"}:
+        cc = torch.cuda.get_device_capability()
+        if cc < caps.min_cuda_capability:
+            need = ".".join(map(str, caps.min_cuda_capability))
+            return f"needs a GPU of compute capability >= {need}; this one is {cc[0]}.{cc[1]}"
+    return None
+
+
 def _device_present(device_type: str) -> bool:
     if device_type == "cpu":
         return True
@@ -206,7 +209,3 @@ class FunctionBackend(AttentionBackend):
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         return type(self).fn(q_BHSD, k_BHSD, v_BHSD, ctx)
-
-
-def capability_fields() -> list[str]:
-    return [f.name for f in fields(Capabilities)]

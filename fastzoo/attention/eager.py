@@ -6,7 +6,6 @@ against it. Memory grows with S^2: use it to check, not to train at length.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import masks

@@ -10,6 +10,8 @@ On CPU PyTorch runs flex without a backward: a training forward fails before it 
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -22,6 +24,8 @@ _compiled_flex = None
 def _flex_fn(compile_: bool):
     global _compiled_flex
     if not compile_:
+        # uncompiled is a deliberate choice here (CPU default, or compile=False): say it once in the docs, not per call
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)

@@ -1,5 +1,4 @@
 """Stochastic depth (Huang et al. 2016): drop a whole residual branch per sample while training."""
-import torch
 from torch import nn
 
 

@@ -12,7 +12,9 @@ from torch import nn
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, img_size: tuple[int, int], patch_size: int, in_chans: int, embed_dim: int, kind: str = "conv"):
+    def __init__(
+        self, img_size: tuple[int, int], patch_size: int, in_chans: int, embed_dim: int, kind: str = "conv", bias: bool = True
+    ):
         super().__init__()
         if kind not in ("conv", "linear"):
             raise ValueError(f"patch_embed={kind!r}: choose 'conv' or 'linear'")
@@ -23,7 +25,7 @@ class PatchEmbed(nn.Module):
         self.grid_size = (img_size[0] // patch_size, img_size[1] // patch_size)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.kind = kind
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x_BCHW.shape

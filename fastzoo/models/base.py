@@ -46,13 +46,17 @@ class FastzooModel(nn.Module):
         return {}
 
     def attention_request(self, device: str | None = None, dtype: torch.dtype | None = None) -> AttnRequest:
-        """What the model needs; device/dtype are those given, else the parameters' when not the default cpu/fp32."""
+        """What the model needs; device/dtype are those given, else the parameters' when not the default cpu/fp32.
+
+        Whether a backward will be asked is not known here (a fresh model is in train mode
+        even for inference), so backends check that per call, before running.
+        """
         p = next(self.parameters(), None)
         if device is None and p is not None and p.device.type != "cpu":
             device = p.device.type
         if dtype is None and p is not None and p.dtype != torch.float32:
             dtype = p.dtype
-        return AttnRequest(device=device, dtype=dtype, backward=self.training if device else None, **self.attention_needs())
+        return AttnRequest(device=device, dtype=dtype, **self.attention_needs())
 
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
         """Switch every attention layer to backend ``name`` (options are the backend's own).

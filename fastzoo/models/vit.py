@@ -83,7 +83,8 @@ class VisionTransformer(FastzooModel):
         self.config = cfg
         D = cfg.embed_dim
         self.num_prefix_tokens = int(cfg.class_token) + cfg.reg_tokens
-        self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D, kind=cfg.patch_embed)
+        # CLIP-style pre-norm models have no patch bias (timm's rule)
+        self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, D, cfg.patch_embed, bias=not cfg.pre_norm)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.reg_tokens, D)) if cfg.reg_tokens else None
         pos_len = self.patch_embed.num_patches + (0 if cfg.no_embed_class else self.num_prefix_tokens)
