@@ -25,7 +25,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or `giou` for the loss suite")
-    p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]")
+    p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]; eager is always added")
     p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: fp32 on CPU, bf16 on CUDA")
@@ -74,7 +74,8 @@ def _backends(spec: str) -> list[str]:
         raise ValueError("--attn: name at least one backend, or `all`")
     for n in names:
         backend_class(n)  # an unknown name fails here, with a suggestion
-    return names
+    # eager is the reference: its own error in a low precision sets every other backend's tolerance
+    return names if "eager" in names else ["eager", *names]
 
 
 def _family(model: str) -> str:

@@ -136,9 +136,8 @@ def gpt2_suite(
         wrapped = _Call(model, fwd)
         return model_step(wrapped, args, mode=mode, loss=loss_on(view), items=real, compile=compiled, view=view)
 
-    def fz(attn, mode):
+    def fz(attn):
         model = fastzoo.create("gpt2", attn="eager", pretrained=hf)
-        model.train(mode == "train")
         model.set_attention(attn, device=device, dtype=dtype)
         return model.to(device=device, dtype=dtype)
 
@@ -169,20 +168,20 @@ def gpt2_suite(
                 caps = fastzoo.attention.backend_class(b).capabilities
                 if b == "nested":
                     cases.append(Case("fastzoo nested", lambda m=mode, c=c: step(
-                        fz("nested", m), m, c, (torch.nested.nested_tensor([on(x) for x in seqs], layout=torch.jagged),),
+                        fz("nested"), m, c, (torch.nested.nested_tensor([on(x) for x in seqs], layout=torch.jagged),),
                         {}, nested_view), compiled=c))
                     continue
                 if caps.padding_mask:
                     cases.append(Case(f"fastzoo padded to longest ({b})", lambda b=b, m=mode, c=c: step(
-                        fz(b, m), m, c, (on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1])),
+                        fz(b), m, c, (on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1])),
                         reference=b == "eager", compiled=c))
                 if caps.padding_mask and b == "sdpa":
                     cases.append(Case(f"fastzoo padded to max ({b})", lambda b=b, m=mode, c=c: step(
-                        fz(b, m), m, c, (on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1])),
+                        fz(b), m, c, (on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1])),
                         compiled=c))
                 if caps.varlen:
                     cases.append(Case(f"fastzoo packed ({b})", lambda b=b, m=mode, c=c: step(
-                        fz(b, m), m, c, packed_args, packed_kwargs, packed_view), compiled=c))
+                        fz(b), m, c, packed_args, packed_kwargs, packed_view), compiled=c))
             groups.append(Group(f"{s.name} | {mode}" + (" | compiled" if c else ""), cases,
                                 reference=lambda m=mode: reference(m), unit="tokens/s"))
     return Suite("gpt2_varlen", groups, config=config, dtype=dtype, device=device)

@@ -233,13 +233,18 @@ def row_cells(r: Row) -> dict:
         "backend": r.label,
         "compiled": "yes" if r.compiled else "no",
         "step time (median, min-max)": (
-            f"{_fmt_time(r.median_s)} ({_fmt_time(r.min_s)}-{_fmt_time(r.max_s)})" if timed else f"{r.status}: {r.note}"
+            f"{_fmt_time(r.median_s)} ({_fmt_time(r.min_s)}-{_fmt_time(r.max_s)})" if timed else f"{r.status}: {_short(r.note)}"
         ),
         "throughput": f"{r.throughput:,.1f} {r.unit}" if timed else "-",
         "peak memory": f"{r.peak_mem_mib:,.0f} MiB" if r.peak_mem_mib is not None else ("n/a" if timed else "-"),
         "speed-up vs peer": ("peer" if r.peer else f"{r.speedup:.2f}x") if r.speedup is not None else "-",
         "max error vs reference": _fmt_err(r),
     }
+
+
+def _short(note: str) -> str:
+    """The table keeps the reason; the JSON keeps the whole message (with the list of what is available)."""
+    return note.split(". Available on this machine")[0]
 
 
 def _fmt_err(r: Row) -> str:

@@ -68,12 +68,17 @@ def _timm_model(s: ViTSetting, seed: int):
                              num_heads=s.num_heads, num_classes=s.num_classes).eval()
 
 
-def _fastzoo_model(timm_model, s: ViTSetting, attn: str, mode: str, device, dtype, options=None):
+def _fastzoo_model(timm_model, s: ViTSetting, attn: str, device, dtype, options=None):
     model = fastzoo.create("vit_b16", attn="eager", pretrained=timm_model, patch_size=s.patch_size,
                            embed_dim=s.embed_dim, depth=s.depth, num_heads=s.num_heads)
-    model.train(mode == "train")  # the backend check knows whether a backward is needed
     model.set_attention(attn, device=device, dtype=dtype, **(options or {}))
     return model.to(device=device, dtype=dtype)
+
+
+def _flex_trains_on(device) -> bool:
+    from fastzoo.attention import backend_class
+
+    return device.type in backend_class("flex").capabilities.backward
 
 
 def _timm_copy(timm_model, fused: bool, device, dtype):
@@ -110,7 +115,7 @@ def vit_suite(
 
         @cache
         def reference(mode, options=(), s=s, timm_model=timm_model, images=images, loss=loss):
-            model = _fastzoo_model(timm_model, s, "eager", mode, device, torch.float32, dict(options))
+            model = _fastzoo_model(timm_model, s, "eager", device, torch.float32, dict(options))
             return model_step(model, (images.float(),), mode=mode, loss=loss, items=batch_size).outputs()
 
         for mode in map(check_mode, modes):
@@ -125,15 +130,15 @@ def vit_suite(
                 for b in backends:
                     cases.append(Case(
                         f"fastzoo {b}",
-                        lambda t=timm_model, s=s, b=b, m=mode, c=compiled: step(_fastzoo_model(t, s, b, m, device, dtype), m, c),
+                        lambda t=timm_model, s=s, b=b, m=mode, c=compiled: step(_fastzoo_model(t, s, b, device, dtype), m, c),
                         reference=b == "eager", compiled=compiled))
                 groups.append(Group(suffix, cases, reference=lambda m=mode, ref=reference: ref(m)))
-                if not masks or "flex" not in backends:
+                if not masks or "flex" not in backends or (mode == "train" and not _flex_trains_on(device)):
                     continue
                 for variant, opts in MASK_VARIANTS.items():
                     cases = [
                         Case(f"fastzoo {b}", lambda t=timm_model, s=s, b=b, m=mode, c=compiled, o=opts: step(
-                            _fastzoo_model(t, s, b, m, device, dtype, o), m, c), peer=b == "eager", reference=b == "eager",
+                            _fastzoo_model(t, s, b, device, dtype, o), m, c), peer=b == "eager", reference=b == "eager",
                             compiled=compiled)
                         for b in ("eager", "flex")
                     ]
@@ -142,7 +147,8 @@ def vit_suite(
     config = {s.name: s.describe() for s in settings}
     config.update({"batch size": batch_size, "peer": "timm VisionTransformer (fused_attn=True: sdpa)"})
     if masks and "flex" in backends:
-        config["mask variants"] = "flex vs eager (the peer there: no library has these masks)"
+        config["mask variants"] = "flex vs eager (the peer there: no library has these masks)" + (
+            "" if _flex_trains_on(device) else f"; eval only: flex has no backward on {device.type}")
     if "flex" in backends and device.type == "cpu" and not any(compile_modes):
         config["flex on CPU"] = "not compiled: PyTorch runs it unfused (materialises the scores); see the compiled rows"
     return Suite("vit", groups, config=config, dtype=dtype, device=device)
