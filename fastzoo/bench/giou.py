@@ -59,44 +59,44 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
     def leaf():
         return pred0.clone().requires_grad_(True)
 
-    def loss_step(loss_of) -> Step:
+    def loss_step(losses_of) -> Step:
+        """``losses_of(pred)`` -> the loss of every real pair, image by image; the step backpropagates their sum."""
         pred = leaf()
 
         def run():
             pred.grad = None
-            loss = loss_of(pred)
-            loss.backward()
-            return loss
+            losses = losses_of(pred)
+            losses.sum().backward()
+            return losses
 
-        def outputs():
-            loss = run()
-            return {"output": loss.detach().float().reshape(1), "grad:pred": pred.grad.float().clone()}
+        def outputs():  # per pair, so that the tolerance does not grow with the number of boxes
+            return {"output": run().detach().float(), "grad:pred": pred.grad.float().clone()}
 
         return Step(run=run, items=int(counts.sum()), outputs=outputs)
 
     def torchvision_concat(pred):
         from torchvision.ops import generalized_box_iou_loss
 
-        return generalized_box_iou_loss(pred[valid], target[valid], reduction="sum")
+        return generalized_box_iou_loss(pred[valid], target[valid])
 
     def per_sample(pred):  # the naive version: one call per image on its real boxes
         from torchvision.ops import generalized_box_iou_loss
 
-        return sum(generalized_box_iou_loss(pred[i, :n], target[i, :n], reduction="sum") for i, n in enumerate(counts_list))
+        return torch.cat([generalized_box_iou_loss(pred[i, :n], target[i, :n]) for i, n in enumerate(counts_list)])
 
     def concat(pred, impl="torch"):
-        return _giou_loss()(pred[valid], target[valid], reduction="sum", impl=impl)
+        return _giou_loss()(pred[valid], target[valid], reduction="none", impl=impl)
 
     def padded(pred):
-        return (_giou_loss()(pred, target, reduction="none") * valid).sum()
+        return _giou_loss()(pred, target, reduction="none")[valid]
 
     def reference():
         pred = pred0.float().clone().requires_grad_(True)
         from torchvision.ops import generalized_box_iou_loss
 
-        loss = generalized_box_iou_loss(pred[valid], target.float()[valid], reduction="sum")
-        loss.backward()
-        return {"output": loss.detach().reshape(1), "grad:pred": pred.grad}
+        losses = generalized_box_iou_loss(pred[valid], target.float()[valid])
+        losses.sum().backward()
+        return {"output": losses.detach(), "grad:pred": pred.grad}
 
     def fz(loss_of):
         def build():

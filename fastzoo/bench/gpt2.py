@@ -64,7 +64,7 @@ def _hf_model(s: GPT2Setting, seed: int):
     torch.manual_seed(seed)
     cfg = GPT2Config(n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, vocab_size=s.vocab_size,
                      n_positions=max(1024, s.max_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     attn_implementation="sdpa")
+                     bos_token_id=s.vocab_size - 1, eos_token_id=s.vocab_size - 1, attn_implementation="sdpa")
     return GPT2LMHeadModel(cfg).eval()
 
 
