@@ -17,6 +17,9 @@ def cmd_list(args) -> int:
     from fastzoo.attention import MATRIX_COLUMNS, capability_matrix
     from fastzoo.registry import get_entry
 
+    if args.markdown:  # the README's block: declarations only, not this machine's state
+        print(markdown_table(capability_matrix(), [c for c in MATRIX_COLUMNS if c != "available here"]))
+        return 0
     print("Models:")
     for name in fastzoo.list_models():
         e = get_entry(name)
@@ -38,8 +41,25 @@ def _bench_args(p):
     add_args(p)
 
 
+def _list_args(p) -> None:
+    p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
+
+
+def _check(args) -> int:
+    from fastzoo.parity import cmd_check
+
+    return cmd_check(args)
+
+
+def _check_args(p) -> None:
+    from fastzoo.parity import add_check_args
+
+    add_check_args(p)
+
+
 COMMANDS = {
-    "list": (cmd_list, "models and the attention capability matrix", None),
+    "list": (cmd_list, "models and the attention capability matrix", _list_args),
+    "check": (_check, "parity of attention backends against the fp32 eager reference", _check_args),
     "bench": (cmd_bench, "parity-gated speed of every attention backend vs the peer library", _bench_args),
 }
 

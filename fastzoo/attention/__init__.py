@@ -22,6 +22,12 @@ _BUILTIN = {
     "eager": "fastzoo.attention.eager:EagerBackend",
     "sdpa": "fastzoo.attention.sdpa:SdpaBackend",
     "flex": "fastzoo.attention.flex:FlexBackend",
+    "fa2": "fastzoo.attention.flash:Fa2Backend",
+    "fa3": "fastzoo.attention.flash:Fa3Backend",
+    "te": "fastzoo.attention.te:TeBackend",
+    "xformers": "fastzoo.attention.xformers:XformersBackend",
+    "nested": "fastzoo.attention.nested:NestedBackend",
+    "varlen": "fastzoo.attention.varlen:VarlenBackend",
 }
 _REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
 

@@ -142,7 +142,8 @@ class AttentionBackend:
         from fastzoo.attention import list_attention  # the registry imports this module
 
         here = ", ".join(list_attention(available_only=True))
-        return f"attention backend {self.name!r} " + "; ".join(problems) + f". Available on this machine: {here}."
+        text = f"attention backend {self.name!r} " + "; ".join(problems)
+        return text.rstrip(".") + f". Available on this machine: {here}."
 
     def check_call(self, q: torch.Tensor, ctx: AttnContext) -> None:
         """Cheap per-forward check of what is only known at call time (no device sync)."""

@@ -225,7 +225,7 @@ class Report:
 
 
 def _fmt_time(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 10 else f"{s:.3g} s"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
 def row_cells(r: Row) -> dict:

@@ -66,6 +66,8 @@ class FastzooModel(nn.Module):
         from fastzoo.layers.attention import UsesAttention
 
         backend = get_backend(name, **options)
+        if not any(isinstance(m, UsesAttention) for m in self.modules()):
+            return self  # no attention layers (a ResNet): nothing to check or switch
         device = torch.device(device).type if device is not None else None
         backend.check(self.attention_request(device=device, dtype=dtype))
         for m in self.modules():

@@ -24,6 +24,8 @@ from fastzoo.errors import CheckpointError
 # family -> converters ("module:object"), tried in order; each knows one foreign format.
 CONVERTERS = {
     "vit": ["fastzoo.weights.timm:VIT"],
+    "gpt2": ["fastzoo.weights.hf:GPT2", "fastzoo.weights.hf:GPT2_FASTZOO"],
+    "resnet": ["fastzoo.weights.torchvision:RESNET", "fastzoo.weights.timm:RESNET"],
 }
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

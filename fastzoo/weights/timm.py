@@ -63,3 +63,9 @@ class _TimmViT:
 
 
 VIT = _TimmViT()
+
+
+# timm's ResNet has torchvision's keys (checked against timm.create_model("resnet50")).
+from fastzoo.weights.torchvision import ResNetConverter  # noqa: E402
+
+RESNET = ResNetConverter("timm")

@@ -1,0 +1,111 @@
+"""``fa2`` and ``fa3``: FlashAttention called through its own Python interface.
+
+- ``fa2``: FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better
+  Parallelism and Work Partitioning"), package ``flash-attn``:
+  ``flash_attn.flash_attn_func(q, k, v, dropout_p, softmax_scale, causal)`` on ``[B, S, H, D]``
+  and ``flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, dropout_p, softmax_scale, causal)`` on ``[T, H, D]``. Ampere or newer, fp16/bf16,
+  head dim <= 256 (the interface pads it to a multiple of 8 itself), dropout supported.
+- ``fa3``: FlashAttention-3 (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention
+  with Asynchrony and Low-precision"), the ``flash_attn_interface`` module built from
+  flash-attention's ``hopper/`` directory: the same two functions, without dropout. Hopper
+  (compute capability 9.0), fp16/bf16, head dim <= 256. Older builds return
+  ``(out, softmax_lse)`` and newer ones ``out``; both are accepted.
+
+Why ``fa3`` calls ``flash_attn_interface`` directly rather than PyTorch's
+``torch.nn.attention.activate_flash_attention_impl("FA3")``: that switch needs the very same
+module (it registers ``torch.ops.flash_attn_3`` into SDPA's dispatcher), it changes every
+SDPA call in the process rather than the model that asked, and SDPA has no packed-sequence
+entry. A user who wants that route can activate it and pick ``attn="sdpa",
+attn_options={"sdpa_backend": "flash"}``.
+
+Padding masks become packed sequences (:mod:`fastzoo.attention.packing`); packed batches
+go straight to the varlen kernel. The libraries are imported inside the calls only.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastzoo.attention.base import BF16, FP16, Capabilities
+from fastzoo.attention.library import LibraryBackend
+
+_HALF = (BF16, FP16)
+
+
+def _out(result):
+    """FA3 builds differ: some return ``(out, softmax_lse)``, others ``out``."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p) -> torch.Tensor:
+    """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32."""
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(dtype=torch.int32)
+    return flash_attn_varlen_func(
+        q_THD, k_THD, v_THD, cu, cu, max_seqlen, max_seqlen,
+        dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+    )
+
+
+def fa3_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p=0.0) -> torch.Tensor:
+    """FlashAttention-3 on packed sequences (no dropout in FA3)."""
+    _no_dropout(dropout_p)
+    from flash_attn_interface import flash_attn_varlen_func
+
+    cu = cu_seqlens.to(dtype=torch.int32)
+    return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal))
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p > 0:
+        raise ValueError("fa3: FlashAttention-3 has no attention dropout; set the model's attention dropout to 0 or use fa2")
+
+
+class Fa2Backend(LibraryBackend):
+    name = "fa2"
+    description = "FlashAttention-2 (flash-attn): flash_attn_func / flash_attn_varlen_func"
+    capabilities = Capabilities(
+        devices={"cuda": _HALF},
+        varlen=True,
+        backward=("cuda",),
+        compile=True,  # flash-attn >= 2.6 registers its kernels as torch.library custom ops
+        max_head_dim=256,
+        min_cuda_capability=(8, 0),
+        packages=("flash_attn",),
+        install="pip install flash-attn --no-build-isolation",
+        verified="not verified on hardware",
+    )
+
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
+        from flash_attn import flash_attn_func
+
+        return flash_attn_func(q_BSHD, k_BSHD, v_BSHD, dropout_p=dropout_p, softmax_scale=scale, causal=causal)
+
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+        return fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=causal, scale=scale, dropout_p=dropout_p)
+
+
+class Fa3Backend(LibraryBackend):
+    name = "fa3"
+    description = "FlashAttention-3 for Hopper (flash_attn_interface); no dropout"
+    capabilities = Capabilities(
+        devices={"cuda": _HALF},
+        varlen=True,
+        backward=("cuda",),
+        compile=True,  # registered as torch.library custom ops (flash_attn_3::_flash_attn_forward)
+        max_head_dim=256,
+        min_cuda_capability=(9, 0),
+        packages=("flash_attn_interface",),
+        install="cd flash-attention/hopper && pip install --no-build-isolation .",  # source build: no PyPI wheel
+        verified="not verified on hardware",
+    )
+
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
+        _no_dropout(dropout_p)
+        from flash_attn_interface import flash_attn_func
+
+        return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal))
+
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+        return fa3_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=causal, scale=scale, dropout_p=dropout_p)

@@ -1,0 +1,70 @@
+"""``te``: NVIDIA Transformer Engine's ``DotProductAttention``.
+
+``transformer_engine.pytorch.DotProductAttention(num_attention_heads, kv_channels,
+attention_dropout=..., qkv_format=..., attn_mask_type=...)`` picks among its own backends
+(cuDNN fused attention, FlashAttention, unfused) per call. Equal-length batches use
+``qkv_format="bshd"`` with ``attn_mask_type`` ``"no_mask"`` or ``"causal"``; packed sequences,
+and padded batches once packed (:mod:`fastzoo.attention.packing`; TE's own bshd padding
+path assumes right padding), use ``qkv_format="thd"`` with ``cu_seqlens_q/kv``,
+``max_seqlen_q/kv`` and ``attn_mask_type`` ``"padding"`` or ``"padding_causal"``, as TE's
+documentation prescribes. TE returns the heads flattened (``[B, S, H*D]`` / ``[T, H*D]``);
+they are unflattened here. FP8 attention is out of scope.
+
+One ``DotProductAttention`` module is built per (heads, head dim, dropout, scale) and kept;
+it holds no weights, so the model's state dict is untouched.
+"""
+from __future__ import annotations
+
+from fastzoo.attention.base import BF16, FP16, Capabilities
+from fastzoo.attention.library import LibraryBackend
+
+
+class TeBackend(LibraryBackend):
+    name = "te"
+    description = "Transformer Engine DotProductAttention (bshd; thd with cu_seqlens)"
+    capabilities = Capabilities(
+        devices={"cuda": (BF16, FP16)},
+        varlen=True,
+        backward=("cuda",),
+        compile=False,  # TE wraps its attention in no_torch_dynamo: torch.compile runs it eagerly
+        max_head_dim=256,
+        head_dim_multiple=8,  # cuDNN fused attention's requirement
+        min_cuda_capability=(8, 0),
+        packages=("transformer_engine",),
+        install="pip install --no-build-isolation 'transformer_engine[pytorch]'",
+        verified="not verified on hardware",
+    )
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._modules = {}
+
+    def _module(self, heads: int, head_dim: int, scale, dropout_p: float):
+        key = (heads, head_dim, scale, dropout_p)
+        if key not in self._modules:
+            from transformer_engine.pytorch import DotProductAttention
+
+            # softmax_scale only when set: TE's default is 1/sqrt(kv_channels), as ours.
+            extra = {"softmax_scale": scale} if scale is not None else {}
+            module = DotProductAttention(heads, head_dim, attention_dropout=dropout_p, qkv_format="bshd",
+                                         attn_mask_type="no_mask", **extra)
+            module.train(dropout_p > 0)  # TE applies its dropout in training mode only
+            self._modules[key] = module
+        return self._modules[key]
+
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
+        B, S, H, D = q_BSHD.shape
+        attn = self._module(H, D, scale, dropout_p)
+        q_BSHD, k_BSHD, v_BSHD = (x.contiguous() for x in (q_BSHD, k_BSHD, v_BSHD))  # TE infers layouts from strides
+        o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
+        return o_BSX.view(B, S, H, D)
+
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+        T, H, D = q_THD.shape
+        attn = self._module(H, D, scale, dropout_p)
+        q_THD, k_THD, v_THD = (x.contiguous() for x in (q_THD, k_THD, v_THD))
+        o_TX = attn(
+            q_THD, k_THD, v_THD, qkv_format="thd", attn_mask_type="padding_causal" if causal else "padding",
+            cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        )
+        return o_TX.view(T, H, D)

@@ -1,0 +1,193 @@
+"""``varlen``: packed sequences (``ctx.cu_seqlens``) attended without a [T, T] mask.
+
+The queries of a packed row ``[1, H, T, D]`` are handed to a kernel as ``q_THD`` with the
+int32 offsets ``cu_seqlens``; each sequence attends only inside its own span. ``impl=``
+picks the kernel, or ``None`` picks per call the first that fits the tensors:
+
+- ``"torch"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.10;
+  causal through ``window_size=(-1, 0)`` from torch 2.11); no dropout.
+- ``"flash"``: FlashAttention-2 ``flash_attn_varlen_func`` (through ``fastzoo.attention.flash``).
+- ``"xformers"``: xFormers with a block-diagonal (causal) mask (through ``fastzoo.attention.xformers``).
+- ``"flex"``: FlexAttention with a document mask (the ``flex`` backend); no dropout, and
+  on CPU no backward.
+- ``"cpu"``: :func:`packed_sdpa`: exact, trains on CPU.
+
+Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. A plain ``[B, S]`` call
+without ``cu_seqlens`` is treated as B sequences of S tokens. Padding masks are not taken:
+a model unpads a padded batch into a packed one before calling this backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities, package_available
+from fastzoo.attention.masks import document_ids
+from fastzoo.errors import BackendUnavailableError
+
+_ALL = (FP32, BF16, FP16)
+_HALF = (BF16, FP16)
+_BASE = Capabilities(
+    devices={"cpu": _ALL, "cuda": _ALL}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
+)
+_CAPS = {
+    None: _BASE,
+    "torch": dataclasses.replace(
+        _BASE, devices={"cuda": _HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
+        packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
+    ),
+    "flash": dataclasses.replace(
+        _BASE, devices={"cuda": _HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
+        packages=("flash_attn",), install="pip install flash-attn --no-build-isolation", verified="not verified on hardware",
+    ),
+    "xformers": dataclasses.replace(
+        _BASE, devices={"cuda": _ALL}, backward=("cuda",), packages=("xformers",), install="pip install xformers",
+        verified="not verified on hardware",
+    ),
+    "flex": dataclasses.replace(_BASE, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
+    "cpu": dataclasses.replace(_BASE, devices={"cpu": _ALL}, backward=("cpu",)),
+}
+_DROPOUT = {"torch": False, "flash": True, "xformers": True, "flex": False, "cpu": True}
+_CUDA_ORDER = ("torch", "flash", "xformers", "flex")
+# third-party kernels are wrapped by fastzoo modules that import their library lazily
+_ADAPTERS = {"flash": ("fastzoo.attention.flash", "fa2_varlen"), "xformers": ("fastzoo.attention.xformers", "xformers_varlen")}
+
+
+def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0):
+    """Exact varlen attention with dense SDPA: scatter the N sequences into ``[N, max_seqlen]``
+    slots, run one SDPA call, gather the real tokens back.
+
+    Causal attention needs no mask here: a real query at position i sees keys 0..i of its
+    own slot, which are all real. Padding queries see zeros and are dropped. Non-causal
+    attention masks the padding keys. Costs N * max_seqlen^2 instead of sum(len^2).
+    """
+    T, H, D = q_THD.shape
+    N, L = cu_seqlens.numel() - 1, int(max_seqlen)
+    doc_T = document_ids(cu_seqlens, T)
+    slot_T = doc_T * L + torch.arange(T, device=q_THD.device) - cu_seqlens.long()[doc_T]
+
+    def to_slots(x_THD):
+        return x_THD.new_zeros(N * L, H, x_THD.shape[-1]).index_copy(0, slot_T, x_THD).view(N, L, H, -1).transpose(1, 2)
+
+    attn_mask = None
+    if not causal:
+        lengths_N = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        attn_mask = (torch.arange(L, device=q_THD.device) < lengths_N[:, None]).view(N, 1, 1, L)
+    o_NHLD = F.scaled_dot_product_attention(
+        to_slots(q_THD), to_slots(k_THD), to_slots(v_THD),
+        attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+    )
+    return o_NHLD.transpose(1, 2).reshape(N * L, H, -1)[slot_T]
+
+
+def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "window_size" in inspect.signature(varlen_attn).parameters:  # torch >= 2.11
+        kw = {"window_size": (-1, 0) if causal else (-1, -1)}
+    else:  # torch 2.10
+        kw = {"is_causal": causal}
+    return varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
+
+
+def _adapter(impl: str):
+    module, fn = _ADAPTERS[impl]
+    return getattr(importlib.import_module(module), fn)
+
+
+def impl_unavailable(impl: str) -> str | None:
+    """Why ``impl`` cannot run on this machine, or None."""
+    caps = _CAPS[impl]
+    missing = [p for p in caps.packages if not package_available(p)]
+    if missing:
+        return f"impl={impl!r} needs {', '.join(missing)} (install: {caps.install})"
+    if impl in _ADAPTERS:
+        try:
+            _adapter(impl)
+        except (ImportError, AttributeError):
+            return f"impl={impl!r} needs {':'.join(_ADAPTERS[impl])}, which this fastzoo build lacks"
+    if "cuda" in caps.devices and "cpu" not in caps.devices:
+        if not torch.cuda.is_available():
+            return f"impl={impl!r} runs on CUDA only, and this machine has no GPU"
+        if caps.min_cuda_capability and torch.cuda.get_device_capability() < caps.min_cuda_capability:
+            return f"impl={impl!r} needs a GPU of compute capability >= {'.'.join(map(str, caps.min_cuda_capability))}"
+    return None
+
+
+class VarlenBackend(AttentionBackend):
+    name = "varlen"
+    description = "packed sequences via cu_seqlens (impl= torch|flash|xformers|flex|cpu; default: best here)"
+    capabilities = _BASE
+    options = {"impl": None}
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        impl = self.opts["impl"]
+        if impl not in _CAPS:
+            raise ValueError(f"impl={impl!r}: choose one of {', '.join(k for k in _CAPS if k)} (or None for the best available)")
+        self.capabilities = _CAPS[impl]
+        self._flex = None
+
+    def check(self, req):
+        impl = self.opts["impl"]
+        reason = impl_unavailable(impl) if impl else None
+        if reason:  # named first: "impl='flash' needs flash_attn" says more than "runs on cuda only"
+            raise BackendUnavailableError(self._message([reason]))
+        super().check(req)
+
+    def _fits(self, impl: str, q, ctx) -> bool:
+        caps = _CAPS[impl]
+        dev = q.device.type
+        return (
+            impl_unavailable(impl) is None
+            and q.dtype in caps.devices.get(dev, ())
+            and (caps.max_head_dim is None or q.shape[-1] <= caps.max_head_dim)
+            and (ctx.dropout_p == 0 or _DROPOUT[impl])
+            and (dev in caps.backward or not (torch.is_grad_enabled() and q.requires_grad))
+        )
+
+    def pick(self, q, ctx) -> str:
+        """The impl this call runs: the forced one, else the first that fits."""
+        impl = self.opts["impl"]
+        if impl is not None:
+            if ctx.dropout_p > 0 and not _DROPOUT[impl]:
+                raise BackendUnavailableError(self._message([f"impl={impl!r} has no attention dropout; set it to 0"]))
+            return impl
+        order = ("cpu",) if q.device.type == "cpu" else _CUDA_ORDER
+        for impl in order:
+            if self._fits(impl, q, ctx):
+                return impl
+        raise BackendUnavailableError(self._message([f"no varlen kernel here fits {q.dtype} on {q.device.type}"]))
+
+    def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        impl = self.pick(q_BHSD, ctx)
+        if impl == "flex":
+            if self._flex is None:
+                from fastzoo.attention.flex import FlexBackend
+
+                self._flex = FlexBackend()
+            return self._flex.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
+        B, H, S, D = q_BHSD.shape
+        cu_seqlens, max_seqlen = ctx.cu_seqlens, ctx.max_seqlen
+        if cu_seqlens is None:  # a plain batch: B sequences of S tokens
+            cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BHSD.device)
+            max_seqlen = S
+        elif B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences come as one row [1, H, T, D], got batch size {B}")
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+        def thd(x_BHSD):
+            return x_BHSD.transpose(1, 2).reshape(B * S, H, -1)
+
+        fn = packed_sdpa if impl == "cpu" else _torch_varlen if impl == "torch" else _adapter(impl)
+        kw = dict(causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p)
+        if impl == "xformers":
+            o_THD = fn(thd(q_BHSD), thd(k_BHSD), thd(v_BHSD), cu_seqlens, **kw)
+        else:
+            o_THD = fn(thd(q_BHSD), thd(k_BHSD), thd(v_BHSD), cu_seqlens, max_seqlen, **kw)
+        return o_THD.view(B, S, H, -1).transpose(1, 2)

@@ -1,0 +1,110 @@
+"""Collation of detection targets: images hold different numbers of boxes (zero is legal).
+
+:func:`collate_boxes` builds, on the CPU and in one go, the three layouts the GIoU loss
+modes take (``fastzoo/losses/giou.py``):
+
+- concatenated + counts: ``boxes [N, 4]``, ``labels [N]``, ``batch_index [N]``, ``counts``;
+- padded + mask: ``padded [B, M, 4]``, ``padded_labels [B, M]`` (-1 in padding), ``mask [B, M]``;
+- list of tensors: ``per_image()``, views into the concatenated tensor.
+
+So a batch moves to the GPU as a handful of tensors (``.to(device, non_blocking=True)``
+after ``pin_memory()``, which the DataLoader calls), never one copy per image, and the
+list layout costs no copy at all. Boxes are validated here, on the CPU, where it costs
+no device sync; the losses can then skip value checks (``validate=False``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from fastzoo.losses.giou import check_boxes, first_bad_box
+
+
+@dataclass
+class BoxTargets:
+    counts: tuple[int, ...]  # boxes per image, kept on the host: splitting never syncs
+    boxes: Tensor  # [N, 4] xyxy, all images concatenated
+    labels: Tensor  # [N] int64
+    batch_index: Tensor  # [N] int64: image of each box
+    slot: Tensor  # [N] int64: position of each box in its image (its column in ``padded``)
+    padded: Tensor  # [B, M, 4], zeros in padding
+    padded_labels: Tensor  # [B, M], -1 in padding
+    mask: Tensor  # [B, M] bool, True = a real box
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    @property
+    def num_boxes(self) -> int:
+        return self.boxes.shape[0]
+
+    def per_image(self) -> list[Tensor]:
+        """[n_i, 4] per image: views of ``boxes``."""
+        return list(self.boxes.split(self.counts))
+
+    def labels_per_image(self) -> list[Tensor]:
+        return list(self.labels.split(self.counts))
+
+    def _map(self, fn) -> "BoxTargets":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "counts"})
+
+    def to(self, device, non_blocking: bool = False) -> "BoxTargets":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "BoxTargets":  # called by DataLoader(pin_memory=True)
+        return self._map(lambda t: t.pin_memory())
+
+
+def collate_boxes(
+    boxes: Sequence[Tensor], labels: Sequence[Tensor] | None = None, *, pad_to: int | None = None, validate: bool = True
+) -> BoxTargets:
+    """All three layouts of per-image boxes ``[n_i, 4]`` (xyxy) and optional labels ``[n_i]``
+    (default: class 0). ``pad_to`` fixes M (static shapes, e.g. for torch.compile).
+    Built on the boxes' device (the CPU in a DataLoader worker)."""
+    if len(boxes) == 0:
+        raise ValueError("boxes is empty: need one [n_i, 4] tensor per image (n_i may be 0)")
+    for i, b in enumerate(boxes):
+        if not isinstance(b, Tensor) or b.ndim != 2 or b.shape[-1] != 4:
+            raise ValueError(f"boxes[{i}] must be an [n, 4] tensor (xyxy), got {getattr(b, 'shape', type(b).__name__)}")
+        check_boxes(b, f"boxes[{i}]", values=False)
+    counts = tuple(b.shape[0] for b in boxes)
+    B, dtype, device = len(boxes), boxes[0].dtype, boxes[0].device
+    cat = torch.cat([b.to(dtype) for b in boxes])
+    if validate:  # once for the whole batch: one host sync at most
+        bad = first_bad_box(cat)
+        if bad is not None:
+            i = next(i for i in range(B) if bad < sum(counts[: i + 1]))
+            check_boxes(boxes[i], f"boxes[{i}]")
+    if labels is None:
+        labels = [torch.zeros(n, dtype=torch.long, device=device) for n in counts]
+    if len(labels) != B:
+        raise ValueError(f"labels has {len(labels)} entries but boxes has {B} images")
+    for i, (lab, n) in enumerate(zip(labels, counts)):
+        if not isinstance(lab, Tensor) or lab.shape != (n,) or lab.is_floating_point():
+            raise ValueError(f"labels[{i}] must be an integer tensor of shape ({n},), got {getattr(lab, 'shape', lab)}")
+    M = max(counts) if pad_to is None else pad_to
+    if M < max(counts):
+        raise ValueError(f"pad_to={pad_to} is less than the largest box count in the batch ({max(counts)})")
+    cat_labels = torch.cat([lab.long() for lab in labels])
+    counts_t = torch.tensor(counts, dtype=torch.long, device=device)
+    batch_index = torch.repeat_interleave(torch.arange(B, device=device), counts_t)
+    starts = torch.cumsum(counts_t, 0) - counts_t
+    slot = torch.arange(cat.shape[0], device=device) - starts[batch_index]
+    padded = torch.zeros(B, M, 4, dtype=dtype, device=device)
+    padded_labels = torch.full((B, M), -1, dtype=torch.long, device=device)
+    mask = torch.zeros(B, M, dtype=torch.bool, device=device)
+    padded[batch_index, slot] = cat
+    padded_labels[batch_index, slot] = cat_labels
+    mask[batch_index, slot] = True
+    return BoxTargets(counts, cat, cat_labels, batch_index, slot, padded, padded_labels, mask)
+
+
+def collate_detection(batch: Sequence[tuple]) -> tuple[Tensor, BoxTargets]:
+    """``DataLoader(collate_fn=collate_detection)``: items are ``(image, boxes)`` or
+    ``(image, boxes, labels)``; returns stacked images and :class:`BoxTargets`."""
+    images = torch.stack([item[0] for item in batch])
+    labels = [item[2] for item in batch] if len(batch[0]) > 2 else None
+    return images, collate_boxes([item[1] for item in batch], labels)

@@ -1,0 +1,18 @@
+"""Losses with a reference definition and, where it pays, faster implementations:
+GIoU for boxes (four layouts for images with different box counts, and a fused kernel)
+and the causal LM loss for padded, packed and nested batches."""
+from fastzoo.losses.giou import (
+    generalized_box_iou,
+    giou_loss,
+    giou_loss_concat,
+    giou_loss_kernel,
+    giou_loss_padded,
+    giou_loss_per_sample,
+    kernel_path,
+)
+from fastzoo.losses.lm import causal_lm_loss
+
+__all__ = [
+    "causal_lm_loss", "generalized_box_iou", "giou_loss", "giou_loss_concat", "giou_loss_kernel", "giou_loss_padded",
+    "giou_loss_per_sample", "kernel_path",
+]

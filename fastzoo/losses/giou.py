@@ -1,0 +1,208 @@
+"""Generalized IoU loss (Rezatofighi et al. 2019, "Generalized Intersection over Union")
+for xyxy boxes, equal to ``torchvision.ops.generalized_box_iou_loss`` in values and
+gradients, and four ways to apply it to images with different numbers of boxes.
+
+The formula (torchvision's, from fvcore; ``eps`` is added to both denominators)::
+
+    inter = area of the intersection (0 unless it has positive width AND height)
+    union = area(a) + area(b) - inter
+    C     = area of the smallest box enclosing a and b
+    loss  = 1 - (inter / (union + eps) - (C - union) / (C + eps))
+
+fp16 / bf16 boxes are computed in fp32 and the loss is fp32, as torchvision does.
+
+Two implementations behind one function, :func:`giou_loss` (``impl=``):
+
+- ``"torch"``: the formula above in plain PyTorch ops; autograd differentiates it.
+- ``"kernel"``: one fused op, ``torch.ops.fastzoo.giou_loss`` (see ``kernels/giou_op.py``):
+  a Triton kernel with a hand-written backward on CUDA, a closed-form vectorised
+  forward/backward on CPU. Registered through ``torch.library``, so it traces under
+  ``torch.compile(fullgraph=True)``. ``kernel_path(device)`` says which one a device
+  gets, and ``last_impl`` records which path the last call took.
+
+Variable box counts (all four give the same number for the same matched pairs):
+
+- :func:`giou_loss_per_sample` -- a Python loop over images (the naive baseline);
+- :func:`giou_loss_concat` -- all pairs concatenated, one call;
+- :func:`giou_loss_padded` -- ``[B, M, 4]`` padded pairs + a ``[B, M]`` validity mask;
+- :func:`giou_loss_kernel` -- concatenated pairs through the fused kernel.
+
+``fastzoo.data.boxes.collate_boxes`` builds all three layouts in one go on the CPU.
+
+Validation (``validate=True``): shapes and dtypes are checked for free; values (NaN/Inf,
+x2 < x1, y2 < y1) need one host sync on a GPU, so training loops that validated their
+targets in the collator pass ``validate=False`` (predictions from a model's box head are
+valid by construction). Shape errors are raised whatever ``validate`` says.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+REDUCTIONS = ("none", "mean", "sum")
+IMPLS = ("auto", "torch", "kernel")
+last_impl: str | None = None  # which path the last giou_loss call took: "torch" | "cpu-fused" | "triton"
+
+
+# -- checks -----------------------------------------------------------------------------
+def check_boxes(boxes: torch.Tensor, name: str, *, values: bool = True) -> None:
+    """Raise ValueError naming ``name`` unless ``boxes`` is a float [..., 4] tensor of finite
+    xyxy boxes with x2 >= x1 and y2 >= y1 (zero width/height is legal)."""
+    if not isinstance(boxes, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor of xyxy boxes [..., 4], got {type(boxes).__name__}")
+    if boxes.ndim == 0 or boxes.shape[-1] != 4:
+        raise ValueError(f"{name} must have last dimension 4 (x1, y1, x2, y2), got shape {tuple(boxes.shape)}")
+    if not boxes.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {boxes.dtype}")
+    if not values or boxes.numel() == 0:
+        return
+    i = first_bad_box(boxes)
+    if i is not None:
+        b = boxes.detach().reshape(-1, 4)
+        what = "is not finite" if not torch.isfinite(b[i]).all() else "has x2 < x1 or y2 < y1"
+        raise ValueError(f"{name}: box {i} {what}: {b[i].tolist()}; boxes must be finite xyxy with x2 >= x1, y2 >= y1")
+
+
+def first_bad_box(boxes: torch.Tensor) -> int | None:
+    """Row of the first non-finite or inverted box of ``boxes`` [..., 4] (flattened), or None.
+    One host sync on a GPU."""
+    b = boxes.detach().reshape(-1, 4)
+    bad = ~torch.isfinite(b).all(-1) | (b[:, 2] < b[:, 0]) | (b[:, 3] < b[:, 1])
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
+def _check_pair(pred, target, validate: bool) -> None:
+    check_boxes(pred, "pred", values=validate)
+    check_boxes(target, "target", values=validate)
+    if pred.shape != target.shape:
+        raise ValueError(f"pred and target must have the same shape, got {tuple(pred.shape)} and {tuple(target.shape)}")
+    if pred.device != target.device:
+        raise ValueError(f"pred is on {pred.device} and target on {target.device}; put them on one device")
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return loss.mean() if loss.numel() > 0 else 0.0 * loss.sum()  # torchvision: 0, still in the graph
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+# -- the reference math -----------------------------------------------------------------
+def giou_loss_reference(pred: torch.Tensor, target: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """Elementwise 1 - GIoU in plain PyTorch ops, torchvision's formula and op order."""
+    if pred.dtype not in (torch.float32, torch.float64):
+        pred, target = pred.float(), target.float()
+    x1, y1, x2, y2 = pred.unbind(-1)
+    x1g, y1g, x2g, y2g = target.unbind(-1)
+    iw = torch.min(x2, x2g) - torch.max(x1, x1g)
+    ih = torch.min(y2, y2g) - torch.max(y1, y1g)
+    # Boxes that only touch (or miss) intersect in 0; torch.where keeps their gradient 0 as well.
+    inter = torch.where((iw > 0) & (ih > 0), iw * ih, torch.zeros_like(iw))
+    union = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter
+    iou = inter / (union + eps)
+    area_c = (torch.max(x2, x2g) - torch.min(x1, x1g)) * (torch.max(y2, y2g) - torch.min(y1, y1g))
+    return 1 - (iou - (area_c - union) / (area_c + eps))
+
+
+def generalized_box_iou(a_N4: torch.Tensor, b_M4: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """Pairwise GIoU [N, M] between two sets of xyxy boxes (the matcher's cost)."""
+    return 1 - giou_loss_reference(a_N4[:, None, :].expand(-1, b_M4.shape[0], -1), b_M4[None, :, :].expand(a_N4.shape[0], -1, -1), eps)
+
+
+# -- one function, two implementations --------------------------------------------------
+def kernel_path(device) -> str:
+    """The fused path ``impl="kernel"`` takes on ``device``: "triton" on CUDA, "cpu-fused" on CPU."""
+    from fastzoo.losses.kernels.giou_op import kernel_path as _path
+
+    return _path(torch.device(device))
+
+
+def giou_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    reduction: str = "none",
+    eps: float = 1e-7,
+    impl: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """1 - GIoU between xyxy boxes ``pred`` and ``target`` (same shape [..., 4]).
+
+    ``reduction``: "none" | "mean" | "sum". ``impl``: "torch" (plain ops), "kernel" (the
+    fused op: Triton on CUDA, closed-form on CPU) or "auto" (= "kernel"; every device
+    fastzoo runs on has one). Matches ``torchvision.ops.generalized_box_iou_loss``.
+    """
+    global last_impl
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    _check_pair(pred, target, validate)
+    if impl == "torch":
+        last_impl = "torch"
+        return _reduce(giou_loss_reference(pred, target, eps), reduction)
+    from fastzoo.losses.kernels.giou_op import fused_giou_loss, kernel_path as _path
+
+    last_impl = _path(pred.device)
+    return _reduce(fused_giou_loss(pred, target, eps), reduction)
+
+
+# -- variable box counts: four layouts, one number --------------------------------------
+def _check_sum_or_mean(reduction: str) -> None:
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction={reduction!r}: the batched modes reduce over all pairs, choose 'sum' or 'mean'")
+
+
+def giou_loss_per_sample(
+    preds: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True
+) -> torch.Tensor:
+    """Loop over images: ``preds[i]`` and ``targets[i]`` are matched [n_i, 4] pairs (n_i may be 0)."""
+    _check_sum_or_mean(reduction)
+    if len(preds) != len(targets):
+        raise ValueError(f"preds has {len(preds)} images but targets has {len(targets)}")
+    if not preds:
+        raise ValueError("preds is empty: need at least one image")
+    total = sum(giou_loss(p, t, reduction="sum", eps=eps, impl="torch", validate=validate) for p, t in zip(preds, targets))
+    n = sum(t.shape[0] for t in targets)
+    return total / max(n, 1) if reduction == "mean" else total
+
+
+def giou_loss_concat(pred: torch.Tensor, target: torch.Tensor, *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True):
+    """All images' matched pairs concatenated ([N, 4] each): one call."""
+    _check_sum_or_mean(reduction)
+    return giou_loss(pred, target, reduction=reduction, eps=eps, impl="torch", validate=validate)
+
+
+def giou_loss_padded(
+    pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True
+) -> torch.Tensor:
+    """Pairs padded to [B, M, 4] with ``mask`` [B, M] (True = a real pair): one call, masked.
+
+    Padded slots are dropped with ``torch.where``, so their loss and gradient are exactly 0
+    whatever they hold; "mean" divides by ``mask.sum()`` on the device (no host sync).
+    """
+    _check_sum_or_mean(reduction)
+    check_boxes(pred, "pred", values=False)
+    check_boxes(target, "target", values=False)
+    if pred.ndim != 3 or pred.shape != target.shape:
+        raise ValueError(f"pred and target must both be [B, M, 4], got {tuple(pred.shape)} and {tuple(target.shape)}")
+    if mask.shape != pred.shape[:2] or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool [B, M] = {tuple(pred.shape[:2])} tensor, got {mask.dtype} {tuple(mask.shape)}")
+    if validate:
+        check_boxes(pred[mask], "pred")
+        check_boxes(target[mask], "target")
+    # Padding may hold anything: give those slots a valid box so no NaN reaches the backward.
+    unit = pred.new_tensor([0.0, 0.0, 1.0, 1.0])
+    pred = torch.where(mask[..., None], pred, unit)
+    target = torch.where(mask[..., None], target, unit.to(target.dtype))
+    loss = torch.where(mask, giou_loss(pred, target, eps=eps, impl="torch", validate=False), 0.0)
+    total = loss.sum()
+    return total / mask.sum().clamp_min(1) if reduction == "mean" else total
+
+
+def giou_loss_kernel(pred: torch.Tensor, target: torch.Tensor, *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True):
+    """Concatenated pairs ([N, 4] each) through the fused kernel (Triton on CUDA, closed form on CPU)."""
+    _check_sum_or_mean(reduction)
+    return giou_loss(pred, target, reduction=reduction, eps=eps, impl="kernel", validate=validate)

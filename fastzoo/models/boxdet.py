@@ -1,0 +1,224 @@
+"""A set-prediction box detector on ResNet-50: DETR's head and loss without its transformer.
+
+After Carion et al. 2020, "End-to-End Object Detection with Transformers" (DETR): a fixed
+set of ``num_queries`` learned queries each predicts one box and a class among
+``num_classes`` + "no object"; training matches predictions to targets one-to-one and
+applies class cross-entropy (no-object down-weighted by ``eos_coef``) + L1 + GIoU on the
+matched pairs, normalised by the number of target boxes. Names follow DETR's code
+(``input_proj``, ``query_embed``, ``class_embed``, ``bbox_embed``, ``eos_coef``,
+``cost_class/bbox/giou``).
+
+Why this head. DETR's 6+6-layer transformer is what makes it slow to train; what the
+box losses need is only a fixed-size set of boxes per image. Here each query pools the
+projected C5 features with one single-head attention (query . (feature + sine position))
+-- enough to localise, a few lines, and it keeps the matcher/loss exactly DETR's. It
+calls ``F.scaled_dot_product_attention`` directly: it is a 1-query-token pooling, not a
+layer worth a swappable backend, so ``set_attention`` changes nothing on this model.
+
+Box parametrisation. DETR predicts sigmoid (cx, cy, w, h) and converts to xyxy as
+``cx -/+ w/2``, which can leave [0, 1] (a centre near the border with a large width).
+We keep the sigmoid but read its four outputs as (u_x, u_y, w, h): the box spans
+``x1 = u_x * (1 - w)`` to ``x2 = x1 + w`` -- the centre ranges over exactly the positions
+where a box of that width fits. So every predicted box is xyxy in [0, 1] with x2 >= x1
+and y2 >= y1 by construction (valid GIoU inputs; no clamp, so no dead gradients).
+
+Targets: ``model.loss(outputs, targets, labels=None)`` with ``targets`` a list of
+``[n_i, 4]`` xyxy boxes in [0, 1] (n_i may be 0) and ``labels`` an optional list of
+``[n_i]`` int class ids (default: class 0), or a :class:`fastzoo.data.boxes.BoxTargets`
+from the collator (already validated, all layouts built on the CPU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastzoo.data.boxes import BoxTargets, collate_boxes
+from fastzoo.losses.giou import generalized_box_iou, giou_loss_concat, giou_loss_kernel, giou_loss_padded, giou_loss_per_sample
+from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.models.resnet import ResNet, ResNetConfig
+
+LOSS_MODES = ("per_sample", "concat", "padded", "kernel")
+MATCHERS = ("order", "hungarian")
+
+
+@dataclass
+class BoxDetConfig(ModelConfig):
+    num_classes: int = 1  # object classes; logits have one more (the last: no object)
+    num_queries: int = 100
+    hidden_dim: int = 256
+    loss: str = "kernel"  # how the GIoU term runs: per_sample | concat | padded | kernel
+    matcher: str = "hungarian"  # order (prediction i <-> target i) | hungarian
+    eos_coef: float = 0.1  # weight of the no-object class in the cross-entropy
+    loss_ce: float = 1.0  # loss weights (DETR's defaults)
+    loss_bbox: float = 5.0
+    loss_giou: float = 2.0
+    cost_class: float = 1.0  # matching cost weights (DETR's defaults)
+    cost_bbox: float = 5.0
+    cost_giou: float = 2.0
+    layers: tuple[int, ...] = (3, 4, 6, 3)  # the ResNet backbone (ResNetConfig's fields)
+    channels: tuple[int, ...] = (64, 128, 256, 512)
+    channels_last: bool = False
+
+    def __post_init__(self):
+        self.layers, self.channels = tuple(self.layers), tuple(self.channels)
+        if self.loss not in LOSS_MODES:
+            raise ValueError(f"loss={self.loss!r}: choose one of {', '.join(LOSS_MODES)}")
+        if self.matcher not in MATCHERS:
+            raise ValueError(f"matcher={self.matcher!r}: choose one of {', '.join(MATCHERS)}")
+        if self.num_classes < 1 or self.num_queries < 1:
+            raise ValueError(f"num_classes={self.num_classes} and num_queries={self.num_queries} must be >= 1")
+
+
+class MLP(nn.Module):
+    """DETR's box head: Linear layers with ReLU between."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_layers: int):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:] + [out_dim]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else F.relu(layer(x))
+        return x
+
+
+def sine_position_embedding(H: int, W: int, dim: int, device=None) -> torch.Tensor:
+    """DETR's 2-D sine embedding [H*W, dim] (normalised coordinates, temperature 10000)."""
+    n = dim // 4
+    freq = 10000 ** (-torch.arange(n, device=device, dtype=torch.float32) / n)
+    y = (torch.arange(H, device=device, dtype=torch.float32) + 0.5) / H * 2 * math.pi
+    x = (torch.arange(W, device=device, dtype=torch.float32) + 0.5) / W * 2 * math.pi
+    ey, ex = y[:, None] * freq, x[:, None] * freq  # [H, n], [W, n]
+    ey = torch.cat([ey.sin(), ey.cos()], -1)[:, None, :].expand(H, W, 2 * n)
+    ex = torch.cat([ex.sin(), ex.cos()], -1)[None, :, :].expand(H, W, 2 * n)
+    pos = torch.cat([ey, ex], -1).reshape(H * W, 4 * n)
+    return F.pad(pos, (0, dim - 4 * n))
+
+
+def boxes_from_sigmoid(s_BQ4: torch.Tensor) -> torch.Tensor:
+    """(u_x, u_y, w, h) in (0, 1) -> xyxy inside [0, 1] (see the module docstring)."""
+    u, wh = s_BQ4[..., :2], s_BQ4[..., 2:]
+    lo = u * (1 - wh)
+    return torch.cat([lo, lo + wh], -1)
+
+
+class BoxDetector(FastzooModel):
+    family = "boxdet"
+    config_class = BoxDetConfig
+
+    def __init__(self, cfg: BoxDetConfig):
+        super().__init__()
+        self.config = cfg
+        D = cfg.hidden_dim
+        self.backbone = ResNet(ResNetConfig(num_classes=0, layers=cfg.layers, channels=cfg.channels, channels_last=cfg.channels_last))
+        self.input_proj = nn.Conv2d(self.backbone.config.num_features, D, 1)
+        self.query_embed = nn.Embedding(cfg.num_queries, D)
+        self.class_embed = nn.Linear(D, cfg.num_classes + 1)
+        self.bbox_embed = MLP(D, D, 4, 3)
+        if cfg.channels_last:
+            self.input_proj.to(memory_format=torch.channels_last)
+
+    def load_backbone(self, source) -> None:
+        """Load a ResNet checkpoint (any ``pretrained=`` source: torchvision / timm module or
+        file, fastzoo directory) into the backbone, strictly; its classifier ``fc`` is dropped."""
+        from fastzoo import weights
+
+        src = weights.read_source(source)
+        state = {k: v for k, v in weights.to_fastzoo("resnet", src).items() if not k.startswith("fc.")}
+        weights.load_into(self.backbone, state, src.origin)
+
+    def forward(self, images_BCHW: torch.Tensor) -> dict[str, torch.Tensor]:
+        f_BDHW = self.input_proj(self.backbone.forward_features(images_BCHW))
+        B, D, H, W = f_BDHW.shape
+        mem_BSD = f_BDHW.flatten(2).transpose(1, 2)
+        key_BSD = mem_BSD + sine_position_embedding(H, W, D, f_BDHW.device).to(mem_BSD.dtype)
+        q_BQD = self.query_embed.weight.expand(B, -1, -1)
+        # one head: [B, 1, Q, D] queries pool [B, 1, S, D] features
+        pooled_BQD = F.scaled_dot_product_attention(q_BQD[:, None], key_BSD[:, None], mem_BSD[:, None])[:, 0]
+        h_BQD = pooled_BQD + q_BQD
+        return {"boxes": boxes_from_sigmoid(self.bbox_embed(h_BQD).sigmoid()), "logits": self.class_embed(h_BQD)}
+
+    # -- training ----------------------------------------------------------------------
+    def _targets(self, targets, labels, B: int) -> BoxTargets:
+        if isinstance(targets, BoxTargets):
+            if labels is not None:
+                raise ValueError("labels= goes with a list of box tensors; BoxTargets already carries its labels")
+            tb = targets
+        elif isinstance(targets, (list, tuple)):
+            tb = collate_boxes(list(targets), labels)  # validates the values: one host sync
+        else:
+            raise ValueError(f"targets must be a list of [n_i, 4] tensors or a BoxTargets, not {type(targets).__name__}")
+        if len(tb) != B:
+            raise ValueError(f"targets has {len(tb)} images but the outputs have {B}")
+        C = self.config.num_classes
+        if tb.num_boxes and bool(((tb.labels < 0) | (tb.labels >= C)).any()):  # else CE silently reads "no object"
+            raise ValueError(f"labels must be class ids in [0, {C}), got values {tb.labels.unique().tolist()}")
+        if tb.num_boxes and max(tb.counts) > self.config.num_queries:
+            raise ValueError(f"an image has {max(tb.counts)} target boxes, more than num_queries={self.config.num_queries}")
+        return tb
+
+    @torch.no_grad()
+    def match(self, outputs: dict, targets: BoxTargets) -> torch.Tensor:
+        """For each target box (concatenated order), the index of its query [N]."""
+        if self.config.matcher == "order" or targets.num_boxes == 0:
+            return targets.slot  # target i of an image <-> query i
+        from scipy.optimize import linear_sum_assignment
+
+        boxes_BQ4, logits_BQK = outputs["boxes"].float(), outputs["logits"].float()
+        B, Q = boxes_BQ4.shape[:2]
+        c = self.config
+        # DETR's cost against every target box of the batch at once, then one copy to the host
+        cost_class = -logits_BQK.softmax(-1)[..., targets.labels]  # [B, Q, N]
+        cost_bbox = torch.cdist(boxes_BQ4.reshape(B * Q, 4), targets.boxes.float(), p=1).reshape(B, Q, -1)
+        cost_giou = -generalized_box_iou(boxes_BQ4.reshape(B * Q, 4), targets.boxes.float()).reshape(B, Q, -1)
+        cost = (c.cost_bbox * cost_bbox + c.cost_class * cost_class + c.cost_giou * cost_giou).cpu()
+        query = torch.empty(targets.num_boxes, dtype=torch.long)
+        start = 0
+        for b, n in enumerate(targets.counts):
+            rows, cols = linear_sum_assignment(cost[b, :, start : start + n].numpy())
+            query[start + torch.as_tensor(cols, dtype=torch.long)] = torch.as_tensor(rows, dtype=torch.long)
+            start += n
+        return query.to(boxes_BQ4.device)
+
+    def _giou_sum(self, boxes_BQ4, matched_N4, query_N, tb: BoxTargets) -> torch.Tensor:
+        """Sum of 1 - GIoU over matched pairs, in the configured layout (all equal)."""
+        mode = self.config.loss
+        if mode == "per_sample":
+            preds = [boxes_BQ4[b, q] for b, q in enumerate(query_N.split(tb.counts))]
+            return giou_loss_per_sample(preds, tb.per_image(), reduction="sum", validate=False)
+        if mode == "padded":
+            B, M = tb.mask.shape
+            query_BM = torch.zeros(B, M, dtype=torch.long, device=query_N.device).index_put((tb.batch_index, tb.slot), query_N)
+            pred_BM4 = boxes_BQ4.gather(1, query_BM[..., None].expand(-1, -1, 4))
+            return giou_loss_padded(pred_BM4, tb.padded, tb.mask, reduction="sum", validate=False)
+        fn = giou_loss_kernel if mode == "kernel" else giou_loss_concat
+        return fn(matched_N4, tb.boxes, reduction="sum", validate=False)
+
+    def loss_components(self, outputs: dict, targets, labels=None) -> dict[str, torch.Tensor]:
+        """``{"loss", "loss_ce", "loss_bbox", "loss_giou"}``; ``loss`` is the weighted sum."""
+        boxes_BQ4, logits_BQK = outputs["boxes"], outputs["logits"]
+        B, Q = boxes_BQ4.shape[:2]
+        C = self.config.num_classes
+        tb = self._targets(targets, labels, B)
+        query_N = self.match(outputs, tb)
+        matched_N4 = boxes_BQ4[tb.batch_index, query_N]
+        target_classes_BQ = torch.full((B, Q), C, dtype=torch.long, device=logits_BQK.device)
+        target_classes_BQ[tb.batch_index, query_N] = tb.labels
+        weight = torch.ones(C + 1, device=logits_BQK.device)
+        weight[C] = self.config.eos_coef
+        loss_ce = F.cross_entropy(logits_BQK.float().transpose(1, 2), target_classes_BQ, weight)
+        num_boxes = max(tb.num_boxes, 1)
+        loss_bbox = F.l1_loss(matched_N4.float(), tb.boxes.float(), reduction="sum") / num_boxes
+        loss_giou = self._giou_sum(boxes_BQ4, matched_N4, query_N, tb) / num_boxes
+        c = self.config
+        total = c.loss_ce * loss_ce + c.loss_bbox * loss_bbox + c.loss_giou * loss_giou
+        return {"loss": total, "loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
+
+    def loss(self, outputs: dict, targets, labels=None) -> torch.Tensor:
+        """Class CE (no-object weighted) + L1 + GIoU on matched pairs, per target box."""
+        return self.loss_components(outputs, targets, labels)["loss"]

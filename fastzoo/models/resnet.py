@@ -1,0 +1,131 @@
+"""ResNet (He et al. 2016, "Deep Residual Learning for Image Recognition"), bottleneck v1.5.
+
+v1.5 puts the stride of a downsampling bottleneck on the 3x3 conv (``conv2``), not on
+the first 1x1 -- what torchvision's and timm's ``resnet50`` do. Module names are
+torchvision's (``conv1``, ``bn1``, ``layer1..4.N.{conv1,bn1,conv2,bn2,conv3,bn3}``,
+``downsample.0/1``, ``fc``); timm's ``resnet50`` uses the same names, so checkpoints of
+both load key for key (``fastzoo/weights/torchvision.py``, ``fastzoo/weights/timm.py``).
+
+There is no attention in a ResNet: ``set_attention`` accepts any backend name and
+changes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastzoo.models.base import FastzooModel, ModelConfig
+
+EXPANSION = 4  # a bottleneck's output has 4x the channels of its 3x3 conv
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    num_classes: int = 1000  # 0: no ``fc``, forward returns the pooled features
+    layers: tuple[int, ...] = (3, 4, 6, 3)  # bottlenecks per stage (ResNet-50)
+    channels: tuple[int, ...] = (64, 128, 256, 512)  # 3x3 width per stage (timm's name); out = 4x
+    in_chans: int = 3
+    channels_last: bool = False  # NHWC parameters and activations (faster convs on GPU)
+    zero_init_residual: bool = False  # init each block's last BN to 0 (timm's default; init only)
+
+    def __post_init__(self):
+        self.layers, self.channels = tuple(self.layers), tuple(self.channels)
+        if len(self.layers) != len(self.channels) or not self.layers:
+            raise ValueError(f"layers={self.layers} and channels={self.channels} must have the same, nonzero length")
+
+    @property
+    def num_features(self) -> int:
+        return self.channels[-1] * EXPANSION
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce -> 3x3 (stride here: v1.5) -> 1x1 expand, plus the shortcut, then ReLU."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        out = planes * EXPANSION
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != out:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x):
+        shortcut = x if self.downsample is None else self.downsample(x)
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.relu(self.bn2(self.conv2(x)))
+        x = self.bn3(self.conv3(x))
+        return self.relu(x + shortcut)
+
+
+class ResNet(FastzooModel):
+    family = "resnet"
+    config_class = ResNetConfig
+
+    def __init__(self, cfg: ResNetConfig):
+        super().__init__()
+        self.config = cfg
+        stem = cfg.channels[0]
+        self.conv1 = nn.Conv2d(cfg.in_chans, stem, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(stem)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        inplanes = stem
+        for i, (n, planes) in enumerate(zip(cfg.layers, cfg.channels)):
+            stride = 1 if i == 0 else 2
+            blocks = [Bottleneck(inplanes, planes, stride)] + [Bottleneck(planes * EXPANSION, planes) for _ in range(n - 1)]
+            self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
+            inplanes = planes * EXPANSION
+        self.num_stages = len(cfg.layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cfg.num_features, cfg.num_classes) if cfg.num_classes > 0 else None
+        self._init_weights()
+        if cfg.channels_last:
+            self.to(memory_format=torch.channels_last)
+
+    def _init_weights(self):
+        # torchvision's init; nn.Linear keeps its default, as in torchvision.
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if self.config.zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, Bottleneck):
+                    nn.init.zeros_(m.bn3.weight)
+
+    def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        """The last stage's feature map (C5 for ResNet-50: [B, 2048, H/32, W/32])."""
+        if images_BCHW.ndim != 4 or images_BCHW.shape[1] != self.config.in_chans:
+            raise ValueError(f"images must be [B, {self.config.in_chans}, H, W], got shape {tuple(images_BCHW.shape)}")
+        if self.config.channels_last:
+            images_BCHW = images_BCHW.contiguous(memory_format=torch.channels_last)
+        x = self.maxpool(self.relu(self.bn1(self.conv1(images_BCHW))))
+        for i in range(self.num_stages):
+            x = getattr(self, f"layer{i + 1}")(x)
+        return x
+
+    def forward_head(self, x_BCHW: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x_BC = torch.flatten(self.avgpool(x_BCHW), 1)
+        return x_BC if pre_logits or self.fc is None else self.fc(x_BC)
+
+    def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(images_BCHW))
+
+    def adapt_checkpoint(self, state, changed):
+        if "num_classes" not in changed:
+            return state, [], []
+        old = state.pop("fc.weight", None)
+        state.pop("fc.bias", None)
+        fresh = [k for k in self.state_dict() if k.startswith("fc.")]
+        had = old.shape[0] if old is not None else 0
+        return state, fresh, [f"num_classes={self.config.num_classes}: fresh fc (the checkpoint has {had} classes)"]

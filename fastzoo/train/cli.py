@@ -1,0 +1,142 @@
+"""What the training scripts share on the command line: the common arguments (named as in
+timm's ``train.py`` and Hugging Face's ``run_clm``), ``--model-kwargs key=value`` parsing,
+``--replay`` taking its defaults from the captured run, and turning user errors into one
+``script: error: ...`` line and exit status 2 instead of a traceback."""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+from fastzoo.errors import FastzooError
+
+
+class UsageError(FastzooError, ValueError):
+    """Bad arguments or unreadable data: reported in one line, exit status 2."""
+
+
+class _KeyValue(argparse.Action):
+    """``--model-kwargs depth=2 img_size=32 global_pool=avg`` -> dict (values as Python literals)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        out = dict(getattr(namespace, self.dest) or {})
+        for item in values:
+            key, sep, text = item.partition("=")
+            if not sep or not key:
+                parser.error(f"{option_string}: expected key=value, got {item!r}")
+            try:
+                out[key] = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                out[key] = text
+        setattr(namespace, self.dest, out)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def train_parser(description: str, model_default: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=model_default, help="fastzoo model name (see `fastzoo list`)")
+    g.add_argument("--pretrained", default=None, help="any source pretrained= accepts: file, save_pretrained dir, checkpoint dir")
+    g.add_argument("--attn", default="sdpa", help="attention backend (see `fastzoo list`)")
+    g.add_argument("--model-kwargs", nargs="*", default={}, action=_KeyValue, metavar="KEY=VALUE",
+                   help="config overrides with the original library's names, e.g. depth=2 img_size=32")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=positive_int, default=1)
+    g.add_argument("--steps", type=positive_int, default=None, help="optimizer steps in total (overrides --epochs)")
+    g.add_argument("--batch-size", "-b", type=positive_int, default=32, help="global batch, split across processes")
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--weight-decay", type=float, default=0.05)
+    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
+    g.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast dtype")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP (under torchrun)")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--workers", "-j", type=int, default=2, help="data loader worker processes")
+    g.add_argument("--output-dir", type=Path, default=None, help="default: runs/<model>")
+    g.add_argument("--log-interval", type=positive_int, default=10, help="steps between printed (synchronised) metrics")
+    g.add_argument("--ckpt-interval", type=int, default=0, help="steps between checkpoints; 0: each epoch and at the end")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-<step> dirs kept; 0 keeps all")
+    g.add_argument("--resume", type=Path, default=None, help="checkpoint directory to continue from")
+    g.add_argument("--nan-guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="check loss and gradients every step (one tiny host sync per step); on a non-finite "
+                        "value save a capture in OUTPUT/nan_step<K> and stop")
+    g.add_argument("--replay", type=Path, default=None,
+                   help="re-run the step captured in this nan_step<K> directory and compare bit for bit; "
+                        "the captured run's arguments are the defaults, arguments given here override them")
+    g.add_argument("--debug-nan-at-step", type=int, default=None, metavar="K",
+                   help="testing aid: add +inf to the loss of step K (1-based) to exercise the NaN capture")
+    return p
+
+
+# Arguments that describe the replay itself, never taken from the captured run.
+_NOT_REPLAYED = {"replay", "resume", "output_dir"}
+
+
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.replay is not None:
+        from fastzoo.train.nan_guard import read_meta
+
+        try:
+            stored = read_meta(args.replay)["args"]
+        except FileNotFoundError as e:
+            parser.error(str(e))
+        known = {a.dest for a in parser._actions}
+        parser.set_defaults(**{k: v for k, v in stored.items() if k in known and k not in _NOT_REPLAYED})
+        args = parser.parse_args(argv)
+    if args.output_dir is None:
+        args.output_dir = Path("runs") / args.model
+    return args
+
+
+def _jsonable(v):
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def args_to_json(args: argparse.Namespace) -> dict:
+    return {k: _jsonable(v) for k, v in vars(args).items()}
+
+
+def run_main(main, argv=None) -> None:
+    """Run ``main(argv)``; user errors print one line and exit 2, the exit status is main's."""
+    prog = Path(sys.argv[0]).name
+    try:
+        code = main(argv)
+    except (FastzooError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        from fastzoo.train.distributed import shutdown
+
+        shutdown()
+    sys.exit(code or 0)
+
+
+def create_model(args: argparse.Namespace, device=None, **overrides):
+    """``fastzoo.create`` from ``--model/--attn/--pretrained/--model-kwargs`` (+ the script's own
+    overrides); a bad name or override becomes a one-line error."""
+    import fastzoo
+
+    kwargs = {**args.model_kwargs, **overrides}
+    try:
+        return fastzoo.create(args.model, attn=args.attn, pretrained=args.pretrained, device=device, **kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, FastzooError):
+            raise
+        raise UsageError(f"--model {args.model} with {kwargs}: {e}") from e

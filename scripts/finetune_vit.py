@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Fine-tune a fastzoo ViT on an image folder (or a synthetic task), with any attention backend.
+
+    # ImageFolder layout: DATA/train/<class>/*.jpg and optionally DATA/val/<class>/*.jpg
+    python scripts/finetune_vit.py --model vit_b16 --pretrained vit_b16.safetensors \\
+        --data-dir DATA --num-classes 37 --attn flex --amp bf16 --epochs 5 -b 128 --lr 3e-4
+    torchrun --nproc_per_node 8 scripts/finetune_vit.py ...   # same global batch, DDP
+
+    # no data at hand: a learnable synthetic task (class = a noisy colour pattern)
+    python scripts/finetune_vit.py --synthetic 512 --model-kwargs img_size=32 patch_size=8 depth=2
+
+A new head is created when ``--num-classes`` differs from the checkpoint's. Top-1 accuracy
+on the validation split is printed after every epoch. Everything else (checkpoints,
+--resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
+from fastzoo.train.cli import create_model, positive_int
+
+
+class SyntheticImages(Dataset):
+    """Image ``i`` shows class ``i % num_classes``: a fixed random 4x4 colour pattern of that
+    class, upsampled, plus noise. The same (seed, i) gives the same image in any process."""
+
+    def __init__(self, n: int, num_classes: int, img_size: tuple[int, int], seed: int, noise: float = 0.5):
+        g = torch.Generator().manual_seed(seed)
+        self.patterns = F.interpolate(torch.randn(num_classes, 3, 4, 4, generator=g), size=img_size, mode="nearest")
+        self.n, self.num_classes, self.seed, self.noise = n, num_classes, seed, noise
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        label = i % self.num_classes
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return self.patterns[label] + self.noise * torch.randn(self.patterns.shape[1:], generator=g), label
+
+
+def image_folder(root: Path, split: str, img_size, mean, std, train: bool):
+    from torchvision import datasets, transforms
+
+    h, w = img_size
+    if train:
+        tf = [transforms.RandomResizedCrop((h, w)), transforms.RandomHorizontalFlip()]
+    else:
+        tf = [transforms.Resize(int(h / 0.875)), transforms.CenterCrop((h, w))]
+    tf += [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    try:
+        return datasets.ImageFolder(str(root / split), transform=transforms.Compose(tf))
+    except (FileNotFoundError, OSError) as e:
+        raise UsageError(f"--data-dir {root}: cannot read {root / split} as an image folder: {e}") from e
+
+
+def build_parser():
+    p = train_parser(__doc__.splitlines()[1], model_default="vit_s16")
+    g = p.add_argument_group("data")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--data-dir", type=Path, help="ImageFolder root with train/ and optionally val/")
+    src.add_argument("--synthetic", type=positive_int, metavar="N", help="N synthetic training images (N/4 for eval)")
+    g.add_argument("--num-classes", type=positive_int, default=None,
+                   help="classifier size (default: the image folder's class count, 10 for --synthetic)")
+    g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
+    g.add_argument("--mean", type=float, nargs=3, default=(0.5, 0.5, 0.5), help="normalisation mean (timm ViT: 0.5)")
+    g.add_argument("--std", type=float, nargs=3, default=(0.5, 0.5, 0.5), help="normalisation std")
+    g.add_argument("--channels-last", action="store_true", help="NHWC images and conv weights (faster patch embed on GPU)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    if args.data_dir is None and args.synthetic is None:
+        parser.error("give the data: --data-dir DIR (ImageFolder layout) or --synthetic N")
+    if args.data_dir is not None and not (args.data_dir / "train").is_dir():
+        raise UsageError(f"--data-dir {args.data_dir}: no train/ folder there (expected DATA/train/<class>/<image>)")
+    world = setup(args)
+
+    train_set = eval_set = None
+    if args.data_dir is not None and args.replay is None:
+        # Classes come from train/ before the model is built, so the head can be sized from them.
+        from torchvision import datasets
+
+        classes = datasets.folder.find_classes(str(args.data_dir / "train"))[0]
+        if args.num_classes is not None and args.num_classes != len(classes):
+            raise UsageError(f"--num-classes {args.num_classes}, but {args.data_dir / 'train'} has {len(classes)} classes")
+        args.num_classes = len(classes)
+    num_classes = args.num_classes or 10
+    model = create_model(args, device=world.device, num_classes=num_classes)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    img_size = model.config.img_size
+
+    if args.replay is None:
+        if args.synthetic:
+            train_set = SyntheticImages(args.synthetic, num_classes, img_size, args.seed)
+            eval_set = SyntheticImages(max(1, args.synthetic // 4), num_classes, img_size, args.seed + 1)
+        else:
+            train_set = image_folder(args.data_dir, "train", img_size, args.mean, args.std, train=True)
+            val = next((s for s in ("val", "validation") if (args.data_dir / s).is_dir()), None)
+            eval_set = image_folder(args.data_dir, val, img_size, args.mean, args.std, train=False) if val else None
+
+    def images(batch):
+        x = batch[0]
+        return x.contiguous(memory_format=torch.channels_last) if args.channels_last else x
+
+    def loss(model, batch):
+        logits = model(images(batch))
+        return F.cross_entropy(logits.float(), batch[1], reduction="sum", label_smoothing=args.smoothing), batch[1].numel()
+
+    def eval_step(model, batch):
+        logits = model(images(batch)).float()
+        n = batch[1].numel()
+        return {"loss": (F.cross_entropy(logits, batch[1], reduction="sum"), n),
+                "top1": ((logits.argmax(-1) == batch[1]).sum() * 100.0, n)}
+
+    task = Task(model=model, train_items=train_set, collate=torch.utils.data.default_collate, loss=loss,
+                eval_items=eval_set, eval_step=eval_step, unit="img")
+    return train(args, task, world)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,265 @@
+"""GIoU loss: equal to torchvision.ops.generalized_box_iou_loss (values and gradients) on
+random and degenerate boxes, through the reference, the fused CPU op and the Triton kernel;
+the four variable-count modes give the same number; bad boxes are refused."""
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torchvision.ops import generalized_box_iou_loss as tv_giou_loss
+
+import fastzoo.losses.giou as G
+from fastzoo.data.boxes import collate_boxes
+from fastzoo.losses import (
+    giou_loss,
+    giou_loss_concat,
+    giou_loss_kernel,
+    giou_loss_padded,
+    giou_loss_per_sample,
+    kernel_path,
+)
+from tests.conftest import cuda_only
+
+
+def random_boxes(n, g=None):
+    xy = torch.rand(n, 2, generator=g)
+    return torch.cat([xy, xy + torch.rand(n, 2, generator=g) * 0.5], -1)
+
+
+def box_pairs():
+    """Random pairs plus every degenerate case: identical, zero width / height / area,
+    disjoint, touching edges and corners, nested, and equal coordinates (ties)."""
+    g = torch.Generator().manual_seed(0)
+    p, t = random_boxes(64, g), random_boxes(64, g)
+    special = [
+        ([0.1, 0.1, 0.5, 0.5], [0.1, 0.1, 0.5, 0.5]),  # identical
+        ([0.2, 0.1, 0.2, 0.6], [0.1, 0.1, 0.5, 0.5]),  # zero width inside the other
+        ([0.1, 0.3, 0.5, 0.3], [0.0, 0.0, 0.4, 0.4]),  # zero height
+        ([0.3, 0.3, 0.3, 0.3], [0.3, 0.3, 0.3, 0.3]),  # identical points (zero enclosing area)
+        ([0.3, 0.3, 0.3, 0.3], [0.1, 0.1, 0.5, 0.5]),  # a point inside a box
+        ([0.0, 0.0, 0.2, 0.2], [0.5, 0.5, 0.9, 0.9]),  # disjoint
+        ([0.0, 0.0, 0.2, 0.2], [0.2, 0.0, 0.4, 0.2]),  # touching edge
+        ([0.0, 0.0, 0.2, 0.2], [0.2, 0.2, 0.4, 0.4]),  # touching corner
+        ([0.1, 0.1, 0.9, 0.9], [0.3, 0.3, 0.5, 0.5]),  # nested
+        ([0.1, 0.1, 0.5, 0.5], [0.1, 0.2, 0.5, 0.7]),  # shared left and right edges
+        ([0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.5, 1.0]),  # three shared edges
+    ]
+    sp = torch.tensor([a for a, _ in special])
+    st = torch.tensor([b for _, b in special])
+    return torch.cat([p, sp]), torch.cat([t, st])
+
+
+def loss_and_grads(fn, p, t, dtype=torch.float32, reduction="none"):
+    a = p.to(dtype).clone().requires_grad_()
+    b = t.to(dtype).clone().requires_grad_()
+    loss = fn(a, b, reduction)
+    w = torch.linspace(-1, 2, loss.numel()).reshape(loss.shape)  # a non-uniform upstream gradient
+    (loss * w).sum().backward()
+    return loss.detach(), a.grad, b.grad
+
+
+TV = lambda a, b, r: tv_giou_loss(a, b, reduction=r)  # noqa: E731
+
+
+@pytest.mark.parametrize("impl", ["torch", "kernel"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_matches_torchvision_fp32(impl, reduction):
+    p, t = box_pairs()
+    ref = loss_and_grads(TV, p, t, reduction=reduction)
+    out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl=impl), p, t, reduction=reduction)
+    assert out[0].dtype == torch.float32
+    # values: same formula and op order in fp32 -> at most a few ulp
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
+    # grads: the kernel's closed form reassociates autograd's chain; degenerate pairs have
+    # grads up to ~1/eps, hence a relative tolerance
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[2], ref[2], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", "kernel"])
+@pytest.mark.parametrize("dtype,ulp", [(torch.float16, 2 ** -10), (torch.bfloat16, 2 ** -7)])
+def test_low_precision_is_computed_in_fp32(impl, dtype, ulp):
+    p, t = box_pairs()
+    ref = loss_and_grads(TV, p, t, dtype)
+    out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl=impl), p, t, dtype)
+    assert out[0].dtype == torch.float32 and out[1].dtype == dtype  # fp32 loss, grads in the boxes' dtype
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)  # both compute in fp32 on the same rounded boxes
+    # grads are fp32 values rounded to dtype: at most one rounding step apart
+    torch.testing.assert_close(out[1], ref[1], rtol=2 * ulp, atol=1e-5)
+    torch.testing.assert_close(out[2], ref[2], rtol=2 * ulp, atol=1e-5)
+
+
+def test_kernel_path_is_reported():
+    p, t = box_pairs()
+    assert kernel_path("cpu") == "cpu-fused"
+    assert kernel_path("cuda") == "triton"
+    giou_loss(p, t, impl="kernel")
+    assert G.last_impl == "cpu-fused"
+    giou_loss(p, t, impl="auto")
+    assert G.last_impl == "cpu-fused"  # auto = the fused kernel, never the naive path silently
+    giou_loss(p, t, impl="torch")
+    assert G.last_impl == "torch"
+
+
+def test_empty_and_batched_shapes():
+    e = torch.zeros(0, 4, requires_grad=True)
+    for impl in ("torch", "kernel"):
+        assert giou_loss(e, e, impl=impl).shape == (0,)
+        m = giou_loss(e, e, reduction="mean", impl=impl)
+        assert m.item() == 0.0 and m.requires_grad  # torchvision's convention: 0, still in the graph
+    p, t = box_pairs()
+    a, b = p[:60].reshape(3, 20, 4), t[:60].reshape(3, 20, 4)
+    torch.testing.assert_close(giou_loss(a, b, impl="kernel"), tv_giou_loss(a, b), rtol=0, atol=1e-6)
+
+
+def _matched(counts, seed=0):
+    """Per-image matched (pred, target) pairs with the given box counts."""
+    g = torch.Generator().manual_seed(seed)
+    return [random_boxes(n, g) for n in counts], [random_boxes(n, g) for n in counts]
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("counts", [(3, 0, 5, 1), (0, 0), (4,)])
+def test_four_modes_give_the_same_number(counts, reduction):
+    preds, targets = _matched(counts)
+    tb, pb = collate_boxes(targets), collate_boxes(preds)
+    n = sum(counts)
+    flat_t = torch.cat(targets) if n else torch.zeros(0, 4)
+    flat_p = torch.cat(preds) if n else torch.zeros(0, 4)
+    expected = tv_giou_loss(flat_p, flat_t, reduction=reduction)
+
+    def run(mode):
+        base = pb.boxes.clone().requires_grad_()  # every mode differentiates the same leaf
+        if mode == "per_sample":
+            loss = giou_loss_per_sample(list(base.split(pb.counts)), tb.per_image(), reduction=reduction)
+        elif mode == "concat":
+            loss = giou_loss_concat(base, tb.boxes, reduction=reduction)
+        elif mode == "padded":
+            padded = torch.zeros_like(pb.padded).index_put((pb.batch_index, _slots(pb.counts)), base)
+            loss = giou_loss_padded(padded, tb.padded, tb.mask, reduction=reduction)
+        else:
+            loss = giou_loss_kernel(base, tb.boxes, reduction=reduction)
+        loss.backward()
+        return loss.detach(), base.grad
+
+    results = {m: run(m) for m in ("per_sample", "concat", "padded", "kernel")}
+    for mode, (value, grad) in results.items():
+        torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-6, msg=mode)  # summation order only
+        torch.testing.assert_close(grad, results["concat"][1], rtol=1e-5, atol=1e-6, msg=mode)
+
+
+def _slots(counts):
+    return torch.cat([torch.arange(n) for n in counts]) if sum(counts) else torch.zeros(0, dtype=torch.long)
+
+
+def test_padded_mode_ignores_garbage_in_padding():
+    preds, targets = _matched((2, 1))
+    tb = collate_boxes(targets)
+    pred = collate_boxes(preds).padded.clone()
+    pred[1, 1] = float("nan")  # a padded slot: must not leak into loss or gradient
+    target = tb.padded.clone()
+    target[1, 1] = torch.tensor([0.9, 0.9, 0.1, float("inf")])
+    pred.requires_grad_()
+    loss = giou_loss_padded(pred, target, tb.mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(pred.grad).all()
+    assert (pred.grad[1, 1] == 0).all()
+    torch.testing.assert_close(loss, tv_giou_loss(torch.cat(preds), torch.cat(targets), reduction="sum"))
+
+
+def test_compiles_fullgraph_through_the_custom_op():
+    """The op traces under torch.compile(fullgraph=True) (fake + autograd registrations);
+    aot_eager runs the traced graph without C++ codegen, which would take minutes here."""
+    p, t = box_pairs()
+    f = torch.compile(lambda a, b: giou_loss(a, b, reduction="sum", impl="kernel", validate=False),
+                      fullgraph=True, backend="aot_eager")
+    a, a_ref = p.clone().requires_grad_(), p.clone().requires_grad_()
+    loss, ref = f(a, t), tv_giou_loss(a_ref, t, reduction="sum")
+    loss.backward(), ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-6, atol=1e-5)  # summation order only
+    torch.testing.assert_close(a.grad, a_ref.grad, rtol=1e-4, atol=1e-5)  # as in the fp32 test
+
+
+@cuda_only()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_kernel_matches_torchvision_on_gpu(dtype):
+    p, t = box_pairs()
+    p, t = p.cuda(), t.cuda()
+    ref = loss_and_grads(TV, p, t, dtype)
+    out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl="kernel"), p, t, dtype)
+    assert G.last_impl == "triton"
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[1], ref[1], rtol=tol, atol=1e-5)
+    torch.testing.assert_close(out[2], ref[2], rtol=tol, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_in_the_interpreter():
+    """The Triton forward and backward kernels, run by Triton's CPU interpreter
+    (TRITON_INTERPRET=1, set before triton is imported, hence a subprocess): checks the
+    kernels' logic against torchvision; the GPU test above checks the compiled code."""
+    code = textwrap.dedent("""
+        import torch
+        from torchvision.ops import generalized_box_iou_loss
+        from fastzoo.losses.kernels import triton_giou
+        from tests.test_giou import box_pairs
+        p, t = box_pairs()
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            a, b = p.to(dtype).clone().requires_grad_(), t.to(dtype).clone().requires_grad_()
+            ref = generalized_box_iou_loss(a, b)
+            w = torch.linspace(-1, 2, ref.numel(), dtype=ref.dtype)
+            (ref * w).sum().backward()
+            loss = triton_giou.forward(a.detach(), b.detach(), 1e-7)
+            gp, gt = triton_giou.backward(w, a.detach(), b.detach(), 1e-7)
+            assert loss.dtype == ref.dtype and gp.dtype == dtype
+            torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
+            tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 1e-4)
+            torch.testing.assert_close(gp, a.grad, rtol=tol, atol=1e-5)
+            torch.testing.assert_close(gt, b.grad, rtol=tol, atol=1e-5)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("impl", ["torch", "kernel"])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ([float("nan"), 0.0, 1.0, 1.0], "target: box 0 is not finite"),
+        ([0.0, 0.0, float("inf"), 1.0], "target: box 0 is not finite"),
+        ([0.5, 0.0, 0.2, 1.0], "target: box 0 has x2 < x1"),
+        ([0.0, 0.5, 1.0, 0.2], "target: box 0 has x2 < x1 or y2 < y1"),
+    ],
+)
+def test_bad_boxes_are_refused(impl, bad, match):
+    p = torch.rand(3, 2).repeat(1, 2) + torch.tensor([0.0, 0.0, 0.1, 0.1])
+    t = p.clone()
+    t[0] = torch.tensor(bad)
+    with pytest.raises(ValueError, match=match):
+        giou_loss(p, t, impl=impl)
+
+
+def test_bad_shapes_and_options_are_refused():
+    p = random_boxes(4)
+    with pytest.raises(ValueError, match="pred must have last dimension 4"):
+        giou_loss(p[:, :3], p)
+    with pytest.raises(ValueError, match="same shape"):
+        giou_loss(p, p[:3])
+    with pytest.raises(ValueError, match="reduction="):
+        giou_loss(p, p, reduction="avg")
+    with pytest.raises(ValueError, match="impl="):
+        giou_loss(p, p, impl="cuda")
+    with pytest.raises(ValueError, match="floating point"):
+        giou_loss(p.long(), p.long())
+    with pytest.raises(ValueError, match="preds has 2 images but targets has 1"):
+        giou_loss_per_sample([p, p], [p])
+    with pytest.raises(ValueError, match="mask must be a bool"):
+        giou_loss_padded(p[None], p[None], torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="choose 'sum' or 'mean'"):
+        giou_loss_concat(p, p, reduction="none")

@@ -1,0 +1,266 @@
+"""GPT-2 equals Hugging Face's GPT2LMHeadModel (logits and gradients, fp32 CPU) in every input
+form and through every attention backend that runs on CPU."""
+import pytest
+import torch
+
+import fastzoo
+from fastzoo.data import nested, pack, pad_to_longest
+from fastzoo.errors import BackendUnavailableError
+from fastzoo.losses import causal_lm_loss
+from fastzoo.weights.hf import GPT2 as HF_CONVERTER
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+LOGIT_TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights
+GRAD_RTOL = 1e-4  # gradients: relative to the largest entry of each tensor (magnitudes vary by layer)
+
+# every backend that trains on CPU (flex has no CPU backward: inference tests below)
+TRAIN_BACKENDS = [
+    ("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"}),
+    ("nested", {}), ("varlen", {}), ("varlen", {"impl": "cpu"}),
+]
+ALL_BACKENDS = TRAIN_BACKENDS + [("flex", {}), ("varlen", {"impl": "flex"})]
+IDS = lambda b: f"{b[0]}{'-' + '-'.join(map(str, b[1].values())) if b[1] else ''}"  # noqa: E731
+
+
+def hf_model(**kw):
+    cfg = transformers.GPT2Config(
+        **{**TINY, **kw}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None
+    )
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch.manual_seed(1)
+    return hf_model()
+
+
+def ours(hf, attn="eager", **opts):
+    return fastzoo.create("gpt2", attn=attn, attn_options=opts, pretrained=hf).eval()
+
+
+def seqs(lengths=(5, 11, 3), vocab=128):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+def hf_grads(hf):
+    """HF's gradients with fastzoo's names and layout (Conv1D transposed)."""
+    return HF_CONVERTER.to_fastzoo({k: p.grad for k, p in hf.named_parameters()})
+
+
+def assert_grads_close(model, ref: dict):
+    for name, p in model.named_parameters():
+        diff = (p.grad - ref[name]).abs().max()
+        assert diff <= GRAD_RTOL * ref[name].abs().max() + 1e-7, f"{name}: max abs diff {diff:.3g}"
+
+
+def hf_loss_and_grads(hf, input_ids, attention_mask=None, position_ids=None, labels=None):
+    hf.zero_grad()
+    out = hf(input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), hf_grads(hf)
+
+
+# -- padded batches -------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
+def test_padded_right_logits_loss_grads_equal_hf(hf, backend):
+    batch = pad_to_longest(seqs())
+    ref_logits, ref_loss, ref_grads = hf_loss_and_grads(hf, batch.input_ids, batch.attention_mask, labels=batch.labels)
+    m = ours(hf, backend[0], **backend[1])
+    logits = m(batch.input_ids, attention_mask=batch.attention_mask)
+    real = batch.attention_mask.bool()
+    assert (logits - ref_logits)[real].abs().max() <= LOGIT_TOL  # real positions only: padding is not scored
+    loss = causal_lm_loss(logits, batch.labels)
+    assert (loss - ref_loss).abs() <= 1e-5  # mean CE of O(5): fp32 rounding
+    loss.backward()
+    assert_grads_close(m, ref_grads)
+
+
+@pytest.mark.parametrize("backend", [("eager", {}), ("sdpa", {}), ("varlen", {})], ids=IDS)
+def test_left_padding_with_collator_positions_equals_each_sequence_alone(hf, backend):
+    batch = pad_to_longest(seqs(), side="left")
+    m = ours(hf, backend[0], **backend[1])
+    with torch.no_grad():
+        logits = m(**batch.model_inputs())
+        same_inputs = hf(**batch.model_inputs()).logits
+        real = batch.attention_mask.bool()
+        assert (logits - same_inputs)[real].abs().max() <= LOGIT_TOL
+        for i, s in enumerate(seqs()):
+            alone = hf(s[None]).logits[0]
+            assert (logits[i, -len(s):] - alone).abs().max() <= LOGIT_TOL
+
+
+def test_left_padding_default_positions_follow_hf_forward(hf):
+    """Without position_ids, HF's forward numbers positions 0..S-1 in every row (padding included); so do we."""
+    batch = pad_to_longest(seqs(), side="left")
+    m = ours(hf, "sdpa")
+    with torch.no_grad():
+        logits = m(batch.input_ids, attention_mask=batch.attention_mask)
+        ref = hf(batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert (logits - ref)[batch.attention_mask.bool()].abs().max() <= LOGIT_TOL
+
+
+def test_flex_padded_inference_equals_hf(hf):
+    batch = pad_to_longest(seqs())
+    m = ours(hf, "flex")
+    with torch.no_grad():
+        diff = m(batch.input_ids, attention_mask=batch.attention_mask) - hf(batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert diff[batch.attention_mask.bool()].abs().max() <= LOGIT_TOL
+
+
+# -- packed and nested -----------------------------------------------------------------------
+def hf_each_alone(hf, sequences):
+    with torch.no_grad():
+        return torch.cat([hf(s[None]).logits[0] for s in sequences])
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_packed_logits_equal_hf_on_each_sequence_alone(hf, backend):
+    m = ours(hf, backend[0], **backend[1])
+    with torch.no_grad():
+        logits = m(**pack(seqs()).model_inputs())
+    assert logits.shape == (1, 19, 128)
+    assert (logits[0] - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_nested_input_equals_hf_on_each_sequence_alone(hf, backend):
+    m = ours(hf, backend[0], **backend[1])
+    with torch.no_grad():
+        logits = m(nested(seqs()))
+    assert logits.is_nested and logits.shape[0] == 3
+    assert (logits.values() - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL
+
+
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
+def test_packed_training_step_equals_padded_training_step(hf, backend):
+    """The acceptance criterion: same data packed or padded -> same loss, same gradients
+    (and both equal HF's padded loss and gradients)."""
+    _, ref_loss, ref_grads = hf_loss_and_grads(hf, *(lambda b: (b.input_ids, b.attention_mask, None, b.labels))(pad_to_longest(seqs())))
+    results = []
+    for batch in (pad_to_longest(seqs()), pack(seqs())):
+        m = ours(hf, backend[0], **backend[1]).train()  # dropout is 0: train() must not change the function
+        loss = causal_lm_loss(m(**batch.model_inputs()), batch.labels)
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
+    (padded_loss, padded_grads), (packed_loss, packed_grads) = results
+    assert (packed_loss - padded_loss).abs() <= 1e-5 and (packed_loss - ref_loss).abs() <= 1e-5  # fp32 rounding of a mean CE
+    for k, g in padded_grads.items():
+        scale = g.abs().max()
+        assert (packed_grads[k] - g).abs().max() <= GRAD_RTOL * scale + 1e-7, k
+        assert (g - ref_grads[k]).abs().max() <= GRAD_RTOL * ref_grads[k].abs().max() + 1e-7, k
+
+
+@pytest.mark.parametrize("backend", [("nested", {}), ("varlen", {}), ("sdpa", {})], ids=IDS)
+def test_nested_training_grads_equal_hf(hf, backend):
+    m = ours(hf, backend[0], **backend[1])
+    ids = nested(seqs())
+    causal_lm_loss(m(ids), ids).backward()
+    # HF's reference: every sequence alone, losses weighted by their number of targets
+    hf.zero_grad()
+    n_targets = sum(len(s) - 1 for s in seqs())
+    for s in seqs():
+        (hf(s[None], labels=s[None]).loss * (len(s) - 1) / n_targets).backward()
+    assert_grads_close(m, hf_grads(hf))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_packed_sequences_never_attend_across(hf, backend):
+    m = ours(hf, backend[0], **backend[1])
+    a, b, c = seqs()
+    a2 = (a + 7) % 128  # a different first sequence
+    with torch.no_grad():
+        before = m(**pack([a, b, c]).model_inputs())[0, len(a):]
+        after = m(**pack([a2, b, c]).model_inputs())[0, len(a):]
+    assert torch.equal(before, after) or (before - after).abs().max() <= 1e-6  # kernels may reorder sums: float noise only
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_padded_rows_with_all_ones_mask_stay_separate(hf, backend):
+    """The known trap: a padded batch [B>1, S] must not become one long packed sequence."""
+    m = ours(hf, backend[0], **backend[1])
+    ids = torch.stack(seqs((8, 8)))
+    ones = torch.ones_like(ids)
+    changed = ids.clone()
+    changed[0] = (changed[0] + 5) % 128
+    with torch.no_grad():
+        row1 = m(ids, attention_mask=ones)[1]
+        row1_after = m(changed, attention_mask=ones)[1]
+        alone = hf(ids[1:]).logits[0]
+    assert (row1 - row1_after).abs().max() <= 1e-6  # row 0 does not leak into row 1
+    assert (row1 - alone).abs().max() <= LOGIT_TOL
+
+
+def test_restarting_position_ids_without_cu_seqlens_are_refused(hf):
+    m = ours(hf, "sdpa")
+    b = pack(seqs())
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(b.input_ids, position_ids=b.position_ids)  # packed ids without their boundaries
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def _packed(**change):
+    b = pack(seqs())
+    kw = b.model_inputs()
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (_packed(cu_seqlens=torch.tensor([0, 5, 3, 19], dtype=torch.int32)), "cu_seqlens"),  # not increasing
+    (_packed(cu_seqlens=torch.tensor([1, 5, 16, 19], dtype=torch.int32)), "cu_seqlens"),  # not starting at 0
+    (_packed(cu_seqlens=torch.tensor([0, 5, 16, 18], dtype=torch.int32)), "cu_seqlens"),  # not ending at T
+    (_packed(cu_seqlens=torch.tensor([0, 5, 16, 19])), "cu_seqlens"),  # int64
+    (_packed(cu_seqlens=torch.tensor([[0, 5, 16, 19]], dtype=torch.int32)), "cu_seqlens"),  # 2-D
+    (_packed(max_seqlen=4), "max_seqlen"),  # shorter than the longest sequence
+    (_packed(position_ids=torch.full((1, 19), 64)), "position_ids"),  # >= n_positions
+    (_packed(input_ids=torch.full((1, 19), 128)), "input_ids"),  # >= vocab_size
+    (_packed(input_ids=torch.zeros(2, 19, dtype=torch.long)), "cu_seqlens"),  # packed needs batch 1
+    (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 4)), "attention_mask"),
+    (dict(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.full((2, 5), 2)), "attention_mask"),
+    (dict(input_ids=torch.zeros(1, 65, dtype=torch.long)), "input_ids"),  # longer than n_positions
+    (dict(input_ids=torch.zeros(5, dtype=torch.long)), "input_ids"),  # 1-D
+    (dict(input_ids=torch.zeros(1, 5)), "input_ids"),  # float ids
+    (dict(input_ids=torch.zeros(1, 5, dtype=torch.long), position_ids=torch.zeros(1, 4, dtype=torch.long)), "position_ids"),
+])
+def test_bad_inputs_name_the_argument(hf, kwargs, argument):
+    m = ours(hf, "sdpa")
+    with pytest.raises(ValueError, match=argument):
+        m(**kwargs)
+
+
+def test_flex_training_on_cpu_fails_before_running(hf):
+    m = ours(hf, "flex").train()
+    with pytest.raises(BackendUnavailableError, match="backward"):
+        m(**pack(seqs()).model_inputs())
+
+
+def test_varlen_gpu_kernels_are_refused_at_create_without_gpu(hf):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for impl in ("torch", "flash", "xformers"):
+        with pytest.raises(BackendUnavailableError, match=impl):
+            ours(hf, "varlen", impl=impl)
+    with pytest.raises(ValueError, match="impl"):
+        ours(hf, "varlen", impl="nope")
+
+
+# -- real size -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_size_gpt2_equals_hf_at_short_length():
+    torch.manual_seed(3)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    m = fastzoo.create("gpt2", attn="sdpa", pretrained=hf).eval()
+    assert m.config.n_layer == 12 and m.config.n_embd == 768 and m.config.vocab_size == 50257
+    sequences = seqs((16, 9), vocab=50257)
+    batch = pad_to_longest(sequences)
+    with torch.no_grad():
+        ref = hf(batch.input_ids, attention_mask=batch.attention_mask).logits
+        padded = m(batch.input_ids, attention_mask=batch.attention_mask)
+        packed = m(**pack(sequences).model_inputs())[0]
+    real = batch.attention_mask.bool()
+    assert (padded - ref)[real].abs().max() <= LOGIT_TOL
+    assert (packed - ref[real]).abs().max() <= LOGIT_TOL
