@@ -11,7 +11,6 @@ of real tokens, sequence by sequence, with fastzoo's eager model padded to the l
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -47,15 +46,7 @@ def needs() -> str | None:
     """What this checkout lacks for the fastzoo side of the suite, or None."""
     if "gpt2" not in fastzoo.list_models():
         return "needs the fastzoo GPT-2 model (`fastzoo.create('gpt2')`, branch gpt2) in this checkout"
-    try:
-        from fastzoo.data import pack  # noqa: F401
-    except ImportError:
-        return "needs `fastzoo.data.pack` (branch gpt2) in this checkout"
     return None
-
-
-def _field(batch, key):
-    return batch[key] if isinstance(batch, Mapping) else getattr(batch, key)
 
 
 def _hf_model(s: GPT2Setting, seed: int):
@@ -101,7 +92,7 @@ def gpt2_suite(
     missing = needs()
     if missing:
         return Suite("gpt2_varlen", [], config=config, dtype=dtype, device=device, skipped=missing)
-    from fastzoo.data import pack
+    from fastzoo.data import nested, pack
 
     hf = _hf_model(s, seed)
     g = torch.Generator().manual_seed(seed)
@@ -113,10 +104,9 @@ def gpt2_suite(
     longest = max(len(x) for x in seqs)
     pad_max, pad_long = _padded(seqs, s.max_len), _padded(seqs, longest)
     on = lambda t: t.to(device)  # noqa: E731
-    packed = pack(seqs)
-    packed_args = (on(_field(packed, "input_ids")),)
-    packed_kwargs = dict(position_ids=on(_field(packed, "position_ids")), cu_seqlens=on(_field(packed, "cu_seqlens")),
-                         max_seqlen=_field(packed, "max_seqlen"))
+    packed = pack(seqs).to(device)
+    packed_args = (packed.input_ids,)
+    packed_kwargs = dict(position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen)
 
     def padded_view(mask_BS):
         return lambda out: _logits(out)[mask_BS.to(device).bool()]  # [T_real, V], sequence by sequence
@@ -144,6 +134,9 @@ def gpt2_suite(
     def hf_copy():
         return copy.deepcopy(hf).to(device=device, dtype=dtype)
 
+    def hf_step(model, mode, compiled, args, kwargs, view, hf_model):
+        return _fastzoo_layout(step(model, mode, compiled, args, kwargs, view), hf_model)
+
     @cache
     def reference(mode):
         model = fastzoo.create("gpt2", attn="eager", pretrained=hf).to(device)
@@ -155,20 +148,20 @@ def gpt2_suite(
         for compiled in compile_modes:
             c = compiled
             cases = [
-                Case("HF padded to longest (sdpa)", lambda m=mode, c=c: step(
-                    hf_copy(), m, c, (on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1])),
+                Case("HF padded to longest (sdpa)", lambda m=mode, c=c, h=hf_copy: hf_step(
+                    (h := h()), m, c, (on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1]), h),
                     peer=True, compiled=c),
-                Case("HF padded to max (sdpa)", lambda m=mode, c=c: step(
-                    hf_copy(), m, c, (on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1])),
+                Case("HF padded to max (sdpa)", lambda m=mode, c=c, h=hf_copy: hf_step(
+                    (h := h()), m, c, (on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1]), h),
                     compiled=c),
-                Case("HF loop, one sequence at a time", lambda m=mode, c=c: step(
-                    _HFLoop(hf_copy(), [on(x) for x in seqs]), m, c, (), {}, lambda out: out), compiled=c),
+                Case("HF loop, one sequence at a time", lambda m=mode, c=c, h=hf_copy: hf_step(
+                    _HFLoop((h := h()), [on(x) for x in seqs]), m, c, (), {}, lambda out: out, h), compiled=c),
             ]
             for b in backends:
                 caps = fastzoo.attention.backend_class(b).capabilities
                 if b == "nested":
                     cases.append(Case("fastzoo nested", lambda m=mode, c=c: step(
-                        fz("nested"), m, c, (torch.nested.nested_tensor([on(x) for x in seqs], layout=torch.jagged),),
+                        fz("nested"), m, c, (nested(seqs).to(device),),
                         {}, nested_view), compiled=c))
                     continue
                 if caps.padding_mask:
@@ -185,6 +178,15 @@ def gpt2_suite(
             groups.append(Group(f"{s.name} | {mode}" + (" | compiled" if c else ""), cases,
                                 reference=lambda m=mode: reference(m), unit="tokens/s"))
     return Suite("gpt2_varlen", groups, config=config, dtype=dtype, device=device)
+
+
+def _fastzoo_layout(step, hf_model):
+    """HF keeps GPT-2's projections as ``Conv1D`` (weight [in, out]); fastzoo, with the same
+    names, as ``nn.Linear`` ([out, in]). Transpose those gradients so every one is compared."""
+    conv1d = {f"grad:{n}.weight" for n, m in hf_model.named_modules() if type(m).__name__ == "Conv1D"}
+    outputs = step.outputs
+    step.outputs = lambda: {k: v.t() if k in conv1d else v for k, v in outputs().items()}
+    return step
 
 
 class _Call(torch.nn.Module):

@@ -6,7 +6,8 @@ user would pick instead). For each case the harness
 
 1. builds it (a backend this machine cannot run is reported ``unavailable`` with the reason),
 2. compares its outputs and gradients with the group's fp32 eager reference on identical
-   weights (:mod:`fastzoo.bench.parity`); a case that fails is reported and *not timed*,
+   weights (:mod:`fastzoo.bench.parity`, the rule of ``fastzoo check``); a case that fails
+   is reported and *not timed*,
 3. runs ``warmup`` untimed steps (compilation happens here), then ``iters`` timed steps:
    CUDA events on GPU, ``time.perf_counter`` on CPU; reports median and min-max,
    throughput (items per second at the median) and peak memory
@@ -103,6 +104,7 @@ class Case:
     peer: bool = False  # the library the user would pick instead; speed-ups are against it
     reference: bool = False  # the eager model in the run dtype (sets the low-precision tolerance)
     compiled: bool = False
+    same_names: bool = True  # parameter names equal the reference's (False: a peer library naming its own)
 
 
 @dataclass
@@ -308,9 +310,9 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             rows = []
             for case in sorted(group.cases, key=lambda c: not c.reference):  # reference first: it sets the tolerance
                 bar.set_postfix_str(f"{group.name}: {case.label}")
-                row, err = _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters)
+                row, got = _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters)
                 if case.reference:
-                    ref_in_dtype = err
+                    ref_in_dtype = got
                 rows.append(row)
                 bar.update(1)
                 gc.collect()
@@ -331,15 +333,22 @@ def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
     except Exception as e:  # reported, not hidden: the CLI exits non-zero
         row.status, row.note = "error", f"{type(e).__name__}: {e}"
         return row, None
-    err = None
+    got = None
     try:
         if ref is not None and step.outputs is not None:
-            err = parity.compare(ref, step.outputs())
-            row.max_err, row.grad_err = err.out, err.grad
-            tol = parity.tolerance(group.dtype or suite.dtype, err if case.reference else ref_in_dtype)
-            if not tol.passes(err):
-                row.status, row.note = "failed parity", f"not timed (tolerance {tol.describe()})"
-                return row, err
+            got = step.outputs()
+            low = (group.dtype or suite.dtype) != torch.float32
+            peer = (got if case.reference else ref_in_dtype) if low else None
+            if low and peer is None:
+                raise Unavailable("low-precision parity needs the eager reference case in this group")
+            comps = parity.compare(ref, got, peer, same_names=case.same_names)
+            row.max_err = comps[0].err
+            row.grad_err = comps[1].err if len(comps) > 1 else None
+            failed = [c for c in comps if not c.passed]
+            if failed:
+                row.status = "failed parity"
+                row.note = "not timed: " + "; ".join(f"{c.name} error {c.err:.2g} > {c.bound:.2g}" for c in failed)
+                return row, got
         if suite.device.type == "cuda":
             torch.cuda.synchronize(suite.device)
             torch.cuda.reset_peak_memory_stats(suite.device)
@@ -355,7 +364,7 @@ def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
         torch.cuda.empty_cache()
     except Exception as e:
         row.status, row.note = "error", f"{type(e).__name__}: {e}"
-    return row, err
+    return row, got
 
 
 def _fill_speedups(rows: list[Row]) -> None:

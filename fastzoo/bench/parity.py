@@ -1,67 +1,44 @@
-"""Parity of a backend against the eager reference on identical weights: outputs and gradients.
+"""The benchmarks' parity gate: :mod:`fastzoo.parity`'s comparisons applied to a case's outputs.
 
-Tolerances follow DESIGN.md's equivalence rule:
+``fastzoo check`` (:func:`fastzoo.parity.check_parity`) builds its own models and inputs;
+a benchmark must prove the exact thing it times (its inputs, its layout, the peer library,
+the compiled model), so it hands its tensors to the same comparison functions and the
+same rule: fp32 outputs within 1e-4 of the fp32 eager reference and gradients within a
+relative 1e-4; in low precision, within 3x the eager model's own error in that dtype.
 
-- fp32: ``max|out - ref| <= 1e-4`` for outputs; gradients relative to the largest
-  reference gradient, ``<= 1e-3`` (a backward sums many more terms than a forward, so
-  its rounding grows with depth; relative because gradient magnitudes vary by layer).
-- bf16 / fp16 (flash-attn's rule): with ``ref`` the eager model in fp32, a case may be off
-  by at most 3x what the eager model in the same low precision is off, plus a floor.
+A case is a dict ``{"output": tensor, "grad:<param>": tensor, ...}``. A peer from another
+library may name its parameters differently: its gradients are compared on the names
+and shapes both sides share (none shared: outputs only).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-FP32_OUT_ATOL = 1e-4
-FP32_GRAD_RTOL = 1e-3
-LOW_PRECISION_FACTOR = 3.0
-LOW_PRECISION_FLOOR = 1e-3
+from fastzoo.parity import Comparison
+from fastzoo.parity import _compare_grads as compare_grads
+from fastzoo.parity import _compare_outputs as compare_outputs
 
 
-@dataclass
-class ParityError:
-    """How far a case is from the reference: outputs absolute, gradients relative."""
-
-    out: float
-    grad: float | None  # None: no gradients compared (eval, or parameter names differ)
+def _grads(d: dict) -> dict[str, torch.Tensor]:
+    return {k[len("grad:"):]: v for k, v in d.items() if k.startswith("grad:")}
 
 
-def compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> ParityError:
-    """``ref``/``got`` map "output" and "grad:<param name>" to tensors; gradients are
-    compared on the names both sides have with equal shapes."""
-    out = (got["output"].float() - ref["output"].float()).abs().max().item()
-    grad_errs = []
-    for k, g_ref in ref.items():
-        if not k.startswith("grad:") or k not in got or got[k].shape != g_ref.shape:
-            continue
-        scale = g_ref.float().abs().max().item() or 1.0
-        grad_errs.append((got[k].float() - g_ref.float()).abs().max().item() / scale)
-    return ParityError(out, max(grad_errs) if grad_errs else None)
+def compare(ref: dict, got: dict, peer: dict | None = None, *, same_names: bool = True) -> list[Comparison]:
+    """Outputs, then gradients (when the case has them), of ``got`` against the fp32 ``ref``.
 
-
-@dataclass
-class Tolerance:
-    out: float
-    grad: float
-
-    def passes(self, err: ParityError) -> bool:
-        ok = err.out <= self.out
-        return ok and (err.grad is None or err.grad <= self.grad)
-
-    def describe(self) -> str:
-        return f"out <= {self.out:.2g}, grad (rel) <= {self.grad:.2g}"
-
-
-def tolerance(dtype: torch.dtype, reference_in_dtype: ParityError | None = None) -> Tolerance:
-    """fp32: fixed; low precision: 3x the eager model's own error in that dtype (+ floor)."""
-    if dtype == torch.float32:
-        return Tolerance(FP32_OUT_ATOL, FP32_GRAD_RTOL)
-    if reference_in_dtype is None:
-        raise ValueError("low-precision parity needs the eager model's own error in that dtype")
-    base_grad = reference_in_dtype.grad or 0.0
-    return Tolerance(
-        LOW_PRECISION_FACTOR * reference_in_dtype.out + LOW_PRECISION_FLOOR,
-        LOW_PRECISION_FACTOR * base_grad + LOW_PRECISION_FLOOR,
-    )
+    ``peer``: the eager model's outputs in the same low precision (None in fp32).
+    ``same_names=False``: compare gradients only on the parameters both sides share.
+    """
+    comps = [compare_outputs("output", got["output"].float(), ref["output"].float(), peer and peer["output"].float())]
+    g, g_ref = _grads(got), _grads(ref)
+    if not g or not g_ref:
+        return comps
+    g_peer = _grads(peer) if peer is not None else None
+    if not same_names:
+        shared = {k for k in g_ref if k in g and g[k].shape == g_ref[k].shape and (g_peer is None or k in g_peer)}
+        if not shared:
+            return comps
+        g, g_ref = {k: g[k] for k in shared}, {k: g_ref[k] for k in shared}
+        g_peer = {k: g_peer[k] for k in shared} if g_peer is not None else None
+    comps.append(compare_grads("grads", g, g_ref, g_peer))
+    return comps
