@@ -134,47 +134,49 @@ def gpt2_suite(
     def hf_copy():
         return copy.deepcopy(hf).to(device=device, dtype=dtype)
 
-    def hf_step(model, mode, compiled, args, kwargs, view, hf_model):
-        return _fastzoo_layout(step(model, mode, compiled, args, kwargs, view), hf_model)
+    layouts = {  # name -> (positional inputs, keyword inputs, view of the real tokens' logits)
+        "longest": ((on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1])),
+        "max": ((on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1])),
+        "packed": (packed_args, packed_kwargs, packed_view),
+        "nested": ((nested(seqs).to(device),), {}, nested_view),
+    }
+
+    def hf_case(layout, mode, compiled):
+        def build():
+            model = hf_copy()
+            if layout == "loop":
+                return _fastzoo_layout(step(_HFLoop(model, [on(x) for x in seqs]), mode, compiled, (), {}, lambda o: o), model)
+            return _fastzoo_layout(step(model, mode, compiled, *layouts[layout]), model)
+        return build
+
+    def fz_case(backend, layout, mode, compiled):
+        return lambda: step(fz(backend), mode, compiled, *layouts[layout])
 
     @cache
     def reference(mode):
         model = fastzoo.create("gpt2", attn="eager", pretrained=hf).to(device)
-        ids, mask = on(pad_long[0]), on(pad_long[1])
-        return step(model, mode, False, (ids,), {"attention_mask": mask}, padded_view(pad_long[1])).outputs()
+        return step(model, mode, False, *layouts["longest"]).outputs()
 
     groups = []
     for mode in map(check_mode, modes):
-        for compiled in compile_modes:
-            c = compiled
+        for c in compile_modes:
             cases = [
-                Case("HF padded to longest (sdpa)", lambda m=mode, c=c, h=hf_copy: hf_step(
-                    (h := h()), m, c, (on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1]), h),
-                    peer=True, compiled=c),
-                Case("HF padded to max (sdpa)", lambda m=mode, c=c, h=hf_copy: hf_step(
-                    (h := h()), m, c, (on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1]), h),
-                    compiled=c),
-                Case("HF loop, one sequence at a time", lambda m=mode, c=c, h=hf_copy: hf_step(
-                    _HFLoop((h := h()), [on(x) for x in seqs]), m, c, (), {}, lambda out: out, h), compiled=c),
+                Case("HF padded to longest (sdpa)", hf_case("longest", mode, c), peer=True, compiled=c),
+                Case("HF padded to max (sdpa)", hf_case("max", mode, c), compiled=c),
+                Case("HF loop, one sequence at a time", hf_case("loop", mode, c), compiled=c),
             ]
             for b in backends:
                 caps = fastzoo.attention.backend_class(b).capabilities
-                if b == "nested":
-                    cases.append(Case("fastzoo nested", lambda m=mode, c=c: step(
-                        fz("nested"), m, c, (nested(seqs).to(device),),
-                        {}, nested_view), compiled=c))
+                if b == "nested":  # its own input: a jagged NestedTensor of ids
+                    cases.append(Case("fastzoo nested", fz_case(b, "nested", mode, c), compiled=c))
                     continue
                 if caps.padding_mask:
-                    cases.append(Case(f"fastzoo padded to longest ({b})", lambda b=b, m=mode, c=c: step(
-                        fz(b), m, c, (on(pad_long[0]),), {"attention_mask": on(pad_long[1])}, padded_view(pad_long[1])),
-                        reference=b == "eager", compiled=c))
+                    cases.append(Case(f"fastzoo padded to longest ({b})", fz_case(b, "longest", mode, c),
+                                      reference=b == "eager", compiled=c))
                 if caps.padding_mask and b == "sdpa":
-                    cases.append(Case(f"fastzoo padded to max ({b})", lambda b=b, m=mode, c=c: step(
-                        fz(b), m, c, (on(pad_max[0]),), {"attention_mask": on(pad_max[1])}, padded_view(pad_max[1])),
-                        compiled=c))
+                    cases.append(Case(f"fastzoo padded to max ({b})", fz_case(b, "max", mode, c), compiled=c))
                 if caps.varlen:
-                    cases.append(Case(f"fastzoo packed ({b})", lambda b=b, m=mode, c=c: step(
-                        fz(b), m, c, packed_args, packed_kwargs, packed_view), compiled=c))
+                    cases.append(Case(f"fastzoo packed ({b})", fz_case(b, "packed", mode, c), compiled=c))
             groups.append(Group(f"{s.name} | {mode}" + (" | compiled" if c else ""), cases,
                                 reference=lambda m=mode: reference(m), unit="tokens/s"))
     return Suite("gpt2_varlen", groups, config=config, dtype=dtype, device=device)

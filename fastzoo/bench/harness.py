@@ -8,7 +8,8 @@ user would pick instead). For each case the harness
 2. compares its outputs and gradients with the group's fp32 eager reference on identical
    weights (:mod:`fastzoo.bench.parity`, the rule of ``fastzoo check``); a case that fails
    is reported and *not timed*,
-3. runs ``warmup`` untimed steps (compilation happens here), then ``iters`` timed steps:
+3. runs ``warmup`` untimed steps (compilation happens here; the parity pass, one full
+   step, counts as the first), then ``iters`` timed steps:
    CUDA events on GPU, ``time.perf_counter`` on CPU; reports median and min-max,
    throughput (items per second at the median) and peak memory
    (``torch.cuda.max_memory_allocated`` on GPU; ``n/a`` on CPU, where PyTorch keeps no
@@ -335,7 +336,8 @@ def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
         return row, None
     got = None
     try:
-        if ref is not None and step.outputs is not None:
+        parity_ran = ref is not None and step.outputs is not None
+        if parity_ran:
             got = step.outputs()
             low = (group.dtype or suite.dtype) != torch.float32
             peer = (got if case.reference else ref_in_dtype) if low else None
@@ -352,7 +354,8 @@ def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
         if suite.device.type == "cuda":
             torch.cuda.synchronize(suite.device)
             torch.cuda.reset_peak_memory_stats(suite.device)
-        stats = summarize(measure(step.run, warmup=warmup, iters=iters, device=suite.device))
+        warm = max(warmup - 1, 0) if parity_ran else warmup  # the parity pass was a full step
+        stats = summarize(measure(step.run, warmup=warm, iters=iters, device=suite.device))
         row.median_s, row.min_s, row.max_s, row.iters = stats.median, stats.min, stats.max, stats.n
         row.throughput = step.items / stats.median
         if suite.device.type == "cuda":
