@@ -18,6 +18,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<device name>)")
     p.add_argument("--note", default="", help="a line shown above the tables (e.g. machine load)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="add torch.compile rows (default: on GPU, and on CPU without --quick)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -41,9 +43,11 @@ def dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def compile_modes(quick: bool, device: torch.device) -> tuple[bool, ...]:
+def compile_modes(quick: bool, device: torch.device, compile: bool | None = None) -> tuple[bool, ...]:
     """Compiled rows on GPU; on a 2-core CPU compiling every case would take longer than the suite."""
-    return (False,) if device.type == "cpu" and quick else (False, True)
+    if compile is None:
+        compile = not (device.type == "cpu" and quick)
+    return (False, True) if compile else (False,)
 
 
 def save(report: Report, out: Path, stem: str) -> Report:

@@ -21,17 +21,17 @@ from fastzoo.bench.gpt2 import QUICK_SETTING, TARGET_SETTING, GPT2Setting, gpt2_
 GPU_SETTING = GPT2Setting("GPT-2 small, 32 seqs in [1,1024]", 12, 768, 12, 32, 1024)
 
 
-def run(device, out, *, quick, note="", progress=True):
+def run(device, out, *, quick, compile=None, note="", progress=True):
     setting = GPU_SETTING if device.type == "cuda" and not quick else (QUICK_SETTING if quick else TARGET_SETTING)
     backends = fastzoo.list_attention(available_only=True)
     if quick and device.type == "cpu":  # minutes on 2 cores: fp32 needs no eager case (the reference is
         backends = [b for b in backends if b not in ("eager", "flex")]  # separate), uncompiled flex is unfused
     suite = gpt2_suite(setting, backends=backends,
-                       compile_modes=compile_modes(quick, device), device=device, dtype=dtype_for(device))
+                       compile_modes=compile_modes(quick, device, compile), device=device, dtype=dtype_for(device))
     return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "gpt2_varlen")
 
 
 if __name__ == "__main__":
     args = parser(__doc__).parse_args()
     device, out = setup(args)
-    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress)
+    run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=not args.no_progress)

@@ -13,8 +13,8 @@ from fastzoo.bench import run_suite  # noqa: E402
 from fastzoo.bench.resnet import resnet_suite  # noqa: E402
 
 
-def run(device, out, *, quick, note="", progress=True):
-    suite = resnet_suite(compile_modes=compile_modes(quick, device), batch_size=2 if quick else (8 if device.type == "cpu" else 128),
+def run(device, out, *, quick, compile=None, note="", progress=True):
+    suite = resnet_suite(compile_modes=compile_modes(quick, device, compile), batch_size=2 if quick else (8 if device.type == "cpu" else 128),
                          img_size=128 if quick else 224, device=device)
     return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "resnet50")
 
@@ -22,4 +22,4 @@ def run(device, out, *, quick, note="", progress=True):
 if __name__ == "__main__":
     args = parser(__doc__).parse_args()
     device, out = setup(args)
-    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress)
+    run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=not args.no_progress)

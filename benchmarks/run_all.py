@@ -5,6 +5,7 @@ Writes per suite ``<suite>.json`` / ``.md`` / ``.png``, ``parity_train.*``, and
 
     python benchmarks/run_all.py --device cpu --quick --threads 2   # CPU set (a 2-core box in minutes)
     python benchmarks/run_all.py --device cuda                      # GPU set, one call on the GPU machine
+    python benchmarks/run_all.py --device cuda --only vit --no-compile   # a part, e.g. within a 10-minute call
 """
 import sys
 import time
@@ -79,7 +80,7 @@ def main():
     reports, sections = {}, []
     for name, run in SUITES.items():
         if name in wanted:
-            reports[name] = run(device, out, quick=args.quick, note=args.note, progress=progress)
+            reports[name] = run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=progress)
             sections.append(f"{reports[name].to_markdown()}\n" + (f"![{name}]({name}.png)\n" if (out / f"{name}.png").exists() else ""))
     if "parity_train" in wanted:
         tp = train_parity(fastzoo.list_attention(available_only=True), steps=300, device=device, dtype=dtype_for(device),
@@ -95,7 +96,8 @@ def main():
     if args.note:
         head += [f"> {args.note}", ""]
     head += [f"Produced by `python benchmarks/run_all.py --device {device.type}{' --quick' if args.quick else ''}"
-             f"{f' --threads {args.threads}' if args.threads else ''}` in {minutes:.1f} min; "
+             f"{f' --threads {args.threads}' if args.threads else ''}"
+             f"{' --compile' if args.compile else ' --no-compile' if args.compile is False else ''}` in {minutes:.1f} min; "
              f"{torch.get_num_threads()} torch threads. Versions: {vers}.", "",
              "Speed-ups are against the peer timed in the same run (timm / Hugging Face / torchvision). A backend that "
              "fails parity against the eager reference is listed and not timed.", "", "## Targets", ""]

@@ -19,11 +19,11 @@ from fastzoo.bench import run_suite  # noqa: E402
 from fastzoo.bench.vit import ARTICLE_SETTINGS, QUICK_SETTINGS, vit_suite  # noqa: E402
 
 
-def run(device, out, *, quick, note="", progress=True):
+def run(device, out, *, quick, compile=None, note="", progress=True):
     suite = vit_suite(
         QUICK_SETTINGS if quick else ARTICLE_SETTINGS,
         backends=fastzoo.list_attention(available_only=True),
-        compile_modes=compile_modes(quick, device),
+        compile_modes=compile_modes(quick, device, compile),
         batch_size=2 if quick else (8 if device.type == "cpu" else 32),
         device=device,
         dtype=dtype_for(device),
@@ -34,4 +34,4 @@ def run(device, out, *, quick, note="", progress=True):
 if __name__ == "__main__":
     args = parser(__doc__).parse_args()
     device, out = setup(args)
-    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress)
+    run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=not args.no_progress)
