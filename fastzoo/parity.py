@@ -198,10 +198,10 @@ def _gpt2_inputs(model, batch, gen, caps, notes):
     for i, s in enumerate(seqs):
         ids_BS[i, : len(s)] = s
         mask_BS[i, : len(s)] = 1
-    if caps.padding_mask:
+    if caps.padding_mask or caps.varlen:  # GPT-2 unpads a padded batch for packed-only backends
         yield "padded", {"args": (ids_BS,), "kwargs": {"attention_mask": mask_BS}, "keep": mask_BS.bool()}
     else:
-        notes.append("padded batch not compared: the backend takes no key-padding mask")
+        notes.append("padded batch not compared: the backend takes neither a key-padding mask nor packed sequences")
     if caps.varlen:
         from fastzoo.data import pack
 

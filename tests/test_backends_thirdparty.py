@@ -2,7 +2,8 @@
 
 On a CPU machine these backends must refuse at ``create`` with the missing piece and the
 install command; their declarations must refuse impossible requests; the library-independent
-parts (padding <-> packing, routing) are checked against eager on CPU. Their numerical parity
+parts (padding <-> packing, routing, a padded GPT-2 batch unpadded by the model) are checked
+against eager on CPU. Their numerical parity
 runs only where the library and a GPU are present (skipped here, with the reason).
 """
 import subprocess
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import fastzoo
-from fastzoo.attention import AttnContext, AttnRequest, backend_class, get_backend
+from fastzoo.attention import _REGISTRY, AttnContext, AttnRequest, backend_class, get_backend
 from fastzoo.attention.base import FP32, Capabilities
 from fastzoo.attention.library import LibraryBackend
 from fastzoo.attention.packing import repad, unpad
@@ -104,7 +105,8 @@ def test_no_backend_runs_on_cpu_or_claims_more_than_its_library():
     for name in THIRD_PARTY:
         caps = backend_class(name).capabilities
         assert set(caps.devices) == {"cuda"} and caps.backward == ("cuda",)
-        assert caps.varlen and caps.padding_mask and caps.causal and not caps.score_mod
+        # no key-padding mask: the model unpads a padded batch once per forward (tested below)
+        assert caps.varlen and not caps.padding_mask and caps.causal and not caps.score_mod
         assert caps.install and caps.packages
         assert caps.verified == "not verified on hardware" or "GPU" in caps.verified
     assert backend_class("fa3").capabilities.min_cuda_capability == (9, 0)  # Hopper
@@ -157,15 +159,11 @@ def test_unpad_rejects_a_non_bool_mask():
 
 class _TorchKernel(LibraryBackend):
     """The two entry points a kernel library provides, written in plain PyTorch, to check the
-    routing (padding -> packed, packed, dense) that fa2/fa3/te/xformers share. It stands in
-    for no library: the libraries' own parity is the GPU tests below."""
+    routing (packed, dense; padded batches unpadded by the model) that fa2/fa3/te/xformers
+    share. It stands in for no library: the libraries' own parity is the GPU tests below."""
 
     name = "torch_kernel"
-    capabilities = Capabilities(devices={"cpu": (FP32,)}, varlen=True)
-
-    @classmethod
-    def unavailable_reason(cls):
-        return None
+    capabilities = Capabilities(devices={"cpu": (FP32,)}, padding_mask=False, varlen=True)
 
     def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
         q, k, v = (x.transpose(1, 2) for x in (q_BSHD, k_BSHD, v_BSHD))
@@ -178,17 +176,27 @@ class _TorchKernel(LibraryBackend):
         return torch.cat(outs)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_library_routing_padding_matches_eager_on_real_queries(causal):
-    B, H, S, D = 3, 2, 6, 8
-    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+@pytest.fixture
+def torch_kernel():
+    fastzoo.register_attention("torch_kernel", _TorchKernel)
+    yield "torch_kernel"
+    _REGISTRY.pop("torch_kernel", None)
+
+
+def test_padded_gpt2_batch_is_unpadded_by_the_model_for_library_backends(torch_kernel):
+    """fa2/fa3/te/xformers take no padding mask: GPT-2 packs the real tokens once per forward,
+    so real tokens equal eager's and padding positions are zeros (left, right and no padding)."""
+    torch.manual_seed(0)
+    ref = fastzoo.create("gpt2", attn="eager", **TINY["gpt2"]).eval()
+    ours = fastzoo.create("gpt2", attn=torch_kernel, **TINY["gpt2"]).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 128, (3, 6))
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [0, 0] + [1] * 4], dtype=torch.bool)
-    ctx = AttnContext(causal=causal, key_padding_mask=mask, scale=0.3)
-    ours = _TorchKernel()(q, k, v, ctx)
-    ref = get_backend("eager")(q, k, v, ctx)
-    real = mask[:, None, :, None].expand_as(ref)
-    # fp32 CPU, same math in another order: DESIGN's 1e-4 is ample (observed ~1e-7).
-    assert (ours - ref)[real].abs().max() <= 1e-4
+    with torch.no_grad():
+        out, expected = ours(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+    # fp32 CPU, same math in another order: DESIGN's 1e-4 is ample (observed ~1e-6).
+    assert (out - expected)[mask].abs().max() <= 1e-4
+    assert (out[~mask] == 0).all()
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -202,11 +210,14 @@ def test_library_routing_packed_matches_eager(causal):
     assert (ours - ref).abs().max() <= 1e-4  # fp32 CPU, DESIGN.md tolerance
 
 
-def test_library_routing_refuses_mask_and_packing_together():
+def test_library_backends_refuse_a_padding_mask_per_call():
+    """A key-padding mask (alone or with packed sequences) never reaches the kernels."""
     q = torch.randn(1, 2, 4, 8)
-    ctx = AttnContext(key_padding_mask=torch.ones(1, 4, dtype=torch.bool), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
-    with pytest.raises(ValueError, match="not both"):
-        _TorchKernel().forward(q, q, q, ctx)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    for ctx in (AttnContext(key_padding_mask=mask),
+                AttnContext(key_padding_mask=mask, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))):
+        with pytest.raises(BackendUnavailableError, match="padding"):
+            _TorchKernel()(q, q, q, ctx)
 
 
 # -- numerical parity on a GPU -----------------------------------------------------------------
@@ -247,7 +258,7 @@ def test_gpu_varlen_entry_points_match_eager(fn_name, causal):
     cu = torch.tensor([0, 5, 17, 40], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(40, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     kw = dict(causal=causal, scale=None, dropout_p=0.0)
-    out = fn(q, k, v, cu, 23, **kw) if fn_name == "fa2_varlen" else fn(q, k, v, cu, **kw)
+    out = fn(q, k, v, cu, 23, **kw)
     ctx = AttnContext(causal=causal, cu_seqlens=cu, max_seqlen=23)
     ref = get_backend("eager")(*(x.float().transpose(0, 1)[None] for x in (q, k, v)), ctx)[0].transpose(0, 1)
     peer = get_backend("eager")(*(x.transpose(0, 1)[None] for x in (q, k, v)), ctx)[0].transpose(0, 1)

@@ -1,6 +1,7 @@
 """GIoU loss: equal to torchvision.ops.generalized_box_iou_loss (values and gradients) on
-random and degenerate boxes, through the reference, the fused CPU op and the Triton kernel;
-the four variable-count modes give the same number; bad boxes are refused."""
+random and degenerate boxes, through the reference, the fused C++ CPU kernel, its vectorised
+fallback and the Triton kernel; the four variable-count modes give the same number; bad boxes
+are refused."""
 import importlib.util
 import os
 import subprocess
@@ -12,6 +13,7 @@ import torch
 from torchvision.ops import generalized_box_iou_loss as tv_giou_loss
 
 import fastzoo.losses.giou as G
+from fastzoo.losses.kernels import giou_op
 from fastzoo.data.boxes import collate_boxes
 from fastzoo.losses import (
     giou_loss,
@@ -70,6 +72,7 @@ def test_matches_torchvision_fp32(impl, reduction):
     p, t = box_pairs()
     ref = loss_and_grads(TV, p, t, reduction=reduction)
     out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl=impl), p, t, reduction=reduction)
+    assert G.last_impl == {"torch": "torch", "kernel": "cpu-cpp"}[impl]
     assert out[0].dtype == torch.float32
     # values: same formula and op order in fp32 -> at most a few ulp
     torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
@@ -85,6 +88,7 @@ def test_low_precision_is_computed_in_fp32(impl, dtype, ulp):
     p, t = box_pairs()
     ref = loss_and_grads(TV, p, t, dtype)
     out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl=impl), p, t, dtype)
+    assert G.last_impl == {"torch": "torch", "kernel": "cpu-cpp"}[impl]
     assert out[0].dtype == torch.float32 and out[1].dtype == dtype  # fp32 loss, grads in the boxes' dtype
     torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)  # both compute in fp32 on the same rounded boxes
     # grads are fp32 values rounded to dtype: at most one rounding step apart
@@ -92,16 +96,97 @@ def test_low_precision_is_computed_in_fp32(impl, dtype, ulp):
     torch.testing.assert_close(out[2], ref[2], rtol=2 * ulp, atol=1e-5)
 
 
-def test_kernel_path_is_reported():
+def test_fp64_is_computed_in_fp64():
     p, t = box_pairs()
-    assert kernel_path("cpu") == "cpu-fused"
+    ref = loss_and_grads(TV, p, t, torch.float64)
+    out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl="kernel"), p, t, torch.float64)
+    assert G.last_impl == "cpu-cpp" and out[0].dtype == torch.float64 and out[1].dtype == torch.float64
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-12)  # same op order in fp64
+    # fp64 grads up to ~1/eps = 1e7 on degenerate pairs: relative, ~1e4 ulp of reassociation
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[2], ref[2], rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_path_is_reported():
+    """This machine has a C++ compiler and ninja: the C++ kernel must be what runs (a failed
+    build would report "cpu-vectorised" here and fail the test)."""
+    p, t = box_pairs()
+    assert kernel_path("cpu") == "cpu-cpp"
     assert kernel_path("cuda") == "triton"
     giou_loss(p, t, impl="kernel")
-    assert G.last_impl == "cpu-fused"
+    assert G.last_impl == "cpu-cpp"
     giou_loss(p, t, impl="auto")
-    assert G.last_impl == "cpu-fused"  # auto = the fused kernel, never the naive path silently
+    assert G.last_impl == "cpu-cpp"  # auto = the fused kernel, never the naive path silently
     giou_loss(p, t, impl="torch")
     assert G.last_impl == "torch"
+
+
+def test_cpp_kernel_on_large_and_strided_inputs():
+    """Above the kernel's grain (16384 boxes) the loop is split across threads; a strided
+    [N, 4] view goes in without a copy in Python. Both must give torchvision's numbers."""
+    g = torch.Generator().manual_seed(1)
+    n = 40_000
+    p, t = random_boxes(n, g), random_boxes(n, g)
+    ref = loss_and_grads(TV, p, t, reduction="sum")
+    out = loss_and_grads(lambda a, b, r: giou_loss(a, b, reduction=r, impl="kernel"), p, t, reduction="sum")
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-3)  # a sum of 40k fp32 terms: summation order
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)  # as in the fp32 test
+    pp, tt = box_pairs()
+    pred_strided = torch.stack([pp, pp], 1)[:, 1]  # [N, 4] with row stride 8
+    assert not pred_strided.is_contiguous()
+    ref = loss_and_grads(TV, pred_strided, tt)
+    out = loss_and_grads(lambda a, b, r: giou_loss(a.expand(2, -1, -1)[1], b, reduction=r, impl="kernel"), pred_strided, tt)
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
+
+
+def test_box_check_in_cpp_matches_the_torch_ops():
+    """first_bad_box runs in C++ on CPU once the kernel is loaded; fp64 boxes are compared in
+    fp64 (an inversion of 1e-12 is caught, and 1e300 is finite)."""
+    assert kernel_path("cpu") == "cpu-cpp" and giou_op.cpp_loaded()
+    b = random_boxes(10).double()
+    assert G.first_bad_box(b) is None
+    b[7, 2] = b[7, 0] - 1e-12
+    assert G.first_bad_box(b) == 7
+    b[7, 2] = b[7, 0] + 1e300
+    b[3, 1] = float("nan")
+    assert G.first_bad_box(b) == 3
+    assert G.first_bad_box(b.reshape(2, 5, 4)) == 3  # rows of the flattened boxes
+    assert G.first_bad_box(b[:0]) is None
+
+
+def test_vectorised_fallback_is_said_and_equal():
+    """FASTZOO_GIOU_CPU=vectorised stands in for a machine without a compiler: the op falls
+    back to the vectorised closed form, warns once, reports "cpu-vectorised", and still gives
+    torchvision's values and grads (a fresh process: the C++ kernel, once loaded, owns CPU)."""
+    code = textwrap.dedent("""
+        import warnings
+        import torch
+        from torchvision.ops import generalized_box_iou_loss
+        import fastzoo.losses.giou as G
+        from tests.test_giou import box_pairs, loss_and_grads
+        p, t = box_pairs()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert G.kernel_path("cpu") == "cpu-vectorised"
+            G.giou_loss(p, t, impl="kernel")
+        assert len(caught) == 1 and "FASTZOO_GIOU_CPU=vectorised" in str(caught[0].message), caught
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2 ** -6), (torch.float64, 1e-12)):
+            for reduction in ("none", "mean"):
+                ref = loss_and_grads(lambda a, b, r: generalized_box_iou_loss(a, b, reduction=r), p, t, dtype, reduction)
+                out = loss_and_grads(lambda a, b, r: G.giou_loss(a, b, reduction=r, impl="kernel"), p, t, dtype, reduction)
+                assert G.last_impl == "cpu-vectorised"
+                torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-6)
+                torch.testing.assert_close(out[1], ref[1], rtol=tol, atol=1e-5)
+                torch.testing.assert_close(out[2], ref[2], rtol=tol, atol=1e-5)
+        b = p.clone()
+        b[5, 3] = b[5, 1] - 0.1
+        assert G.first_bad_box(b) == 5  # the torch-ops check
+        print("ok")
+    """)
+    env = {**os.environ, giou_op.FORCE_ENV: "vectorised", "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
 def test_empty_and_batched_shapes():
@@ -223,6 +308,31 @@ def test_triton_kernels_in_the_interpreter():
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_failed_build_falls_back_with_the_reason(tmp_path):
+    """No compiler (CXX names a missing one; an empty extensions directory, so nothing cached
+    is loaded): the loss still works, through the vectorised form, and the warning says why."""
+    code = textwrap.dedent("""
+        import warnings
+        import torch
+        from torchvision.ops import generalized_box_iou_loss
+        import fastzoo.losses.giou as G
+        from tests.test_giou import box_pairs
+        p, t = box_pairs()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = G.giou_loss(p, t, impl="kernel")
+        assert G.last_impl == "cpu-vectorised" and G.kernel_path("cpu") == "cpu-vectorised"
+        msgs = [str(w.message) for w in caught if "fastzoo GIoU" in str(w.message)]
+        assert len(msgs) == 1 and "building the C++ kernel failed" in msgs[0] and "/nonexistent/c++" in msgs[0], msgs
+        torch.testing.assert_close(loss, generalized_box_iou_loss(p, t), rtol=0, atol=1e-6)
+        print("ok")
+    """)
+    env = {**os.environ, "CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    env.pop(giou_op.FORCE_ENV, None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 

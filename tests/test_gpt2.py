@@ -79,6 +79,19 @@ def test_padded_right_logits_loss_grads_equal_hf(hf, backend):
     assert_grads_close(m, ref_grads)
 
 
+@pytest.mark.parametrize("name", ["varlen", "nested"])
+def test_packed_only_backends_unpad_once_per_forward_padding_gets_zeros(hf, name):
+    """varlen/nested take no padding mask: the model packs the real tokens (holes included),
+    runs packed, and scatters back; padding positions are zeros, real tokens equal HF's."""
+    ids = torch.stack(seqs((7, 7, 7)))
+    mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 1, 0, 1, 1]], dtype=torch.bool)
+    with torch.no_grad():
+        logits = ours(hf, name)(ids, attention_mask=mask)
+        ref = hf(ids, attention_mask=mask).logits
+    assert (logits - ref)[mask].abs().max() <= LOGIT_TOL
+    assert (logits[~mask] == 0).all()
+
+
 @pytest.mark.parametrize("backend", [("eager", {}), ("sdpa", {}), ("varlen", {})], ids=IDS)
 def test_left_padding_with_collator_positions_equals_each_sequence_alone(hf, backend):
     batch = pad_to_longest(seqs(), side="left")

@@ -98,10 +98,11 @@ def test_registered_and_in_the_capability_matrix():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen GPU kernels need a CUDA GPU; this machine has none")
 @pytest.mark.parametrize("impl", ["torch", "flash", "xformers", "flex", None])
 def test_gpu_varlen_kernels_low_precision_rule(impl):
-    from fastzoo.attention.varlen import impl_unavailable
+    from fastzoo.attention.base import unavailable
 
-    if impl and impl_unavailable(impl):
-        pytest.skip(impl_unavailable(impl))
+    reason = impl and unavailable(get_backend("varlen", impl=impl).capabilities)
+    if reason:
+        pytest.skip(reason)
     qkv, cu = packed_qkv(torch.bfloat16, "cuda")
     out = get_backend("varlen", impl=impl)(*qkv, AttnContext(causal=True, cu_seqlens=cu, max_seqlen=max(LENGTHS)))
     ref, _ = reference_per_sequence(qkv, cu, True)

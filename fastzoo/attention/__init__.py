@@ -108,7 +108,7 @@ def capability_matrix() -> list[dict]:
             "available here": "yes" if reason is None else f"no: {reason}",
             "devices: dtypes": caps.dtypes_text(),
             "causal": yes(caps.causal),
-            "padding mask": yes(caps.padding_mask),
+            "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
             "varlen": yes(caps.varlen),
             "score_mod": yes(caps.score_mod),
             "backward": "/".join(caps.backward) or "no",

@@ -11,6 +11,8 @@ forward with a message that names the missing piece.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -20,6 +22,7 @@ import torch
 from fastzoo.errors import BackendUnavailableError
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
+FLOATS, HALF = (FP32, BF16, FP16), (BF16, FP16)  # the dtype sets backends declare
 _DTYPE_NAMES = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
 
 
@@ -106,7 +109,7 @@ class AttentionBackend:
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """Why this backend (with default options) cannot run on this machine at all, or None."""
-        return _unavailable(cls.capabilities)
+        return unavailable(cls.capabilities)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -116,7 +119,7 @@ class AttentionBackend:
         """Raise :class:`BackendUnavailableError` if this backend cannot serve ``req``."""
         caps = self.capabilities
         problems = []
-        reason = _unavailable(caps)
+        reason = unavailable(caps)
         if reason:
             problems.append(reason)
         if req.device is not None and req.device not in caps.devices:
@@ -178,20 +181,43 @@ class AttentionBackend:
         return f"{type(self).__name__}({args})"
 
 
-def _unavailable(caps: Capabilities) -> str | None:
-    missing = [p for p in caps.packages if not package_available(p)]
+def unavailable(caps: Capabilities) -> str | None:
+    """Why a backend with these capabilities cannot run on this machine at all, naming every
+    missing piece (package with its install command, device, GPU generation), or None.
+
+    Where nothing is missing it imports the packages once, to catch a wheel built for another
+    torch or CUDA: a backend reported available really runs. A package is never imported on
+    a machine that cannot use it. Cached: none of this changes within a process, and per-call
+    kernel choice (``varlen``) asks it on every forward.
+    """
+    return _unavailable(caps.packages, caps.install, tuple(caps.devices), caps.min_cuda_capability)
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable(packages, install, devices, min_cuda_capability) -> str | None:
+    problems = []
+    missing = [p for p in packages if not package_available(p)]
     if missing:
-        how = f" Install it with `{caps.install}`." if caps.install else ""
-        return f"needs the package(s) {', '.join(missing)}, which are not installed.{how}"
-    local = [d for d in caps.devices if _device_present(d)]
-    if not local:
-        return f"runs on {'/'.join(caps.devices)} only, and this machine has none"
-    if caps.min_cuda_capability and set(caps.devices) == {"cuda"}:
-        cc = torch.cuda.get_device_capability()
-        if cc < caps.min_cuda_capability:
-            need = ".".join(map(str, caps.min_cuda_capability))
-            return f"needs a GPU of compute capability >= {need}; this one is {cc[0]}.{cc[1]}"
-    return None
+        how = f" (install: `{install}`)" if install else ""
+        problems.append(f"needs the package(s) {', '.join(missing)}, which are not installed{how}")
+    if not any(_device_present(d) for d in devices):
+        need = " or ".join(_DEVICE_WORDS.get(d, f"a {d} device") for d in devices)
+        problems.append(f"runs on {'/'.join(devices)} only: needs {need}, and this machine has none")
+    elif min_cuda_capability and set(devices) == {"cuda"} and torch.cuda.get_device_capability() < min_cuda_capability:
+        need, cc = (".".join(map(str, v)) for v in (min_cuda_capability, torch.cuda.get_device_capability()))
+        problems.append(f"needs a GPU of compute capability >= {need}; this one is {cc}")
+    if not problems:
+        for p in packages:
+            try:
+                importlib.import_module(p)
+            except Exception as e:  # an extension built for another torch raises ImportError, OSError, RuntimeError...
+                first = str(e).splitlines()[0] if str(e) else ""
+                problems.append(f"has {p} installed, but it does not import ({type(e).__name__}: {first}); "
+                                "reinstall it for this torch/CUDA")
+    return "; ".join(problems) or None
+
+
+_DEVICE_WORDS = {"cuda": "a CUDA GPU"}
 
 
 def _device_present(device_type: str) -> bool:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
 
 
 class EagerBackend(AttentionBackend):
     name = "eager"
     description = "plain matmul-softmax-matmul (the reference)"
     capabilities = Capabilities(
-        devices={"cpu": (FP32, BF16, FP16), "cuda": (FP32, BF16, FP16)},
+        devices={"cpu": FLOATS, "cuda": FLOATS},
         varlen=True,
         score_mod=True,
         verified="reference (CPU fp32)",

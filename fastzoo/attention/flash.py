@@ -19,17 +19,15 @@ SDPA call in the process rather than the model that asked, and SDPA has no packe
 entry. A user who wants that route can activate it and pick ``attn="sdpa",
 attn_options={"sdpa_backend": "flash"}``.
 
-Padding masks become packed sequences (:mod:`fastzoo.attention.packing`); packed batches
-go straight to the varlen kernel. The libraries are imported inside the calls only.
+Packed batches go to the varlen kernel; a model unpads a padded batch into a packed one
+first (:mod:`fastzoo.attention.library`). The libraries are imported inside the calls only.
 """
 from __future__ import annotations
 
 import torch
 
-from fastzoo.attention.base import BF16, FP16, Capabilities
+from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
-
-_HALF = (BF16, FP16)
 
 
 def _out(result):
@@ -41,20 +39,10 @@ def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dr
     """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32."""
     from flash_attn import flash_attn_varlen_func
 
-    cu = cu_seqlens.to(dtype=torch.int32)
     return flash_attn_varlen_func(
-        q_THD, k_THD, v_THD, cu, cu, max_seqlen, max_seqlen,
+        q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
         dropout_p=dropout_p, softmax_scale=scale, causal=causal,
     )
-
-
-def fa3_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p=0.0) -> torch.Tensor:
-    """FlashAttention-3 on packed sequences (no dropout in FA3)."""
-    _no_dropout(dropout_p)
-    from flash_attn_interface import flash_attn_varlen_func
-
-    cu = cu_seqlens.to(dtype=torch.int32)
-    return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal))
 
 
 def _no_dropout(dropout_p: float) -> None:
@@ -66,7 +54,8 @@ class Fa2Backend(LibraryBackend):
     name = "fa2"
     description = "FlashAttention-2 (flash-attn): flash_attn_func / flash_attn_varlen_func"
     capabilities = Capabilities(
-        devices={"cuda": _HALF},
+        devices={"cuda": HALF},
+        padding_mask=False,
         varlen=True,
         backward=("cuda",),
         compile=True,  # flash-attn >= 2.6 registers its kernels as torch.library custom ops
@@ -82,15 +71,15 @@ class Fa2Backend(LibraryBackend):
 
         return flash_attn_func(q_BSHD, k_BSHD, v_BSHD, dropout_p=dropout_p, softmax_scale=scale, causal=causal)
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
-        return fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=causal, scale=scale, dropout_p=dropout_p)
+    varlen = staticmethod(fa2_varlen)
 
 
 class Fa3Backend(LibraryBackend):
     name = "fa3"
     description = "FlashAttention-3 for Hopper (flash_attn_interface); no dropout"
     capabilities = Capabilities(
-        devices={"cuda": _HALF},
+        devices={"cuda": HALF},
+        padding_mask=False,
         varlen=True,
         backward=("cuda",),
         compile=True,  # registered as torch.library custom ops (flash_attn_3::_flash_attn_forward)
@@ -108,4 +97,8 @@ class Fa3Backend(LibraryBackend):
         return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal))
 
     def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
-        return fa3_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=causal, scale=scale, dropout_p=dropout_p)
+        _no_dropout(dropout_p)
+        from flash_attn_interface import flash_attn_varlen_func
+
+        return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                           softmax_scale=scale, causal=causal))

@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
 
 _compiled_flex = None
 
@@ -36,7 +36,7 @@ class FlexBackend(AttentionBackend):
     name = "flex"
     description = "FlexAttention: score_mod/mask_mod presets softcap, causal, sliding_window, neighborhood"
     capabilities = Capabilities(
-        devices={"cpu": (FP32, BF16, FP16), "cuda": (FP32, BF16, FP16)},
+        devices={"cpu": FLOATS, "cuda": FLOATS},
         varlen=True,
         score_mod=True,
         backward=("cuda",),

@@ -12,47 +12,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities
+from fastzoo.attention import packing
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
 from fastzoo.attention.varlen import packed_sdpa
-
-_ALL = (FP32, BF16, FP16)
 
 
 class NestedBackend(AttentionBackend):
     name = "nested"
     description = "jagged NestedTensor through SDPA (packed sequences)"
     capabilities = Capabilities(
-        devices={"cpu": _ALL, "cuda": _ALL}, padding_mask=False, varlen=True, verified="CPU fp32 (torch 2.14.1)"
+        devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32 (torch 2.14.1)"
     )
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
-        B, H, S, D = q_BHSD.shape
-        cu_seqlens, max_seqlen = ctx.cu_seqlens, ctx.max_seqlen
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BHSD.device)
-            max_seqlen = S
-        elif B != 1:
-            raise ValueError(f"cu_seqlens: packed sequences come as one row [1, H, T, D], got batch size {B}")
-        if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-
-        def thd(x_BHSD):
-            return x_BHSD.transpose(1, 2).reshape(B * S, H, -1)
-
+        cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
+        q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         if q_BHSD.device.type == "cpu" and ctx.causal:
-            o_THD = packed_sdpa(thd(q_BHSD), thd(k_BHSD), thd(v_BHSD), cu_seqlens, max_seqlen,
+            o_THD = packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,
                                 causal=True, scale=ctx.scale, dropout_p=ctx.dropout_p)
         else:
             offsets = cu_seqlens.long()
 
-            def jagged_NHjD(x_BHSD):
+            def jagged_NHjD(x_THD):
                 # the jagged kernels need the values contiguous (a [1, T, H, D] view may not be)
-                values_THD = thd(x_BHSD).contiguous()
-                return torch.nested.nested_tensor_from_jagged(values_THD, offsets=offsets, max_seqlen=max_seqlen).transpose(1, 2)
+                return torch.nested.nested_tensor_from_jagged(
+                    x_THD.contiguous(), offsets=offsets, max_seqlen=max_seqlen).transpose(1, 2)
 
             o_NHjD = F.scaled_dot_product_attention(
-                jagged_NHjD(q_BHSD), jagged_NHjD(k_BHSD), jagged_NHjD(v_BHSD),
+                jagged_NHjD(q_THD), jagged_NHjD(k_THD), jagged_NHjD(v_THD),
                 dropout_p=ctx.dropout_p, is_causal=ctx.causal, scale=ctx.scale,
             )
             o_THD = o_NHjD.transpose(1, 2).values()
-        return o_THD.view(B, S, H, -1).transpose(1, 2)
+        return packing.from_THD(o_THD, q_BHSD.shape[0])

@@ -1,10 +1,18 @@
-"""Moving between a padded batch and packed tokens, for kernels that only take packed sequences.
+"""Packed sequences: their metadata and the layout conversions, in one place.
 
-FlashAttention's and xFormers' variable-length kernels take ``[T, H, D]`` tokens and
-``cu_seqlens`` offsets, not a key-padding mask. :func:`unpad` gathers the real tokens of a
-padded ``[B, S, H, D]`` batch (any padding pattern: left, right or holes, order kept) and
-:func:`repad` scatters the kernel's output back, with zeros at padded positions. Pure
-PyTorch, so it is tested on CPU.
+Varlen kernels (FlashAttention, xFormers, Transformer Engine, ``varlen``, ``nested``) take
+``[T, H, D]`` tokens and int32 ``cu_seqlens`` offsets, not the contract's ``[B, H, S, D]``
+and not a key-padding mask:
+
+- :func:`seqlens` gives a call's ``cu_seqlens``/``max_seqlen``: the context's packed
+  sequences, or a plain ``[B, S]`` batch read as B sequences of S tokens;
+- :func:`to_THD` / :func:`from_THD` move between the contract's layout and the kernels';
+- :func:`unpad` gathers the real tokens of a padded batch (any ``[B, S, ...]`` tensors; any
+  padding pattern: left, right or holes, order kept) and :func:`repad` scatters results
+  back with zeros at padded positions. Models call them once per forward, so attention
+  and everything between attention layers skip the padding.
+
+Pure PyTorch, so it is tested on CPU.
 """
 from __future__ import annotations
 
@@ -12,20 +20,46 @@ from dataclasses import dataclass
 
 import torch
 
+from fastzoo.attention.base import AttnContext
+
+
+def seqlens(ctx: AttnContext, q_BHSD: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` (int32, on q's device) and ``max_seqlen`` of this call."""
+    B, _, S, _ = q_BHSD.shape
+    if ctx.cu_seqlens is None:  # a plain batch: B sequences of S tokens
+        return torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BHSD.device), S
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed sequences come as one row [1, H, T, D], got batch size {B}")
+    cu_seqlens = ctx.cu_seqlens.to(device=q_BHSD.device, dtype=torch.int32)
+    if ctx.max_seqlen is not None:  # as given by the data pipeline; else read it (one device sync)
+        return cu_seqlens, int(ctx.max_seqlen)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def to_THD(x_BHSD: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, D]`` -> ``[B*S, H, D]``, the layout varlen kernels take (a view for B == 1)."""
+    return x_BHSD.transpose(1, 2).flatten(0, 1)
+
+
+def from_THD(x_THD: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of :func:`to_THD`: ``[B*S, H, D]`` -> ``[B, H, S, D]``."""
+    return x_THD.reshape(batch, -1, *x_THD.shape[1:]).transpose(1, 2)
+
 
 @dataclass
 class Unpadded:
     """Where the real tokens of a padded batch went."""
 
     indices: torch.Tensor  # [T] flat positions (b * S + s) of the real tokens
-    cu_seqlens: torch.Tensor  # [B+1] int32 offsets of each row's tokens in the packed layout
+    cu_seqlens: torch.Tensor  # [N+1] int32 offsets of the non-empty rows' tokens in the packed layout
     max_seqlen: int
     batch: int
     seqlen: int
 
 
-def unpad(key_padding_mask_BS: torch.Tensor, *xs_BSHD: torch.Tensor) -> tuple[Unpadded, list[torch.Tensor]]:
-    """Pack the real tokens (mask True) of each ``[B, S, H, D]`` tensor into ``[T, H, D]``.
+def unpad(key_padding_mask_BS: torch.Tensor, *xs_BS: torch.Tensor) -> tuple[Unpadded, list[torch.Tensor]]:
+    """Pack the real tokens (mask True) of each ``[B, S, ...]`` tensor into ``[T, ...]``, one
+    sequence per non-empty row, in order.
 
     Reads the mask's row lengths on the host (one device sync) because the kernels take
     ``max_seqlen`` as a Python int.
@@ -35,33 +69,16 @@ def unpad(key_padding_mask_BS: torch.Tensor, *xs_BSHD: torch.Tensor) -> tuple[Un
             f"key_padding_mask must be a [B, S] bool tensor, got {key_padding_mask_BS.dtype} {tuple(key_padding_mask_BS.shape)}"
         )
     B, S = key_padding_mask_BS.shape
-    lengths_B = key_padding_mask_BS.sum(dim=1, dtype=torch.int32)
-    cu_seqlens = torch.nn.functional.pad(lengths_B.cumsum(0, dtype=torch.int32), (1, 0))
+    lengths = key_padding_mask_BS.sum(dim=1, dtype=torch.int32)
+    lengths = lengths[lengths > 0]  # an all-padding row is no sequence (kernels may refuse empty ones)
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     indices = key_padding_mask_BS.flatten().nonzero().squeeze(1)
-    info = Unpadded(indices, cu_seqlens, int(lengths_B.max()), B, S)
-    return info, [x.reshape(B * S, *x.shape[2:]).index_select(0, indices) for x in xs_BSHD]
+    info = Unpadded(indices, cu_seqlens, int(lengths.max()) if len(lengths) else 0, B, S)
+    return info, [x.reshape(B * S, *x.shape[2:]).index_select(0, indices) for x in xs_BS]
 
 
-def repad(x_THD: torch.Tensor, info: Unpadded) -> torch.Tensor:
-    """Inverse of :func:`unpad` for one tensor: ``[T, H, D]`` -> ``[B, S, H, D]``, zeros at padding."""
-    out = x_THD.new_zeros(info.batch * info.seqlen, *x_THD.shape[1:])
-    out = out.index_copy(0, info.indices, x_THD)  # out-of-place, so autograd flows back to x_THD
-    return out.view(info.batch, info.seqlen, *x_THD.shape[1:])
-
-
-def max_seqlen_of(cu_seqlens: torch.Tensor, max_seqlen: int | None) -> int:
-    """``max_seqlen`` as given by the data pipeline, else read from ``cu_seqlens`` (one device sync)."""
-    if max_seqlen is not None:
-        return int(max_seqlen)
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-
-
-def to_THD(x_BHSD: torch.Tensor) -> torch.Tensor:
-    """A packed batch (``B == 1``, ``S == T``) in the ``[T, H, D]`` layout varlen kernels take."""
-    if x_BHSD.shape[0] != 1:
-        raise ValueError(f"packed sequences (cu_seqlens) need a batch of one, got batch {x_BHSD.shape[0]}")
-    return x_BHSD[0].transpose(0, 1)
-
-
-def from_THD(x_THD: torch.Tensor) -> torch.Tensor:
-    return x_THD.transpose(0, 1).unsqueeze(0)
+def repad(x_T: torch.Tensor, info: Unpadded) -> torch.Tensor:
+    """Inverse of :func:`unpad` for one tensor: ``[T, ...]`` -> ``[B, S, ...]``, zeros at padding."""
+    out = x_T.new_zeros(info.batch * info.seqlen, *x_T.shape[1:])
+    out = out.index_copy(0, info.indices, x_T)  # out-of-place, so autograd flows back to x_T
+    return out.view(info.batch, info.seqlen, *x_T.shape[1:])

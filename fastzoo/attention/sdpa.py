@@ -14,29 +14,27 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities
 from fastzoo.errors import BackendUnavailableError
 
-_ALL = (FP32, BF16, FP16)
-_HALF = (BF16, FP16)
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
-_BASE = Capabilities(devices={"cpu": _ALL, "cuda": _ALL}, varlen=True, verified="CPU fp32 (torch 2.14.1)")
+_BASE = Capabilities(devices={"cpu": FLOATS, "cuda": FLOATS}, varlen=True, verified="CPU fp32 (torch 2.14.1)")
 # What each pinned kernel takes, from PyTorch's sdp_utils checks. On CPU "flash" is
 # PyTorch's C++ flash kernel (fp32 too, masks allowed); on CUDA it is FlashAttention-2.
 _KERNEL_CAPS = {
     None: _BASE,
     "math": _BASE,
     "flash": dataclasses.replace(
-        _BASE, devices={"cpu": _ALL, "cuda": _HALF}, max_head_dim=256, min_cuda_capability=(8, 0)
+        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0)
     ),
-    "efficient": dataclasses.replace(_BASE, devices={"cuda": _ALL}, verified="not verified on hardware"),
+    "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
-        _BASE, devices={"cuda": _HALF}, max_head_dim=128, min_cuda_capability=(8, 0), verified="not verified on hardware"
+        _BASE, devices={"cuda": HALF}, max_head_dim=128, min_cuda_capability=(8, 0), verified="not verified on hardware"
     ),
 }
 

@@ -4,7 +4,7 @@
 attention_dropout=..., qkv_format=..., attn_mask_type=...)`` picks among its own backends
 (cuDNN fused attention, FlashAttention, unfused) per call. Equal-length batches use
 ``qkv_format="bshd"`` with ``attn_mask_type`` ``"no_mask"`` or ``"causal"``; packed sequences,
-and padded batches once packed (:mod:`fastzoo.attention.packing`; TE's own bshd padding
+and padded batches once the model has packed them (:mod:`fastzoo.attention.packing`; TE's bshd padding
 path assumes right padding), use ``qkv_format="thd"`` with ``cu_seqlens_q/kv``,
 ``max_seqlen_q/kv`` and ``attn_mask_type`` ``"padding"`` or ``"padding_causal"``, as TE's
 documentation prescribes. TE returns the heads flattened (``[B, S, H*D]`` / ``[T, H*D]``);
@@ -15,7 +15,7 @@ it holds no weights, so the model's state dict is untouched.
 """
 from __future__ import annotations
 
-from fastzoo.attention.base import BF16, FP16, Capabilities
+from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
@@ -23,7 +23,8 @@ class TeBackend(LibraryBackend):
     name = "te"
     description = "Transformer Engine DotProductAttention (bshd; thd with cu_seqlens)"
     capabilities = Capabilities(
-        devices={"cuda": (BF16, FP16)},
+        devices={"cuda": HALF},
+        padding_mask=False,
         varlen=True,
         backward=("cuda",),
         compile=False,  # TE wraps its attention in no_torch_dynamo: torch.compile runs it eagerly

@@ -19,42 +19,34 @@ a model unpads a padded batch into a packed one before calling this backend.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 
 import torch
 import torch.nn.functional as F
 
-from fastzoo.attention.base import BF16, FP16, FP32, AttentionBackend, Capabilities, package_available
+from fastzoo.attention import packing
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, unavailable
+from fastzoo.attention.flash import Fa2Backend, fa2_varlen
 from fastzoo.attention.masks import document_ids
+from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
 
-_ALL = (FP32, BF16, FP16)
-_HALF = (BF16, FP16)
 _BASE = Capabilities(
-    devices={"cpu": _ALL, "cuda": _ALL}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
+    devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
 )
 _CAPS = {
     None: _BASE,
     "torch": dataclasses.replace(
-        _BASE, devices={"cuda": _HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
+        _BASE, devices={"cuda": HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
     ),
-    "flash": dataclasses.replace(
-        _BASE, devices={"cuda": _HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
-        packages=("flash_attn",), install="pip install flash-attn --no-build-isolation", verified="not verified on hardware",
-    ),
-    "xformers": dataclasses.replace(
-        _BASE, devices={"cuda": _ALL}, backward=("cuda",), packages=("xformers",), install="pip install xformers",
-        verified="not verified on hardware",
-    ),
+    "flash": Fa2Backend.capabilities,  # the same kernels: one declaration
+    "xformers": XformersBackend.capabilities,
     "flex": dataclasses.replace(_BASE, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
-    "cpu": dataclasses.replace(_BASE, devices={"cpu": _ALL}, backward=("cpu",)),
+    "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
 _DROPOUT = {"torch": False, "flash": True, "xformers": True, "flex": False, "cpu": True}
 _CUDA_ORDER = ("torch", "flash", "xformers", "flex")
-# third-party kernels are wrapped by fastzoo modules that import their library lazily
-_ADAPTERS = {"flash": ("fastzoo.attention.flash", "fa2_varlen"), "xformers": ("fastzoo.attention.xformers", "xformers_varlen")}
 
 
 def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0):
@@ -94,28 +86,8 @@ def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale,
     return varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
 
 
-def _adapter(impl: str):
-    module, fn = _ADAPTERS[impl]
-    return getattr(importlib.import_module(module), fn)
-
-
-def impl_unavailable(impl: str) -> str | None:
-    """Why ``impl`` cannot run on this machine, or None."""
-    caps = _CAPS[impl]
-    missing = [p for p in caps.packages if not package_available(p)]
-    if missing:
-        return f"impl={impl!r} needs {', '.join(missing)} (install: {caps.install})"
-    if impl in _ADAPTERS:
-        try:
-            _adapter(impl)
-        except (ImportError, AttributeError):
-            return f"impl={impl!r} needs {':'.join(_ADAPTERS[impl])}, which this fastzoo build lacks"
-    if "cuda" in caps.devices and "cpu" not in caps.devices:
-        if not torch.cuda.is_available():
-            return f"impl={impl!r} runs on CUDA only, and this machine has no GPU"
-        if caps.min_cuda_capability and torch.cuda.get_device_capability() < caps.min_cuda_capability:
-            return f"impl={impl!r} needs a GPU of compute capability >= {'.'.join(map(str, caps.min_cuda_capability))}"
-    return None
+# [T, H, D] kernels with one signature; flash and xformers import their library inside the call
+_KERNELS = {"torch": _torch_varlen, "flash": fa2_varlen, "xformers": xformers_varlen, "cpu": packed_sdpa}
 
 
 class VarlenBackend(AttentionBackend):
@@ -134,16 +106,16 @@ class VarlenBackend(AttentionBackend):
 
     def check(self, req):
         impl = self.opts["impl"]
-        reason = impl_unavailable(impl) if impl else None
-        if reason:  # named first: "impl='flash' needs flash_attn" says more than "runs on cuda only"
-            raise BackendUnavailableError(self._message([reason]))
+        reason = unavailable(self.capabilities) if impl else None
+        if reason:  # named with the impl: "impl='flash' needs flash_attn" says more than "needs flash_attn"
+            raise BackendUnavailableError(self._message([f"impl={impl!r} {reason}"]))
         super().check(req)
 
     def _fits(self, impl: str, q, ctx) -> bool:
         caps = _CAPS[impl]
         dev = q.device.type
         return (
-            impl_unavailable(impl) is None
+            unavailable(caps) is None  # cached: the per-call cost is the checks below
             and q.dtype in caps.devices.get(dev, ())
             and (caps.max_head_dim is None or q.shape[-1] <= caps.max_head_dim)
             and (ctx.dropout_p == 0 or _DROPOUT[impl])
@@ -171,23 +143,8 @@ class VarlenBackend(AttentionBackend):
 
                 self._flex = FlexBackend()
             return self._flex.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
-        B, H, S, D = q_BHSD.shape
-        cu_seqlens, max_seqlen = ctx.cu_seqlens, ctx.max_seqlen
-        if cu_seqlens is None:  # a plain batch: B sequences of S tokens
-            cu_seqlens = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BHSD.device)
-            max_seqlen = S
-        elif B != 1:
-            raise ValueError(f"cu_seqlens: packed sequences come as one row [1, H, T, D], got batch size {B}")
-        if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-
-        def thd(x_BHSD):
-            return x_BHSD.transpose(1, 2).reshape(B * S, H, -1)
-
-        fn = packed_sdpa if impl == "cpu" else _torch_varlen if impl == "torch" else _adapter(impl)
-        kw = dict(causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p)
-        if impl == "xformers":
-            o_THD = fn(thd(q_BHSD), thd(k_BHSD), thd(v_BHSD), cu_seqlens, **kw)
-        else:
-            o_THD = fn(thd(q_BHSD), thd(k_BHSD), thd(v_BHSD), cu_seqlens, max_seqlen, **kw)
-        return o_THD.view(B, S, H, -1).transpose(1, 2)
+        cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
+        q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
+        o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,
+                               causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p)
+        return packing.from_THD(o_THD, q_BHSD.shape[0])

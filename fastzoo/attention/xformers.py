@@ -6,20 +6,20 @@ Does Not Need O(n^2) Memory"; xFormers, Lefaudeux et al. 2022).
 (CUTLASS, which also takes fp32, or FlashAttention for fp16/bf16). Masks are bias objects:
 ``LowerTriangularMask()`` for causal attention, and
 ``fmha.attn_bias.BlockDiagonalMask.from_seqlens(...)`` / ``BlockDiagonalCausalMask`` for packed
-sequences (batch of one). A key-padding mask becomes packed sequences first
-(:mod:`fastzoo.attention.packing`). Building a block-diagonal bias reads the sequence lengths
-on the host: one device sync per call.
+sequences (batch of one); a model unpads a padded batch into a packed one first. Building
+a block-diagonal bias reads the sequence lengths on the host: one device sync per call.
 """
 from __future__ import annotations
 
 import torch
 
-from fastzoo.attention.base import BF16, FP16, FP32, Capabilities
+from fastzoo.attention.base import FLOATS, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
-def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, *, causal, scale, dropout_p) -> torch.Tensor:
-    """Packed sequences through a block-diagonal bias: ``[T, H, D]`` in and out."""
+def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p) -> torch.Tensor:
+    """Packed sequences through a block-diagonal bias: ``[T, H, D]`` in and out. ``max_seqlen``
+    is unused (the bias reads the lengths); it keeps the varlen kernels' common signature."""
     from xformers.ops import fmha, memory_efficient_attention
 
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -35,7 +35,8 @@ class XformersBackend(LibraryBackend):
     name = "xformers"
     description = "xFormers memory_efficient_attention (LowerTriangularMask, BlockDiagonalMask)"
     capabilities = Capabilities(
-        devices={"cuda": (FP32, BF16, FP16)},
+        devices={"cuda": FLOATS},
+        padding_mask=False,
         varlen=True,
         backward=("cuda",),
         compile=False,  # not declared torch.compile-safe by xFormers for training: expect graph breaks
@@ -51,5 +52,4 @@ class XformersBackend(LibraryBackend):
         bias = LowerTriangularMask() if causal else None
         return memory_efficient_attention(q_BSHD, k_BSHD, v_BSHD, attn_bias=bias, p=dropout_p, scale=scale)
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
-        return xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, causal=causal, scale=scale, dropout_p=dropout_p)
+    varlen = staticmethod(xformers_varlen)

@@ -14,11 +14,12 @@ fp16 / bf16 boxes are computed in fp32 and the loss is fp32, as torchvision does
 Two implementations behind one function, :func:`giou_loss` (``impl=``):
 
 - ``"torch"``: the formula above in plain PyTorch ops; autograd differentiates it.
-- ``"kernel"``: one fused op, ``torch.ops.fastzoo.giou_loss`` (see ``kernels/giou_op.py``):
-  a Triton kernel with a hand-written backward on CUDA, a closed-form vectorised
-  forward/backward on CPU. Registered through ``torch.library``, so it traces under
-  ``torch.compile(fullgraph=True)``. ``kernel_path(device)`` says which one a device
-  gets, and ``last_impl`` records which path the last call took.
+- ``"kernel"``: one fused op, ``torch.ops.fastzoo.giou_loss_fwd`` (see ``kernels/giou_op.py``)
+  with a hand-written backward: a Triton kernel on CUDA, a C++ loop on CPU (built on first
+  use; if the build fails, the same closed form in vectorised torch ops, with a warning).
+  Registered through ``torch.library``, so it traces under ``torch.compile(fullgraph=True)``.
+  ``kernel_path(device)`` says which one a device gets ("triton", "cpu-cpp" or
+  "cpu-vectorised"), and ``last_impl`` records which path the last call took.
 
 Variable box counts (all four give the same number for the same matched pairs):
 
@@ -42,7 +43,7 @@ import torch
 
 REDUCTIONS = ("none", "mean", "sum")
 IMPLS = ("auto", "torch", "kernel")
-last_impl: str | None = None  # which path the last giou_loss call took: "torch" | "cpu-fused" | "triton"
+last_impl: str | None = None  # which path the last giou_loss call took: "torch" | "cpu-cpp" | "cpu-vectorised" | "triton"
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -66,15 +67,19 @@ def check_boxes(boxes: torch.Tensor, name: str, *, values: bool = True) -> None:
 
 def first_bad_box(boxes: torch.Tensor) -> int | None:
     """Row of the first non-finite or inverted box of ``boxes`` [..., 4] (flattened), or None.
-    One host sync on a GPU."""
+    One host sync on a GPU; one C++ pass on CPU once the C++ GIoU kernel is loaded."""
+    if boxes.device.type == "cpu" and _giou_op().cpp_loaded():
+        i = torch.ops.fastzoo.first_bad_box(boxes)
+        return None if i < 0 else i
     b = boxes.detach().reshape(-1, 4)
     bad = ~torch.isfinite(b).all(-1) | (b[:, 2] < b[:, 0]) | (b[:, 3] < b[:, 1])
     return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
 
 
-def _check_pair(pred, target, validate: bool) -> None:
-    check_boxes(pred, "pred", values=validate)
-    check_boxes(target, "target", values=validate)
+def _check_pair(pred, target) -> None:
+    """Shapes, dtypes and devices (free); the values are check_boxes's job."""
+    check_boxes(pred, "pred", values=False)
+    check_boxes(target, "target", values=False)
     if pred.shape != target.shape:
         raise ValueError(f"pred and target must have the same shape, got {tuple(pred.shape)} and {tuple(target.shape)}")
     if pred.device != target.device:
@@ -112,11 +117,16 @@ def generalized_box_iou(a_N4: torch.Tensor, b_M4: torch.Tensor, eps: float = 1e-
 
 
 # -- one function, two implementations --------------------------------------------------
-def kernel_path(device) -> str:
-    """The fused path ``impl="kernel"`` takes on ``device``: "triton" on CUDA, "cpu-fused" on CPU."""
-    from fastzoo.losses.kernels.giou_op import kernel_path as _path
+def _giou_op():
+    from fastzoo.losses.kernels import giou_op  # registers the torch.ops.fastzoo ops
 
-    return _path(torch.device(device))
+    return giou_op
+
+
+def kernel_path(device) -> str:
+    """The fused path ``impl="kernel"`` takes on ``device``: "triton" on CUDA; on CPU "cpu-cpp"
+    (the C++ kernel, built on first call) or "cpu-vectorised" if it could not be built."""
+    return _giou_op().kernel_path(torch.device(device).type)
 
 
 def giou_loss(
@@ -131,7 +141,7 @@ def giou_loss(
     """1 - GIoU between xyxy boxes ``pred`` and ``target`` (same shape [..., 4]).
 
     ``reduction``: "none" | "mean" | "sum". ``impl``: "torch" (plain ops), "kernel" (the
-    fused op: Triton on CUDA, closed-form on CPU) or "auto" (= "kernel"; every device
+    fused op: Triton on CUDA, C++ on CPU) or "auto" (= "kernel"; every device
     fastzoo runs on has one). Matches ``torchvision.ops.generalized_box_iou_loss``.
     """
     global last_impl
@@ -139,14 +149,18 @@ def giou_loss(
         raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
-    _check_pair(pred, target, validate)
+    _check_pair(pred, target)
+    if impl != "torch":
+        op = _giou_op()
+        path = op.kernel_path(pred.device.type)  # before the value checks, so that they run in C++ too
+    if validate:
+        check_boxes(pred, "pred")
+        check_boxes(target, "target")
     if impl == "torch":
         last_impl = "torch"
         return _reduce(giou_loss_reference(pred, target, eps), reduction)
-    from fastzoo.losses.kernels.giou_op import fused_giou_loss, kernel_path as _path
-
-    last_impl = _path(pred.device)
-    return _reduce(fused_giou_loss(pred, target, eps), reduction)
+    last_impl = path
+    return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
 
 
 # -- variable box counts: four layouts, one number --------------------------------------
@@ -203,6 +217,6 @@ def giou_loss_padded(
 
 
 def giou_loss_kernel(pred: torch.Tensor, target: torch.Tensor, *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True):
-    """Concatenated pairs ([N, 4] each) through the fused kernel (Triton on CUDA, closed form on CPU)."""
+    """Concatenated pairs ([N, 4] each) through the fused kernel (Triton on CUDA, C++ on CPU)."""
     _check_sum_or_mean(reduction)
     return giou_loss(pred, target, reduction=reduction, eps=eps, impl="kernel", validate=validate)

@@ -19,7 +19,8 @@ refused. Inputs are validated before any kernel sees them (ids, positions, offse
 reads a few scalars on the host, one device sync per forward on GPU.
 
 A padded batch given to a backend that takes packed sequences but no padding mask
-(``varlen``, ``nested``) is unpadded into a packed one and the logits scattered back.
+(``varlen``, ``nested``, ``fa2``, ``fa3``, ``te``, ``xformers``) is unpadded into a packed one
+once per forward, so the MLPs skip the padding too, and the logits are scattered back.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastzoo.attention import packing
 from fastzoo.attention.base import AttnContext
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.base import FastzooModel, ModelConfig
@@ -209,17 +211,9 @@ class GPT2LMHeadModel(FastzooModel):
     def _forward_unpadded(self, ids_BS, mask_BS, pos_BS):
         """A padded batch through a packed-only backend: real tokens are packed (one sequence
         per row, in order), run packed, and scattered back; padding positions get zeros."""
-        B, S = ids_BS.shape
-        lengths = mask_BS.sum(1)
-        lengths = lengths[lengths > 0]
-        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        flat = mask_BS.flatten().nonzero().squeeze(1)
-        ids_1T = ids_BS.flatten()[flat][None]
-        pos_1T = pos_BS.expand(B, S).flatten()[flat][None]
-        ctx = AttnContext(causal=True, cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()) if len(lengths) else 0)
-        logits_TV = self.lm_head(self._hidden(ids_1T, pos_1T, ctx))[0]
-        out = logits_TV.new_zeros(B * S, logits_TV.shape[-1]).index_copy(0, flat, logits_TV)
-        return out.view(B, S, -1)
+        info, (ids_T, pos_T) = packing.unpad(mask_BS, ids_BS, pos_BS.expand(ids_BS.shape))
+        ctx = AttnContext(causal=True, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
+        return packing.repad(self.lm_head(self._hidden(ids_T[None], pos_T[None], ctx))[0], info)
 
     def _forward_nested(self, ids, attention_mask, position_ids, cu_seqlens, max_seqlen):
         if ids.layout != torch.jagged or ids.dim() != 2:
