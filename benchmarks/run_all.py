@@ -53,8 +53,13 @@ def targets(reports: dict) -> list[str]:
         fused, loop, tv = rows.get("fastzoo kernel"), rows.get("fastzoo per-sample loop"), rows.get("torchvision on concatenated real pairs")
         if fused and fused.median_s and loop and loop.median_s and tv and tv.median_s:
             a, b = loop.median_s / fused.median_s, tv.median_s / fused.median_s
-            lines.append(f"- GIoU fused fwd+bwd: {a:.0f}x the per-sample loop (target >= 200x: {'met' if a >= 200 else 'not met'}), "
-                         f"{b:.2f}x torchvision (target >= 3x: {'met' if b >= 3 else 'not met'})")
+            lines.append(f"- GIoU fused fwd+bwd, gathering the real pairs included: {a:.0f}x the per-sample loop (target >= 200x: "
+                         f"{'met' if a >= 200 else 'not met'}), {b:.2f}x torchvision (target >= 3x: {'met' if b >= 3 else 'not met'})")
+            pk, pt = rows.get("fastzoo kernel (pairs given)"), rows.get("torchvision (pairs given)")
+            if pk and pk.median_s and pt and pt.median_s:
+                c = pt.median_s / pk.median_s
+                lines.append(f"- GIoU fused fwd+bwd, loss alone on the concatenated pairs: {c:.2f}x torchvision "
+                             f"(target >= 3x: {'met' if c >= 3 else 'not met'})")
         else:
             why = "; ".join(f"{r.label}: {r.status} ({r.note})" for r in q.rows if r.median_s is None)
             lines.append(f"- GIoU fused vs per-sample loop (>= 200x) and vs torchvision (>= 3x): not measured ({why})")

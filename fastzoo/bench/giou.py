@@ -5,8 +5,9 @@ of :mod:`fastzoo.losses.giou`: a Python loop over images (the naive baseline), `
 (the real pairs gathered, one call), ``padded`` (every slot, masked) and ``kernel`` (the
 real pairs through the fused op); the peer is ``torchvision.ops.generalized_box_iou_loss``
 on the concatenated real pairs. Gathering the real pairs is part of every step, as it is
-in a training loop. Parity: the loss and the gradient of the predicted boxes against
-torchvision in fp32.
+in a training loop. A second group times the loss alone on pairs already concatenated
+(what a matcher hands the loss): torchvision vs the fused kernel, both on the same [N, 4]
+leaf. Parity: the loss and the gradient of the predicted boxes against torchvision in fp32.
 """
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
     target = random_boxes(s.images * s.slots, g).view(s.images, s.slots, 4).to(device, dtype)
     counts_list = counts.tolist()
 
-    def loss_step(loss_of) -> Step:
-        pred = pred0.clone().requires_grad_(True)
+    def loss_step(loss_of, start=pred0) -> Step:
+        pred = start.clone().requires_grad_(True)
 
         def run():
             pred.grad = None
@@ -70,6 +71,8 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
             return {"output": loss.detach().float().reshape(1), "grad:pred": pred.grad.float().clone()}
 
         return Step(run=run, items=int(counts.sum()), outputs=outputs)
+
+    pred_cat0, target_cat = pred0[valid], target[valid]  # the real pairs, gathered once
 
     def torchvision_concat(pred, target=target):
         from torchvision.ops import generalized_box_iou_loss
@@ -97,11 +100,32 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
         loss.backward()
         return {"output": loss.detach().reshape(1), "grad:pred": pred.grad}
 
-    def fz(loss_of):
+    def reference_pairs():
+        from torchvision.ops import generalized_box_iou_loss
+
+        pred = pred_cat0.float().clone().requires_grad_(True)
+        loss = generalized_box_iou_loss(pred, target_cat.float(), reduction="mean")
+        loss.backward()
+        return {"output": loss.detach().reshape(1), "grad:pred": pred.grad}
+
+    def fz(loss_of, start=pred0):
         def build():
             _losses()  # fails early, saying what is missing
-            return loss_step(loss_of)
+            return loss_step(loss_of, start)
         return build
+
+    def torchvision_pairs(pred):
+        from torchvision.ops import generalized_box_iou_loss
+
+        return generalized_box_iou_loss(pred, target_cat, reduction="mean")
+
+    def kernel_pairs(pred):
+        return _losses().giou_loss_kernel(pred, target_cat, reduction="mean", validate=False)
+
+    pair_cases = [
+        Case("torchvision (pairs given)", lambda: loss_step(torchvision_pairs, pred_cat0), peer=True, reference=True),
+        Case("fastzoo kernel (pairs given)", fz(kernel_pairs, pred_cat0)),
+    ]
 
     cases = [
         Case("torchvision on concatenated real pairs", lambda: loss_step(torchvision_concat), peer=True, reference=True),
@@ -117,5 +141,9 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
         config["kernel path"] = _losses().kernel_path(device)
     except Unavailable:
         pass
-    return Suite("giou", [Group(f"{s.name} | fwd+bwd", cases, reference=reference, unit="boxes/s")],
+    groups = [
+        Group(f"{s.name} | fwd+bwd, gather included", cases, reference=reference, unit="boxes/s"),
+        Group(f"{s.name} | fwd+bwd, loss on concatenated pairs", pair_cases, reference=reference_pairs, unit="boxes/s"),
+    ]
+    return Suite("giou", groups,
                  config=config, dtype=dtype, device=device)
