@@ -14,6 +14,7 @@ from fastzoo.attention.base import (
     AttnContext,
     AttnRequest,
     Capabilities,
+    FUNCTION_DEFAULT_CAPABILITIES,
     FunctionBackend,
 )
 from fastzoo.errors import UnknownBackendError
@@ -43,7 +44,12 @@ def register_attention(
     """Add a backend under ``name``.
 
     ``backend`` is an :class:`AttentionBackend` subclass, or a function
-    ``fn(q_BHSD, k_BHSD, v_BHSD, ctx) -> o_BHSD`` together with its ``capabilities``.
+    ``fn(q_BHSD, k_BHSD, v_BHSD, ctx) -> o_BHSD``. A function registered without
+    ``capabilities`` gets :data:`~fastzoo.attention.base.FUNCTION_DEFAULT_CAPABILITIES`:
+    cpu and cuda, fp32/bf16/fp16, and none of causal, padding mask, packed sequences,
+    score_mod or dropout, since a function that ignores ``ctx`` would silently drop them.
+    A model that needs one of those (GPT-2 needs causal) is then refused at ``create`` /
+    ``set_attention``; declare what the function honours with ``capabilities=Capabilities(...)``.
     """
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"attention backend {name!r} is already registered; pass overwrite=True to replace it")
@@ -55,7 +61,7 @@ def register_attention(
     if not callable(backend):
         raise TypeError(f"backend must be an AttentionBackend subclass or a function, got {type(backend).__name__}")
     if capabilities is None:
-        raise TypeError("a function backend needs capabilities=Capabilities(...) saying what it can serve")
+        capabilities = FUNCTION_DEFAULT_CAPABILITIES
     _REGISTRY[name] = type(
         f"{name}Backend", (FunctionBackend,), {"name": name, "capabilities": capabilities, "fn": staticmethod(backend)}
     )
@@ -90,7 +96,7 @@ __all__ = [
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "score_mod", "backward", "compile", "head dim", "verified")
+                  "score_mod", "dropout", "backward", "compile", "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -112,6 +118,7 @@ def capability_matrix() -> list[dict]:
             "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
             "varlen": yes(caps.varlen),
             "score_mod": yes(caps.score_mod),
+            "dropout": yes(caps.dropout),
             "backward": "/".join(caps.backward) or "no",
             "compile": yes(caps.compile),
             "head dim": head,

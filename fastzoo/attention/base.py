@@ -11,11 +11,13 @@ forward with a message that names the missing piece.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -39,6 +41,7 @@ class Capabilities:
     padding_mask: bool = True
     varlen: bool = False
     score_mod: bool = False
+    dropout: bool = True  # attention dropout (ctx.dropout_p > 0)
     backward: tuple[str, ...] = ("cpu", "cuda")  # device types on which backward works
     compile: bool = True
     max_head_dim: int | None = None
@@ -54,7 +57,14 @@ class Capabilities:
 
 @dataclass
 class AttnContext:
-    """Per-forward facts about the attention a model asks for."""
+    """Per-forward facts about the attention a model asks for.
+
+    A model builds one context per forward and hands it to every layer; treat it as
+    read-only. A layer whose ``scale`` or ``dropout_p`` differs derives its own with
+    :meth:`replace`, which keeps the shared :meth:`cached` store: masks and packing
+    metadata that depend only on the batch (a dense padding mask, a flex ``BlockMask``,
+    document ids, an xFormers bias) are built by the first layer and reused by the others.
+    """
 
     causal: bool = False
     key_padding_mask: torch.Tensor | None = None  # [B, S] bool, True = real token
@@ -64,6 +74,21 @@ class AttnContext:
     dropout_p: float = 0.0
     grid_size: tuple[int, int] | None = None  # ViT patch grid (rows, cols), for 2-D masks
     num_prefix_tokens: int = 0  # class/register tokens before the patch tokens
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)  # see cached()
+
+    def cached(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()`` once per forward: later calls with the same ``key`` get the first result.
+
+        ``key`` names what the value depends on beyond the context's own fields (who built
+        it, shapes); the context's masks and offsets are fixed for its lifetime.
+        """
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def replace(self, **changes) -> "AttnContext":
+        """A copy with ``changes`` (e.g. a layer's own ``scale``) sharing this context's cache."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,9 @@ class AttnRequest:
     causal: bool = False
     padding_mask: bool = False
     varlen: bool = False
+    grid_2d: bool | None = None  # the model gives ctx.grid_size (ViT patches), for 2-D masks
+    attn_dropout: float = 0.0  # the largest attention dropout the model is configured with
+    attn_dropout_field: str = "attention dropout"  # the config field that sets it, for messages
     device: str | None = None
     dtype: torch.dtype | None = None
     backward: bool | None = None
@@ -104,6 +132,7 @@ class AttentionBackend:
             known = ", ".join(sorted(self.options)) or "none"
             raise TypeError(f"attention backend {self.name!r} got unknown option(s) {unknown}; its options are: {known}")
         self.opts = {**self.options, **options}
+        self.uid = next(_INSTANCE_IDS)  # keys this instance's entries in AttnContext.cached
 
     # -- availability ---------------------------------------------------------------
     @classmethod
@@ -116,7 +145,13 @@ class AttentionBackend:
         return cls.unavailable_reason() is None
 
     def check(self, req: AttnRequest) -> None:
-        """Raise :class:`BackendUnavailableError` if this backend cannot serve ``req``."""
+        """Raise :class:`BackendUnavailableError` if this backend cannot serve ``req``, naming every problem."""
+        problems = self.problems(req)
+        if problems:
+            raise BackendUnavailableError(self._message(problems))
+
+    def problems(self, req: AttnRequest) -> list[str]:
+        """What keeps this backend (with its options) from serving ``req``; a subclass adds its own."""
         caps = self.capabilities
         problems = []
         reason = unavailable(caps)
@@ -136,10 +171,14 @@ class AttentionBackend:
             problems.append("takes no key-padding mask, which this model needs")
         if req.varlen and not caps.varlen:
             problems.append("takes no packed sequences (cu_seqlens), which this model needs")
+        if req.attn_dropout > 0 and not caps.dropout:
+            problems.append(
+                f"has no attention dropout, and this model is configured with {req.attn_dropout_field}={req.attn_dropout:g}: "
+                f"build it with {req.attn_dropout_field}=0.0, or pick a backend with dropout"
+            )
         if req.backward and req.device is not None and req.device not in caps.backward:
             problems.append(f"has no backward on {req.device} (backward on: {'/'.join(caps.backward) or 'none'})")
-        if problems:
-            raise BackendUnavailableError(self._message(problems))
+        return problems
 
     def _message(self, problems: list[str]) -> str:
         from fastzoo.attention import list_attention  # the registry imports this module
@@ -166,10 +205,15 @@ class AttentionBackend:
             raise BackendUnavailableError(self._message(["takes no key-padding mask"]))
         if ctx.cu_seqlens is not None and not caps.varlen:
             raise BackendUnavailableError(self._message(["takes no packed sequences (cu_seqlens)"]))
+        if ctx.dropout_p > 0 and not caps.dropout:
+            raise BackendUnavailableError(self._message(
+                [f"has no attention dropout (got dropout_p={ctx.dropout_p:g}): set the model's attention dropout to 0"]))
 
     # -- compute --------------------------------------------------------------------
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         self.check_call(q_BHSD, ctx)
+        if q_BHSD.numel() == 0:  # no queries (S == 0 or B == 0): every kernel's answer is the empty output
+            return v_BHSD.new_zeros(*q_BHSD.shape[:-1], v_BHSD.shape[-1])
         return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx: AttnContext) -> torch.Tensor:
@@ -179,6 +223,9 @@ class AttentionBackend:
         changed = {k: v for k, v in self.opts.items() if v != self.options.get(k)}
         args = ", ".join(f"{k}={v!r}" for k, v in changed.items())
         return f"{type(self).__name__}({args})"
+
+
+_INSTANCE_IDS = itertools.count()
 
 
 def unavailable(caps: Capabilities) -> str | None:
@@ -229,6 +276,16 @@ def _device_present(device_type: str) -> bool:
         return package_available("torch_xla")
     mod = getattr(torch, device_type, None)
     return bool(mod is not None and getattr(mod, "is_available", lambda: False)())
+
+
+# What a function registered without capabilities= is trusted with: a plain
+# softmax(q k^T) v that may ignore ctx entirely. It can then never silently drop a mask:
+# a model that needs causal / padding / packed attention or dropout is refused at create.
+FUNCTION_DEFAULT_CAPABILITIES = Capabilities(
+    devices={"cpu": FLOATS, "cuda": FLOATS},
+    causal=False, padding_mask=False, varlen=False, score_mod=False, dropout=False,
+    verified="user function: not verified by fastzoo",
+)
 
 
 class FunctionBackend(AttentionBackend):

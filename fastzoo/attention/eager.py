@@ -28,6 +28,15 @@ class EagerBackend(AttentionBackend):
         masks.check_mod_option("score_mod", self.opts["score_mod"], masks.SCORE_PRESETS)
         masks.check_mod_option("mask_mod", self.opts["mask_mod"], masks.MASK_PRESETS)
 
+    def problems(self, req):
+        return super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
+
+    def _allowed(self, ctx, B, H, Sq, Sk, device):
+        """This call's bool mask, broadcastable to [B, H, Sq, Sk] (None: no mask); built once per forward."""
+        user_mask = masks.resolve_mask_mod(self.opts["mask_mod"], ctx, window=self.opts["window"], radius=self.opts["radius"])
+        mask_mod = masks.context_mask_mod(ctx, Sq, user_mask)
+        return None if mask_mod is None else masks.dense_mask(mask_mod, B, H, Sq, Sk, device)
+
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         B, H, Sq, D = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
@@ -36,13 +45,12 @@ class EagerBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         if score_mod is not None:
             scores_BHSS = masks.apply_score_mod(score_mod, scores_BHSS)
-        user_mask = masks.resolve_mask_mod(self.opts["mask_mod"], ctx, window=self.opts["window"], radius=self.opts["radius"])
-        mask_mod = masks.context_mask_mod(ctx, Sq, user_mask)
-        if mask_mod is not None:
-            allowed = masks.dense_mask(mask_mod, B, H, Sq, Sk, q_BHSD.device)
+        allowed = ctx.cached((self.uid, "dense_mask", B, H, Sq, Sk),
+                             lambda: self._allowed(ctx, B, H, Sq, Sk, q_BHSD.device))
+        if allowed is not None:
             scores_BHSS = scores_BHSS.masked_fill(~allowed, float("-inf"))
         probs_BHSS = scores_BHSS.softmax(dim=-1)
-        if mask_mod is not None:  # a row with no allowed key outputs zeros, as flex does
+        if allowed is not None:  # a row with no allowed key outputs zeros, as flex does
             probs_BHSS = probs_BHSS.nan_to_num(0.0)
         probs_BHSS = F.dropout(probs_BHSS, p=ctx.dropout_p) if ctx.dropout_p > 0 else probs_BHSS
         return probs_BHSS @ v_BHSD

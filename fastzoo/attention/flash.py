@@ -35,7 +35,7 @@ def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p) -> torch.Tensor:
+def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None) -> torch.Tensor:
     """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32."""
     from flash_attn import flash_attn_varlen_func
 
@@ -82,6 +82,7 @@ class Fa3Backend(LibraryBackend):
         padding_mask=False,
         varlen=True,
         backward=("cuda",),
+        dropout=False,
         compile=True,  # registered as torch.library custom ops (flash_attn_3::_flash_attn_forward)
         max_head_dim=256,
         min_cuda_capability=(9, 0),
@@ -96,7 +97,7 @@ class Fa3Backend(LibraryBackend):
 
         return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal))
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
         _no_dropout(dropout_p)
         from flash_attn_interface import flash_attn_varlen_func
 

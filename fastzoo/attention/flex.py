@@ -6,11 +6,11 @@ preset parameters ``softcap``, ``window``, ``radius``; ``compile`` (default: on 
 The context's own masks (causal, padding, packed documents) are always added, so a packed
 batch can never attend across sequences whatever the user's mask says.
 
-On CPU PyTorch runs flex without a backward: a training forward fails before it runs.
+Flex has no attention dropout: a model configured with one is refused at create /
+set_attention. On CPU PyTorch runs flex without a backward: a training forward fails
+before it runs.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -22,13 +22,21 @@ _compiled_flex = None
 
 
 def _flex_fn(compile_: bool):
+    """``flex_attention``, compiled or not.
+
+    Uncompiled (the CPU default) PyTorch warns once per process that the scores are
+    materialised; that is true, so it is not silenced (a filter would also change the
+    user's global warning state). Compiled, ``dynamic=None`` is PyTorch's automatic
+    dynamic shapes: the first shape gets a specialised kernel, and the first change of a
+    size (a packed batch's T changes every step) recompiles once with that size symbolic,
+    which flex's Triton template supports (only the head count and head dim stay static),
+    instead of recompiling per length until the cache limit as ``dynamic=False`` did.
+    """
     global _compiled_flex
     if not compile_:
-        # uncompiled is a deliberate choice here (CPU default, or compile=False): say it once in the docs, not per call
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention, dynamic=None)
     return _compiled_flex
 
 
@@ -39,6 +47,7 @@ class FlexBackend(AttentionBackend):
         devices={"cpu": FLOATS, "cuda": FLOATS},
         varlen=True,
         score_mod=True,
+        dropout=False,
         backward=("cuda",),
         verified="CPU fp32 inference (torch 2.14.1)",
     )
@@ -58,6 +67,9 @@ class FlexBackend(AttentionBackend):
             raise ValueError("give either block_mask or mask_mod, not both: a block_mask already holds its mask_mod")
         self._block_masks = {}  # (Sq, Sk, device) -> BlockMask for masks that do not depend on the batch
 
+    def problems(self, req):
+        return super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
+
     def _block_mask(self, ctx, B, Sq, Sk, device):
         user = self.opts["block_mask"]
         context_masks = ctx.causal or ctx.key_padding_mask is not None or ctx.cu_seqlens is not None
@@ -72,17 +84,16 @@ class FlexBackend(AttentionBackend):
         mask_mod = masks.context_mask_mod(ctx, Sq, extra)
         if mask_mod is None:
             return None
-        if ctx.key_padding_mask is not None or ctx.cu_seqlens is not None:  # depends on this batch: rebuild
+        if ctx.key_padding_mask is not None or ctx.cu_seqlens is not None:  # depends on this batch: once per forward
             batch = B if ctx.key_padding_mask is not None else None
-            return create_block_mask(mask_mod, batch, None, Sq, Sk, device=device)
+            return ctx.cached((self.uid, "block_mask", B, Sq, Sk),
+                              lambda: create_block_mask(mask_mod, batch, None, Sq, Sk, device=device))
         key = (Sq, Sk, str(device), ctx.causal, ctx.grid_size, ctx.num_prefix_tokens)
         if key not in self._block_masks:
             self._block_masks[key] = create_block_mask(mask_mod, None, None, Sq, Sk, device=device)
         return self._block_masks[key]
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
-        if ctx.dropout_p > 0:
-            raise ValueError("flex attention has no attention dropout: set the model's attention dropout to 0 or use eager/sdpa")
         B, _, Sq, _ = q_BHSD.shape
         block_mask = self._block_mask(ctx, B, Sq, k_BHSD.shape[-2], q_BHSD.device)
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])

@@ -22,8 +22,9 @@ class LibraryBackend(AttentionBackend):
         """Equal-length batch in the ``[B, S, H, D]`` layout these libraries share."""
         raise NotImplementedError
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal, scale, dropout_p):
-        """Packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 offsets."""
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal, scale, dropout_p, ctx=None):
+        """Packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 offsets. ``ctx`` is
+        the call's context: metadata built from ``cu_seqlens`` goes in ``ctx.cached``, once per forward."""
         raise NotImplementedError
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
@@ -33,4 +34,4 @@ class LibraryBackend(AttentionBackend):
             return self.dense(q_BSHD, k_BSHD, v_BSHD, **kw).transpose(1, 2)
         cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
-        return packing.from_THD(self.varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, **kw), 1)
+        return packing.from_THD(self.varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, **kw, ctx=ctx), 1)

@@ -132,6 +132,14 @@ def resolve_mask_mod(mask_mod, ctx: AttnContext, *, window: int, radius: int) ->
     raise ValueError(f"mask_mod={mask_mod!r} is not a preset ({', '.join(MASK_PRESETS)}) nor a callable")
 
 
+def request_problems(mask_mod, req) -> list[str]:
+    """What a ``mask_mod`` option cannot do for the model described by ``req`` (an AttnRequest)."""
+    if mask_mod == "neighborhood" and req.grid_2d is False:
+        return ["mask_mod='neighborhood' needs a 2-D token grid (ctx.grid_size), and this model has none: "
+                "only ViT models give one"]
+    return []
+
+
 def check_mod_option(name: str, value, presets) -> None:
     if value is not None and not callable(value) and value not in presets:
         raise ValueError(f"{name}={value!r} is not a preset ({', '.join(presets)}) nor a callable")

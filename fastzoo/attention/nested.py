@@ -29,7 +29,7 @@ class NestedBackend(AttentionBackend):
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         if q_BHSD.device.type == "cpu" and ctx.causal:
             o_THD = packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,
-                                causal=True, scale=ctx.scale, dropout_p=ctx.dropout_p)
+                                causal=True, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx)
         else:
             offsets = cu_seqlens.long()
 

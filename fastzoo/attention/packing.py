@@ -24,13 +24,18 @@ from fastzoo.attention.base import AttnContext
 
 
 def seqlens(ctx: AttnContext, q_BHSD: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``cu_seqlens`` (int32, on q's device) and ``max_seqlen`` of this call."""
+    """``cu_seqlens`` (int32, on q's device) and ``max_seqlen`` of this call; computed by the
+    first layer of a forward and reused by the others (``ctx.cached``)."""
     B, _, S, _ = q_BHSD.shape
+    return ctx.cached(("seqlens", B, S, q_BHSD.device), lambda: _seqlens(ctx, B, S, q_BHSD.device))
+
+
+def _seqlens(ctx: AttnContext, B: int, S: int, device) -> tuple[torch.Tensor, int]:
     if ctx.cu_seqlens is None:  # a plain batch: B sequences of S tokens
-        return torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=q_BHSD.device), S
+        return torch.arange(B + 1, dtype=torch.int32, device=device) * S, S
     if B != 1:
         raise ValueError(f"cu_seqlens: packed sequences come as one row [1, H, T, D], got batch size {B}")
-    cu_seqlens = ctx.cu_seqlens.to(device=q_BHSD.device, dtype=torch.int32)
+    cu_seqlens = ctx.cu_seqlens.to(device=device, dtype=torch.int32)
     if ctx.max_seqlen is not None:  # as given by the data pipeline; else read it (one device sync)
         return cu_seqlens, int(ctx.max_seqlen)
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -42,8 +47,8 @@ def to_THD(x_BHSD: torch.Tensor) -> torch.Tensor:
 
 
 def from_THD(x_THD: torch.Tensor, batch: int) -> torch.Tensor:
-    """Inverse of :func:`to_THD`: ``[B*S, H, D]`` -> ``[B, H, S, D]``."""
-    return x_THD.reshape(batch, -1, *x_THD.shape[1:]).transpose(1, 2)
+    """Inverse of :func:`to_THD`: ``[B*S, H, D]`` -> ``[B, H, S, D]`` (S given by the size: T may be 0)."""
+    return x_THD.reshape(batch, x_THD.shape[0] // batch, *x_THD.shape[1:]).transpose(1, 2)
 
 
 @dataclass
@@ -57,23 +62,36 @@ class Unpadded:
     seqlen: int
 
 
-def unpad(key_padding_mask_BS: torch.Tensor, *xs_BS: torch.Tensor) -> tuple[Unpadded, list[torch.Tensor]]:
+def mask_sizes(key_padding_mask_BS: torch.Tensor) -> torch.Tensor:
+    """``[3]`` int64 on the mask's device: real tokens, non-empty rows, longest row. A caller
+    that reads other numbers from the device can stack these with them and read once."""
+    lengths_B = key_padding_mask_BS.sum(dim=1)
+    return torch.stack([lengths_B.sum(), (lengths_B > 0).sum(), lengths_B.max()])
+
+
+def unpad(
+    key_padding_mask_BS: torch.Tensor, *xs_BS: torch.Tensor, sizes: tuple[int, int, int] | None = None
+) -> tuple[Unpadded, list[torch.Tensor]]:
     """Pack the real tokens (mask True) of each ``[B, S, ...]`` tensor into ``[T, ...]``, one
     sequence per non-empty row, in order.
 
-    Reads the mask's row lengths on the host (one device sync) because the kernels take
-    ``max_seqlen`` as a Python int.
+    The kernels take ``max_seqlen`` as a Python int, so the sizes (:func:`mask_sizes`) are read
+    on the host: one device sync, or none if the caller passes ``sizes`` it already read.
     """
     if key_padding_mask_BS.dtype != torch.bool or key_padding_mask_BS.ndim != 2:
         raise ValueError(
             f"key_padding_mask must be a [B, S] bool tensor, got {key_padding_mask_BS.dtype} {tuple(key_padding_mask_BS.shape)}"
         )
     B, S = key_padding_mask_BS.shape
-    lengths = key_padding_mask_BS.sum(dim=1, dtype=torch.int32)
-    lengths = lengths[lengths > 0]  # an all-padding row is no sequence (kernels may refuse empty ones)
-    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    indices = key_padding_mask_BS.flatten().nonzero().squeeze(1)
-    info = Unpadded(indices, cu_seqlens, int(lengths.max()) if len(lengths) else 0, B, S)
+    if sizes is None:
+        sizes = mask_sizes(key_padding_mask_BS).tolist() if key_padding_mask_BS.numel() else (0, 0, 0)
+    tokens, rows, longest = sizes
+    lengths_B = key_padding_mask_BS.sum(dim=1, dtype=torch.int32)
+    # an all-padding row is no sequence (kernels may refuse empty ones); static sizes: no sync
+    lengths_N = lengths_B[torch.nonzero_static(lengths_B, size=rows).squeeze(1)]
+    cu_seqlens = torch.nn.functional.pad(lengths_N.cumsum(0, dtype=torch.int32), (1, 0))
+    indices = torch.nonzero_static(key_padding_mask_BS.flatten(), size=tokens).squeeze(1)
+    info = Unpadded(indices, cu_seqlens, longest, B, S)
     return info, [x.reshape(B * S, *x.shape[2:]).index_select(0, indices) for x in xs_BS]
 
 

@@ -15,7 +15,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities
-from fastzoo.errors import BackendUnavailableError
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -39,6 +38,11 @@ _KERNEL_CAPS = {
 }
 
 
+def _dense_mask(ctx, B, Sq, Sk, device):
+    mask_mod = masks.context_mask_mod(ctx, Sq)
+    return None if mask_mod is None else masks.dense_mask(mask_mod, B, 1, Sq, Sk, device)
+
+
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     description = "torch scaled_dot_product_attention (sdpa_backend= flash|efficient|cudnn|math)"
@@ -53,19 +57,20 @@ class SdpaBackend(AttentionBackend):
         self.capabilities = _KERNEL_CAPS[kernel]
         self.kernel = _KERNELS.get(kernel)
 
-    def check(self, req):
-        super().check(req)
+    def problems(self, req):
+        problems = super().problems(req)
         # FlashAttention-2 inside SDPA on CUDA takes no arbitrary mask.
         if self.opts["sdpa_backend"] == "flash" and req.device == "cuda" and (req.padding_mask or req.varlen):
-            raise BackendUnavailableError(self._message(["flash on CUDA takes no mask (padding / packed sequences)"]))
+            problems.append("flash on CUDA takes no mask (padding / packed sequences)")
+        return problems
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         B, H, Sq, _ = q_BHSD.shape
+        Sk = k_BHSD.shape[-2]
         only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None
-        mask_mod = None if only_causal else masks.context_mask_mod(ctx, Sq)
         attn_mask = None
-        if mask_mod is not None:
-            attn_mask = masks.dense_mask(mask_mod, B, 1, Sq, k_BHSD.shape[-2], q_BHSD.device)
+        if not only_causal:  # built by the first layer of a forward, reused by the others
+            attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk), lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
         kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale)
         if self.kernel is None:
             return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)

@@ -60,7 +60,7 @@ class TeBackend(LibraryBackend):
         o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
         return o_BSX.view(B, S, H, D)
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
         T, H, D = q_THD.shape
         attn = self._module(H, D, scale, dropout_p)
         q_THD, k_THD, v_THD = (x.contiguous() for x in (q_THD, k_THD, v_THD))

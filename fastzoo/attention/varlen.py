@@ -35,40 +35,48 @@ _BASE = Capabilities(
     devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
 )
 _CAPS = {
-    None: _BASE,
+    None: _BASE,  # the per-call pick skips impls without dropout when dropout is asked; the cpu path has it
     "torch": dataclasses.replace(
-        _BASE, devices={"cuda": HALF}, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
+        _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
     ),
     "flash": Fa2Backend.capabilities,  # the same kernels: one declaration
     "xformers": XformersBackend.capabilities,
-    "flex": dataclasses.replace(_BASE, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
+    "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
     "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
-_DROPOUT = {"torch": False, "flash": True, "xformers": True, "flex": False, "cpu": True}
 _CUDA_ORDER = ("torch", "flash", "xformers", "flex")
 
 
-def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0):
+def _slots(cu_seqlens, T: int, L: int, causal: bool):
+    """Where each packed token goes in ``[N, L]`` slots, and the key mask (non-causal only)."""
+    N = cu_seqlens.numel() - 1
+    doc_T = document_ids(cu_seqlens, T)
+    slot_T = doc_T * L + torch.arange(T, device=cu_seqlens.device) - cu_seqlens.long()[doc_T]
+    attn_mask = None
+    if not causal:
+        lengths_N = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        attn_mask = (torch.arange(L, device=cu_seqlens.device) < lengths_N[:, None]).view(N, 1, 1, L)
+    return slot_T, attn_mask
+
+
+def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0, ctx=None):
     """Exact varlen attention with dense SDPA: scatter the N sequences into ``[N, max_seqlen]``
     slots, run one SDPA call, gather the real tokens back.
 
     Causal attention needs no mask here: a real query at position i sees keys 0..i of its
     own slot, which are all real. Padding queries see zeros and are dropped. Non-causal
     attention masks the padding keys. Costs N * max_seqlen^2 instead of sum(len^2).
+    With ``ctx`` the slot layout is built once per forward (``ctx.cached``).
     """
     T, H, D = q_THD.shape
     N, L = cu_seqlens.numel() - 1, int(max_seqlen)
-    doc_T = document_ids(cu_seqlens, T)
-    slot_T = doc_T * L + torch.arange(T, device=q_THD.device) - cu_seqlens.long()[doc_T]
+    build = lambda: _slots(cu_seqlens, T, L, causal)  # noqa: E731
+    slot_T, attn_mask = build() if ctx is None else ctx.cached(("packed_sdpa_slots", T, L, causal), build)
 
     def to_slots(x_THD):
         return x_THD.new_zeros(N * L, H, x_THD.shape[-1]).index_copy(0, slot_T, x_THD).view(N, L, H, -1).transpose(1, 2)
 
-    attn_mask = None
-    if not causal:
-        lengths_N = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        attn_mask = (torch.arange(L, device=q_THD.device) < lengths_N[:, None]).view(N, 1, 1, L)
     o_NHLD = F.scaled_dot_product_attention(
         to_slots(q_THD), to_slots(k_THD), to_slots(v_THD),
         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
@@ -76,7 +84,7 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
     return o_NHLD.transpose(1, 2).reshape(N * L, H, -1)[slot_T]
 
 
-def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p):
+def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
     from torch.nn.attention.varlen import varlen_attn
 
     if "window_size" in inspect.signature(varlen_attn).parameters:  # torch >= 2.11
@@ -86,7 +94,8 @@ def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale,
     return varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
 
 
-# [T, H, D] kernels with one signature; flash and xformers import their library inside the call
+# [T, H, D] kernels with one signature (``ctx``: the call's context, for per-forward caches);
+# flash and xformers import their library inside the call
 _KERNELS = {"torch": _torch_varlen, "flash": fa2_varlen, "xformers": xformers_varlen, "cpu": packed_sdpa}
 
 
@@ -118,16 +127,14 @@ class VarlenBackend(AttentionBackend):
             unavailable(caps) is None  # cached: the per-call cost is the checks below
             and q.dtype in caps.devices.get(dev, ())
             and (caps.max_head_dim is None or q.shape[-1] <= caps.max_head_dim)
-            and (ctx.dropout_p == 0 or _DROPOUT[impl])
+            and (ctx.dropout_p == 0 or caps.dropout)
             and (dev in caps.backward or not (torch.is_grad_enabled() and q.requires_grad))
         )
 
     def pick(self, q, ctx) -> str:
         """The impl this call runs: the forced one, else the first that fits."""
         impl = self.opts["impl"]
-        if impl is not None:
-            if ctx.dropout_p > 0 and not _DROPOUT[impl]:
-                raise BackendUnavailableError(self._message([f"impl={impl!r} has no attention dropout; set it to 0"]))
+        if impl is not None:  # check_call has refused what its capabilities cannot serve
             return impl
         order = ("cpu",) if q.device.type == "cpu" else _CUDA_ORDER
         for impl in order:
@@ -146,5 +153,5 @@ class VarlenBackend(AttentionBackend):
         cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,
-                               causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p)
+                               causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx)
         return packing.from_THD(o_THD, q_BHSD.shape[0])

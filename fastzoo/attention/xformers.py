@@ -7,7 +7,8 @@ Does Not Need O(n^2) Memory"; xFormers, Lefaudeux et al. 2022).
 ``LowerTriangularMask()`` for causal attention, and
 ``fmha.attn_bias.BlockDiagonalMask.from_seqlens(...)`` / ``BlockDiagonalCausalMask`` for packed
 sequences (batch of one); a model unpads a padded batch into a packed one first. Building
-a block-diagonal bias reads the sequence lengths on the host: one device sync per call.
+a block-diagonal bias reads the sequence lengths on the host: one device sync per forward
+(the bias is kept in the forward's ``AttnContext`` for the other layers).
 """
 from __future__ import annotations
 
@@ -17,14 +18,22 @@ from fastzoo.attention.base import FLOATS, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
-def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p) -> torch.Tensor:
-    """Packed sequences through a block-diagonal bias: ``[T, H, D]`` in and out. ``max_seqlen``
-    is unused (the bias reads the lengths); it keeps the varlen kernels' common signature."""
-    from xformers.ops import fmha, memory_efficient_attention
+def _block_diagonal(cu_seqlens, causal: bool, device):
+    from xformers.ops import fmha
 
-    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the one device sync
     mask_cls = fmha.attn_bias.BlockDiagonalCausalMask if causal else fmha.attn_bias.BlockDiagonalMask
-    bias = mask_cls.from_seqlens(seqlens, device=q_THD.device)
+    return mask_cls.from_seqlens(seqlens, device=device)
+
+
+def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None) -> torch.Tensor:
+    """Packed sequences through a block-diagonal bias: ``[T, H, D]`` in and out. ``max_seqlen``
+    is unused (the bias reads the lengths); it keeps the varlen kernels' common signature.
+    With ``ctx`` the bias (and its host read of the lengths) is built once per forward."""
+    from xformers.ops import memory_efficient_attention
+
+    build = lambda: _block_diagonal(cu_seqlens, causal, q_THD.device)  # noqa: E731
+    bias = build() if ctx is None else ctx.cached(("xformers_block_diagonal", causal, q_THD.device), build)
     o_1THD = memory_efficient_attention(
         q_THD.unsqueeze(0), k_THD.unsqueeze(0), v_THD.unsqueeze(0), attn_bias=bias, p=dropout_p, scale=scale
     )

@@ -1,6 +1,8 @@
 """Multi-head self-attention whose inner product runs through a swappable backend."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -11,14 +13,31 @@ class UsesAttention(nn.Module):
     """A module that calls an attention backend; ``FastzooModel.set_attention`` sets it.
 
     The backend is a plain attribute, not a submodule: it holds no weights, so switching
-    kernels never touches the state dict.
+    kernels never touches the state dict. ``attn_dropout`` is the layer's configured
+    attention dropout and ``attn_dropout_field`` the config field that sets it: backends
+    without dropout refuse such a model at create, naming the field.
     """
 
     backend: AttentionBackend | None = None
+    attn_dropout: float = 0.0
+    attn_dropout_field: ClassVar[str] = "attention dropout"
+
+    def attend(self, q_BHSD, k_BHSD, v_BHSD, ctx: AttnContext, scale: float | None = None) -> torch.Tensor:
+        """The backend on the model's shared ``ctx``, with this layer's scale and dropout.
+
+        The shared context is never written to: a layer whose values differ from it gets a
+        copy (``ctx.replace``) that keeps the forward's mask cache.
+        """
+        dropout_p = self.attn_dropout if self.training else 0.0
+        if scale != ctx.scale or dropout_p != ctx.dropout_p:
+            ctx = ctx.replace(scale=scale, dropout_p=dropout_p)
+        return self.backend(q_BHSD, k_BHSD, v_BHSD, ctx)
 
 
 class Attention(UsesAttention):
     """ViT self-attention, named as timm's (``qkv``, ``proj``) so its weights load key for key."""
+
+    attn_dropout_field = "attn_drop_rate"  # timm's VisionTransformer argument
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
         super().__init__()
@@ -26,7 +45,7 @@ class Attention(UsesAttention):
             raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.attn_drop = attn_drop
+        self.attn_dropout = attn_drop
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -35,7 +54,6 @@ class Attention(UsesAttention):
         B, S, C = x_BSC.shape
         qkv_3BHSD = self.qkv(x_BSC).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q_BHSD, k_BHSD, v_BHSD = qkv_3BHSD.unbind(0)
-        ctx.dropout_p = self.attn_drop if self.training else 0.0
-        o_BHSD = self.backend(q_BHSD, k_BHSD, v_BHSD, ctx)
+        o_BHSD = self.attend(q_BHSD, k_BHSD, v_BHSD, ctx)
         x_BSC = o_BHSD.transpose(1, 2).reshape(B, S, C)
         return self.proj_drop(self.proj(x_BSC))

@@ -49,14 +49,21 @@ class FastzooModel(nn.Module):
         """What the model needs; device/dtype are those given, else the parameters' when not the default cpu/fp32.
 
         Whether a backward will be asked is not known here (a fresh model is in train mode
-        even for inference), so backends check that per call, before running.
+        even for inference), so backends check that per call, before running. The attention
+        dropout the layers are configured with is part of the request: a backend without
+        dropout is refused for such a model, naming the config field to set to 0.
         """
+        from fastzoo.layers.attention import UsesAttention
+
         p = next(self.parameters(), None)
         if device is None and p is not None and p.device.type != "cpu":
             device = p.device.type
         if dtype is None and p is not None and p.dtype != torch.float32:
             dtype = p.dtype
-        return AttnRequest(device=device, dtype=dtype, **self.attention_needs())
+        layers = [m for m in self.modules() if isinstance(m, UsesAttention)]
+        most = max(layers, key=lambda m: m.attn_dropout, default=None)
+        dropout = {} if most is None else {"attn_dropout": most.attn_dropout, "attn_dropout_field": most.attn_dropout_field}
+        return AttnRequest(device=device, dtype=dtype, **{**dropout, **self.attention_needs()})
 
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
         """Switch every attention layer to backend ``name`` (options are the backend's own).

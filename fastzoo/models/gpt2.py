@@ -15,8 +15,11 @@ One model, three input forms (see :meth:`GPT2LMHeadModel.forward`):
 Only ``cu_seqlens`` (or a NestedTensor) makes a batch packed: position ids never change
 what attends to what, so a padded batch can never turn into cross-sequence attention, and
 position ids that restart inside a padded row (packed data without its ``cu_seqlens``) are
-refused. Inputs are validated before any kernel sees them (ids, positions, offsets); that
-reads a few scalars on the host, one device sync per forward on GPU.
+refused. Inputs are validated before any kernel sees them: shapes and dtypes for free, and
+values (ids, positions, offsets, mask) by one fused device computation read back at once,
+one device sync per forward. Under ``torch.compile`` the value checks are skipped (a host
+read would split the graph); run a step eagerly to have them. Inputs with no tokens
+(``S == 0``) give empty logits ``[B, 0, vocab_size]``.
 
 A padded batch given to a backend that takes packed sequences but no padding mask
 (``varlen``, ``nested``, ``fa2``, ``fa3``, ``te``, ``xformers``) is unpadded into a packed one
@@ -69,8 +72,17 @@ class GPT2Config(ModelConfig):
             raise ValueError(f"activation_function={self.activation_function!r}: choose one of {', '.join(ACTIVATIONS)}")
 
 
+def attn_scale(cfg: GPT2Config, layer_idx: int) -> float:
+    scale = (cfg.n_embd // cfg.n_head) ** -0.5 if cfg.scale_attn_weights else 1.0
+    if cfg.scale_attn_by_inverse_layer_idx:  # HF: keeps deep stacks stable in fp16
+        scale /= layer_idx + 1
+    return scale
+
+
 class CausalSelfAttention(UsesAttention):
     """HF ``GPT2Attention``: one ``c_attn`` projection to q, k, v; ``c_proj`` back."""
+
+    attn_dropout_field = "attn_pdrop"
 
     def __init__(self, cfg: GPT2Config, layer_idx: int):
         super().__init__()
@@ -80,19 +92,15 @@ class CausalSelfAttention(UsesAttention):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.attn_pdrop = cfg.attn_pdrop
+        self.attn_dropout = cfg.attn_pdrop
         self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
-        self.scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
-        if cfg.scale_attn_by_inverse_layer_idx:  # HF: keeps deep stacks stable in fp16
-            self.scale /= layer_idx + 1
+        self.scale = attn_scale(cfg, layer_idx)
 
     def forward(self, x_BSC: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, S, C = x_BSC.shape
         q_BSC, k_BSC, v_BSC = self.c_attn(x_BSC).split(C, dim=2)
         q_BHSD, k_BHSD, v_BHSD = (t.view(B, S, self.n_head, self.head_dim).transpose(1, 2) for t in (q_BSC, k_BSC, v_BSC))
-        ctx.scale = self.scale
-        ctx.dropout_p = self.attn_pdrop if self.training else 0.0
-        o_BHSD = self.backend(q_BHSD, k_BHSD, v_BHSD, ctx)
+        o_BHSD = self.attend(q_BHSD, k_BHSD, v_BHSD, ctx, scale=self.scale)
         return self.resid_dropout(self.c_proj(o_BHSD.transpose(1, 2).reshape(B, S, C)))
 
 
@@ -157,7 +165,7 @@ class GPT2LMHeadModel(FastzooModel):
 
     def attention_needs(self) -> dict:
         # Padding masks and packed sequences depend on each call's inputs: check_call checks those.
-        return {"head_dim": self.config.n_embd // self.config.n_head, "causal": True}
+        return {"head_dim": self.config.n_embd // self.config.n_head, "causal": True, "grid_2d": False}
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):
@@ -175,31 +183,102 @@ class GPT2LMHeadModel(FastzooModel):
         """
         if input_ids.is_nested:
             return self._forward_nested(input_ids, attention_mask, position_ids, cu_seqlens, max_seqlen)
-        _check_ids(input_ids, self.config.vocab_size)
+        # shapes and dtypes: free
+        _check_ids(input_ids)
         B, S = input_ids.shape
-        if cu_seqlens is not None:
+        packed = cu_seqlens is not None
+        if packed:
             if attention_mask is not None:
                 raise ValueError("attention_mask: a packed batch (cu_seqlens given) has no padding; leave attention_mask None")
-            max_seqlen = check_cu_seqlens(cu_seqlens, input_ids, max_seqlen)
+            _check_cu_seqlens_shape(cu_seqlens, input_ids)
+        elif max_seqlen is not None:
+            raise ValueError("max_seqlen goes with cu_seqlens (packed batches); a padded batch has no use for it")
+        else:
+            _check_mask_shape(attention_mask, input_ids)
+        if position_ids is not None:
+            _check_positions_shape(position_ids, input_ids)
+        elif not packed and S > self.config.n_positions:
+            raise ValueError(f"input_ids has {S} tokens per row; this model has n_positions={self.config.n_positions}")
+        mask = None if attention_mask is None else attention_mask.bool()
+        backend = self.attention_backend
+        unpad = mask is not None and not backend.capabilities.padding_mask and backend.capabilities.varlen
+        # values: one fused device computation, one host read (skipped while compiling)
+        read = {}
+        if not torch.compiler.is_compiling():
+            read = self._check_values(input_ids, attention_mask, mask, position_ids, cu_seqlens, max_seqlen, unpad)
+        if input_ids.numel() == 0:  # no tokens: nothing to attend over
+            return self.lm_head.weight.new_zeros(B, S, self.config.vocab_size)
+        if packed:
+            if max_seqlen is None:
+                max_seqlen = read.get("longest_sequence")  # else the backend reads it once per forward
             if position_ids is None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens, S)[None]
-            self._check_positions(position_ids, input_ids, None)
-            ctx = AttnContext(causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+            ctx = AttnContext(causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **self._attn_ctx_args())
             return self.lm_head(self._hidden(input_ids, position_ids, ctx))
-        if max_seqlen is not None:
-            raise ValueError("max_seqlen goes with cu_seqlens (packed batches); a padded batch has no use for it")
-        mask = _check_mask(attention_mask, input_ids)
         if position_ids is None:
-            if S > self.config.n_positions:
-                raise ValueError(f"input_ids has {S} tokens per row; this model has n_positions={self.config.n_positions}")
             position_ids = torch.arange(S, device=input_ids.device)[None]
-        self._check_positions(position_ids, input_ids, mask)
-        _check_no_restart(position_ids, input_ids, mask)
-        backend = self.attention_backend
-        if mask is not None and not backend.capabilities.padding_mask and backend.capabilities.varlen:
-            return self._forward_unpadded(input_ids, mask, position_ids)
-        ctx = AttnContext(causal=True, key_padding_mask=mask)
+        if unpad:
+            sizes = (read["tokens"], read["rows"], read["longest_row"]) if read else None
+            return self._forward_unpadded(input_ids, mask, position_ids, sizes)
+        ctx = AttnContext(causal=True, key_padding_mask=mask, **self._attn_ctx_args())
         return self.lm_head(self._hidden(input_ids, position_ids, ctx))
+
+    def _attn_ctx_args(self) -> dict:
+        """What every layer shares (layers with their own scale derive a copy)."""
+        return {"scale": attn_scale(self.config, 0), "dropout_p": self.config.attn_pdrop if self.training else 0.0}
+
+    def _check_values(self, ids, attention_mask, mask, position_ids, cu_seqlens, max_seqlen, unpad) -> dict:
+        """Every value check of a forward as one device computation and one host read; raises
+        ValueError naming the argument. Returns the numbers read (sizes the forward needs)."""
+        stats = {}
+        if ids.numel():
+            stats["ids_min"], stats["ids_max"] = ids.min(), ids.max()
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            stats["mask_not_01"] = ((attention_mask != 0) & (attention_mask != 1)).any()
+        if position_ids is not None and ids.numel():
+            p_BS = position_ids.expand(ids.shape).long()
+            real_BS = torch.ones_like(p_BS, dtype=torch.bool) if mask is None else mask
+            big = torch.iinfo(torch.int64).max  # sentinels: padding never decides the range
+            stats["pos_min"] = torch.where(real_BS, p_BS, big).min()
+            stats["pos_max"] = torch.where(real_BS, p_BS, -big).max()
+            if cu_seqlens is None:
+                stats["pos_restart"] = _position_restarts(p_BS, mask).any()
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(ids.device)
+            lengths = cu[1:] - cu[:-1]
+            stats.update(cu_first=cu[0], cu_last=cu[-1], shortest_sequence=lengths.min(), longest_sequence=lengths.max())
+        if unpad and mask.numel():
+            stats.update(zip(("tokens", "rows", "longest_row"), packing.mask_sizes(mask)))
+        if not stats:
+            return {}
+        read = dict(zip(stats, torch.stack([t.long() for t in stats.values()]).tolist()))  # the one host read
+
+        V, n = self.config.vocab_size, self.config.n_positions
+        if "ids_min" in read and (read["ids_min"] < 0 or read["ids_max"] >= V):
+            raise ValueError(f"input_ids must lie in [0, {V}) (vocab_size), got values in [{read['ids_min']}, {read['ids_max']}]")
+        if read.get("mask_not_01"):
+            raise ValueError("attention_mask must hold 0/1 (or bool): 1 = token, 0 = padding")
+        if "cu_first" in read:
+            if read["cu_first"] != 0:
+                raise ValueError(f"cu_seqlens must start at 0, got {read['cu_first']}")
+            if read["shortest_sequence"] <= 0:
+                raise ValueError(f"cu_seqlens must be strictly increasing, got {cu_seqlens.tolist()}")
+            if read["cu_last"] != ids.shape[1]:
+                raise ValueError(f"cu_seqlens must end at T={ids.shape[1]} (the number of tokens in input_ids), got {read['cu_last']}")
+            if max_seqlen is not None and int(max_seqlen) < read["longest_sequence"]:
+                raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({read['longest_sequence']})")
+        has_real = read.get("pos_min", 0) <= read.get("pos_max", -1)
+        if has_real and (read["pos_min"] < 0 or read["pos_max"] >= n):
+            raise ValueError(
+                f"position_ids must lie in [0, {n}) (n_positions={n}), got values in [{read['pos_min']}, {read['pos_max']}]"
+            )
+        if read.get("pos_restart"):
+            row = int(_position_restarts(position_ids.expand(ids.shape).long(), mask).any(1).nonzero()[0])
+            raise ValueError(
+                f"position_ids restart or go back inside row {row} of a padded batch: several sequences in one row would "
+                "attend to each other. For packed sequences pass cu_seqlens (fastzoo.data.pack builds it)."
+            )
+        return read
 
     def _hidden(self, ids_BS, pos_BS, ctx: AttnContext) -> torch.Tensor:
         t = self.transformer
@@ -208,11 +287,13 @@ class GPT2LMHeadModel(FastzooModel):
             x_BSC = block(x_BSC, ctx)
         return t.ln_f(x_BSC)
 
-    def _forward_unpadded(self, ids_BS, mask_BS, pos_BS):
+    def _forward_unpadded(self, ids_BS, mask_BS, pos_BS, sizes):
         """A padded batch through a packed-only backend: real tokens are packed (one sequence
         per row, in order), run packed, and scattered back; padding positions get zeros."""
-        info, (ids_T, pos_T) = packing.unpad(mask_BS, ids_BS, pos_BS.expand(ids_BS.shape))
-        ctx = AttnContext(causal=True, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
+        info, (ids_T, pos_T) = packing.unpad(mask_BS, ids_BS, pos_BS.expand(ids_BS.shape), sizes=sizes)
+        if info.indices.numel() == 0:  # every row is padding: no sequence to run
+            return self.lm_head.weight.new_zeros(*ids_BS.shape, self.config.vocab_size)
+        ctx = AttnContext(causal=True, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen, **self._attn_ctx_args())
         return packing.repad(self.lm_head(self._hidden(ids_T[None], pos_T[None], ctx))[0], info)
 
     def _forward_nested(self, ids, attention_mask, position_ids, cu_seqlens, max_seqlen):
@@ -231,82 +312,54 @@ class GPT2LMHeadModel(FastzooModel):
         logits_1TV = self(ids.values()[None], position_ids=pos, cu_seqlens=offsets.to(torch.int32))
         return torch.nested.nested_tensor_from_jagged(logits_1TV[0], offsets=offsets)
 
-    def _check_positions(self, position_ids, input_ids, mask):
-        B, S = input_ids.shape
-        if position_ids.ndim != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
-            raise ValueError(f"position_ids must be [{B}, {S}] (or [1, {S}]) like input_ids, got {tuple(position_ids.shape)}")
-        n = self.config.n_positions
-        real = position_ids if mask is None else position_ids.expand(B, S)[mask]
-        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= n):
-            raise ValueError(
-                f"position_ids must lie in [0, {n}) (n_positions={n}), got values in [{int(real.min())}, {int(real.max())}]"
-            )
 
 
 # -- input checks (clear errors before any kernel sees bad indices) ------------------------------
-def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+def _check_ids(input_ids: torch.Tensor) -> None:
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, S] (packed: [1, T]), got shape {tuple(input_ids.shape)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise ValueError(
-            f"input_ids must lie in [0, {vocab_size}) (vocab_size), got values in [{int(input_ids.min())}, {int(input_ids.max())}]"
-        )
 
 
-def _check_no_restart(position_ids, input_ids, mask) -> None:
-    """In a padded batch, positions must grow along each row's real tokens. A restart means
-    several sequences share a row: without cu_seqlens they would attend to each other."""
-    p_BS = position_ids.expand(input_ids.shape)
+def _check_positions_shape(position_ids, input_ids) -> None:
+    B, S = input_ids.shape
+    if position_ids.is_nested or position_ids.dtype.is_floating_point or position_ids.dtype.is_complex \
+            or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be an integer tensor like input_ids, got {position_ids.dtype}")
+    if position_ids.ndim != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids must be [{B}, {S}] (or [1, {S}]) like input_ids, got {tuple(position_ids.shape)}")
+
+
+def _position_restarts(p_BS: torch.Tensor, mask) -> torch.Tensor:
+    """[B, S] True where a real token's position does not grow along its row. In a padded
+    batch a restart means several sequences share a row: without cu_seqlens they would
+    attend to each other."""
     if mask is not None:
         p_BS = p_BS.masked_fill(~mask, -1)
     prev_BS = F.pad(p_BS.cummax(dim=1).values[:, :-1], (1, 0), value=-1)
     back = p_BS <= prev_BS
-    if mask is not None:
-        back &= mask
-    if back.any():
-        row = int(back.any(1).nonzero()[0])
-        raise ValueError(
-            f"position_ids restart or go back inside row {row} of a padded batch: several sequences in one row would "
-            "attend to each other. For packed sequences pass cu_seqlens (fastzoo.data.pack builds it)."
-        )
+    return back & mask if mask is not None else back
 
 
-def _check_mask(attention_mask, input_ids) -> torch.Tensor | None:
+def _check_mask_shape(attention_mask, input_ids) -> None:
     if attention_mask is None:
-        return None
+        return
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    if attention_mask.dtype != torch.bool:
-        if attention_mask.dtype.is_floating_point or ((attention_mask != 0) & (attention_mask != 1)).any():
-            raise ValueError("attention_mask must hold 0/1 (or bool): 1 = token, 0 = padding")
-        attention_mask = attention_mask.bool()
-    return attention_mask
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise ValueError(f"attention_mask must hold 0/1 (or bool): 1 = token, 0 = padding; got {attention_mask.dtype}")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, input_ids: torch.Tensor, max_seqlen: int | None) -> int:
-    """Validate packed-batch metadata against ``input_ids[1, T]``; return max_seqlen."""
+def _check_cu_seqlens_shape(cu_seqlens: torch.Tensor, input_ids: torch.Tensor) -> None:
+    """Packed-batch metadata that can be checked without reading values."""
     if input_ids.shape[0] != 1:
         raise ValueError(
             f"cu_seqlens: a packed batch is input_ids[1, T], got batch size {input_ids.shape[0]}; "
             "pack all sequences into one row (fastzoo.data.pack) or drop cu_seqlens for a padded batch"
         )
-    T = input_ids.shape[1]
     if cu_seqlens.ndim != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if min(lengths) <= 0:
-        raise ValueError(f"cu_seqlens must be strictly increasing, got {cu}")
-    if cu[-1] != T:
-        raise ValueError(f"cu_seqlens must end at T={T} (the number of tokens in input_ids), got {cu[-1]}")
-    longest = max(lengths)
-    if max_seqlen is not None and int(max_seqlen) < longest:
-        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({longest})")
-    return longest if max_seqlen is None else int(max_seqlen)
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
