@@ -236,3 +236,106 @@ def test_list_attention_and_matrix():
     from fastzoo.cli import main
 
     assert main(["list"]) == 0
+
+
+def test_function_backend_without_capabilities_gets_the_conservative_default():
+    """DESIGN.md's two-argument form: a plain function that may ignore ctx serves what needs
+    no mask (ViT) and is refused at create where it would silently drop one (GPT-2 is causal)."""
+    def plain(q, k, v, ctx):
+        return F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)
+
+    fastzoo.register_attention("plain_fn", plain, overwrite=True)
+    caps = fastzoo.attention.backend_class("plain_fn").capabilities
+    assert not (caps.causal or caps.padding_mask or caps.varlen or caps.score_mod or caps.dropout)
+    model = fastzoo.create("vit_b16", attn="plain_fn", **TINY).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x)
+        ref = model.set_attention("eager")(x)
+    assert (out - ref).abs().max() <= 1e-4  # fp32 CPU, same weights
+    with pytest.raises(BackendUnavailableError, match="has no causal masking"):
+        fastzoo.create("gpt2", attn="plain_fn", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    with pytest.raises(BackendUnavailableError, match="attn_drop_rate=0.1: build it with attn_drop_rate=0.0"):
+        fastzoo.create("vit_b16", attn="plain_fn", attn_drop_rate=0.1, **TINY)
+
+
+def test_flex_refuses_a_vit_with_attention_dropout_at_create():
+    with pytest.raises(BackendUnavailableError, match="attn_drop_rate=0.1: build it with attn_drop_rate=0.0"):
+        fastzoo.create("vit_b16", attn="flex", attn_drop_rate=0.1, **TINY)
+    model = fastzoo.create("vit_b16", attn="sdpa", attn_drop_rate=0.1, **TINY)  # sdpa has dropout
+    with pytest.raises(BackendUnavailableError, match="attn_drop_rate"):
+        model.set_attention("flex")
+    assert model.attn_name == "sdpa"
+    q, k, v = qkv()
+    with pytest.raises(BackendUnavailableError, match="no attention dropout"):  # direct calls: per call
+        get_backend("flex")(q, k, v, AttnContext(dropout_p=0.1))
+
+
+def test_vit_attention_dropout_reaches_the_backend_in_training_only():
+    seen = []
+
+    def spy(q, k, v, ctx):
+        seen.append(ctx.dropout_p)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    fastzoo.register_attention("dropout_spy", spy, capabilities=Capabilities(devices={"cpu": (FP32,)}), overwrite=True)
+    model = fastzoo.create("vit_b16", attn="dropout_spy", attn_drop_rate=0.25, **TINY)
+    x = torch.randn(1, 3, 32, 32)
+    model.train()(x)
+    model.eval()(x)
+    assert seen == [0.25, 0.25, 0.0, 0.0]  # 2 layers, train then eval
+
+
+@pytest.mark.parametrize("name", ["eager", "sdpa", "flex", "varlen", "nested"])
+def test_no_queries_give_an_empty_output(name):
+    q, k, v = qkv(S=0)
+    with torch.no_grad():
+        out = get_backend(name)(q, k, v, AttnContext(causal=name != "flex"))
+    assert out.shape == (2, 3, 0, 16)
+
+
+def test_a_shared_context_builds_the_mask_once(monkeypatch):
+    """Layers share one AttnContext per forward: later calls with it (or a copy made by
+    ctx.replace for a layer's own scale) reuse the first call's mask."""
+    q, k, v = qkv()
+    valid = CONTEXTS["causal_padding"]().key_padding_mask
+    refs = {s: get_backend("eager")(q, k, v, AttnContext(causal=True, key_padding_mask=valid, scale=s)) for s in (None, 0.5)}
+    built = []
+    dense = masks.dense_mask
+    monkeypatch.setattr(masks, "dense_mask", lambda *a: (built.append(1), dense(*a))[1])
+    for name in ("sdpa", "eager"):
+        built.clear()
+        backend, ctx = get_backend(name), AttnContext(causal=True, key_padding_mask=valid)
+        first, second = backend(q, k, v, ctx), backend(q, k, v, ctx.replace(scale=0.5))
+        assert len(built) == 1
+        assert (first - refs[None]).abs().max() <= TOL
+        assert (second - refs[0.5]).abs().max() <= TOL  # the copy keeps its own scale with the shared mask
+        assert ctx.scale is None  # the shared context is unchanged
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex"])
+def test_vit_forward_compiles_to_one_graph(attn):
+    """Nothing in the attention path breaks a torch.compile graph (flex used to mutate the
+    global warning filters per layer: 8 graphs for a 2-layer ViT)."""
+    model = fastzoo.create("vit_b16", attn=attn, **TINY).eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 32))
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex with automatic dynamic shapes: CUDA (Triton) only")
+def test_compiled_flex_does_not_recompile_per_packed_length():
+    from torch._dynamo.utils import counters
+
+    backend = get_backend("flex", compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    for T in (128, 200, 256, 320):
+        q, k, v = (torch.randn(1, 4, T, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, T // 3, T], dtype=torch.int32, device="cuda")
+        with torch.no_grad():
+            out = backend(q, k, v, AttnContext(causal=True, cu_seqlens=cu, max_seqlen=T - T // 3))
+        ref = get_backend("eager")(q.float(), k.float(), v.float(), AttnContext(causal=True, cu_seqlens=cu))
+        assert (out.float() - ref).abs().max() <= 2e-2  # bf16 attention of O(1) values
+    assert counters["stats"]["unique_graphs"] <= 2  # the first length static, then one symbolic-length graph

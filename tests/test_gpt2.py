@@ -245,6 +245,168 @@ def test_bad_inputs_name_the_argument(hf, kwargs, argument):
         m(**kwargs)
 
 
+def test_float_position_ids_are_refused_naming_position_ids(hf):
+    m = ours(hf, "sdpa")
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    for bad in (torch.arange(5.0)[None], torch.ones(1, 5, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="position_ids must be an integer tensor"):
+            m(ids, position_ids=bad)
+    with pytest.raises(ValueError, match="position_ids must be an integer tensor"):
+        m(**_packed(position_ids=torch.zeros(1, 19)))
+
+
+# -- empty inputs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_inputs_without_tokens_give_empty_logits(hf, backend):
+    m = ours(hf, backend[0], **backend[1])
+    with torch.no_grad():
+        for ids, mask in ((torch.zeros(2, 0, dtype=torch.long), None), (torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long))):
+            assert m(ids, attention_mask=mask).shape == (2, 0, 128)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_all_padding_rows_give_logits_of_the_batch_shape(hf, backend):
+    """A batch whose every row is padding has no real token: every backend answers [B, S, V]
+    (finite; the backends that unpad put zeros at padding, as for any padding position), and a
+    padding-only row beside real rows leaves the real rows equal to HF's."""
+    m = ours(hf, backend[0], **backend[1])
+    ids = torch.stack(seqs((6, 6)))
+    with torch.no_grad():
+        logits = m(ids, attention_mask=torch.zeros(2, 6, dtype=torch.long))
+        assert logits.shape == (2, 6, 128) and torch.isfinite(logits).all()
+        if not m.attention_backend.capabilities.padding_mask:
+            assert (logits == 0).all()
+        mask = torch.tensor([[1] * 6, [0] * 6])
+        mixed = m(ids, attention_mask=mask)
+        assert (mixed[0] - hf(ids[:1]).logits[0]).abs().max() <= LOGIT_TOL
+
+
+# -- cost of a forward: host reads, mask builds, graphs ----------------------------------------------
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that copy a value to the host (a device sync on GPU): scalar reads
+    (.item(), int(t), bool(t)) and data-dependent shapes (nonzero); tolist is counted by the test."""
+
+    READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::item"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.READS:
+            self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def count_host_reads(monkeypatch, fn) -> list[str]:
+    reads = HostReads()
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.ops.append("tolist"), tolist(t))[1])
+    with torch.no_grad(), reads:
+        fn()
+    monkeypatch.undo()
+    return reads.ops
+
+
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
+def test_one_host_read_per_forward(hf, backend, monkeypatch):
+    """Validation of ids, mask, positions and offsets (and the sizes an unpadding backend
+    needs) is one fused device computation read back once, whatever the number of layers."""
+    m = ours(hf, backend[0], **backend[1])
+    padded, packed = pad_to_longest(seqs()), pack(seqs())
+    assert len(count_host_reads(monkeypatch, lambda: m(**padded.model_inputs()))) == 1
+    assert len(count_host_reads(monkeypatch, lambda: m(padded.input_ids, attention_mask=padded.attention_mask))) == 1
+    assert len(count_host_reads(monkeypatch, lambda: m(**packed.model_inputs()))) == 1
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    fn = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: (calls.append(name), fn(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("backend, module, builder", [
+    ("eager", "fastzoo.attention.masks", "dense_mask"),
+    ("sdpa", "fastzoo.attention.masks", "dense_mask"),
+    ("flex", "fastzoo.attention.flex", "create_block_mask"),
+    ("varlen", "fastzoo.attention.varlen", "document_ids"),
+    ("nested", "fastzoo.attention.varlen", "document_ids"),
+])
+def test_masks_are_built_once_per_forward_not_per_layer(hf, backend, module, builder, monkeypatch):
+    """The model's layers share one AttnContext per forward; the first layer builds the
+    batch's mask (dense mask, BlockMask, packed document ids) and the others reuse it."""
+    import importlib
+
+    assert hf.config.n_layer >= 2
+    m = ours(hf, backend)
+    calls = _counting(monkeypatch, importlib.import_module(module), builder)
+    padded, packed = pad_to_longest(seqs()), pack(seqs())
+    with torch.no_grad():
+        m(padded.input_ids, attention_mask=padded.attention_mask)
+        assert len(calls) == 1  # varlen/nested: the padded batch is unpadded and runs packed
+        calls.clear()
+        out = m(**packed.model_inputs())
+    assert len(calls) == 1
+    assert (out[0] - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL  # the shared mask is the right one
+
+
+def test_layers_do_not_write_to_the_shared_context():
+    """scale_attn_by_inverse_layer_idx gives each layer its own scale: it reaches the backend
+    per layer while the context the model built (and its mask cache) stays shared and unchanged."""
+    from fastzoo.attention import Capabilities
+    from fastzoo.attention.base import FLOATS
+
+    seen = []
+
+    def spy(q, k, v, ctx):
+        seen.append((ctx, ctx.scale))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale)
+
+    fastzoo.register_attention("ctx_spy", spy, capabilities=Capabilities(devices={"cpu": FLOATS}), overwrite=True)
+    m = fastzoo.create("gpt2", attn="ctx_spy", scale_attn_by_inverse_layer_idx=True, **TINY).eval()
+    with torch.no_grad():
+        m(torch.zeros(1, 4, dtype=torch.long))
+    d = TINY["n_embd"] // TINY["n_head"]
+    assert [s for _, s in seen] == [d**-0.5, d**-0.5 / 2]
+    (ctx0, _), (ctx1, _) = seen
+    assert ctx0.scale == d**-0.5  # layer 1 did not overwrite what layer 0 was given
+    assert ctx0._cache is ctx1._cache
+
+
+def test_padded_forward_compiles_to_one_graph(hf):
+    """No host read and no data-dependent branch under torch.compile: the value checks are
+    skipped while compiling, so a padded batch is one graph (it was 12, with 11 breaks)."""
+    m = ours(hf, "sdpa")
+    batch = pad_to_longest(seqs())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(m)(batch.input_ids, attention_mask=batch.attention_mask)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+# -- requests refused at create ------------------------------------------------------------------
+def test_backend_without_dropout_is_refused_for_a_model_with_attention_dropout():
+    """GPT-2's default attn_pdrop is 0.1 (HF's): flex has no attention dropout, so create says
+    which field to set instead of failing at the first training forward."""
+    for attn, opts in (("flex", {}), ("varlen", {"impl": "flex"})):
+        with pytest.raises(BackendUnavailableError, match=r"attn_pdrop=0\.1: build it with attn_pdrop=0\.0"):
+            fastzoo.create("gpt2", attn=attn, attn_options=opts, **TINY)
+        assert fastzoo.create("gpt2", attn=attn, attn_options=opts, attn_pdrop=0.0, **TINY).attn_name == attn
+    m = fastzoo.create("gpt2", attn="sdpa", **TINY)  # sdpa/eager/varlen apply dropout
+    with pytest.raises(BackendUnavailableError, match="attn_pdrop"):
+        m.set_attention("flex")
+    assert m.attn_name == "sdpa"
+
+
+def test_neighborhood_mask_is_refused_at_set_attention_for_gpt2(hf):
+    m = ours(hf, "sdpa")
+    for name in ("flex", "eager"):
+        with pytest.raises(BackendUnavailableError, match="mask_mod='neighborhood' needs a 2-D token grid"):
+            m.set_attention(name, mask_mod="neighborhood")
+    assert m.attn_name == "sdpa"
+
+
 def test_flex_training_on_cpu_fails_before_running(hf):
     m = ours(hf, "flex").train()
     with pytest.raises(BackendUnavailableError, match="backward"):

@@ -18,26 +18,30 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
 
-_compiled_flex = None
+_compiled_flex = {}
 
 
-def _flex_fn(compile_: bool):
+def _flex_fn(compile_: bool, device_type: str):
     """``flex_attention``, compiled or not.
 
     Uncompiled (the CPU default) PyTorch warns once per process that the scores are
     materialised; that is true, so it is not silenced (a filter would also change the
-    user's global warning state). Compiled, ``dynamic=None`` is PyTorch's automatic
-    dynamic shapes: the first shape gets a specialised kernel, and the first change of a
-    size (a packed batch's T changes every step) recompiles once with that size symbolic,
-    which flex's Triton template supports (only the head count and head dim stay static),
-    instead of recompiling per length until the cache limit as ``dynamic=False`` did.
+    user's global warning state, and inside a compiled model it breaks the graph).
+
+    Compiled on CUDA, ``dynamic=None`` is PyTorch's automatic dynamic shapes: the first
+    shape gets a specialised kernel and the first change of a size (a packed batch's T
+    changes every step) recompiles once with that size symbolic, which flex's Triton
+    template supports (flex marks only the head count and head dim static), instead of
+    recompiling per length until the recompile limit as ``dynamic=False`` does. On CPU,
+    torch 2.14.1's C++ flex template fails to build with a symbolic length (measured), so
+    it stays ``dynamic=False``: one compile per distinct length there; bucket the lengths
+    (``fastzoo.data.pad_to_max``) or leave ``compile`` off.
     """
-    global _compiled_flex
     if not compile_:
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=None)
-    return _compiled_flex
+    if device_type not in _compiled_flex:
+        _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    return _compiled_flex[device_type]
 
 
 class FlexBackend(AttentionBackend):
@@ -99,4 +103,4 @@ class FlexBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         compile_ = self.opts["compile"]
         compile_ = q_BHSD.is_cuda if compile_ is None else compile_
-        return _flex_fn(compile_)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale)
+        return _flex_fn(compile_, q_BHSD.device.type)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale)
