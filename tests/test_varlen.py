@@ -114,3 +114,10 @@ def test_gpu_varlen_kernels_low_precision_rule(impl):
     assert (out.float() - ref).abs().max() <= 3 * (same_dtype.float() - ref).abs().max() + 1e-3
     out.float().sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in qkv)
+
+
+def test_document_ids_of_packed_tokens():
+    from fastzoo.attention.masks import document_ids
+
+    cu = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32)  # an empty sequence, then 2 trailing tokens
+    assert document_ids(cu, 8).tolist() == [0, 0, 0, 2, 3, 3, -1, -1]

@@ -70,11 +70,13 @@ def document(cu_seqlens: torch.Tensor, total: int) -> MaskMod:
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """[T] index of the packed sequence each token belongs to (tokens past the end get -1)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    ids = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths.long(), output_size=None)
-    if ids.numel() < total:  # trailing padding after the last sequence
-        ids = torch.cat([ids, ids.new_full((total - ids.numel(),), -1)])
-    return ids
+    # Token t belongs to the sequence whose span [cu[i], cu[i+1]) holds it: i = number of ends
+    # cu[1:] <= t. A search, not repeat_interleave: no data-dependent shape (no host read,
+    # no torch.compile graph break).
+    cu = cu_seqlens.long()
+    t = torch.arange(total, device=cu_seqlens.device)
+    ids = torch.searchsorted(cu[1:], t, right=True)
+    return torch.where(t < cu[-1], ids, -1)
 
 
 def padding(key_padding_mask: torch.Tensor) -> MaskMod:
