@@ -34,7 +34,7 @@ class _TimmViT:
         fastzoo's ViT does not implement are refused with :class:`CheckpointError`.
 
         From a bare state dict only what the keys fix is read: the head (``num_classes``),
-        the prefix tokens (``class_token``, ``reg_tokens``), whether the position embedding
+        ``patch_size`` and ``in_chans`` (from the patch projection), the prefix tokens (``class_token``, ``reg_tokens``), whether the position embedding
         covers them (``no_embed_class``), the image size (from the position embedding), and
         where the final LayerNorm sits: an ``fc_norm`` key means after pooling, read as avg
         pooling (timm's default for it); neither a class token nor ``fc_norm`` means avg
@@ -60,7 +60,9 @@ def _from_keys(state: dict) -> dict:
         out["fc_norm"] = None if "fc_norm.weight" in state else False  # None: timm's rule, fc_norm with avg
     else:
         out["global_pool"] = "token"
-    patch = state["patch_embed.proj.weight"].shape[-1]
+    _, out["in_chans"], patch_h, patch = state["patch_embed.proj.weight"].shape
+    if patch_h == patch:
+        out["patch_size"] = patch
     if "pos_embed" in state:
         n = state["pos_embed"].shape[1]
         prefix = int(out["class_token"]) + out["reg_tokens"]
