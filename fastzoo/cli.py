@@ -29,6 +29,18 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from fastzoo.bench.cli import cmd_bench as run
+
+    return run(args)
+
+
+def _bench_args(p):
+    from fastzoo.bench.cli import add_args
+
+    add_args(p)
+
+
 def _list_args(p) -> None:
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 
@@ -48,6 +60,7 @@ def _check_args(p) -> None:
 COMMANDS = {
     "list": (cmd_list, "models and the attention capability matrix", _list_args),
     "check": (_check, "parity of attention backends against the fp32 eager reference", _check_args),
+    "bench": (cmd_bench, "parity-gated speed of every attention backend vs the peer library", _bench_args),
 }
 
 

@@ -28,6 +28,7 @@ _BUILTIN = {
     "xformers": "fastzoo.attention.xformers:XformersBackend",
     "nested": "fastzoo.attention.nested:NestedBackend",
     "varlen": "fastzoo.attention.varlen:VarlenBackend",
+    "neuron": "fastzoo.attention.neuron:NeuronBackend",
 }
 _REGISTRY: dict[str, type[AttentionBackend] | str] = dict(_BUILTIN)
 

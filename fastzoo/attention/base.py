@@ -217,7 +217,7 @@ def _unavailable(packages, install, devices, min_cuda_capability) -> str | None:
     return "; ".join(problems) or None
 
 
-_DEVICE_WORDS = {"cuda": "a CUDA GPU"}
+_DEVICE_WORDS = {"cuda": "a CUDA GPU", "xla": "an XLA device (AWS Trainium/Inferentia2 through torch-neuronx)"}
 
 
 def _device_present(device_type: str) -> bool:
@@ -225,6 +225,8 @@ def _device_present(device_type: str) -> bool:
         return True
     if device_type == "cuda":
         return torch.cuda.is_available()
+    if device_type == "xla":  # torch has no torch.xla; torch_xla provides the device (not imported here: it is heavy)
+        return package_available("torch_xla")
     mod = getattr(torch, device_type, None)
     return bool(mod is not None and getattr(mod, "is_available", lambda: False)())
 

@@ -43,7 +43,7 @@ import torch
 
 REDUCTIONS = ("none", "mean", "sum")
 IMPLS = ("auto", "torch", "kernel")
-last_impl: str | None = None  # which path the last giou_loss call took: "torch" | "cpu-cpp" | "cpu-vectorised" | "triton"
+last_impl: str | None = None  # the path the last giou_loss call took: "torch" | "cpu-cpp" | "cpu-vectorised" | "triton" | "nki" | "xla-vectorised"
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -124,8 +124,9 @@ def _giou_op():
 
 
 def kernel_path(device) -> str:
-    """The fused path ``impl="kernel"`` takes on ``device``: "triton" on CUDA; on CPU "cpu-cpp"
-    (the C++ kernel, built on first call) or "cpu-vectorised" if it could not be built."""
+    """The fused path ``impl="kernel"`` takes on ``device``: "triton" on CUDA; "nki" on XLA with
+    neuronxcc (Trainium), else "xla-vectorised"; on CPU "cpu-cpp" (the C++ kernel, built on first
+    call) or "cpu-vectorised" if it could not be built."""
     return _giou_op().kernel_path(torch.device(device).type)
 
 

@@ -12,6 +12,9 @@ Kernels, by device (``kernel_path`` says which one runs):
   the C++ build fails -- with a warning that says why -- or when
   ``FASTZOO_GIOU_CPU=vectorised`` forces it.
 - ``"triton"``: on CUDA, ``triton_giou.py``, imported only when a CUDA tensor arrives.
+- ``"nki"``: on the "xla" device with ``neuronxcc`` installed (AWS Trainium / Inferentia2),
+  ``nki_giou.py``; without it (e.g. torch-xla on TPU) ``"xla-vectorised"``, the closed form below
+  compiled by XLA. Written against the NKI docs, not run on hardware.
 
 ``register_fake`` gives shapes to ``torch.compile`` and ``register_autograd`` wires the
 backward op, so ``fullgraph=True`` traces through every path.
@@ -41,11 +44,15 @@ _cpu_path: str | None = None  # "cpu-cpp" | "cpu-vectorised", decided on first u
 
 @torch.compiler.assume_constant_result  # under torch.compile: decided (and built) once, at trace time
 def kernel_path(device_type: str) -> str:
-    """"triton" on CUDA; on CPU "cpu-cpp" once the C++ kernel is built and loaded (first call
-    builds it), else "cpu-vectorised"."""
+    """"triton" on CUDA; "nki" on XLA where neuronxcc is installed, else "xla-vectorised"; on CPU
+    "cpu-cpp" once the C++ kernel is built and loaded (first call builds it), else "cpu-vectorised"."""
     global _cpu_path
     if device_type == "cuda":
         return "triton"
+    if device_type == "xla":
+        from fastzoo.losses.kernels import nki_giou  # imports no Neuron package
+
+        return "nki" if nki_giou.available() else "xla-vectorised"
     if _cpu_path is None:
         _cpu_path = _load_cpp_kernel()
     return _cpu_path
@@ -157,6 +164,15 @@ def _giou_loss_fwd_cuda(pred: Tensor, target: Tensor, eps: float) -> Tensor:
     return triton_giou.forward(pred.contiguous(), target.contiguous(), eps)
 
 
+@giou_loss_fwd.register_kernel("xla")
+def _giou_loss_fwd_xla(pred: Tensor, target: Tensor, eps: float) -> Tensor:
+    if kernel_path("xla") != "nki":
+        return _forward_vectorised(pred, target, eps)
+    from fastzoo.losses.kernels import nki_giou
+
+    return nki_giou.forward(pred, target, eps)
+
+
 @giou_loss_fwd.register_fake
 def _(pred, target, eps):
     return pred.new_empty(pred.shape[:-1], dtype=compute_dtype(pred.dtype))
@@ -172,6 +188,15 @@ def _giou_loss_bwd_cuda(grad: Tensor, pred: Tensor, target: Tensor, eps: float) 
     from fastzoo.losses.kernels import triton_giou
 
     return triton_giou.backward(grad, pred.contiguous(), target.contiguous(), eps)
+
+
+@giou_loss_bwd.register_kernel("xla")
+def _giou_loss_bwd_xla(grad: Tensor, pred: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if kernel_path("xla") != "nki":
+        return _backward_vectorised(grad, pred, target, eps)
+    from fastzoo.losses.kernels import nki_giou
+
+    return nki_giou.backward(grad, pred, target, eps)
 
 
 @giou_loss_bwd.register_fake

@@ -1,0 +1,25 @@
+"""GIoU loss, forward + backward: B images x 256 box slots with 1-4 real boxes each.
+Per-sample loop vs concat vs padded vs fused kernel vs torchvision's loss on the
+concatenated real pairs (the peer). 256 images is the issue's target setting.
+
+    python benchmarks/giou.py --device cpu --quick
+"""
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
+
+from _common import parser, save, setup, timing  # noqa: E402
+from fastzoo.bench import run_suite  # noqa: E402
+from fastzoo.bench.giou import TARGET_SETTING, giou_suite  # noqa: E402
+
+
+def run(device, out, *, quick, compile=None, note="", progress=True):  # a loss: no compiled rows
+    suite = giou_suite(TARGET_SETTING, device=device)  # fp32: box coordinates are precision-sensitive
+    return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "giou")
+
+
+if __name__ == "__main__":
+    args = parser(__doc__).parse_args()
+    device, out = setup(args)
+    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress)

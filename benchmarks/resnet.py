@@ -1,0 +1,25 @@
+"""ResNet-50: fastzoo vs torchvision on the same weights, channels_last and bf16 autocast on/off,
+eval and train. --quick: batch 2 at 128x128.
+
+    python benchmarks/resnet.py --device cpu --quick
+"""
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
+
+from _common import compile_modes, parser, save, setup, timing  # noqa: E402
+from fastzoo.bench import run_suite  # noqa: E402
+from fastzoo.bench.resnet import resnet_suite  # noqa: E402
+
+
+def run(device, out, *, quick, compile=None, note="", progress=True):
+    suite = resnet_suite(compile_modes=compile_modes(quick, device, compile), batch_size=2 if quick else (8 if device.type == "cpu" else 128),
+                         img_size=128 if quick else 224, device=device)
+    return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "resnet50")
+
+
+if __name__ == "__main__":
+    args = parser(__doc__).parse_args()
+    device, out = setup(args)
+    run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=not args.no_progress)

@@ -1,0 +1,158 @@
+"""``fastzoo bench MODEL``: parity-gated timing of every requested attention backend vs the peer.
+
+Examples::
+
+    fastzoo bench vit_b16 --attn all --quick
+    fastzoo bench vit_b16 --attn sdpa,flex --mode train --device cuda --dtype bf16 --compile --json out.json --plot out.png
+    fastzoo bench gpt2 --attn all --quick          # padded vs nested vs packed, real tokens/s
+    fastzoo bench giou                              # GIoU loss implementations vs torchvision
+    fastzoo bench vit_s16 --parity-train --plot curves.png
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+
+import torch
+import yaml
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or `giou` for the loss suite")
+    p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]; eager is always added")
+    p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--batch-size", type=int, help="images per step (ViT, ResNet) or sequences (GPT-2)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--quick", action="store_true", help="batch 2, 1 warm-up + 3 timed runs: minutes on a 2-core CPU")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 3; quick 1)")
+    p.add_argument("--iters", type=int, help="timed steps; the median is reported (default 10; quick 3)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (on a shared CPU, 1 avoids thread thrashing)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change the model config (original field names: depth, embed_dim, img_size... / n_layer, n_embd...)")
+    p.add_argument("--json", help="write the results as JSON")
+    p.add_argument("--plot", help="write a PNG bar chart (with --parity-train: the loss curves)")
+    p.add_argument("--markdown", help="write the results as a markdown section")
+    p.add_argument("--parity-train", action="store_true",
+                   help="fine-tune a small model of this family with every backend from one initialisation; compare accuracy")
+    p.add_argument("--steps", type=int, help="--parity-train steps (default 300; quick 100)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set depth=2")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def _replace(setting, overrides: dict):
+    names = {f.name for f in dataclasses.fields(setting)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"--set {unknown[0]}: not a field of this suite's config; fields: {', '.join(sorted(names - {'name'}))}")
+    return dataclasses.replace(setting, **overrides) if overrides else setting
+
+
+def _backends(spec: str) -> list[str]:
+    from fastzoo.attention import backend_class, list_attention
+
+    if spec == "all":
+        return list_attention(available_only=True)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--attn: name at least one backend, or `all`")
+    for n in names:
+        backend_class(n)  # an unknown name fails here, with a suggestion
+    # eager is the reference: its own error in a low precision sets every other backend's tolerance
+    return names if "eager" in names else ["eager", *names]
+
+
+def _family(model: str) -> str:
+    if model == "giou":
+        return "giou"
+    from fastzoo.registry import get_entry
+
+    return get_entry(model).model_class.family
+
+
+def build_suite(args, device: torch.device, dtype: torch.dtype):
+    family = _family(args.model)
+    overrides = _overrides(args.overrides)
+    modes, compile_modes = (args.mode,), (args.compile,)
+    if family == "vit":
+        from fastzoo.bench.vit import setting_from_model, vit_suite
+
+        setting = _replace(setting_from_model(args.model), overrides)
+        return vit_suite([setting], backends=_backends(args.attn), modes=modes, compile_modes=compile_modes,
+                         batch_size=args.batch_size or (2 if args.quick else 8), device=device, dtype=dtype, masks=False)
+    if family == "gpt2":
+        from fastzoo.bench.gpt2 import TARGET_SETTING, gpt2_suite
+
+        setting = _replace(TARGET_SETTING, {**({"num_seqs": args.batch_size} if args.batch_size else {}), **overrides})
+        return gpt2_suite(setting, backends=_backends(args.attn), modes=modes, compile_modes=compile_modes,
+                          device=device, dtype=dtype)
+    if family == "resnet":
+        from fastzoo.bench.resnet import resnet_suite
+
+        return resnet_suite(modes=modes, compile_modes=compile_modes, bf16=(dtype == torch.bfloat16,),
+                            batch_size=args.batch_size or (2 if args.quick else 8), device=device, **overrides)
+    if family == "giou":
+        from fastzoo.bench.giou import TARGET_SETTING, giou_suite
+
+        setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
+        return giou_suite(setting, device=device, dtype=dtype)
+    raise ValueError(f"model {args.model!r} (family {family!r}) has no benchmark suite yet")
+
+
+def cmd_bench(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # The table says when flex runs uncompiled; PyTorch's multi-line warning would bury the progress bar.
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    if args.parity_train:
+        return _parity_train(args, device, dtype)
+    from fastzoo.bench.harness import run_suite
+
+    suite = build_suite(args, device, dtype)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    iters = args.iters if args.iters is not None else (3 if args.quick else 10)
+    report = run_suite(suite, warmup=warmup, iters=iters, progress=not args.no_progress)
+    print(report.to_markdown(f"fastzoo bench {args.model}"))
+    if args.json:
+        report.write_json(args.json)
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(report.to_markdown(f"fastzoo bench {args.model}"))
+    if args.plot and not report.skipped:
+        report.plot(args.plot)
+    return 0 if report.ok else 1
+
+
+def _parity_train(args, device, dtype) -> int:
+    from fastzoo.bench.train_parity import train_parity
+
+    if _family(args.model) != "vit":
+        print(f"--parity-train is implemented for the ViT family; {args.model!r} is not a ViT", file=sys.stderr)
+        return 2
+    steps = args.steps or (100 if args.quick else 300)
+    report = train_parity(_backends(args.attn), steps=steps, device=device, dtype=dtype, progress=not args.no_progress)
+    print(report.to_markdown())
+    if args.json:
+        report.write_json(args.json)
+    if args.plot:
+        report.plot(args.plot)
+    return 0 if report.agree else 1

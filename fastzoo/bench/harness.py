@@ -1,0 +1,379 @@
+"""One timing harness for every suite: parity first, then warm-up and the median of N runs.
+
+A suite is a list of :class:`Group` s (one setting: a model config, eval or train,
+compiled or not); each group holds :class:`Case` s (a backend, or the peer library the
+user would pick instead). For each case the harness
+
+1. builds it (a backend this machine cannot run is reported ``unavailable`` with the reason),
+2. compares its outputs and gradients with the group's fp32 eager reference on identical
+   weights (:mod:`fastzoo.bench.parity`, the rule of ``fastzoo check``); a case that fails
+   is reported and *not timed*,
+3. runs ``warmup`` untimed steps (compilation happens here; the parity pass, one full
+   step, counts as the first), then ``iters`` timed steps:
+   CUDA events on GPU, ``time.perf_counter`` on CPU; reports median and min-max,
+   throughput (items per second at the median) and peak memory
+   (``torch.cuda.max_memory_allocated`` on GPU; ``n/a`` on CPU, where PyTorch keeps no
+   allocator statistics and process RSS would mostly measure other things),
+4. divides the peer's median step time by the case's: the speed-up vs the peer, timed in
+   the same run, so that a loaded machine shifts both sides alike.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fastzoo.bench import parity
+from fastzoo.errors import BackendUnavailableError
+
+
+class Unavailable(Exception):
+    """A case this machine or this checkout cannot run; the message says what it needs."""
+
+
+# -- statistics ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stats:
+    median: float
+    min: float
+    max: float
+    n: int
+
+
+def summarize(samples: list[float]) -> Stats:
+    """Median and range of step times in seconds."""
+    if not samples:
+        raise ValueError("samples is empty: time at least one step")
+    return Stats(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def speedup(peer_seconds: float, case_seconds: float) -> float:
+    """How many times faster the case is than the peer (>1: faster)."""
+    if peer_seconds <= 0 or case_seconds <= 0:
+        raise ValueError(f"step times must be positive, got peer={peer_seconds}, case={case_seconds}")
+    return peer_seconds / case_seconds
+
+
+def measure(fn: Callable[[], object], *, warmup: int, iters: int, device: torch.device) -> list[float]:
+    """Seconds per call of ``fn`` after ``warmup`` untimed calls."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(device)
+        return [s.elapsed_time(e) / 1e3 for s, e in events]
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+# -- suite description ------------------------------------------------------------------------
+@dataclass
+class Step:
+    """A built case: ``run`` is one timed step; ``outputs`` returns what parity compares
+    ("output" and "grad:<param>" tensors); ``items`` counts images or real tokens per step."""
+
+    run: Callable[[], object]
+    items: float
+    outputs: Callable[[], dict] | None = None
+
+
+@dataclass
+class Case:
+    label: str
+    build: Callable[[], Step]
+    peer: bool = False  # the library the user would pick instead; speed-ups are against it
+    reference: bool = False  # the eager model in the run dtype (sets the low-precision tolerance)
+    compiled: bool = False
+    same_names: bool = True  # parameter names equal the reference's (False: a peer library naming its own)
+
+
+@dataclass
+class Group:
+    name: str
+    cases: list[Case]
+    reference: Callable[[], dict] | None = None  # fp32 eager outputs on the same weights and inputs
+    unit: str = "images/s"
+    dtype: torch.dtype | None = None  # the precision this group runs in; None: the suite's
+
+
+@dataclass
+class Suite:
+    name: str
+    groups: list[Group]
+    config: dict = field(default_factory=dict)  # stated in every output
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    skipped: str | None = None  # the whole suite cannot run here; says what it needs
+
+
+# -- results ------------------------------------------------------------------------------
+@dataclass
+class Row:
+    group: str
+    label: str
+    compiled: bool
+    status: str  # "ok" | "failed parity" | "unavailable" | "out of memory" | "error"
+    peer: bool = False
+    note: str = ""
+    median_s: float | None = None
+    min_s: float | None = None
+    max_s: float | None = None
+    iters: int = 0
+    throughput: float | None = None
+    unit: str = ""
+    peak_mem_mib: float | None = None
+    speedup: float | None = None
+    max_err: float | None = None
+    grad_err: float | None = None
+
+
+@dataclass
+class Report:
+    suite: str
+    device: str
+    dtype: str
+    config: dict
+    warmup: int
+    iters: int
+    versions: dict
+    threads: int
+    rows: list[Row]
+    skipped: str | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
+
+    def write_json(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @property
+    def ok(self) -> bool:
+        return not any(r.status == "error" for r in self.rows)
+
+    def table(self) -> str:
+        return markdown_table(self.rows, with_setting=len({r.group for r in self.rows}) > 1)
+
+    def to_markdown(self, title: str | None = None) -> str:
+        lines = [f"## {title or self.suite}", ""]
+        if self.note:
+            lines += [f"> {self.note}", ""]
+        lines.append(f"Device: **{self.device}** ({self.threads} torch threads), dtype {self.dtype}; "
+                     f"warm-up {self.warmup}, median of {self.iters} runs (min-max).")
+        lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()) + ".")
+        if self.config:
+            lines.append("Config: " + "; ".join(f"{k}: {v}" for k, v in self.config.items()) + ".")
+        lines.append("")
+        if self.skipped:
+            lines.append(f"Skipped: {self.skipped}")
+        else:
+            lines.append(self.table())
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path) -> Path:
+        """Bar chart of throughput per case, one panel per setting; the peer in grey."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        groups = list(dict.fromkeys(r.group for r in self.rows))
+        fig, axes = plt.subplots(len(groups), 1, figsize=(8, 1.2 + 0.45 * max(len(self.rows) / max(len(groups), 1), 2) * len(groups)),
+                                 squeeze=False)
+        for ax, g in zip(axes[:, 0], groups):
+            rows = [r for r in self.rows if r.group == g]
+            labels = [r.label + (" (compiled)" if r.compiled else "") for r in rows]
+            values = [r.throughput or 0.0 for r in rows]
+            colors = ["tab:gray" if r.peer else "tab:blue" for r in rows]
+            bars = ax.barh(labels, values, color=colors)
+            for bar, r in zip(bars, rows):
+                text = f" {r.speedup:.2f}x" if r.speedup is not None else f" {r.status}"
+                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
+            ax.invert_yaxis()
+            ax.margins(x=0.12)  # room for the speed-up labels
+            ax.set_title(g, fontsize=9)
+            ax.set_xlabel(rows[0].unit if rows and rows[0].unit else "throughput")
+            ax.tick_params(labelsize=8)
+        fig.suptitle(f"{self.suite} on {self.device} ({self.dtype}); speed-up vs peer (grey)", fontsize=10)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def row_cells(r: Row) -> dict:
+    timed = r.median_s is not None
+    return {
+        "backend": r.label,
+        "compiled": "yes" if r.compiled else "no",
+        "step time (median, min-max)": (
+            f"{_fmt_time(r.median_s)} ({_fmt_time(r.min_s)}-{_fmt_time(r.max_s)})" if timed else f"{r.status}: {_short(r.note)}"
+        ),
+        "throughput": f"{r.throughput:,.1f} {r.unit}" if timed else "-",
+        "peak memory": f"{r.peak_mem_mib:,.0f} MiB" if r.peak_mem_mib is not None else ("n/a" if timed else "-"),
+        "speed-up vs peer": ("peer" if r.peer else f"{r.speedup:.2f}x") if r.speedup is not None else "-",
+        "max error vs reference": _fmt_err(r),
+    }
+
+
+def _short(note: str) -> str:
+    """The table keeps the reason; the JSON keeps the whole message (with the list of what is available)."""
+    return note.split(". Available on this machine")[0]
+
+
+def _fmt_err(r: Row) -> str:
+    if r.max_err is None:
+        return "-"
+    text = f"{r.max_err:.1e}"
+    return text + (f" (grad {r.grad_err:.1e})" if r.grad_err is not None else "")
+
+
+def markdown_table(rows: list[Row], with_setting: bool = False) -> str:
+    if not rows:
+        return "(no rows)"
+    cells = [({"setting": r.group} if with_setting else {}) | row_cells(r) for r in rows]
+    cols = list(cells[0])
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(str(c[k]).replace("|", "/") for k in cols) + " |" for c in cells]
+    return "\n".join(out)
+
+
+# -- environment ----------------------------------------------------------------------------
+def device_name(device: torch.device | str) -> str:
+    """Folder name for results: "cpu-2core" or the GPU's name ("NVIDIA-H100-80GB-HBM3")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-")
+    return f"{device.type}-{os.cpu_count()}core"
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "torchvision", "timm", "transformers", "fastzoo"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            if pkg == "fastzoo":
+                import fastzoo
+
+                out[pkg] = fastzoo.__version__
+    return out
+
+
+# -- running --------------------------------------------------------------------------------
+def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool = True, note: str = "") -> Report:
+    """Parity-gate and time every case of ``suite``; see the module docstring."""
+    from tqdm.auto import tqdm
+
+    dtype_text = str(suite.dtype).replace("torch.", "")
+    report = Report(suite.name, device_name(suite.device), dtype_text, suite.config, warmup, iters, versions(),
+                    torch.get_num_threads(), [], suite.skipped, note)
+    if suite.skipped:
+        return report
+    total = sum(len(g.cases) for g in suite.groups)
+    with tqdm(total=total, desc=suite.name, disable=not progress, leave=False, dynamic_ncols=True) as bar:
+        for group in suite.groups:
+            bar.set_postfix_str(f"{group.name}: reference")
+            ref = group.reference() if group.reference is not None else None
+            ref_in_dtype = None
+            rows = []
+            for case in sorted(group.cases, key=lambda c: not c.reference):  # reference first: it sets the tolerance
+                bar.set_postfix_str(f"{group.name}: {case.label}")
+                row, got = _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters)
+                if case.reference:
+                    ref_in_dtype = got
+                rows.append(row)
+                bar.update(1)
+                gc.collect()
+            order = {c.label + str(c.compiled): i for i, c in enumerate(group.cases)}
+            rows.sort(key=lambda r: order[r.label + str(r.compiled)])
+            _fill_speedups(rows)
+            report.rows += rows
+    return report
+
+
+def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
+    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit)
+    try:
+        step = case.build()
+    except (Unavailable, BackendUnavailableError) as e:
+        row.status, row.note = "unavailable", str(e)
+        return row, None
+    except Exception as e:  # reported, not hidden: the CLI exits non-zero
+        row.status, row.note = "error", f"{type(e).__name__}: {e}"
+        return row, None
+    got = None
+    try:
+        parity_ran = ref is not None and step.outputs is not None
+        if parity_ran:
+            got = step.outputs()
+            low = (group.dtype or suite.dtype) != torch.float32
+            peer = (got if case.reference else ref_in_dtype) if low else None
+            if low and peer is None:
+                raise Unavailable("low-precision parity needs the eager reference case in this group")
+            comps = parity.compare(ref, got, peer, same_names=case.same_names)
+            row.max_err = comps[0].err
+            row.grad_err = comps[1].err if len(comps) > 1 else None
+            failed = [c for c in comps if not c.passed]
+            if failed:
+                row.status = "failed parity"
+                row.note = "not timed: " + "; ".join(f"{c.name} error {c.err:.2g} > {c.bound:.2g}" for c in failed)
+                return row, got
+        if suite.device.type == "cuda":
+            torch.cuda.synchronize(suite.device)
+            torch.cuda.reset_peak_memory_stats(suite.device)
+        warm = max(warmup - 1, 0) if parity_ran else warmup  # the parity pass was a full step
+        stats = summarize(measure(step.run, warmup=warm, iters=iters, device=suite.device))
+        row.median_s, row.min_s, row.max_s, row.iters = stats.median, stats.min, stats.max, stats.n
+        row.throughput = step.items / stats.median
+        if suite.device.type == "cuda":
+            row.peak_mem_mib = torch.cuda.max_memory_allocated(suite.device) / 2**20
+    except (Unavailable, BackendUnavailableError) as e:
+        row.status, row.note = "unavailable", str(e)
+    except torch.OutOfMemoryError as e:  # a result, not a bug: eager attention at long sequence lengths
+        row.status, row.note = "out of memory", str(e).splitlines()[0]
+        torch.cuda.empty_cache()
+    except Exception as e:
+        row.status, row.note = "error", f"{type(e).__name__}: {e}"
+    return row, got
+
+
+def _fill_speedups(rows: list[Row]) -> None:
+    peer = next((r for r in rows if r.peer and r.median_s is not None), None)
+    if peer is None:
+        return
+    for r in rows:
+        if r.median_s is not None:
+            r.speedup = speedup(peer.median_s, r.median_s)

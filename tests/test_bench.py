@@ -1,0 +1,198 @@
+"""The benchmark suite's own correctness: statistics, ratios, parity gating, outputs, CLI.
+
+No timing assertions: the CI machine is shared, so only the arithmetic on whatever times
+were measured is checked, never the times themselves.
+"""
+import json
+
+import pytest
+import torch
+
+import fastzoo
+from fastzoo.attention import Capabilities
+from fastzoo.bench import Case, Group, Step, Suite, measure, run_suite, speedup, summarize
+from fastzoo.bench import parity
+from fastzoo.bench.vit import ViTSetting, vit_suite
+
+TINY_VIT = ViTSetting("tiny", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CI box is shared; two spinning threads would only slow the suite
+    yield
+    torch.set_num_threads(before)
+
+
+def test_summarize_median_and_range():
+    s = summarize([3.0, 1.0, 2.0, 10.0])
+    assert (s.median, s.min, s.max, s.n) == (2.5, 1.0, 10.0, 4)  # even count: mean of the middle two
+    assert summarize([5.0, 1.0, 4.0]).median == 4.0  # odd count: the middle one, outliers ignored
+    with pytest.raises(ValueError, match="samples"):
+        summarize([])
+
+
+def test_speedup_is_peer_time_over_case_time():
+    assert speedup(2.0, 0.5) == 4.0
+    assert speedup(1.0, 2.0) == 0.5
+    with pytest.raises(ValueError):
+        speedup(1.0, 0.0)
+
+
+def test_measure_warms_up_then_times_each_call():
+    calls = []
+    samples = measure(lambda: calls.append(1), warmup=2, iters=3, device=torch.device("cpu"))
+    assert len(calls) == 5 and len(samples) == 3 and all(t >= 0 for t in samples)
+    with pytest.raises(ValueError, match="iters"):
+        measure(lambda: None, warmup=0, iters=0, device=torch.device("cpu"))
+
+
+def _synthetic_suite():
+    def step(n_items):
+        return lambda: Step(run=lambda: sum(range(2000)), items=n_items)
+
+    cases = [Case("peer", step(10), peer=True), Case("fast", step(40)), Case("missing", lambda: (_ for _ in ()).throw(
+        __import__("fastzoo.bench.harness", fromlist=["Unavailable"]).Unavailable("needs a thing")))]
+    return Suite("synthetic", [Group("g", cases, unit="items/s")])
+
+
+def test_ratios_and_throughput_follow_from_the_measured_medians():
+    report = run_suite(_synthetic_suite(), warmup=0, iters=3, progress=False)
+    peer, fast, missing = report.rows
+    assert peer.speedup == 1.0 and peer.peer
+    assert fast.speedup == pytest.approx(peer.median_s / fast.median_s, rel=1e-12)
+    assert fast.throughput == pytest.approx(40 / fast.median_s, rel=1e-12)
+    assert fast.min_s <= fast.median_s <= fast.max_s and fast.iters == 3
+    assert missing.status == "unavailable" and missing.note == "needs a thing" and missing.median_s is None
+
+
+def test_parity_gate_uses_the_shared_rule():
+    ref = {"output": torch.zeros(3), "grad:w": torch.tensor([1.0, -4.0])}
+    got = {"output": torch.tensor([0.0, 2e-5, 0.0]), "grad:w": torch.tensor([1.0, -4.02])}
+    out, grads = parity.compare(ref, got)
+    assert out.err == pytest.approx(2e-5) and out.passed  # fp32 outputs: <= 1e-4
+    assert grads.err == pytest.approx(0.02 / 4.0) and not grads.passed  # relative to the gradient scale, > 1e-4
+    # low precision: a bound of 3x the eager model's own error in that dtype (plus a small floor)
+    peer = {"output": torch.tensor([0.0, 1e-2, 0.0]), "grad:w": torch.tensor([1.0, -4.04])}
+    out, grads = parity.compare(ref, got, peer)
+    assert out.bound == pytest.approx(3e-2, rel=1e-3) and out.passed and grads.passed
+    # a peer library with its own parameter names: gradients compared on the shared names only
+    foreign = {"output": torch.zeros(3), "grad:w": torch.tensor([1.0, -4.0]), "grad:theirs": torch.ones(2)}
+    assert [c.passed for c in parity.compare(ref, foreign, same_names=False)] == [True, True]
+    assert len(parity.compare(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
+
+
+@pytest.fixture
+def wrong_backend():
+    """A deliberately wrong attention (returns v: no mixing across tokens), counting its calls."""
+    from fastzoo.attention import _REGISTRY
+
+    calls = []
+
+    def attend(q, k, v, ctx):
+        calls.append(1)
+        return v
+
+    fastzoo.register_attention("wrong_for_bench_test", attend, capabilities=Capabilities(devices={"cpu": (torch.float32,)}))
+    yield calls
+    _REGISTRY.pop("wrong_for_bench_test")
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_backend_failing_parity_is_reported_and_not_timed(wrong_backend, mode):
+    suite = vit_suite([TINY_VIT], backends=["eager", "sdpa", "wrong_for_bench_test"], modes=(mode,), batch_size=2)
+    report = run_suite(suite, warmup=1, iters=2, progress=False)
+    rows = {r.label: r for r in report.rows}
+    wrong = rows["fastzoo wrong_for_bench_test"]
+    assert wrong.status == "failed parity" and "not timed" in wrong.note
+    assert wrong.median_s is None and wrong.speedup is None and wrong.max_err > 1e-2
+    assert len(wrong_backend) == TINY_VIT.depth  # one parity forward through each layer, no timed run
+    for label in ("fastzoo eager", "fastzoo sdpa", "timm (sdpa)", "timm (eager)"):
+        assert rows[label].status == "ok", rows[label].note
+        assert rows[label].max_err <= 1e-4  # fp32 CPU logits, DESIGN.md's equivalence rule
+        if mode == "train":  # same parameter names as timm, so gradients are compared for the peer too
+            assert rows[label].grad_err is not None and rows[label].grad_err <= 1e-3
+    assert rows["timm (sdpa)"].speedup == 1.0
+
+
+def test_report_json_markdown_and_plot(tmp_path):
+    suite = vit_suite([TINY_VIT], backends=["eager", "sdpa"], modes=("eval",), batch_size=2)
+    report = run_suite(suite, warmup=0, iters=2, progress=False, note="loaded machine")
+    data = json.loads(report.write_json(tmp_path / "vit.json").read_text())
+    assert data["suite"] == "vit" and data["device"].startswith("cpu-") and data["iters"] == 2
+    assert {"torch", "timm", "transformers"} <= set(data["versions"])
+    assert data["config"]["tiny"] == "2 layers x 2 heads x 16 dims, 32/8 (16 tokens)"
+    assert [r["label"] for r in data["rows"]] == ["timm (sdpa)", "timm (eager)", "fastzoo eager", "fastzoo sdpa"]
+    for r in data["rows"]:
+        assert r["status"] == "ok" and r["median_s"] > 0 and r["throughput"] == pytest.approx(2 / r["median_s"])
+        assert r["peak_mem_mib"] is None  # CPU: no allocator statistics; the table says n/a
+    md = report.to_markdown()
+    assert "> loaded machine" in md and "| backend | compiled | step time (median, min-max) |" in md
+    assert sum(line.startswith("|") for line in md.splitlines()) == 2 + 4 and "n/a" in md  # header, rule, one per case
+    png = report.plot(tmp_path / "vit.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_on_a_tiny_config(tmp_path, capsys):
+    from fastzoo.cli import main
+
+    out = tmp_path / "r.json"
+    rc = main(["bench", "vit_s16", "--attn", "eager,sdpa", "--quick", "--no-progress", "--set", "depth=1",
+               "--set", "img_size=32", "--set", "patch_size=8", "--json", str(out), "--plot", str(tmp_path / "r.png")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| timm (sdpa) | no |" in text and "| fastzoo sdpa | no |" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 4 and rows[0]["iters"] == 3  # --quick: 3 timed runs
+    assert (tmp_path / "r.png").exists()
+
+
+def test_cli_bench_rejects_unknown_backend_and_bad_set():
+    from fastzoo.cli import main
+    from fastzoo.errors import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError):
+        main(["bench", "vit_s16", "--attn", "sdpx", "--quick", "--no-progress"])
+    with pytest.raises(ValueError, match="depht"):
+        main(["bench", "vit_s16", "--set", "depht=1", "--quick", "--no-progress"])
+
+
+def test_parity_train_short_run_agrees_across_backends():
+    from fastzoo.bench.train_parity import train_parity
+
+    report = train_parity(["eager", "sdpa"], steps=15, batch_size=16, held_out=64, progress=False)
+    eager, sdpa = report.runs
+    assert eager.status == sdpa.status == "ok" and report.agree
+    assert len(sdpa.losses) == 15
+    # fp32, same init and data order: the two runs differ only by rounding in attention.
+    assert max(abs(a - b) for a, b in zip(eager.losses, sdpa.losses)) <= 1e-4
+    assert sdpa.accuracy == pytest.approx(eager.accuracy, abs=0.02)
+
+
+def test_giou_suite_every_layout_matches_torchvision():
+    from fastzoo.bench.giou import GIoUSetting, giou_suite
+
+    report = run_suite(giou_suite(GIoUSetting("tiny", 4, 8, 3)), warmup=0, iters=1, progress=False)
+    assert [r.label for r in report.rows] == ["torchvision on concatenated real pairs", "fastzoo per-sample loop",
+                                              "fastzoo concat", "fastzoo padded", "fastzoo kernel",
+                                              "torchvision (pairs given)", "fastzoo kernel (pairs given)"]
+    for r in report.rows:
+        assert r.status == "ok", (r.label, r.note)
+        assert r.max_err <= 1e-6 and r.grad_err <= 1e-4  # fp32 mean loss of ~8 pairs; gradients relative
+        assert r.throughput == pytest.approx(report.config["real boxes"] / r.median_s)
+
+
+def test_gpt2_suite_packed_matches_padded():
+    from fastzoo.bench import gpt2
+
+    if gpt2.needs():
+        pytest.skip(gpt2.needs())
+    setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
+    backends = [b for b in ("eager", "sdpa", "varlen", "nested") if b in fastzoo.list_attention(available_only=True)]
+    report = run_suite(gpt2.gpt2_suite(setting, backends=backends, modes=("train",)), warmup=0, iters=1, progress=False)
+    for r in report.rows:
+        assert r.status in ("ok", "unavailable"), (r.label, r.note)
+        if r.status == "ok":
+            assert r.max_err <= 1e-4, r.label  # real-token logits vs fastzoo eager padded, fp32
+    assert report.rows[0].label.startswith("HF padded to longest") and report.rows[0].status == "ok"
