@@ -75,9 +75,11 @@ def create(
     """Build model ``name`` with attention backend ``attn``.
 
     ``overrides`` use the original library's field names (timm's for ViT, HF's for GPT-2).
-    ``pretrained`` is any source :func:`fastzoo.load_pretrained` takes; fields the weights
-    decide (e.g. ``num_classes``) are read from them unless overridden. Overriding
-    ``num_classes`` against a checkpoint gives a fresh head (with a warning).
+    ``pretrained`` is any source :func:`fastzoo.load_pretrained` takes; the fields it decides
+    are read from it unless overridden: all of them from a config.json or a live module
+    (unwrapped from DDP / torch.compile), what the keys fix from a bare state dict.
+    Overriding ``num_classes`` against a checkpoint gives a fresh head (with a warning).
+    A ``device`` this machine cannot allocate on is a ValueError before anything is built.
     """
     entry = get_entry(name)
     backend_class(attn)  # an unknown backend name fails before anything is built
