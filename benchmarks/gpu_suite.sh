@@ -58,7 +58,7 @@ for mod in ("triton", "timm", "transformers", "xformers", "flash_attn", "flash_a
 print(json.dumps(info, indent=2))
 EOF
 cat "$OUT/environment.json" | tee -a "$OUT/summary.txt"
-DEVICE_DIR=$("$PY" -c "import torch,re; n=torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'; print(re.sub('[^a-z0-9]+','-',n.lower()).strip('-'))")
+DEVICE_DIR=$("$PY" -c "import torch; from fastzoo.bench.harness import device_name; print(device_name('cuda' if torch.cuda.is_available() else 'cpu'))")
 RESULTS="benchmarks/results/$DEVICE_DIR"
 mkdir -p "$RESULTS"
 run_stage matrix "$PY" -m fastzoo.cli list
@@ -81,7 +81,8 @@ done
 
 # 5. the benchmarks' GPU mode, if this checkout has the bench harness
 if [ -f benchmarks/run_all.py ]; then
-  run_stage bench "$PY" benchmarks/run_all.py --device cuda
+  # --quick keeps the whole script inside one 10-minute call; BENCH_ARGS="" for the full sizes
+  run_stage bench "$PY" benchmarks/run_all.py --device cuda ${BENCH_ARGS---quick}
 else
   log "bench: skipped (benchmarks/run_all.py is not in this checkout)"
 fi

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -73,22 +75,28 @@ def create(
     """Build model ``name`` with attention backend ``attn``.
 
     ``overrides`` use the original library's field names (timm's for ViT, HF's for GPT-2).
-    ``pretrained`` is any source :func:`fastzoo.load_pretrained` takes; fields the weights
-    decide (e.g. ``num_classes``) are read from them unless overridden. Overriding
-    ``num_classes`` against a checkpoint gives a fresh head (with a warning).
+    ``pretrained`` is any source :func:`fastzoo.load_pretrained` takes; the fields it decides
+    are read from it unless overridden: all of them from a config.json or a live module
+    (unwrapped from DDP / torch.compile), what the keys fix from a bare state dict.
+    Overriding ``num_classes`` against a checkpoint gives a fresh head (with a warning).
+    A ``device`` this machine cannot allocate on is a ValueError before anything is built.
     """
     entry = get_entry(name)
     backend_class(attn)  # an unknown backend name fails before anything is built
+    if device is not None:
+        _check_device(device)
     cls = entry.model_class
     src = weights.read_source(pretrained) if pretrained is not None else None
     values = dict(entry.config)
-    from_weights = _config_from_source(cls.family, src) if src is not None else {}
+    from_weights = weights.config_from_source(cls.family, src) if src is not None else {}
     values.update(from_weights)
     values.update(overrides)
-    cfg = cls.config_class.from_dict(values)
-    changed = _overridden_fields(cls.config_class, {**entry.config, **from_weights}, cfg, overrides) if src else set()
+    with _blame_checkpoint(src, from_weights, overrides):  # sizes read from a checkpoint that do not fit the rest
+        cfg = cls.config_class.from_dict(values)
+        model = cls(cfg)
+    implied = {**entry.config, **{k: v for k, v in overrides.items() if k not in from_weights}, **from_weights}
+    changed = _overridden_fields(cls.config_class, implied, cfg, overrides) if src else set()
 
-    model = cls(cfg)
     model.model_name = name
     model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))
     if src is not None:
@@ -102,21 +110,43 @@ def create(
     return model
 
 
-def _config_from_source(family: str, src: weights.Source) -> dict:
-    if src.config and src.config.get("fastzoo_model") is not None:
-        return {k: v for k, v in src.config.items() if k not in ("fastzoo_model", "family")}
-    conv = weights.find_converter(family, src)
-    if src.config and hasattr(conv, "config_from_json"):
-        return conv.config_from_json(src.config)
+def _check_device(device) -> None:
+    """A device this machine has, or a ValueError naming ``device`` (not a driver error from ``.to``)."""
     try:
-        return conv.infer_config(src.state_dict, src.module)
-    except (KeyError, IndexError) as e:
-        raise CheckpointError(f"{src.origin}: cannot read the architecture from the weights (no {e})") from e
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:  # torch raises each, per device type and build
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"device={str(device)!r} is not available on this machine ({first}); use device='cpu' "
+                         f"or a device torch can allocate on") from e
+
+
+@contextmanager
+def _blame_checkpoint(src, from_weights: dict, overrides: dict):
+    """Turn a ValueError about fields read from the checkpoint into a CheckpointError that
+    says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot tell)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        named = list(dict.fromkeys(re.findall(r"\b([a-z_]+)=", str(e))))
+        from_ckpt = [n for n in named if n in from_weights and n not in overrides]
+        if src is None or not from_ckpt:
+            raise
+        to_pass = [n for n in named if n not in from_weights and n not in overrides]
+        read = ", ".join(f"{n}={from_weights[n]!r}" for n in from_ckpt)
+        hint = (f"pass {', '.join(f'{n}=' for n in to_pass)} to fastzoo.create() with the checkpoint's value"
+                if to_pass else "the checkpoint's own config is inconsistent")
+        raise CheckpointError(f"{src.origin}: the checkpoint has {read}, which does not fit the rest of the config "
+                              f"({e}); {hint}") from e
 
 
 def _overridden_fields(config_class, from_checkpoint: dict, cfg, overrides: dict) -> set[str]:
     """Override names whose value differs from what the checkpoint implies."""
-    ckpt_cfg = config_class.from_dict(from_checkpoint, what="checkpoint field")
+    try:
+        ckpt_cfg = config_class.from_dict(from_checkpoint, what="checkpoint field")
+    except ValueError:  # what the checkpoint implies is not a valid config on its own: compare raw values
+        return {k for k, v in overrides.items() if k in from_checkpoint and v != from_checkpoint[k]}
     return {
         f.name
         for f in dataclasses.fields(cfg)

@@ -1,13 +1,20 @@
-"""Loading timm ViT weights from every source, exporting back, and refusing bad checkpoints."""
+"""Loading timm ViT weights from every source, exporting back, and refusing bad checkpoints.
+
+The reference is randomised to O(1) scale (test_vit.randomize_), so "same function" at
+1e-4 on the logits (DESIGN.md, fp32 CPU) cannot hide an architecture deviation.
+"""
 import json
+from functools import partial
 
 import pytest
 import timm
 import torch
+from timm.layers import LayerNorm
 from safetensors.torch import save_file
 
 import fastzoo
 from fastzoo.errors import CheckpointError, UnknownModelError
+from test_vit import randomize_
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
 ARCH = dict(embed_dim=64, depth=2, num_heads=4, patch_size=8)  # what weights cannot tell
@@ -16,7 +23,7 @@ ARCH = dict(embed_dim=64, depth=2, num_heads=4, patch_size=8)  # what weights ca
 @pytest.fixture
 def ref():
     torch.manual_seed(0)
-    return timm.create_model("vit_base_patch16_224", pretrained=False, **TINY).eval()
+    return randomize_(timm.create_model("vit_base_patch16_224", pretrained=False, **TINY)).eval()
 
 
 def same_function(model, ref):
@@ -95,7 +102,7 @@ def test_missing_unexpected_and_misshaped_keys_are_named_and_nothing_loads(ref):
 
 def test_wrong_architecture_is_refused_with_shapes(ref):
     with pytest.raises(CheckpointError, match=r"shape mismatches .*blocks.0.attn.qkv.weight: checkpoint \(192, 64\)"):
-        fastzoo.create("vit_s16", pretrained=ref)  # vit_s16 is 384 wide
+        fastzoo.create("vit_s16", pretrained=ref.state_dict())  # vit_s16 is 384 wide; the keys cannot say 64
 
 
 def test_truncated_file_is_a_checkpoint_error_naming_it(ref, tmp_path):
@@ -155,3 +162,128 @@ def test_wrong_image_shape_is_named():
         model(torch.randn(1, 3, 48, 48))
     with pytest.raises(ValueError, match="images must be \\[B, C, H, W\\]"):
         model(torch.randn(3, 32, 32))
+
+
+def test_bare_state_dict_with_arch_overrides_still_loads(ref):
+    model = fastzoo.create("vit_b16", pretrained=ref.state_dict(), **ARCH)
+    assert same_function(model, ref)
+
+
+def test_live_fastzoo_model_defines_the_architecture(ref):
+    model = fastzoo.create("vit_b16", pretrained=ref)
+    again = fastzoo.create("vit_b16", pretrained=model)  # the live fastzoo model's config, no overrides
+    assert again.config == model.config and same_function(again, ref)
+    with pytest.raises(CheckpointError, match="a vit checkpoint, not a gpt2 one"):
+        fastzoo.create("gpt2", pretrained=model)
+
+
+# -- load_pretrained compares the config a source states ----------------------------------
+def test_load_pretrained_refuses_a_live_module_of_another_function(ref):
+    torch.manual_seed(0)
+    clip_like = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY, act_layer="quick_gelu",
+                                  norm_layer=partial(LayerNorm, eps=1e-5))  # same keys and shapes as `ref`
+    model = fastzoo.create("vit_b16", **TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as e:
+        fastzoo.load_pretrained(model, clip_like)
+    msg = str(e.value)
+    assert "act_layer: checkpoint 'quick_gelu' vs model 'gelu'" in msg
+    assert "norm_eps: checkpoint 1e-05 vs model 1e-06" in msg
+    assert "fastzoo.create(name, pretrained=...)" in msg and "nothing was loaded" in msg
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    fastzoo.load_pretrained(model, ref)  # the same architecture loads
+    assert same_function(model, ref)
+
+
+def test_load_pretrained_ignores_training_only_fields(ref):
+    torch.manual_seed(0)
+    dropped = randomize_(timm.create_model("vit_base_patch16_224", pretrained=False, **TINY, drop_rate=0.3,
+                                           drop_path_rate=0.2, attn_drop_rate=0.1)).eval()
+    model = fastzoo.create("vit_b16", **TINY)  # no dropout: a legitimate choice for the same function
+    fastzoo.load_pretrained(model, dropped)
+    assert same_function(model, dropped)
+
+
+def test_load_pretrained_refuses_a_save_pretrained_dir_of_another_function(ref, tmp_path):
+    fastzoo.create("vit_b16", pretrained=ref, global_pool="avg", fc_norm=False, class_token=True).save_pretrained(
+        tmp_path / "avg")
+    model = fastzoo.create("vit_b16", **TINY)  # token pooling: same keys, another function
+    with pytest.raises(CheckpointError, match="global_pool: checkpoint 'avg' vs model 'token'"):
+        fastzoo.load_pretrained(model, tmp_path / "avg")
+
+
+GPT2_TINY = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=64)
+
+
+def test_load_pretrained_refuses_an_hf_gpt2_dir_of_another_function(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        **GPT2_TINY, scale_attn_by_inverse_layer_idx=True, layer_norm_epsilon=1e-3, resid_pdrop=0.0))
+    hf.save_pretrained(tmp_path)
+    model = fastzoo.create("gpt2", **GPT2_TINY)  # default config: resid_pdrop 0.1 is free to differ
+    with pytest.raises(CheckpointError) as e:
+        fastzoo.load_pretrained(model, tmp_path)
+    msg = str(e.value)
+    assert "scale_attn_by_inverse_layer_idx: checkpoint True vs model False" in msg
+    assert "layer_norm_epsilon: checkpoint 0.001 vs model 1e-05" in msg
+    assert "pdrop" not in msg
+    built = fastzoo.create("gpt2", attn="eager", pretrained=tmp_path)  # the way the error points to
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (built.eval()(ids) - hf.eval()(ids).logits).abs().max() <= 1e-4  # fp32 CPU, DESIGN.md
+
+
+def test_gpt2_state_dict_that_does_not_fit_the_variant_says_what_to_pass():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_TINY))
+    with pytest.raises(CheckpointError, match=r"n_embd=32.*not divisible by n_head=12.*pass n_head= to fastzoo.create"):
+        fastzoo.create("gpt2", pretrained=hf.state_dict())  # the gpt2 YAML has n_head=12
+    assert fastzoo.create("gpt2", pretrained=hf.state_dict(), n_head=4).config.n_embd == 32
+
+
+# -- wrapped live modules --------------------------------------------------------------
+class FakeDDP(torch.nn.Module):
+    """Holds the model as ``.module``, as DistributedDataParallel does (its state dict keys
+    get a ``module.`` prefix); used for the nesting cases beside the real DDP test below."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+def test_compiled_and_wrapped_live_modules_load(ref):
+    wrapped = {
+        "compiled": torch.compile(ref),
+        "ddp-like(compiled)": FakeDDP(torch.compile(ref)),
+        "compiled(ddp-like)": torch.compile(FakeDDP(ref)),
+    }
+    for name, module in wrapped.items():
+        model = fastzoo.create("vit_b16", pretrained=module)  # no overrides: read from the inner timm module
+        assert model.config.embed_dim == 64, name
+        assert same_function(model, ref), name
+
+
+def test_real_ddp_wrapped_live_module_loads(ref, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(ref)
+        model = fastzoo.create("vit_b16", pretrained=ddp)
+    finally:
+        dist.destroy_process_group()
+    assert same_function(model, ref)
+
+
+def test_nested_wrapper_prefixes_are_stripped_in_state_dicts(ref):
+    sd = ref.state_dict()
+    for prefix in ("module._orig_mod.", "_orig_mod.module.", "module.module."):
+        model = fastzoo.create("vit_b16", pretrained={prefix + k: v for k, v in sd.items()}, **ARCH)
+        assert same_function(model, ref), prefix
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_unavailable_device_is_named():
+    with pytest.raises(ValueError, match="device='cuda' is not available on this machine"):
+        fastzoo.create("vit_b16", **TINY, device="cuda")

@@ -3,7 +3,8 @@
 Follows timm's ``VisionTransformer`` module for module, with timm's parameter names
 (``patch_embed.proj``, ``blocks.N.attn.qkv``, ``blocks.N.mlp.fc1``, ``norm``, ``fc_norm``,
 ``head``), so a timm checkpoint loads key for key. Options cover what real timm
-checkpoints use: class token or not, register tokens, token/avg pooling, pre-norm (CLIP),
+checkpoints use: class token or not, register tokens, token/avg pooling with the final
+LayerNorm before or after pooling (timm's ``fc_norm``), pre-norm and QuickGELU (CLIP),
 LayerScale (DeiT-3, DINOv2), position embedding with or without the prefix tokens.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from fastzoo.attention.base import AttnContext
-from fastzoo.layers import Attention, DropPath, LayerScale, Mlp, PatchEmbed
+from fastzoo.layers import ACTIVATIONS, Attention, DropPath, LayerScale, Mlp, PatchEmbed
 from fastzoo.models.base import FastzooModel, ModelConfig
 
 
@@ -35,8 +36,10 @@ class ViTConfig(ModelConfig):
     reg_tokens: int = 0
     no_embed_class: bool = False  # position embedding covers patch tokens only (DeiT-3)
     pre_norm: bool = False  # LayerNorm before the blocks (CLIP)
+    fc_norm: bool | None = None  # final LayerNorm after pooling; None: timm's rule, only with avg pooling
     init_values: float | None = None  # LayerScale init; None = no LayerScale
     norm_eps: float = 1e-6
+    act_layer: str = "gelu"  # "gelu" | "quick_gelu" (OpenAI CLIP)
     patch_embed: str = "conv"  # "conv" | "linear"
     drop_rate: float = 0.0
     pos_drop_rate: float = 0.0
@@ -48,10 +51,36 @@ class ViTConfig(ModelConfig):
         if isinstance(self.img_size, int):
             self.img_size = (self.img_size, self.img_size)
         self.img_size = tuple(self.img_size)
+        for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("num_classes", "reg_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: {'no classifier head' if name == 'num_classes' else 'none'})")
+        if len(self.img_size) != 2 or min(self.img_size) < 1:
+            raise ValueError(f"img_size={self.img_size} must be a positive int or (height, width)")
+        if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
+            raise ValueError(f"img_size={self.img_size} is not divisible by patch_size={self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}")
+        if self.mlp_ratio <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"mlp_ratio={self.mlp_ratio} and norm_eps={self.norm_eps} must be > 0")
+        for name in ("drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
         if self.global_pool not in ("token", "avg"):
             raise ValueError(f"global_pool={self.global_pool!r}: choose 'token' or 'avg'")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token")
+        if self.fc_norm not in (None, True, False):
+            raise ValueError(f"fc_norm={self.fc_norm!r}: choose None (timm's rule), True or False")
+        if self.act_layer not in ACTIVATIONS:
+            raise ValueError(f"act_layer={self.act_layer!r}: choose one of {', '.join(map(repr, ACTIVATIONS))}")
+
+    @property
+    def use_fc_norm(self) -> bool:
+        """timm's rule: the final LayerNorm goes after pooling with avg pooling, before it otherwise."""
+        return self.global_pool == "avg" if self.fc_norm is None else self.fc_norm
 
 
 class Block(nn.Module):
@@ -65,7 +94,7 @@ class Block(nn.Module):
         self.ls1 = LayerScale(dim, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim, eps=cfg.norm_eps)
-        self.mlp = Mlp(dim, int(dim * cfg.mlp_ratio), drop=cfg.proj_drop_rate)
+        self.mlp = Mlp(dim, int(dim * cfg.mlp_ratio), act_layer=ACTIVATIONS[cfg.act_layer], drop=cfg.proj_drop_rate)
         self.ls2 = LayerScale(dim, cfg.init_values) if cfg.init_values is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
@@ -93,9 +122,8 @@ class VisionTransformer(FastzooModel):
         self.norm_pre = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         rates = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
         self.blocks = nn.ModuleList([Block(cfg, r) for r in rates])
-        use_fc_norm = cfg.global_pool == "avg"  # timm: avg pooling normalises after pooling
-        self.norm = nn.LayerNorm(D, eps=cfg.norm_eps) if not use_fc_norm else nn.Identity()
-        self.fc_norm = nn.LayerNorm(D, eps=cfg.norm_eps) if use_fc_norm else nn.Identity()
+        self.norm = nn.LayerNorm(D, eps=cfg.norm_eps) if not cfg.use_fc_norm else nn.Identity()
+        self.fc_norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
         self.head = nn.Linear(D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         self._init_weights()
@@ -124,6 +152,10 @@ class VisionTransformer(FastzooModel):
     def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
         if images_BCHW.ndim != 4:
             raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images_BCHW.shape)}")
+        if images_BCHW.shape[1] != self.config.in_chans:
+            raise ValueError(f"images have {images_BCHW.shape[1]} channels, the model was built for in_chans={self.config.in_chans}")
+        if not images_BCHW.is_floating_point():
+            raise ValueError(f"images are {images_BCHW.dtype}: convert them to a floating dtype (and normalise) first")
         x_BSD = self.pos_drop(self._pos_embed(self.patch_embed(images_BCHW)))
         x_BSD = self.norm_pre(x_BSD)
         ctx = AttnContext(grid_size=self.patch_embed.grid_size, num_prefix_tokens=self.num_prefix_tokens)
@@ -157,13 +189,17 @@ class VisionTransformer(FastzooModel):
         return state, fresh, notes
 
     def reset_classifier(self, num_classes: int) -> None:
-        """A fresh head for ``num_classes`` (fine-tuning)."""
+        """A fresh head for ``num_classes`` (fine-tuning), on the device and dtype of the model."""
+        if num_classes < 0:
+            raise ValueError(f"num_classes={num_classes} must be >= 0 (0: no classifier head)")
         self.config.num_classes = num_classes
-        D = self.config.embed_dim
-        self.head = nn.Linear(D, num_classes) if num_classes > 0 else nn.Identity()
-        if num_classes > 0:
-            nn.init.trunc_normal_(self.head.weight, std=0.02)
-            nn.init.zeros_(self.head.bias)
+        if num_classes == 0:
+            self.head = nn.Identity()
+            return
+        head = nn.Linear(self.config.embed_dim, num_classes)  # initialised in fp32: trunc_normal_ needs it on some devices
+        nn.init.trunc_normal_(head.weight, std=0.02)
+        nn.init.zeros_(head.bias)
+        self.head = head.to(device=self.pos_embed.device, dtype=self.pos_embed.dtype)
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, new_grid: tuple[int, int], num_prefix: int) -> torch.Tensor:

@@ -5,7 +5,9 @@ by ``save_pretrained`` (fastzoo's or Hugging Face's: ``config.json`` + weights, 
 not), a state dict, or a live timm / transformers / torchvision module. The format is
 detected from the keys by the converters of the model's family. Loading is all or
 nothing: any missing, unexpected or mis-shaped key raises :class:`CheckpointError`
-naming the keys, and nothing is copied into the model.
+naming the keys, and nothing is copied into the model. A source that states its
+architecture (a ``config.json``, a live module) must also agree with the model's config
+on every field that changes the function, or :func:`load_pretrained` refuses it.
 """
 from __future__ import annotations
 
@@ -31,6 +33,20 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+# Config fields a model may set freely against a checkpoint: they change training or the
+# initialisation, not the function the weights compute. Every other field is compared.
+FREE_FIELDS = {
+    "vit": {"drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate", "patch_embed"},
+    "gpt2": {"resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range"},
+}
+# Fields compared through the part of their value that changes the function.
+_FUNCTION_OF = {
+    "vit": {
+        "init_values": lambda c: c.init_values is not None,  # LayerScale or not; its init value is overwritten
+        "fc_norm": lambda c: c.use_fc_norm,  # None is timm's rule: compare where the norm ends up
+    },
+    "gpt2": {"n_inner": lambda c: c.n_inner or 4 * c.n_embd},  # None: 4 * n_embd
+}
 
 
 @dataclass
@@ -46,9 +62,7 @@ def read_source(source) -> Source:
     if isinstance(source, Source):
         return source
     if isinstance(source, nn.Module):
-        config = getattr(source, "config", None)
-        config = config.to_dict() if hasattr(config, "to_dict") else None
-        return Source(dict(source.state_dict()), f"live {type(source).__name__} module", config, source)
+        return _read_module(source)
     if isinstance(source, Mapping):
         return Source(_clean(dict(source), "the state dict"), "the state dict")
     if isinstance(source, (str, Path)):
@@ -61,6 +75,36 @@ def read_source(source) -> Source:
     raise CheckpointError(
         f"pretrained= takes a path, a directory, a state dict or a module, not {type(source).__name__}"
     )
+
+
+def _read_module(module: nn.Module) -> Source:
+    """A live module, unwrapped from DDP / DataParallel / torch.compile; its config is read from
+    the inner module (a fastzoo model's as save_pretrained writes it, an HF model's ``to_dict``)."""
+    inner = _unwrap(module)
+    origin = f"live {type(inner).__name__} module"
+    if inner is not module:
+        origin += f" (inside {type(module).__name__})"
+    config = getattr(inner, "config", None)
+    from fastzoo.models.base import FastzooModel
+
+    if isinstance(inner, FastzooModel):
+        config = {"fastzoo_model": inner.model_name, "family": inner.family, **config.to_dict()}
+    else:
+        config = config.to_dict() if hasattr(config, "to_dict") else None
+    return Source(_clean(dict(inner.state_dict()), origin), origin, config, inner)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The model inside wrappers (torch.compile's ``_orig_mod``, DDP's and DataParallel's
+    ``module``): a wrapper is a module whose whole state lives under that one attribute."""
+    while True:
+        for attr in ("_orig_mod", "module"):
+            inner = getattr(module, attr, None)
+            if isinstance(inner, nn.Module) and all(k.startswith(attr + ".") for k in module.state_dict()):
+                module = inner
+                break
+        else:
+            return module
 
 
 def read_file(path: Path) -> dict:
@@ -110,7 +154,8 @@ def _read_dir(path: Path) -> Source:
 
 
 def _clean(obj, origin: str) -> dict:
-    """Unwrap {'state_dict': ...} style containers and DDP/compile prefixes."""
+    """Unwrap {'state_dict': ...} style containers and DDP/compile prefixes, in any nesting
+    (``module._orig_mod.``, ``_orig_mod.module.``)."""
     if isinstance(obj, Mapping):
         for key in _WRAPPER_KEYS:
             if key in obj and isinstance(obj[key], Mapping) and not isinstance(obj[key], torch.Tensor):
@@ -120,9 +165,8 @@ def _clean(obj, origin: str) -> dict:
         raise CheckpointError(f"{origin}: not a state dict (a mapping of names to tensors)")
     out = {}
     for k, v in obj.items():
-        for prefix in _PREFIXES:
-            if k.startswith(prefix):
-                k = k[len(prefix):]
+        while k.startswith(_PREFIXES):
+            k = k.split(".", 1)[1]
         out[k] = v
     return out
 
@@ -149,8 +193,35 @@ def find_converter(family: str, source: Source):
     )
 
 
+def _is_fastzoo(config: dict | None) -> bool:
+    """A config written by save_pretrained (or read from a live fastzoo model)."""
+    return bool(config) and "fastzoo_model" in config
+
+
+def config_from_source(family: str, src: Source) -> dict:
+    """The config fields the source decides: all of them from a config.json or a live module
+    that states its architecture, what the keys fix from a bare state dict."""
+    if _is_fastzoo(src.config):
+        if src.config.get("family", family) != family:
+            raise CheckpointError(f"{src.origin}: a {src.config['family']} checkpoint, not a {family} one")
+        return {k: v for k, v in src.config.items() if k not in ("fastzoo_model", "family")}
+    conv = find_converter(family, src)
+    if src.config and hasattr(conv, "config_from_json"):
+        return conv.config_from_json(src.config)
+    try:
+        return conv.infer_config(src.state_dict, src.module)
+    except (KeyError, IndexError) as e:
+        raise CheckpointError(f"{src.origin}: cannot read the architecture from the weights (no {e})") from e
+
+
+def states_config(src: Source) -> bool:
+    """Whether the source states its whole architecture (config.json, a live module)
+    rather than leaving fields the keys cannot decide to the model's YAML."""
+    return bool(src.config) or src.module is not None
+
+
 def to_fastzoo(family: str, source: Source) -> dict:
-    if source.config and source.config.get("fastzoo_model") is not None:
+    if _is_fastzoo(source.config):
         return dict(source.state_dict)  # written by save_pretrained: already fastzoo keys
     return find_converter(family, source).to_fastzoo(source.state_dict)
 
@@ -200,6 +271,39 @@ def load_into(model: nn.Module, state: dict, origin: str, allow_missing=()) -> N
 
 
 def load_pretrained(model, source) -> None:
-    """Load ``source`` (any form ``pretrained=`` takes) into ``model``, strictly."""
+    """Load ``source`` (any form ``pretrained=`` takes) into ``model``, strictly.
+
+    A source that states its architecture (config.json, a live module) must agree with
+    ``model.config`` on every field that changes the function (all but ``FREE_FIELDS``),
+    else :class:`CheckpointError` names each differing field. A bare state dict is checked
+    by its keys and shapes only. To build a model that fits a checkpoint, use
+    ``fastzoo.create(name, pretrained=source)``.
+    """
     src = read_source(source)
+    if states_config(src):
+        check_config(model, config_from_source(model.family, src), src.origin)
     load_into(model, to_fastzoo(model.family, src), src.origin)
+
+
+def check_config(model, implied: dict, origin: str) -> None:
+    """Raise CheckpointError naming every function-changing field where ``implied`` (the
+    checkpoint's config fields) and ``model.config`` differ."""
+    try:
+        ckpt = model.config_class.from_dict({**model.config.to_dict(), **implied}, what="checkpoint field")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{origin}: its config does not describe a {type(model).__name__} ({e})") from e
+    free = FREE_FIELDS.get(model.family, set())
+    view = _FUNCTION_OF.get(model.family, {})
+    diffs = []
+    for name in implied:
+        if name in free:
+            continue
+        of = view.get(name, lambda c, n=name: getattr(c, n))
+        if of(ckpt) != of(model.config):
+            diffs.append(f"{name}: checkpoint {getattr(ckpt, name)!r} vs model {getattr(model.config, name)!r}")
+    if diffs:
+        raise CheckpointError(
+            f"{origin} was built with a different architecture than this {type(model).__name__}; nothing was loaded. "
+            f"Differing fields ({len(diffs)}): {'; '.join(diffs)}. Build the model from the checkpoint instead: "
+            f"fastzoo.create(name, pretrained=...) reads these fields from it."
+        )
