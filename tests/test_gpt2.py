@@ -314,9 +314,12 @@ def test_one_host_read_per_forward(hf, backend, monkeypatch):
     needs) is one fused device computation read back once, whatever the number of layers."""
     m = ours(hf, backend[0], **backend[1])
     padded, packed = pad_to_longest(seqs()), pack(seqs())
-    assert len(count_host_reads(monkeypatch, lambda: m(**padded.model_inputs()))) == 1
-    assert len(count_host_reads(monkeypatch, lambda: m(padded.input_ids, attention_mask=padded.attention_mask))) == 1
-    assert len(count_host_reads(monkeypatch, lambda: m(**packed.model_inputs()))) == 1
+    # the CPU packed kernel (varlen's cpu impl, nested on CPU) loops over the sequences: it reads
+    # the offsets once per forward, from CPU memory (no device sync), not once per layer
+    reads = 2 if backend[0] in ("varlen", "nested") else 1
+    assert len(count_host_reads(monkeypatch, lambda: m(**padded.model_inputs()))) == reads
+    assert len(count_host_reads(monkeypatch, lambda: m(padded.input_ids, attention_mask=padded.attention_mask))) == reads
+    assert len(count_host_reads(monkeypatch, lambda: m(**packed.model_inputs()))) == reads
 
 
 def _counting(monkeypatch, module, name):
@@ -330,12 +333,12 @@ def _counting(monkeypatch, module, name):
     ("eager", "fastzoo.attention.masks", "dense_mask"),
     ("sdpa", "fastzoo.attention.masks", "dense_mask"),
     ("flex", "fastzoo.attention.flex", "create_block_mask"),
-    ("varlen", "fastzoo.attention.varlen", "document_ids"),
-    ("nested", "fastzoo.attention.varlen", "document_ids"),
+    ("varlen", "fastzoo.attention.varlen", "sequence_bounds"),  # the CPU kernel's per-sequence loop
+    ("nested", "fastzoo.attention.varlen", "sequence_bounds"),
 ])
 def test_masks_are_built_once_per_forward_not_per_layer(hf, backend, module, builder, monkeypatch):
     """The model's layers share one AttnContext per forward; the first layer builds the
-    batch's mask (dense mask, BlockMask, packed document ids) and the others reuse it."""
+    batch's mask (dense mask, BlockMask, packed sequence bounds) and the others reuse it."""
     import importlib
 
     assert hf.config.n_layer >= 2

@@ -61,14 +61,32 @@ def _slots(cu_seqlens, T: int, L: int, causal: bool):
 
 
 def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0, ctx=None):
-    """Exact varlen attention with dense SDPA: scatter the N sequences into ``[N, max_seqlen]``
-    slots, run one SDPA call, gather the real tokens back.
+    """Exact varlen attention with dense SDPA, the CPU kernel.
 
-    Causal attention needs no mask here: a real query at position i sees keys 0..i of its
-    own slot, which are all real. Padding queries see zeros and are dropped. Non-causal
-    attention masks the padding keys. Costs N * max_seqlen^2 instead of sum(len^2).
-    With ``ctx`` the slot layout is built once per forward (``ctx.cached``).
+    Eager: one SDPA call per sequence, costing sum(len^2) (on CPU reading the offsets costs
+    no device sync). While compiling, the per-sequence loop cannot be traced into one graph,
+    so the sequences are scattered into ``[N, max_seqlen]`` slots for one SDPA call
+    (N * max_seqlen^2): causal needs no mask there, since a real query at position i sees
+    keys 0..i of its own slot, which are all real; padding queries are dropped.
     """
+    if torch.compiler.is_compiling():
+        return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=causal, scale=scale, dropout_p=dropout_p, ctx=ctx)
+    build = lambda: sequence_bounds(cu_seqlens)  # noqa: E731
+    bounds = build() if ctx is None else ctx.cached(("packed_sdpa_bounds", cu_seqlens.data_ptr()), build)
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_HLD, k_HLD, v_HLD = (x[start:end].transpose(0, 1) for x in (q_THD, k_THD, v_THD))
+        o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, dropout_p=dropout_p, is_causal=causal, scale=scale)
+        outs.append(o_HLD.transpose(0, 1))
+    return torch.cat(outs) if outs else q_THD.new_zeros(q_THD.shape[:-1] + v_THD.shape[-1:])
+
+
+def sequence_bounds(cu_seqlens) -> list[int]:
+    """The offsets as Python ints; on CPU memory, so no device sync (read once per forward)."""
+    return cu_seqlens.tolist()
+
+
+def _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale, dropout_p, ctx):
     T, H, D = q_THD.shape
     N, L = cu_seqlens.numel() - 1, int(max_seqlen)
     build = lambda: _slots(cu_seqlens, T, L, causal)  # noqa: E731
