@@ -118,8 +118,8 @@ def create_detector(args, device, **overrides):
     """``--pretrained`` as a detector checkpoint (through ``fastzoo.create``) or as a ResNet
     backbone checkpoint (``load_backbone``: strict on the backbone, the head starts fresh)."""
     src = weights.read_source(args.pretrained) if args.pretrained is not None else None
-    is_detector = src is not None and (src.config or {}).get("fastzoo_model") is not None
-    if src is None or is_detector or not ResNetConverter.matches(src.state_dict):
+    family = (src.config or {}).get("family") if src is not None else None  # fastzoo directories say it
+    if src is None or not (family == "resnet" or family is None and ResNetConverter.matches(src.state_dict)):
         return create_model(args, device=device, **overrides)
     model = create_model(argparse.Namespace(**{**vars(args), "pretrained": None}), device=device, **overrides)
     model.load_backbone(src)

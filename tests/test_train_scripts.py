@@ -237,8 +237,10 @@ def test_boxdet_pretrained_takes_a_detector_or_a_resnet_backbone(tmp_path):
     resnet = fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=5)
     tv = fastzoo.export_state_dict(resnet, "torchvision")  # a torchvision-format file with an fc
     torch.save(tv, tmp_path / "r.pth")
-    det = build(tmp_path / "r.pth")
-    assert all(torch.equal(v, tv[k]) for k, v in det.backbone.state_dict().items())
+    resnet.save_pretrained(tmp_path / "r_dir")
+    for source in (tmp_path / "r.pth", tmp_path / "r_dir"):  # torchvision file, fastzoo ResNet directory
+        det = build(source)
+        assert all(torch.equal(v, tv[k]) for k, v in det.backbone.state_dict().items())
     torch.save(det.state_dict(), tmp_path / "det.pth")
     det.save_pretrained(tmp_path / "det_dir")
     for source in (tmp_path / "det.pth", tmp_path / "det_dir"):
