@@ -1,6 +1,12 @@
 """fastzoo: reference architectures equal to timm / Hugging Face / torchvision, with the
-attention kernel picked by one word. See README.md and DESIGN.md."""
-from fastzoo import data, errors
+attention kernel picked by one word. See README.md and DESIGN.md.
+
+``fastzoo.losses`` and ``fastzoo.data`` (with ``fastzoo.data.boxes``) come with
+``import fastzoo``; ``fastzoo.train`` (torch.distributed, checkpoint I/O: ~1 s more to
+import) is loaded on first use of the attribute. No kernel library is imported here."""
+import importlib
+
+from fastzoo import data, errors, losses
 from fastzoo.attention import get_backend, list_attention, register_attention
 from fastzoo.registry import create, list_models
 from fastzoo.weights import export_state_dict, load_pretrained
@@ -9,5 +15,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "create", "data", "errors", "export_state_dict", "get_backend", "list_attention",
-    "list_models", "load_pretrained", "register_attention",
+    "list_models", "load_pretrained", "losses", "register_attention", "train",
 ]
+
+
+def __getattr__(name: str):
+    if name == "train":  # PEP 562: imported on first access, then a plain attribute
+        return importlib.import_module("fastzoo.train")
+    raise AttributeError(f"module 'fastzoo' has no attribute {name!r}")

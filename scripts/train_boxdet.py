@@ -6,23 +6,41 @@
         --val-images coco/val2017 --val-ann coco/annotations/instances_val2017.json \\
         --giou kernel --num-queries 100 --img-size 512 -b 64 --amp bf16 --channels-last
     python scripts/train_boxdet.py --synthetic 256 --giou padded      # no data needed
+    torchrun --nproc_per_node 8 scripts/train_boxdet.py ...           # same global batch, DDP
+
+``--pretrained`` takes a box detector (a ``save_pretrained`` or ``checkpoint-<step>``
+directory, or its state dict file) or a ResNet-50 backbone (torchvision / timm file, whose
+``fc`` is dropped; the detector's head starts fresh).
 
 COCO boxes (``[x, y, w, h]`` in pixels) become ``xyxy`` in [0, 1]; an image may have any
 number of boxes, zero included; crowd regions are skipped. ``--giou`` picks how the GIoU
 loss handles the different box counts: ``per_sample`` (a loop), ``concat`` (one
 concatenated call), ``padded`` (a padded batch and a mask) or ``kernel`` (the fused kernel).
 The validation loss is printed after every epoch.
+
+Batches are collated on the CPU by ``fastzoo.data.boxes.collate_detection`` (validated
+there, once), so a step moves a handful of tensors to the device and the loss checks
+nothing again. The training loss is the whole global batch's DETR loss: each process
+normalises by the all-reduced image and box counts, so N processes compute what one
+process computes on the same global batch (with the backbone's BatchNorm frozen, the
+default, as DETR's; ``--model-kwargs frozen_bn=False --sync-bn`` trains BN synced on CUDA).
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
+from fastzoo import weights
+from fastzoo.data.boxes import collate_detection
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
+from fastzoo.train import distributed as D
 from fastzoo.train.cli import create_model, positive_int
+from fastzoo.weights.torchvision import ResNetConverter
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -96,8 +114,16 @@ class SyntheticBoxes(Dataset):
         return img, boxes
 
 
-def collate(items):
-    return torch.stack([x for x, _ in items]), [b for _, b in items]
+def create_detector(args, device, **overrides):
+    """``--pretrained`` as a detector checkpoint (through ``fastzoo.create``) or as a ResNet
+    backbone checkpoint (``load_backbone``: strict on the backbone, the head starts fresh)."""
+    src = weights.read_source(args.pretrained) if args.pretrained is not None else None
+    family = (src.config or {}).get("family") if src is not None else None  # fastzoo directories say it
+    if src is None or not (family == "resnet" or family is None and ResNetConverter.matches(src.state_dict)):
+        return create_model(args, device=device, **overrides)
+    model = create_model(argparse.Namespace(**{**vars(args), "pretrained": None}), device=device, **overrides)
+    model.load_backbone(src)
+    return model
 
 
 def build_parser():
@@ -129,7 +155,7 @@ def main(argv=None) -> int:
                 raise UsageError(f"no such annotation file: {f}")
     world = setup(args)
     overrides = {"loss": args.giou, **({"num_queries": args.num_queries} if args.num_queries else {})}
-    model = create_model(args, device=world.device, **overrides)
+    model = create_detector(args, world.device, **overrides)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
 
@@ -142,18 +168,24 @@ def main(argv=None) -> int:
             train_set = CocoDetection(args.train_images, args.train_ann, args.img_size)
             eval_set = CocoDetection(args.val_images, args.val_ann, args.img_size) if args.val_images else None
 
-    def detection_loss(net, batch):
+    def detection_loss(net, batch, whole_batch: bool = True):
+        """(sum, count) for the loop, which divides by the all-reduced count. The loss is this
+        process's share of the global batch's loss (normalised by the all-reduced image and
+        box counts, no host sync), times the global image count, with this process's images
+        as the count: the shares add up to the global loss, and the logged mean is that loss.
+        Evaluation normalises per process (no collective inside a loop of unequal length)."""
         images, targets = batch
         if args.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        loss = model.loss(net(images), targets)
-        if isinstance(loss, dict):
-            loss = loss["loss"]
-        # model.loss is a mean over this process's images; the loop wants a sum and a count.
-        return loss * len(targets), len(targets)
+        sizes = torch.tensor([len(targets), targets.num_boxes], dtype=torch.float32, device=images.device)
+        if whole_batch:
+            D.all_reduce_(sizes)
+        loss = model.loss(net(images), targets, num_images=sizes[0], num_boxes=sizes[1])
+        return loss * sizes[0], len(targets)
 
+    collate = functools.partial(collate_detection, num_classes=model.config.num_classes)
     task = Task(model=model, train_items=train_set, collate=collate, loss=detection_loss, eval_items=eval_set,
-                eval_step=lambda m, b: {"loss": detection_loss(m, b)}, unit="img")
+                eval_step=lambda m, b: {"loss": detection_loss(m, b, whole_batch=False)}, unit="img")
     return train(args, task, world)
 
 

@@ -236,8 +236,6 @@ def test_gpu_vit_parity(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(THIRD_PARTY))
 def test_gpu_gpt2_parity_padded_and_packed(name):
-    if "gpt2" not in fastzoo.list_models():
-        pytest.skip("GPT-2 is not in this build of fastzoo")
     if backend_class(name).unavailable_reason() is not None:
         pytest.skip(f"{name} unavailable here: {backend_class(name).unavailable_reason()}")
     res = check_parity("gpt2", name, device="cuda", dtype=torch.bfloat16, overrides=TINY["gpt2"])

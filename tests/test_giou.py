@@ -355,6 +355,26 @@ def test_bad_boxes_are_refused(impl, bad, match):
         giou_loss(p, t, impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["torch", "kernel"])
+def test_integer_boxes_are_upcast_like_torchvision(impl):
+    """torchvision upcasts non-float boxes to fp32 (``_upcast_non_float``); so do we. Pixel
+    coordinates with every degenerate case: identical, touching, disjoint, nested, zero width."""
+    pred = torch.tensor([[0, 0, 10, 10], [0, 0, 10, 10], [0, 0, 10, 10], [2, 2, 5, 5], [3, 3, 3, 9], [7, 1, 9, 4]])
+    target = torch.tensor([[0, 0, 10, 10], [10, 0, 20, 10], [30, 30, 40, 41], [0, 0, 10, 10], [1, 1, 6, 6], [5, 0, 12, 3]])
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        for reduction in ("none", "mean", "sum"):
+            ref = tv_giou_loss(pred.to(dtype), target.to(dtype), reduction=reduction)
+            out = giou_loss(pred.to(dtype), target.to(dtype), reduction=reduction, impl=impl)
+            assert out.dtype == ref.dtype == torch.float32
+            # same fp32 formula on the same upcast values: equal up to op order (1e-6 on losses in [0, 2])
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    # an integer target with float predictions: the predictions' gradient still equals torchvision's
+    p1, p2 = pred.float().requires_grad_(), pred.float().requires_grad_()
+    tv_giou_loss(p1, target, reduction="sum").backward()
+    giou_loss(p2, target, reduction="sum", impl=impl).backward()
+    torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-5, atol=1e-7)  # closed form vs autograd
+
+
 def test_bad_shapes_and_options_are_refused():
     p = random_boxes(4)
     with pytest.raises(ValueError, match="pred must have last dimension 4"):
@@ -365,8 +385,8 @@ def test_bad_shapes_and_options_are_refused():
         giou_loss(p, p, reduction="avg")
     with pytest.raises(ValueError, match="impl="):
         giou_loss(p, p, impl="cuda")
-    with pytest.raises(ValueError, match="floating point"):
-        giou_loss(p.long(), p.long())
+    with pytest.raises(ValueError, match="pred must hold real coordinates"):
+        giou_loss(p > 0.5, p)
     with pytest.raises(ValueError, match="preds has 2 images but targets has 1"):
         giou_loss_per_sample([p, p], [p])
     with pytest.raises(ValueError, match="mask must be a bool"):

@@ -145,3 +145,73 @@ def test_bad_inputs_raise():
         sd = _peer("torchvision").state_dict()
         sd.pop("layer2.0.bn2.weight")
         fastzoo.create("resnet50", pretrained=sd)
+
+
+# -- live modules: what the keys cannot show ---------------------------------------------
+def _tv_small(**kw):
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    return ResNet(Bottleneck, [1, 1, 1, 1], **kw)
+
+
+@pytest.mark.parametrize("build,needle", [
+    (lambda: _tv_small(replace_stride_with_dilation=[False, True, True]), "layer3.0.conv2 has kernel/stride"),
+    (lambda: timm.create_model("resnet26", output_stride=8), "layer3.0.conv2 has kernel/stride"),
+    (lambda: timm.create_model("resnet26", output_stride=16), "layer4.0.conv2 has kernel/stride"),
+    (lambda: timm.create_model("resnet26", act_layer="silu"), "act1 is a torch.nn.modules.activation.SiLU"),
+    (lambda: timm.create_model("resnet26", aa_layer=nn.AvgPool2d), "AvgPool2d"),
+    (lambda: timm.create_model("resnet26", drop_block_rate=0.1), "DropBlock2d"),
+    (lambda: timm.create_model("resnet26", drop_path_rate=0.1), "DropPath"),
+    (lambda: timm.create_model("resnet26", drop_rate=0.2), "drop_rate=0.2"),
+    (lambda: timm.create_model("resnet26", global_pool="max"), "pool_type=max"),
+    (lambda: _tv_small(norm_layer=lambda c: nn.BatchNorm2d(c, eps=1e-3)), "bn1 has eps=0.001"),
+    (lambda: _tv_small(norm_layer=lambda c: nn.BatchNorm2d(c, momentum=0.01)), "momentum=0.01"),
+], ids=["tv-dilation", "timm-os8", "timm-os16", "timm-silu", "timm-aa", "timm-dropblock", "timm-droppath",
+        "timm-droprate", "timm-maxpool", "bn-eps", "bn-momentum"])
+def test_live_module_that_is_not_v15_is_refused(build, needle):
+    """Same keys and shapes, another function: create and load_pretrained refuse it by name
+    (the torchvision dilated case gave logits 4.15 apart when it loaded silently)."""
+    peer = build()
+    with pytest.raises(CheckpointError, match="not the function of fastzoo's ResNet v1.5") as e:
+        fastzoo.create("resnet50", pretrained=peer)
+    assert needle in str(e.value) and "module.state_dict()" in str(e.value)
+    ours = fastzoo.create("resnet50", pretrained=peer.state_dict())  # weights alone: documented, read as v1.5
+    with pytest.raises(CheckpointError, match="not the function"):
+        fastzoo.load_pretrained(ours, peer)
+    det = fastzoo.create("boxdet_r50", layers=ours.config.layers, channels=ours.config.channels, hidden_dim=16, num_queries=2)
+    with pytest.raises(CheckpointError, match="not the function"):
+        det.load_backbone(peer)
+
+
+def test_live_timm_options_that_keep_the_function_load():
+    peer = _randomize_bn(timm.create_model("resnet26", zero_init_last=False)).eval()  # init only
+    ours = fastzoo.create("resnet50", pretrained=peer).eval()
+    x = torch.randn(1, 3, 64, 64)
+    assert (ours(x) - peer(x)).abs().max().item() <= TOL
+
+
+def test_frozen_batchnorm_module_loads_as_frozen_bn():
+    """torchvision's FrozenBatchNorm2d (DETR's backbone): frozen_bn=True, the same function in
+    train mode too (statistics unchanged, BN affine untrained)."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    peer = _randomize_bn(torchvision.models.resnet50(norm_layer=FrozenBatchNorm2d))
+    g = torch.Generator().manual_seed(2)
+    for m in peer.modules():  # FrozenBatchNorm2d keeps everything as buffers: randomise them too
+        if isinstance(m, FrozenBatchNorm2d):
+            m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) * 0.5 + 0.75)
+            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+            m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 0.5 + 0.5)
+    ours = fastzoo.create("resnet50", pretrained=peer).train()
+    assert ours.config.frozen_bn and not ours.bn1.training and not ours.layer2[0].bn2.weight.requires_grad
+    before = ours.layer1[0].bn1.running_mean.clone()
+    x = torch.randn(2, 3, 64, 64)
+    ref, out = peer(x), ours(x)
+    # FrozenBatchNorm2d folds BN into scale/shift, F.batch_norm does not: float noise only
+    assert (out - ref).abs().max().item() <= TOL
+    assert torch.equal(ours.layer1[0].bn1.running_mean, before)
+    w = torch.randn_like(out)
+    (ref * w).sum().backward(), (out * w).sum().backward()
+    conv = ours.layer3[0].conv2.weight.grad
+    assert ((conv - peer.layer3[0].conv2.weight.grad).abs().max() / conv.abs().max()).item() <= 1e-4  # fp32 noise
+    assert ours.bn1.weight.grad is None

@@ -28,22 +28,15 @@ VIT = ["--model", "vit_s16", "--model-kwargs", "img_size=16", "patch_size=8", "e
 GPT2 = ["--model", "gpt2", "--model-kwargs", "n_layer=2", "n_embd=32", "n_head=2", "n_positions=64",
         "--max-tokens", "128", "-b", "2", "--validation-split-percentage", "10"]
 BOXDET = ["--model", "boxdet_r50", "--synthetic", "8", "--img-size", "32", "--num-queries", "4", "-b", "2"]
-DROPOUT = {"vit": ["--model-kwargs", "drop_path_rate=0.1", "drop_rate=0.1"], "gpt2": [], "boxdet": []}  # gpt2: 0.1 by default
+# Randomness and train-mode state for the resume / NaN-capture runs: dropout (gpt2: 0.1 by
+# default); boxdet trains its BatchNorm statistics (frozen by default), so that the capture must
+# hold the running stats from before the failing step's forward.
+DROPOUT = {"vit": ["--model-kwargs", "drop_path_rate=0.1", "drop_rate=0.1"], "gpt2": [],
+           "boxdet": ["--model-kwargs", "frozen_bn=False"]}
+# For 1 vs 2 processes: no dropout; boxdet's backbone BN frozen (its default, as DETR's), the
+# only way its function does not depend on how the batch is split (SyncBatchNorm needs CUDA).
 NO_DROPOUT = {"vit": [], "gpt2": ["--model-kwargs", "resid_pdrop=0", "embd_pdrop=0", "attn_pdrop=0"], "boxdet": []}
-
-
-def _has(model: str, module: str = "fastzoo") -> bool:
-    return model in fastzoo.list_models() and importlib.util.find_spec(module) is not None
-
-
-SCRIPTS = {
-    "vit": pytest.param("vit", id="vit"),
-    "gpt2": pytest.param("gpt2", id="gpt2", marks=pytest.mark.skipif(
-        not (_has("gpt2", "fastzoo.data") and "varlen" in fastzoo.list_attention()),
-        reason="needs fastzoo gpt2 + fastzoo.data + varlen attention (branch gpt2, not merged)")),
-    "boxdet": pytest.param("boxdet", id="boxdet", marks=pytest.mark.skipif(
-        not _has("boxdet_r50", "fastzoo.data"), reason="needs fastzoo boxdet_r50 (branch det, not merged)")),
-}
+SCRIPTS = {kind: pytest.param(kind, id=kind) for kind in ("vit", "gpt2", "boxdet")}
 FILES = {"vit": "finetune_vit.py", "gpt2": "finetune_gpt2.py", "boxdet": "train_boxdet.py"}
 
 
@@ -142,10 +135,11 @@ def test_resume_matches_then_nan_is_captured_and_replayed(full_run, text_file, t
     assert f"gradients: {n}/{n} tensors bit-identical" in rep.stdout and "reproduced bit for bit" in rep.stdout
 
 
-@pytest.mark.parametrize("kind", [SCRIPTS["vit"], SCRIPTS["gpt2"]])
+@pytest.mark.parametrize("kind", ALL)
 def test_torchrun_two_gloo_processes_match_one(kind, text_file, tmp_path):
     """Same global batch on 1 and 2 processes. For GPT-2 the two processes hold different
-    numbers of tokens, which the loss normalisation (by the all-reduced count) must absorb."""
+    numbers of tokens, for boxdet different numbers of boxes, which the loss normalisation
+    (by the all-reduced counts) must absorb."""
     args = [*base_args(kind, text_file), *NO_DROPOUT[kind], "--steps", 2, "--device", "cpu"]
     ok(run(FILES[kind], *args, "--output-dir", tmp_path / "one"))
     ok(run(FILES[kind], *args, "--output-dir", tmp_path / "two", nproc=2))
@@ -155,8 +149,13 @@ def test_torchrun_two_gloo_processes_match_one(kind, text_file, tmp_path):
     assert all(abs(one[s] - two[s]) <= 1e-5 * abs(one[s]) for s in one), (one, two)
     a, b = weights(tmp_path / "one" / "checkpoint-2"), weights(tmp_path / "two" / "checkpoint-2")
     # Two AdamW steps from identical weights: Adam's normalised update turns ~1e-7 relative
-    # gradient differences into weight differences far below 1e-5 (weights are ~0.02-1).
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+    # gradient differences into weight differences far below 1e-5 (weights are ~0.02-1) --
+    # except where a gradient element is itself at fp32 noise level: Adam's first update is
+    # +-lr for any nonzero gradient, so its sign decides. The detector's from-scratch backbone
+    # (frozen init BN) has such elements: 181 of 24M when this was written; allow 1e-4 of them.
+    close = [(a[k] - b[k]).abs() <= 1e-5 for k in a]
+    far = sum(int((~c).sum()) for c in close)
+    assert far <= (1e-4 * sum(c.numel() for c in close) if kind == "boxdet" else 0), far
 
 
 # -- user errors: one line on stderr, exit status 2 ---------------------------------------
@@ -203,7 +202,6 @@ def test_vit_unreadable_image_folder(capsys, tmp_path):
     user_error(capsys, "finetune_vit.py", ["--data-dir", tmp_path, "--output-dir", tmp_path / "o"], str(tmp_path / "train"))
 
 
-@pytest.mark.skipif(not _has("gpt2", "fastzoo.data"), reason="needs fastzoo gpt2 (branch gpt2, not merged)")
 @pytest.mark.parametrize("args,needles", [
     (["--train-files", "/nonexistent.txt"], ["no such text file: /nonexistent.txt"]),
     (["--tokenizer", "/nonexistent_tok"], ["--tokenizer /nonexistent_tok"]),
@@ -218,4 +216,36 @@ def test_boxdet_unreadable_annotations(capsys, tmp_path):
     bad = tmp_path / "ann.json"
     bad.write_text('{"images": [{"id": 1}]}')
     user_error(capsys, "train_boxdet.py", ["--train-images", tmp_path, "--train-ann", bad, "--output-dir", tmp_path / "o"],
-               str(bad)) if _has("boxdet_r50") else pytest.skip("needs fastzoo boxdet_r50 (branch det, not merged)")
+               str(bad))
+
+
+def test_boxdet_sync_bn_with_frozen_bn_is_refused(capsys, tmp_path):
+    user_error(capsys, "train_boxdet.py", [*BOXDET, "--workers", "0", "--sync-bn", "--output-dir", tmp_path],
+               "--sync-bn", "frozen_bn=False")
+
+
+def test_boxdet_pretrained_takes_a_detector_or_a_resnet_backbone(tmp_path):
+    """--pretrained: a ResNet checkpoint goes into the backbone (fc dropped, head fresh); a
+    detector's state dict file or save_pretrained directory loads whole."""
+    mod = _main("train_boxdet.py")
+    tiny = ["layers=(1, 1, 1, 1)", "channels=(8, 16, 32, 64)", "hidden_dim=16"]
+
+    def build(pretrained):
+        args = mod.build_parser().parse_args(["--synthetic", "4", "--model-kwargs", *tiny, "--pretrained", str(pretrained)])
+        return mod.create_detector(args, "cpu", num_queries=3)
+
+    resnet = fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=5)
+    tv = fastzoo.export_state_dict(resnet, "torchvision")  # a torchvision-format file with an fc
+    torch.save(tv, tmp_path / "r.pth")
+    resnet.save_pretrained(tmp_path / "r_dir")
+    for source in (tmp_path / "r.pth", tmp_path / "r_dir"):  # torchvision file, fastzoo ResNet directory
+        det = build(source)
+        assert all(torch.equal(v, tv[k]) for k, v in det.backbone.state_dict().items())
+    torch.save(det.state_dict(), tmp_path / "det.pth")
+    det.save_pretrained(tmp_path / "det_dir")
+    for source in (tmp_path / "det.pth", tmp_path / "det_dir"):
+        again = build(source)
+        assert all(torch.equal(v, det.state_dict()[k]) for k, v in again.state_dict().items())
+    # fastzoo.create itself refuses a ResNet checkpoint for the whole detector, and says what to do
+    with pytest.raises(fastzoo.errors.CheckpointError, match=r"ResNet checkpoint.*load_backbone"):
+        fastzoo.create("boxdet_r50", pretrained=tmp_path / "r.pth")

@@ -97,3 +97,22 @@ def test_first_nonfinite_output_names_the_module():
 def test_model_kwargs_parse_python_literals():
     args = train_parser("t", "vit_s16").parse_args(["--model-kwargs", "depth=2", "img_size=(32, 48)", "global_pool=avg"])
     assert args.model_kwargs == {"depth": 2, "img_size": (32, 48), "global_pool": "avg"}
+
+
+def test_buffer_snapshot_keeps_pre_forward_stats_without_allocating_per_step():
+    """The NaN guard's copy of BatchNorm running stats: pre-forward values, copied into the
+    same preallocated tensors every step (the guard used to clone every buffer each step)."""
+    from fastzoo.train.nan_guard import BufferSnapshot
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    snap = BufferSnapshot(model)
+    assert snap.names == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    ptrs = [t.data_ptr() for t in snap.saved]
+    for _ in range(2):
+        before = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("1.r") or k.endswith("tracked")}
+        snap.take()
+        model(torch.randn(2, 3, 8, 8))  # updates the running stats
+        saved = snap.as_dict()
+        assert all(torch.equal(saved[k], before[k]) for k in before)
+        assert not torch.equal(saved["1.running_mean"], model[1].running_mean)
+    assert [t.data_ptr() for t in snap.saved] == ptrs

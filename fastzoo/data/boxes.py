@@ -10,7 +10,9 @@ modes take (``fastzoo/losses/giou.py``):
 So a batch moves to the GPU as a handful of tensors (``.to(device, non_blocking=True)``
 after ``pin_memory()``, which the DataLoader calls), never one copy per image, and the
 list layout costs no copy at all. Boxes are validated here, on the CPU, where it costs
-no device sync; the losses can then skip value checks (``validate=False``).
+no device sync; the losses can then skip value checks (``validate=False``), and with
+``num_classes=`` the labels are checked here too (``checked_classes``), so the detector's
+loss skips its own label check (a host sync per step on a GPU).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class BoxTargets:
     padded: Tensor  # [B, M, 4], zeros in padding
     padded_labels: Tensor  # [B, M], -1 in padding
     mask: Tensor  # [B, M] bool, True = a real box
+    checked_classes: int | None = None  # labels were checked to lie in [0, checked_classes) (on the CPU)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -49,7 +52,8 @@ class BoxTargets:
         return list(self.labels.split(self.counts))
 
     def _map(self, fn) -> "BoxTargets":
-        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "counts"})
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
 
     def to(self, device, non_blocking: bool = False) -> "BoxTargets":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -58,11 +62,18 @@ class BoxTargets:
         return self._map(lambda t: t.pin_memory())
 
 
+# A NaN capture saves the batch (``fastzoo/train/nan_guard.py``) and reads it back with
+# torch.load(weights_only=True): BoxTargets holds only tensors and ints, so it may be unpickled.
+torch.serialization.add_safe_globals([BoxTargets])
+
+
 def collate_boxes(
-    boxes: Sequence[Tensor], labels: Sequence[Tensor] | None = None, *, pad_to: int | None = None, validate: bool = True
+    boxes: Sequence[Tensor], labels: Sequence[Tensor] | None = None, *, pad_to: int | None = None, validate: bool = True,
+    num_classes: int | None = None,
 ) -> BoxTargets:
     """All three layouts of per-image boxes ``[n_i, 4]`` (xyxy) and optional labels ``[n_i]``
     (default: class 0). ``pad_to`` fixes M (static shapes, e.g. for torch.compile).
+    ``num_classes``: check that every label is in [0, num_classes) (recorded as ``checked_classes``).
     Built on the boxes' device (the CPU in a DataLoader worker)."""
     if len(boxes) == 0:
         raise ValueError("boxes is empty: need one [n_i, 4] tensor per image (n_i may be 0)")
@@ -89,6 +100,8 @@ def collate_boxes(
     if M < max(counts):
         raise ValueError(f"pad_to={pad_to} is less than the largest box count in the batch ({max(counts)})")
     cat_labels = torch.cat([lab.long() for lab in labels])
+    if num_classes is not None and cat_labels.numel() and bool(((cat_labels < 0) | (cat_labels >= num_classes)).any()):
+        raise ValueError(f"labels must be class ids in [0, {num_classes}), got values {cat_labels.unique().tolist()}")
     counts_t = torch.tensor(counts, dtype=torch.long, device=device)
     batch_index = torch.repeat_interleave(torch.arange(B, device=device), counts_t)
     starts = torch.cumsum(counts_t, 0) - counts_t
@@ -99,12 +112,13 @@ def collate_boxes(
     padded[batch_index, slot] = cat
     padded_labels[batch_index, slot] = cat_labels
     mask[batch_index, slot] = True
-    return BoxTargets(counts, cat, cat_labels, batch_index, slot, padded, padded_labels, mask)
+    return BoxTargets(counts, cat, cat_labels, batch_index, slot, padded, padded_labels, mask, num_classes)
 
 
-def collate_detection(batch: Sequence[tuple]) -> tuple[Tensor, BoxTargets]:
+def collate_detection(batch: Sequence[tuple], num_classes: int | None = None) -> tuple[Tensor, BoxTargets]:
     """``DataLoader(collate_fn=collate_detection)``: items are ``(image, boxes)`` or
-    ``(image, boxes, labels)``; returns stacked images and :class:`BoxTargets`."""
+    ``(image, boxes, labels)``; returns stacked images and :class:`BoxTargets`, validated here
+    (``functools.partial(collate_detection, num_classes=C)`` checks the labels as well)."""
     images = torch.stack([item[0] for item in batch])
     labels = [item[2] for item in batch] if len(batch[0]) > 2 else None
-    return images, collate_boxes([item[1] for item in batch], labels)
+    return images, collate_boxes([item[1] for item in batch], labels, num_classes=num_classes)

@@ -9,7 +9,9 @@ The formula (torchvision's, from fvcore; ``eps`` is added to both denominators):
     C     = area of the smallest box enclosing a and b
     loss  = 1 - (inter / (union + eps) - (C - union) / (C + eps))
 
-fp16 / bf16 boxes are computed in fp32 and the loss is fp32, as torchvision does.
+fp16 / bf16 boxes are computed in fp32 and the loss is fp32, as torchvision does; integer
+boxes (e.g. pixel coordinates) are upcast to fp32 first, as torchvision's ``_upcast_non_float``
+does.
 
 Two implementations behind one function, :func:`giou_loss` (``impl=``):
 
@@ -74,6 +76,16 @@ def first_bad_box(boxes: torch.Tensor) -> int | None:
     b = boxes.detach().reshape(-1, 4)
     bad = ~torch.isfinite(b).all(-1) | (b[:, 2] < b[:, 0]) | (b[:, 3] < b[:, 1])
     return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
+def _upcast_integer(boxes, name: str):
+    """Integer boxes -> fp32, as torchvision's ``_upcast_non_float`` (which also upcasts fp16/bf16;
+    both paths here compute those in fp32 without a copy)."""
+    if not isinstance(boxes, torch.Tensor) or boxes.is_floating_point():
+        return boxes
+    if boxes.dtype == torch.bool or boxes.is_complex():
+        raise ValueError(f"{name} must hold real coordinates (floating point or integer), got {boxes.dtype}")
+    return boxes.float()
 
 
 def _check_pair(pred, target) -> None:
@@ -141,7 +153,8 @@ def giou_loss(
 ) -> torch.Tensor:
     """1 - GIoU between xyxy boxes ``pred`` and ``target`` (same shape [..., 4]).
 
-    ``reduction``: "none" | "mean" | "sum". ``impl``: "torch" (plain ops), "kernel" (the
+    ``reduction``: "none" | "mean" | "sum". Integer boxes are upcast to fp32 (as torchvision
+    does). ``impl``: "torch" (plain ops), "kernel" (the
     fused op: Triton on CUDA, C++ on CPU) or "auto" (= "kernel"; every device
     fastzoo runs on has one). Matches ``torchvision.ops.generalized_box_iou_loss``.
     """
@@ -150,6 +163,7 @@ def giou_loss(
         raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     _check_pair(pred, target)
     if impl != "torch":
         op = _giou_op()

@@ -22,6 +22,14 @@ We keep the sigmoid but read its four outputs as (u_x, u_y, w, h): the box spans
 where a box of that width fits. So every predicted box is xyxy in [0, 1] with x2 >= x1
 and y2 >= y1 by construction (valid GIoU inputs; no clamp, so no dead gradients).
 
+Frozen backbone BatchNorm (``frozen_bn=True``, the default), as DETR's backbone
+(torchvision's ``FrozenBatchNorm2d``): detection batches are a few large images per device,
+too few for batch statistics, so the ImageNet statistics and BN affine parameters are kept.
+It also makes the detector the same function of each image whatever the batch split: one
+process and N processes on the same global batch compute the same loss and gradients.
+``frozen_bn=False`` trains BN with per-process statistics (``--sync-bn`` in
+``scripts/train_boxdet.py`` syncs them on CUDA).
+
 Targets: ``model.loss(outputs, targets, labels=None)`` with ``targets`` a list of
 ``[n_i, 4]`` xyxy boxes in [0, 1] (n_i may be 0) and ``labels`` an optional list of
 ``[n_i]`` int class ids (default: class 0), or a :class:`fastzoo.data.boxes.BoxTargets`
@@ -62,6 +70,7 @@ class BoxDetConfig(ModelConfig):
     layers: tuple[int, ...] = (3, 4, 6, 3)  # the ResNet backbone (ResNetConfig's fields)
     channels: tuple[int, ...] = (64, 128, 256, 512)
     channels_last: bool = False
+    frozen_bn: bool = True  # backbone BatchNorm as DETR's FrozenBatchNorm2d (see the module docstring)
 
     def __post_init__(self):
         self.layers, self.channels = tuple(self.layers), tuple(self.channels)
@@ -71,6 +80,8 @@ class BoxDetConfig(ModelConfig):
             raise ValueError(f"matcher={self.matcher!r}: choose one of {', '.join(MATCHERS)}")
         if self.num_classes < 1 or self.num_queries < 1:
             raise ValueError(f"num_classes={self.num_classes} and num_queries={self.num_queries} must be >= 1")
+        if not self.eos_coef > 0:  # else a batch without boxes has no class-loss normaliser
+            raise ValueError(f"eos_coef={self.eos_coef} must be > 0")
 
 
 class MLP(nn.Module):
@@ -115,7 +126,8 @@ class BoxDetector(FastzooModel):
         super().__init__()
         self.config = cfg
         D = cfg.hidden_dim
-        self.backbone = ResNet(ResNetConfig(num_classes=0, layers=cfg.layers, channels=cfg.channels, channels_last=cfg.channels_last))
+        self.backbone = ResNet(ResNetConfig(num_classes=0, layers=cfg.layers, channels=cfg.channels,
+                                            channels_last=cfg.channels_last, frozen_bn=cfg.frozen_bn))
         self.input_proj = nn.Conv2d(self.backbone.config.num_features, D, 1)
         self.query_embed = nn.Embedding(cfg.num_queries, D)
         self.class_embed = nn.Linear(D, cfg.num_classes + 1)
@@ -156,7 +168,8 @@ class BoxDetector(FastzooModel):
         if len(tb) != B:
             raise ValueError(f"targets has {len(tb)} images but the outputs have {B}")
         C = self.config.num_classes
-        if tb.num_boxes and bool(((tb.labels < 0) | (tb.labels >= C)).any()):  # else CE silently reads "no object"
+        checked = tb.checked_classes is not None and tb.checked_classes <= C  # by the collator, on the CPU
+        if tb.num_boxes and not checked and bool(((tb.labels < 0) | (tb.labels >= C)).any()):  # else CE reads "no object"
             raise ValueError(f"labels must be class ids in [0, {C}), got values {tb.labels.unique().tolist()}")
         if tb.num_boxes and max(tb.counts) > self.config.num_queries:
             raise ValueError(f"an image has {max(tb.counts)} target boxes, more than num_queries={self.config.num_queries}")
@@ -199,8 +212,17 @@ class BoxDetector(FastzooModel):
         fn = giou_loss_kernel if mode == "kernel" else giou_loss_concat
         return fn(matched_N4, tb.boxes, reduction="sum", validate=False)
 
-    def loss_components(self, outputs: dict, targets, labels=None) -> dict[str, torch.Tensor]:
-        """``{"loss", "loss_ce", "loss_bbox", "loss_giou"}``; ``loss`` is the weighted sum."""
+    def loss_components(self, outputs: dict, targets, labels=None, *, num_images=None, num_boxes=None) -> dict[str, torch.Tensor]:
+        """``{"loss", "loss_ce", "loss_bbox", "loss_giou"}``; ``loss`` is the weighted sum.
+
+        DETR's normalisation: the class CE is the mean over all queries weighted by target class
+        (no object: ``eos_coef``), i.e. divided by ``eos_coef * num_images * Q + (1 - eos_coef) *
+        num_boxes``; L1 and GIoU are sums over the matched boxes divided by ``num_boxes`` (at least 1).
+        Both default to this call's batch. Under data parallelism pass the whole batch's counts
+        (all-reduced; tensors are fine, no host sync): each process's loss is then its share of
+        the whole batch's loss and the shares sum to it, so N processes compute the same function
+        as one (DETR all-reduces ``num_boxes`` for the same reason).
+        """
         boxes_BQ4, logits_BQK = outputs["boxes"], outputs["logits"]
         B, Q = boxes_BQ4.shape[:2]
         C = self.config.num_classes
@@ -211,14 +233,18 @@ class BoxDetector(FastzooModel):
         target_classes_BQ[tb.batch_index, query_N] = tb.labels
         weight = torch.ones(C + 1, device=logits_BQK.device)
         weight[C] = self.config.eos_coef
-        loss_ce = F.cross_entropy(logits_BQK.float().transpose(1, 2), target_classes_BQ, weight)
-        num_boxes = max(tb.num_boxes, 1)
+        c = self.config
+        num_images = B if num_images is None else num_images
+        num_boxes = tb.num_boxes if num_boxes is None else num_boxes
+        ce_weight = c.eos_coef * num_images * Q + (1 - c.eos_coef) * num_boxes  # sum of the CE weights over queries
+        num_boxes = num_boxes.clamp_min(1) if isinstance(num_boxes, torch.Tensor) else max(num_boxes, 1)
+        loss_ce = F.cross_entropy(logits_BQK.float().transpose(1, 2), target_classes_BQ, weight, reduction="sum") / ce_weight
         loss_bbox = F.l1_loss(matched_N4.float(), tb.boxes.float(), reduction="sum") / num_boxes
         loss_giou = self._giou_sum(boxes_BQ4, matched_N4, query_N, tb) / num_boxes
-        c = self.config
         total = c.loss_ce * loss_ce + c.loss_bbox * loss_bbox + c.loss_giou * loss_giou
         return {"loss": total, "loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
 
-    def loss(self, outputs: dict, targets, labels=None) -> torch.Tensor:
-        """Class CE (no-object weighted) + L1 + GIoU on matched pairs, per target box."""
-        return self.loss_components(outputs, targets, labels)["loss"]
+    def loss(self, outputs: dict, targets, labels=None, *, num_images=None, num_boxes=None) -> torch.Tensor:
+        """Class CE (no-object weighted) + L1 + GIoU on matched pairs, per target box
+        (``num_images`` / ``num_boxes``: see :meth:`loss_components`)."""
+        return self.loss_components(outputs, targets, labels, num_images=num_images, num_boxes=num_boxes)["loss"]

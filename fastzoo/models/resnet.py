@@ -6,6 +6,17 @@ torchvision's (``conv1``, ``bn1``, ``layer1..4.N.{conv1,bn1,conv2,bn2,conv3,bn3}
 ``downsample.0/1``, ``fc``); timm's ``resnet50`` uses the same names, so checkpoints of
 both load key for key (``fastzoo/weights/torchvision.py``, ``fastzoo/weights/timm.py``).
 
+What the weights cannot say. Dilation (torchvision's ``replace_stride_with_dilation``,
+timm's ``output_stride=8/16``), the activation, anti-aliasing, drop-block / drop-path and
+BatchNorm's eps / momentum change the function but not the keys or shapes. A *live*
+torchvision / timm module is checked for all of them and refused (``CheckpointError``)
+where it is not this ResNet-50 v1.5; a state dict or file cannot be checked, so it is
+read as the plain v1.5 network (stride 2 in each stage's first 3x3, no dilation, ReLU).
+
+``frozen_bn=True`` makes every BatchNorm use its running statistics in train mode too and
+leaves its affine parameters untrained -- torchvision's ``FrozenBatchNorm2d``, as DETR's
+backbone uses; a live module built with it loads as ``frozen_bn=True``.
+
 There is no attention in a ResNet: ``set_attention`` accepts any backend name and
 changes nothing.
 """
@@ -29,6 +40,7 @@ class ResNetConfig(ModelConfig):
     in_chans: int = 3
     channels_last: bool = False  # NHWC parameters and activations (faster convs on GPU)
     zero_init_residual: bool = False  # init each block's last BN to 0 (timm's default; init only)
+    frozen_bn: bool = False  # BN: running statistics in train mode too, affine not trained (FrozenBatchNorm2d)
 
     def __post_init__(self):
         self.layers, self.channels = tuple(self.layers), tuple(self.channels)
@@ -87,8 +99,21 @@ class ResNet(FastzooModel):
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cfg.num_features, cfg.num_classes) if cfg.num_classes > 0 else None
         self._init_weights()
+        if cfg.frozen_bn:
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.requires_grad_(False)
         if cfg.channels_last:
             self.to(memory_format=torch.channels_last)
+        self.train()  # puts frozen BatchNorms in eval mode
+
+    def train(self, mode: bool = True) -> "ResNet":
+        super().train(mode)
+        if self.config.frozen_bn:  # the statistics stay the pretrained ones, whatever the mode
+            for m in self.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+        return self
 
     def _init_weights(self):
         # torchvision's init; nn.Linear keeps its default, as in torchvision.

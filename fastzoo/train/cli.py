@@ -58,6 +58,8 @@ def train_parser(description: str, model_default: str) -> argparse.ArgumentParse
     g.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast dtype")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP (under torchrun)")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only, as in torch)")
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     g.add_argument("--seed", type=int, default=42)

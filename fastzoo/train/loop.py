@@ -60,7 +60,7 @@ class Task:
 
 
 def to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) or callable(getattr(obj, "pin_memory", None)):  # tensors, BoxTargets
         return obj.to(device, non_blocking=True)
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
@@ -86,6 +86,8 @@ class Trainer:
         self.args, self.task, self.world = args, task, world
         self.device = world.device
         self.raw = task.model.to(self.device)
+        if args.sync_bn:
+            self.raw = _sync_batchnorm(self.raw, world)
         self.model = D.wrap(self.raw, world, fsdp=args.fsdp)
         if args.compile:
             self.model = torch.compile(self.model)
@@ -98,6 +100,7 @@ class Trainer:
         )
         self.local_batch = args.batch_size // world.size
         self.out = Path(args.output_dir)
+        self.buffers = nan_guard.BufferSnapshot(self.raw) if args.nan_guard else None
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.amp == "bf16")
@@ -223,14 +226,14 @@ class Trainer:
         step = state.step + 1
         batch = to_device(batch, self.device)
         rng = get_rng_state() if args.nan_guard else None
-        # the forward updates buffers (BatchNorm running stats): keep their pre-step values for a capture
-        buffers = {n: b.detach().clone() for n, b in self.raw.named_buffers()} if args.nan_guard else None
+        if args.nan_guard:  # the forward updates buffers (BatchNorm running stats): keep the pre-step values
+            self.buffers.take()
         loss, grad_norm, loss_sum, count, count_global = self.forward_backward(batch, step)
         if args.nan_guard:
             bad = D.all_reduce_(nan_guard.nonfinite_flag(loss, grad_norm), op=torch.distributed.ReduceOp.MAX
                                 if self.world.distributed else None)
             if bad.item():  # the one per-step host sync; --no-nan-guard removes it
-                return self._capture(step, state, batch, rng, loss, count_global, buffers)
+                return self._capture(step, state, batch, rng, loss, count_global, self.buffers.as_dict())
         if args.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, args.clip_grad, grad_norm)
         self.optimizer.step()
@@ -308,6 +311,20 @@ class Trainer:
             ": the step depends on state that was not captured (a nondeterministic kernel, another process)"))
         print("\n".join(lines), flush=True)
         return 0 if ok else 1
+
+
+def _sync_batchnorm(model: nn.Module, world: D.World) -> nn.Module:
+    """``--sync-bn``: BatchNorm statistics over the global batch (torch.nn.SyncBatchNorm)."""
+    trained = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if not trained:
+        raise UsageError("--sync-bn: the model has no BatchNorm that trains its statistics (a detector's "
+                         "backbone BN is frozen by default: add --model-kwargs frozen_bn=False)")
+    if world.distributed and world.device.type != "cuda":
+        # torch's SyncBatchNorm raises "expected input tensor to be on GPU" for CPU tensors under a process group
+        raise UsageError("--sync-bn needs CUDA (torch's SyncBatchNorm has no CPU/gloo path); on CPU keep the "
+                         "backbone BatchNorm frozen (frozen_bn=True, the detector's default), which makes every "
+                         "process compute the same function without syncing")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def _warmup_cosine(warmup: int, total: int):

@@ -38,6 +38,27 @@ def nonfinite_flag(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(loss.detach()) | ~torch.isfinite(grad_norm)).float()
 
 
+class BufferSnapshot:
+    """The model's persistent buffers (BatchNorm running statistics...) as they were before a
+    step's forward, which updates them: a capture must hold the pre-step values. Copied each
+    step into tensors allocated once, in one fused copy (nothing to do for a model without)."""
+
+    def __init__(self, model: nn.Module):
+        persistent = model.state_dict().keys()
+        self.model = model
+        self.names = [n for n, _ in model.named_buffers() if n in persistent]
+        buffers = dict(model.named_buffers())
+        self.saved = [torch.empty_like(buffers[n]) for n in self.names]
+
+    def take(self) -> None:
+        if self.names:
+            buffers = dict(self.model.named_buffers())
+            torch._foreach_copy_(self.saved, [buffers[n] for n in self.names])
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.saved))
+
+
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -45,6 +66,8 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
+    if callable(getattr(obj, "pin_memory", None)):  # a batch object that moves itself (BoxTargets)
+        return obj.to("cpu")
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -28,6 +28,7 @@ CONVERTERS = {
     "vit": ["fastzoo.weights.timm:VIT"],
     "gpt2": ["fastzoo.weights.hf:GPT2", "fastzoo.weights.hf:GPT2_FASTZOO"],
     "resnet": ["fastzoo.weights.torchvision:RESNET", "fastzoo.weights.timm:RESNET"],
+    "boxdet": ["fastzoo.weights.torchvision:BOXDET", "fastzoo.weights.torchvision:BOXDET_BACKBONE"],
 }
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -223,7 +224,10 @@ def states_config(src: Source) -> bool:
 def to_fastzoo(family: str, source: Source) -> dict:
     if _is_fastzoo(source.config):
         return dict(source.state_dict)  # written by save_pretrained: already fastzoo keys
-    return find_converter(family, source).to_fastzoo(source.state_dict)
+    conv = find_converter(family, source)
+    if source.module is not None and hasattr(conv, "check_module"):
+        conv.check_module(source.module)  # what the keys cannot show (e.g. a ResNet's dilation)
+    return conv.to_fastzoo(source.state_dict)
 
 
 def export_state_dict(model, format: str) -> dict:

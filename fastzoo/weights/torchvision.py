@@ -6,14 +6,99 @@ BatchNorm buffers: fastzoo's BatchNorm2d layers keep ``num_batches_tracked`` as
 torchvision and timm do, and it goes out on export. Old checkpoints saved without it
 (torchvision's first ImageNet files) get it as 0, which is what ``nn.BatchNorm2d`` itself
 does when loading them; it only matters with ``momentum=None``, which no ResNet uses.
+
+Live modules. Dilation, the activation, anti-aliasing, drop-block / drop-path and BN's
+eps / momentum change the function but not the keys, so a live torchvision / timm ResNet
+is checked module by module (:func:`check_resnet_module`) and refused where it differs from
+fastzoo's ResNet v1.5. A state dict cannot be checked: it is read as the plain v1.5 network.
 """
 from __future__ import annotations
 
 import re
 
 import torch
+from torch import nn
+
+from fastzoo.errors import CheckpointError
 
 _BLOCK = re.compile(r"^layer(\d+)\.(\d+)\.conv1\.weight$")
+_CONV = re.compile(r"^layer(\d+)\.(\d+)\.(conv1|conv2|conv3|downsample\.0)$")
+# Module types whose function is fixed by their weights and the hyper-parameters checked below.
+_ROOTS = {"torchvision.models.resnet.ResNet", "timm.models.resnet.ResNet"}
+_BLOCKS = {"torchvision.models.resnet.Bottleneck", "timm.models.resnet.Bottleneck"}
+_PLAIN = (nn.Sequential, nn.ReLU, nn.Identity, nn.Flatten, nn.Linear)
+_FROZEN_BN = "torchvision.ops.misc.FrozenBatchNorm2d"
+
+
+def _type_name(m: nn.Module) -> str:
+    return f"{type(m).__module__}.{type(m).__name__}"
+
+
+def _expected_conv(name: str):
+    """(kernel, stride, padding, dilation) of conv ``name`` in ResNet v1.5, or None if not a conv."""
+    if name == "conv1":
+        return (7, 7), (2, 2), (3, 3), (1, 1)
+    m = _CONV.match(name)
+    if m is None:
+        return None
+    s = 2 if int(m[2]) == 0 and int(m[1]) > 1 else 1  # v1.5: each later stage's first block downsamples
+    if m[3] == "conv2":
+        return (3, 3), (s, s), (1, 1), (1, 1)
+    return (1, 1), ((s, s) if m[3] == "downsample.0" else (1, 1)), (0, 0), (1, 1)
+
+
+def check_resnet_module(module: nn.Module) -> bool:
+    """Raise CheckpointError unless the live ``module`` computes fastzoo's ResNet v1.5 (what
+    its keys cannot show: strides, dilation, activation, pooling, extra layers, BN settings).
+    Returns whether its BatchNorms are torchvision's FrozenBatchNorm2d (-> ``frozen_bn``)."""
+    problems, frozen = [], set()
+    for name, m in module.named_modules():
+        kind = _type_name(m)
+        where = name or "the root"
+        if name == "":
+            if kind not in _ROOTS:
+                problems.append(f"the module is a {kind}, not torchvision's or timm's ResNet")
+            if getattr(m, "drop_rate", 0.0):
+                problems.append(f"drop_rate={m.drop_rate} (dropout before fc)")
+        elif kind in _BLOCKS:
+            pass  # its children are checked one by one (timm's drop_block / aa / drop_path among them)
+        elif type(m) is nn.Conv2d:
+            want = _expected_conv(name)
+            got = (m.kernel_size, m.stride, m.padding, m.dilation)
+            if want is None:
+                problems.append(f"an extra conv {name}")
+            elif got != want or m.groups != 1 or m.padding_mode != "zeros":
+                problems.append(f"{name} has kernel/stride/padding/dilation {got}, groups {m.groups}, "
+                                f"padding_mode {m.padding_mode}; v1.5 has {want}, 1, zeros")
+        elif type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm) or kind == _FROZEN_BN:
+            frozen.add(kind == _FROZEN_BN)
+            if m.eps != 1e-5:
+                problems.append(f"{name} has eps={m.eps} (fastzoo: 1e-5)")
+            if kind != _FROZEN_BN and (m.momentum != 0.1 or not m.affine or not m.track_running_stats):
+                problems.append(f"{name} has momentum={m.momentum}, affine={m.affine}, "
+                                f"track_running_stats={m.track_running_stats} (fastzoo: 0.1, True, True)")
+        elif type(m) is nn.MaxPool2d:
+            if (m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode) not in ((3, 2, 1, 1, False),):
+                problems.append(f"{name} is {m} (fastzoo: 3x3, stride 2, padding 1)")
+        elif type(m) is nn.AdaptiveAvgPool2d:
+            if m.output_size not in (1, (1, 1)):
+                problems.append(f"{name} pools to {m.output_size} (fastzoo: 1x1)")
+        elif kind == "timm.layers.adaptive_avgmax_pool.SelectAdaptivePool2d":
+            if m.pool_type != "avg" or not isinstance(m.flatten, nn.Flatten):
+                problems.append(f"{name} is {m} (fastzoo: flattened average pooling)")
+        elif type(m) not in _PLAIN:
+            problems.append(f"{where} is a {kind}")  # an activation, anti-aliasing, drop-block, attention...
+    if len(frozen) > 1:
+        problems.append("it mixes FrozenBatchNorm2d and BatchNorm2d layers")
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; ... and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise CheckpointError(
+            f"live {type(module).__name__} module: not the function of fastzoo's ResNet v1.5 (stride 2 in each later "
+            f"stage's first 3x3, no dilation, ReLU, BatchNorm eps 1e-5): {shown}. Its keys fit, but loading it would "
+            f"silently change the network; to take its weights into the plain v1.5 network anyway, pass "
+            f"module.state_dict()."
+        )
+    return frozen == {True}
 
 
 class ResNetConverter:
@@ -40,9 +125,14 @@ class ResNetConverter:
         return dict(state)
 
     @staticmethod
+    def check_module(module) -> None:
+        check_resnet_module(module)
+
+    @staticmethod
     def infer_config(state: dict, module=None) -> dict:
         """Blocks per stage and stage widths (so ResNet-101/152 and slim variants load), input
-        channels, and the classifier size (0 when the checkpoint has no ``fc``)."""
+        channels, and the classifier size (0 when the checkpoint has no ``fc``); from a live
+        module also ``frozen_bn`` (after checking that it is a v1.5 ResNet at all)."""
         depth: dict[int, int] = {}
         for k in state:
             m = _BLOCK.match(k)
@@ -50,7 +140,9 @@ class ResNetConverter:
                 stage, block = int(m[1]), int(m[2])
                 depth[stage] = max(depth.get(stage, 0), block + 1)
         stages = sorted(depth)
+        out = {"frozen_bn": check_resnet_module(module)} if module is not None else {}
         return {
+            **out,
             "num_classes": state["fc.weight"].shape[0] if "fc.weight" in state else 0,
             "layers": tuple(depth[s] for s in stages),
             "channels": tuple(state[f"layer{s}.0.conv2.weight"].shape[0] for s in stages),
@@ -59,3 +151,56 @@ class ResNetConverter:
 
 
 RESNET = ResNetConverter("torchvision")
+
+
+class BoxDetConverter:
+    """Box detector state dicts in fastzoo's own keys (DETR's head names on this ResNet as
+    ``backbone.``), e.g. ``torch.save(det.state_dict(), "det.pth")``; a ``save_pretrained`` or
+    training-checkpoint directory carries its config.json and needs no converter."""
+
+    format = "fastzoo"
+
+    @staticmethod
+    def matches(state: dict) -> bool:
+        return "query_embed.weight" in state and "class_embed.weight" in state and "backbone.conv1.weight" in state
+
+    @staticmethod
+    def to_fastzoo(state: dict) -> dict:
+        return ResNetConverter.to_fastzoo(state)
+
+    @staticmethod
+    def from_fastzoo(state: dict, config) -> dict:
+        return dict(state)
+
+    @staticmethod
+    def infer_config(state: dict, module=None) -> dict:
+        backbone = ResNetConverter.infer_config({k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")})
+        return {
+            "num_classes": state["class_embed.weight"].shape[0] - 1,  # the last logit is "no object"
+            "num_queries": state["query_embed.weight"].shape[0],
+            "hidden_dim": state["query_embed.weight"].shape[1],
+            "layers": backbone["layers"],
+            "channels": backbone["channels"],
+        }
+
+
+class BackboneOnly:
+    """A ResNet checkpoint offered as a whole box detector: recognised, and refused with the fix
+    (the detector's head would be left untrained; loading only the backbone is a separate call)."""
+
+    format = "ResNet backbone (refused: use load_backbone)"
+    matches = staticmethod(ResNetConverter.matches)
+
+    @staticmethod
+    def _refuse(*_):
+        raise CheckpointError(
+            "this is a ResNet checkpoint, not a box detector's (no query_embed / class_embed / bbox_embed): "
+            "build the detector and load it into its backbone: det = fastzoo.create('boxdet_r50', ...); "
+            "det.load_backbone(source). scripts/train_boxdet.py --pretrained takes either kind."
+        )
+
+    to_fastzoo = from_fastzoo = infer_config = _refuse
+
+
+BOXDET = BoxDetConverter()
+BOXDET_BACKBONE = BackboneOnly()
