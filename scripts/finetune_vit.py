@@ -15,7 +15,6 @@ on the validation split is printed after every epoch. Everything else (checkpoin
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch

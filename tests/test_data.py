@@ -96,7 +96,6 @@ def test_loss_padded_packed_nested_agree_and_never_cross_boundaries():
 
 
 def test_loss_equals_hf_loss_function():
-    transformers = pytest.importorskip("transformers")
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     torch.manual_seed(0)

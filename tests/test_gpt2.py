@@ -2,14 +2,13 @@
 form and through every attention backend that runs on CPU."""
 import pytest
 import torch
+import transformers
 
 import fastzoo
 from fastzoo.data import nested, pack, pad_to_longest
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.losses import causal_lm_loss
 from fastzoo.weights.hf import GPT2 as HF_CONVERTER
-
-transformers = pytest.importorskip("transformers")
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
 LOGIT_TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights

@@ -3,12 +3,11 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 import fastzoo
 from fastzoo.errors import CheckpointError
-
-transformers = pytest.importorskip("transformers")
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, n_inner=96)
 LOGIT_TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fastzoo
-from fastzoo.bench.harness import Case, Group, Suite, Unavailable
+from fastzoo.bench.harness import Case, Group, Suite
 from fastzoo.bench.steps import check_mode, model_step
 
 

@@ -140,7 +140,7 @@ class VisionTransformer(FastzooModel):
             nn.init.normal_(self.reg_token, std=1e-6)
 
     def attention_needs(self) -> dict:
-        return {"head_dim": self.config.embed_dim // self.config.num_heads, "causal": False}
+        return {"head_dim": self.config.embed_dim // self.config.num_heads, "causal": False, "grid_2d": True}
 
     def _pos_embed(self, x_BND):
         B = x_BND.shape[0]
