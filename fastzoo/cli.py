@@ -57,7 +57,47 @@ def _check_args(p) -> None:
     add_check_args(p)
 
 
+def _convert_args(p) -> None:
+    p.add_argument("model", help="fastzoo model name (see `fastzoo list`)")
+    p.add_argument("source", help="a checkpoint file or directory in any format fastzoo reads")
+    p.add_argument("output", help="fastzoo: a save_pretrained directory; other formats: a .safetensors file")
+    p.add_argument("--to", default="fastzoo", help="fastzoo (default), or a foreign format: timm | hf | torchvision")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config fields the checkpoint cannot tell (e.g. num_heads=6), original library names")
+
+
+def cmd_convert(args) -> int:
+    """Load ``source`` strictly (format detected from the keys) and write it in ``--to`` format."""
+    import yaml
+    from safetensors.torch import save_file
+
+    import fastzoo
+    from fastzoo.errors import FastzooError
+    from fastzoo.models.base import untied
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"fastzoo convert: --set takes KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        overrides[key] = yaml.safe_load(value)
+    try:
+        model = fastzoo.create(args.model, pretrained=args.source, **overrides)
+        if args.to == "fastzoo":
+            model.save_pretrained(args.output)
+        else:
+            state = fastzoo.export_state_dict(model, args.to)
+            save_file(untied({k: v.detach().contiguous() for k, v in state.items()}), args.output)
+    except (FastzooError, ValueError, TypeError) as e:
+        print(f"fastzoo convert: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output} ({args.to} format, {sum(p.numel() for p in model.parameters()):,} parameters)")
+    return 0
+
+
 COMMANDS = {
+    "convert": (cmd_convert, "convert a checkpoint between fastzoo, timm, hf and torchvision formats", _convert_args),
     "list": (cmd_list, "models and the attention capability matrix", _list_args),
     "check": (_check, "parity of attention backends against the fp32 eager reference", _check_args),
     "bench": (cmd_bench, "parity-gated speed of every attention backend vs the peer library", _bench_args),

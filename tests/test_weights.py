@@ -287,3 +287,21 @@ def test_nested_wrapper_prefixes_are_stripped_in_state_dicts(ref):
 def test_unavailable_device_is_named():
     with pytest.raises(ValueError, match="device='cuda' is not available on this machine"):
         fastzoo.create("vit_b16", **TINY, device="cuda")
+
+
+def test_convert_cli_round_trips_to_timm_and_fastzoo(ref, tmp_path):
+    from safetensors.torch import load_file
+
+    from fastzoo.cli import main
+
+    src = tmp_path / "timm.pth"
+    torch.save(ref.state_dict(), src)
+    sets = ["--set", "embed_dim=64", "depth=2", "num_heads=4", "patch_size=8"]
+    assert main(["convert", "vit_b16", str(src), str(tmp_path / "fz"), *sets]) == 0
+    assert same_function(fastzoo.create("vit_b16", pretrained=tmp_path / "fz"), ref)
+    assert main(["convert", "vit_b16", str(tmp_path / "fz"), str(tmp_path / "back.safetensors"), "--to", "timm"]) == 0
+    back = load_file(tmp_path / "back.safetensors")
+    assert back.keys() == ref.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+    # a checkpoint that does not fit: a one-line error naming the problem, exit status 2
+    assert main(["convert", "vit_s16", str(src), str(tmp_path / "bad")]) == 2

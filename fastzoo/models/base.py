@@ -98,11 +98,11 @@ class FastzooModel(nn.Module):
         meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict()}
         (path / "config.json").write_text(json.dumps(meta, indent=2))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(_untie(state), str(path / "model.safetensors"), metadata={"format": "fastzoo"})
+        save_file(untied(state), str(path / "model.safetensors"), metadata={"format": "fastzoo"})
         return path
 
 
-def _untie(state: dict) -> dict:
+def untied(state: dict) -> dict:
     """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
     seen, out = set(), {}
     for k, v in state.items():

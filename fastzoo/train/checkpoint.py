@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastzoo.errors import CheckpointError
-from fastzoo.models.base import _untie
+from fastzoo.models.base import untied
 from fastzoo.train import distributed as D
 from fastzoo.train.rng import get_rng_state, set_rng_state
 
@@ -50,7 +50,7 @@ def write_weights(path: Path, model, state: dict[str, torch.Tensor]) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model_config_json(model), indent=2))
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(_untie(state), str(path / MODEL_FILE), metadata={"format": "fastzoo"})
+    save_file(untied(state), str(path / MODEL_FILE), metadata={"format": "fastzoo"})
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
