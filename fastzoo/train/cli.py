@@ -135,12 +135,12 @@ def _typed(action: argparse.Action, value, path, key):
         if not isinstance(value, dict):
             raise UsageError(f"--config {path}: {key}: expected a mapping (key: value), got {value!r}")
         return dict(value)
-    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        return [one(v) for v in (value if isinstance(value, list) else [value])]
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
             raise UsageError(f"--config {path}: {key}: expected true or false, got {value!r}")
         return value
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [one(v) for v in (value if isinstance(value, list) else [value])]
     return one(value)
 
 
