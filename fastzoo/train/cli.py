@@ -91,7 +91,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 
         try:
             stored = read_meta(args.replay)["args"]
-        except FileNotFoundError as e:
+        except FastzooError as e:
             parser.error(str(e))
         known = {a.dest for a in parser._actions}
         parser.set_defaults(**{k: v for k, v in stored.items() if k in known and k not in _NOT_REPLAYED})
