@@ -49,6 +49,10 @@ def atomic_path(path) -> Iterator[Path]:
     block ends without an error it replaces ``path`` atomically and durably. On any error,
     ``KeyboardInterrupt`` included, the temporary file is removed and ``path`` is untouched."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; expected a file name to write")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path.parent}: no such directory (to write {path.name} in)")
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies, as for open()
     try:

@@ -118,7 +118,7 @@ def run_main(main, argv=None) -> None:
     prog = Path(sys.argv[0]).name
     try:
         code = main(argv)
-    except (FastzooError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (FastzooError, OSError) as e:  # a user error, or the environment's (missing file, full disk...)
         print(f"{prog}: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
