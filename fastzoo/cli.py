@@ -84,6 +84,7 @@ def cmd_convert(args) -> int:
     from safetensors.torch import save_file
 
     import fastzoo
+    from fastzoo import files
     from fastzoo.errors import FastzooError
     from fastzoo.models.base import untied
 
@@ -96,12 +97,16 @@ def cmd_convert(args) -> int:
         overrides[key] = yaml.safe_load(value)
     try:
         model = fastzoo.create(args.model, pretrained=args.source, **overrides)
+        # Written atomically (fastzoo.files): converting in place, over the source, is safe
+        # (the source was read whole above) and a failure leaves the old file.
         if args.to == "fastzoo":
             model.save_pretrained(args.output)
         else:
             state = fastzoo.export_state_dict(model, args.to)
-            save_file(untied({k: v.detach().contiguous() for k, v in state.items()}), args.output)
-    except (FastzooError, ValueError, TypeError) as e:
+            tensors = untied({k: v.detach().contiguous() for k, v in state.items()})
+            with files.atomic_path(args.output) as tmp:
+                save_file(tensors, str(tmp))
+    except (FastzooError, ValueError, TypeError, OSError) as e:
         print(f"fastzoo convert: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} ({args.to} format, {sum(p.numel() for p in model.parameters()):,} parameters)")

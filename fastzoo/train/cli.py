@@ -155,7 +155,7 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
 
         try:
             stored = read_meta(args.replay)["args"]
-        except FileNotFoundError as e:
+        except FastzooError as e:
             parser.error(str(e))
         known = {a.dest for a in parser._actions}
         parser.set_defaults(**{k: v for k, v in stored.items() if k in known and k not in _NOT_REPLAYED})
@@ -182,7 +182,7 @@ def run_main(main, argv=None) -> None:
     prog = Path(sys.argv[0]).name
     try:
         code = main(argv)
-    except (FastzooError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (FastzooError, OSError) as e:  # a user error, or the environment's (missing file, full disk...)
         print(f"{prog}: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
