@@ -1,0 +1,588 @@
+"""Accuracy parity on real data: does a fast kernel change what a model learns?
+
+One run file (``configs/accuracy_*.yaml``) names a model, its size (``overrides``), the data
+(:mod:`fastzoo.bench.realdata`: digits, digits on a canvas, Python's help text), the optimiser,
+the number of steps and the tolerance, and the *arms*: the original library's model (timm,
+torchvision, Hugging Face) and fastzoo with each attention backend, input layout or GIoU
+mode. Every arm starts from the same weights (the original's, loaded into fastzoo), sees the
+same batches in the same order, and trains in fp32 with the same optimiser. Recorded per
+arm: the training loss at every step, the held-out loss and metric (accuracy, or mAP@0.5
+with torchmetrics) every ``eval_every`` steps. The arms agree when every curve stays within
+the stated tolerance of the first arm's (max absolute difference over the run).
+
+    python benchmarks/accuracy_parity.py --config configs/accuracy_digits_vit.yaml
+    python benchmarks/accuracy_parity.py --config configs/accuracy_digits_vit.yaml --steps 20 --set optim.lr=3e-4
+
+Writes ``<name>.json`` and ``<name>.png`` to ``benchmarks/results/<device>/accuracy/`` (or ``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fastzoo.errors import BackendUnavailableError, FastzooError
+
+TASKS = ("digits", "digits_canvas", "pydoc_text")
+GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
+LAYOUTS = ("padded", "packed", "nested")
+
+
+class ConfigError(FastzooError, ValueError):
+    """A run file that cannot be used: unknown field, wrong type, bad value. One line, exit 2."""
+
+
+# -- the run file -------------------------------------------------------------------------------
+@dataclass
+class Arm:
+    name: str  # shown in the table and the chart
+    original: bool = False  # the original library's model (timm / torchvision / Hugging Face)
+    attn: str | None = None  # fastzoo attention backend
+    layout: str | None = None  # GPT-2 input: padded | packed | nested
+    loss: str | None = None  # box detector GIoU mode: per_sample | concat | padded | kernel
+    model_kwargs: dict = field(default_factory=dict)  # extra fastzoo.create overrides for this arm
+
+
+@dataclass
+class Data:
+    img_size: int = 32  # digits: upsampled side; canvas: the canvas side
+    test_fraction: float = 0.2  # digits held out (canvases: test canvases use only held-out digits)
+    n_train: int = 0  # canvases (digits_canvas)
+    n_test: int = 0
+    max_digits: int = 3
+    digit_px: tuple = (14, 24)
+    vocab_size: int = 1024  # pydoc_text: BPE vocabulary trained here
+    max_len: int = 128  # tokens per document piece
+    val_fraction: float = 0.1
+
+
+@dataclass
+class Optim:
+    batch_size: int
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+
+
+@dataclass
+class Tolerance:
+    train_loss: float  # max |loss(step) - first arm's loss(step)| over every step
+    eval_loss: float  # the same over the held-out loss curve
+    eval_metric: float  # held-out accuracy / mAP: max difference, as a fraction
+    metric_goal: float | None = None  # e.g. 0.95: the final held-out accuracy each arm should reach (reported)
+
+
+@dataclass
+class RunConfig:
+    name: str
+    task: str
+    model: str
+    overrides: dict
+    arms: list
+    data: Data
+    optim: Optim
+    steps: int
+    eval_every: int
+    tolerance: Tolerance
+    seed: int = 0
+    description: str = ""
+
+
+def _build(cls, raw, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown field {key!r}{hint}; fields: {', '.join(fields)}")
+    missing = [n for n, f in fields.items() if n not in raw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing field {missing[0]!r}")
+    kwargs = {}
+    nested = {"data": Data, "optim": Optim, "tolerance": Tolerance}
+    for key, value in raw.items():
+        if key in nested and cls is RunConfig:
+            value = _build(nested[key], value, f"{where}.{key}")
+        elif key == "arms" and cls is RunConfig:
+            if not isinstance(value, list) or not value:
+                raise ConfigError(f"{where}.arms: expected a non-empty list of arms")
+            value = [_build(Arm, a, f"{where}.arms[{i}]") for i, a in enumerate(value)]
+        else:
+            value = _typed(fields[key], value, f"{where}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _typed(f: dataclasses.Field, value, where: str):
+    t = str(f.type)
+    if value is None and "None" in t:
+        return None
+    want = [(bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (dict, "dict"), (tuple, "tuple")]
+    for typ, name in want:
+        if t.startswith(name):
+            if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if typ is tuple and isinstance(value, list):
+                return tuple(value)
+            if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+                raise ConfigError(f"{where}: expected {name}, got {value!r}")
+            return value
+    return value
+
+
+def _check(cfg: RunConfig, where: str) -> RunConfig:
+    if cfg.task not in TASKS:
+        raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(TASKS)}")
+    if cfg.steps < 1 or cfg.eval_every < 1:
+        raise ConfigError(f"{where}: steps and eval_every must be >= 1")
+    for a in cfg.arms:
+        if a.layout is not None and a.layout not in LAYOUTS:
+            raise ConfigError(f"{where}: arm {a.name!r}: layout {a.layout!r} is not one of {', '.join(LAYOUTS)}")
+        if a.loss is not None and a.loss not in GIOU_MODES:
+            raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_MODES)}")
+    return cfg
+
+
+def set_field(raw: dict, assignment: str) -> None:
+    """``optim.lr=3e-4`` -> raw["optim"]["lr"] = 3e-4 (the value read as YAML)."""
+    import yaml
+
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: write FIELD=VALUE, e.g. optim.lr=3e-4")
+    *parents, leaf = key.split(".")
+    node = raw
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment!r}: {p} is not a section")
+    node[leaf] = yaml.safe_load(text)
+
+
+def load_config(path, assignments=()) -> RunConfig:
+    """Read a run file; ``assignments`` (``FIELD=VALUE``, dotted into sections) override its fields."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path}: cannot read it as YAML: {e}") from e
+    for a in assignments:
+        set_field(raw, a)
+    return _check(_build(RunConfig, raw, str(path)), str(path))
+
+
+# -- results ------------------------------------------------------------------------------------
+@dataclass
+class ArmResult:
+    name: str
+    status: str = "ok"  # ok | unavailable | disagrees
+    note: str = ""
+    train_loss: list = field(default_factory=list)
+    eval_steps: list = field(default_factory=list)
+    eval_loss: list = field(default_factory=list)
+    eval_metric: list = field(default_factory=list)
+    diff: dict = field(default_factory=dict)  # vs the first arm: max abs difference of each curve
+    seconds: float = 0.0
+
+    @property
+    def final_metric(self):
+        return self.eval_metric[-1] if self.eval_metric else None
+
+
+@dataclass
+class AccuracyReport:
+    config: dict
+    metric: str
+    device: str
+    versions: dict
+    arms: list
+
+    @property
+    def agree(self) -> bool:
+        return all(a.status != "disagrees" for a in self.arms) and sum(a.status == "ok" for a in self.arms) >= 2
+
+    def table(self) -> str:
+        tol = self.config["tolerance"]
+        goal = tol.get("metric_goal")
+        lines = [f"| arm | status | final train loss | final held-out loss | held-out {self.metric} | "
+                 f"max train-loss diff | max held-out loss diff | max {self.metric} diff | time |", "|---|" * 1 + "---|" * 8]
+        for a in self.arms:
+            if a.status == "unavailable":
+                lines.append(f"| {a.name} | unavailable: {a.note} | - | - | - | - | - | - | - |")
+                continue
+            m = a.final_metric
+            met = "" if goal is None or m is None else (" (goal met)" if m >= goal else f" (below the {100 * goal:.0f}% goal)")
+            d = a.diff
+            lines.append(f"| {a.name} | {a.status} | {a.train_loss[-1]:.4f} | {a.eval_loss[-1]:.4f} | "
+                         f"{100 * m:.1f}%{met} | {_d(d, 'train_loss')} | {_d(d, 'eval_loss')} | {_d(d, 'eval_metric')} | "
+                         f"{a.seconds:.0f} s |")
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        c, tol = self.config, self.config["tolerance"]
+        return (f"### {c['name']}: {c['description']}\n\n"
+                f"Device **{self.device}**, fp32, {c['steps']} steps, batch {c['optim']['batch_size']}, "
+                f"AdamW lr {c['optim']['lr']}, seed {c['seed']}; every arm from the same weights and batches. "
+                f"Tolerance vs the first arm (max over the run): train loss {tol['train_loss']}, held-out loss "
+                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}. "
+                f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n")
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "metric": self.metric, "device": self.device, "versions": self.versions,
+                "agree": self.agree, "arms": [dataclasses.asdict(a) for a in self.arms]}
+
+    def plot(self, path) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
+        ok = [a for a in self.arms if a.train_loss]
+        for i, a in enumerate(ok):
+            style = dict(lw=1.2, alpha=0.85, ls=["-", "--", ":", "-."][i % 4])
+            ax0.plot(range(1, len(a.train_loss) + 1), a.train_loss, label=a.name, **style)
+            ax1.plot(a.eval_steps, [100 * m for m in a.eval_metric], marker="o", ms=3, label=a.name, **style)
+            if i:
+                ref = ok[0].train_loss
+                diff = [abs(x - y) for x, y in zip(a.train_loss, ref)]
+                ax2.semilogy(range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], label=f"{a.name} vs {ok[0].name}", lw=1)
+        ax2.axhline(self.config["tolerance"]["train_loss"], color="red", lw=1, ls="--", label="tolerance")
+        ax0.set(xlabel="step", ylabel="training loss", yscale="log", title="training loss")
+        ax1.set(xlabel="step", ylabel=f"held-out {self.metric} (%)", title=f"held-out {self.metric}")
+        ax2.set(xlabel="step", ylabel="|loss - first arm's loss|", title="difference of the training curves")
+        for ax in (ax0, ax1, ax2):
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{self.config['name']} on {self.device}: same init, same batches, every arm", fontsize=10)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _d(diff: dict, key: str) -> str:
+    return f"{diff[key]:.1e}" if key in diff else "-"
+
+
+# -- arms: build, train, evaluate -----------------------------------------------------------------
+def _original(cfg: RunConfig):
+    """The original library's model for ``cfg.model``'s family, built from ``cfg.overrides``."""
+    from fastzoo.registry import get_entry
+
+    family = get_entry(cfg.model).model_class.family
+    o = dict(cfg.overrides)
+    if family == "vit":
+        from timm.models.vision_transformer import VisionTransformer
+
+        return VisionTransformer(**o)
+    if family == "resnet":
+        import torchvision
+
+        return torchvision.models.resnet50(**o)
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(**o, attn_implementation="sdpa"))
+    return None  # the box detector has no original library model: its arms differ in the loss
+
+
+def _models(cfg: RunConfig, device):
+    """One model per arm, all with the same initial weights; an arm that cannot run here is
+    returned as the error's message instead of a model."""
+    import fastzoo
+
+    torch.manual_seed(cfg.seed)
+    original = _original(cfg)
+    init = None if original is not None else fastzoo.create(cfg.model, **cfg.overrides)
+    out = []
+    for arm in cfg.arms:
+        try:
+            if arm.original:
+                if original is None:
+                    raise ConfigError(f"arm {arm.name!r}: {cfg.model} has no original library model")
+                m = copy.deepcopy(original)
+            elif original is not None:
+                m = fastzoo.create(cfg.model, attn=arm.attn or "sdpa", pretrained=copy.deepcopy(original), **arm.model_kwargs)
+            else:
+                m = fastzoo.create(cfg.model, **{**cfg.overrides, **({"loss": arm.loss} if arm.loss else {}), **arm.model_kwargs})
+                m.load_state_dict(init.state_dict())
+            out.append(m.to(device))
+        except BackendUnavailableError as e:
+            out.append(str(e).split(". Available on this machine")[0])
+    return out
+
+
+def _optimizer(model, o: Optim):
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
+
+
+def _batches(n: int, batch_size: int, steps: int, seed: int):
+    """The same index batches for every arm: epochs of a seeded permutation."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(n, generator=g) for _ in range(math.ceil(steps * batch_size / n) + 1)])
+    return [order[i * batch_size:(i + 1) * batch_size] for i in range(steps)]
+
+
+class Task:
+    metric = "accuracy"
+
+    def loss(self, arm: Arm, model, idx) -> torch.Tensor: ...
+
+    def evaluate(self, arm: Arm, model) -> tuple[float, float]: ...
+
+
+class DigitsTask(Task):
+    """Classification of the upsampled digits: cross-entropy, held-out accuracy."""
+
+    def __init__(self, cfg: RunConfig, device):
+        from fastzoo.bench.realdata import digits
+
+        self.train, self.test = digits(cfg.data.img_size, test_fraction=cfg.data.test_fraction, seed=cfg.seed)
+        self.n, self.device = len(self.train.y), device
+
+    def loss(self, arm, model, idx):
+        return F.cross_entropy(model(self.train.x[idx].to(self.device)), self.train.y[idx].to(self.device))
+
+    @torch.no_grad()
+    def evaluate(self, arm, model):
+        logits = torch.cat([model(x.to(self.device)).float().cpu() for x in self.test.x.split(256)])
+        return F.cross_entropy(logits, self.test.y).item(), (logits.argmax(-1) == self.test.y).float().mean().item()
+
+
+class TextTask(Task):
+    """Next-token prediction on Python's help text; held-out metric: next-token accuracy."""
+
+    metric = "next-token accuracy"
+
+    def __init__(self, cfg: RunConfig, device):
+        from fastzoo.bench.realdata import bpe_tokenizer, pydoc_documents
+
+        docs = pydoc_documents()
+        tok = bpe_tokenizer(docs, cfg.data.vocab_size)
+        if len(tok) > cfg.overrides.get("vocab_size", 50257):
+            raise ConfigError(f"overrides.vocab_size must be >= the tokenizer's {len(tok)} ids")
+        seqs = []
+        for d in docs:
+            ids = torch.tensor(tok.encode(d) + [tok.eos_token_id])
+            seqs += [p for p in ids.split(cfg.data.max_len) if len(p) > 1]
+        perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        n_val = int(len(seqs) * cfg.data.val_fraction)
+        self.val = [seqs[i] for i in perm[:n_val]]
+        self.train = [seqs[i] for i in perm[n_val:]]
+        self.n, self.device, self.tokens = len(self.train), device, sum(map(len, seqs))
+        self.vocab = len(tok)
+
+    def _forward(self, arm, model, seqs):
+        """(mean next-token loss, #correct, #targets) of one batch in the arm's layout."""
+        from fastzoo.data import nested, pack, pad_to_longest
+        from fastzoo.losses import causal_lm_loss
+
+        layout = arm.layout or "padded"
+        if arm.original or layout == "padded":
+            b = pad_to_longest(seqs).to(self.device)
+            if arm.original:  # Hugging Face's own call and loss, as its users write it
+                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+                return out.loss, out.logits, b.labels
+            logits = _logits(model(**b.model_inputs()))
+            return causal_lm_loss(logits, b.labels), logits, b.labels
+        if layout == "packed":
+            b = pack(seqs).to(self.device)
+            logits = _logits(model(**b.model_inputs()))
+            return causal_lm_loss(logits, b.labels, cu_seqlens=b.cu_seqlens), logits, b.labels
+        ids = nested(seqs).to(self.device)
+        logits = _logits(model(ids))
+        labels = ids.clone()
+        return causal_lm_loss(logits, labels), torch.cat(logits.unbind())[None], _first_ignored(seqs).to(self.device)
+
+    def loss(self, arm, model, idx):
+        return self._forward(arm, model, [self.train[i] for i in idx.tolist()])[0]
+
+    @torch.no_grad()
+    def evaluate(self, arm, model):
+        total = correct = count = 0.0
+        for i in range(0, len(self.val), 32):
+            loss, logits, labels = self._forward(arm, model, self.val[i:i + 32])
+            target = labels[..., 1:]
+            keep = target != -100
+            n = keep.sum().item()
+            total += loss.item() * n
+            correct += ((logits[..., :-1, :].argmax(-1) == target) & keep).sum().item()
+            count += n
+        return total / count, correct / count
+
+
+def _first_ignored(seqs):
+    """Packed labels of ``seqs`` (-100 on each sequence's first token): the nested arm's targets."""
+    from fastzoo.data import pack
+
+    return pack(seqs).labels
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+class CanvasTask(Task):
+    """Digits on a canvas: DETR loss (the arm's GIoU mode); held-out mAP@0.5 (torchmetrics)."""
+
+    metric = "mAP@0.5"
+
+    def __init__(self, cfg: RunConfig, device):
+        from fastzoo.bench.realdata import digits_canvas
+
+        d = cfg.data
+        self.train, self.test = digits_canvas(d.n_train, d.n_test, canvas=d.img_size, max_digits=d.max_digits,
+                                              digit_px=tuple(d.digit_px), test_fraction=d.test_fraction, seed=cfg.seed)
+        self.n, self.device = len(self.train.boxes), device
+
+    def _loss(self, model, images, boxes, labels):
+        out = model(images.to(self.device))
+        return model.loss(out, [b.to(self.device) for b in boxes], labels=[c.to(self.device) for c in labels]), out
+
+    def loss(self, arm, model, idx):
+        idx = idx.tolist()
+        return self._loss(model, self.train.images[idx], [self.train.boxes[i] for i in idx],
+                          [self.train.labels[i] for i in idx])[0]
+
+    @torch.no_grad()
+    def evaluate(self, arm, model):
+        from torchmetrics.detection import MeanAveragePrecision
+
+        mean_ap = MeanAveragePrecision(iou_thresholds=[0.5], box_format="xyxy")
+        total, n = 0.0, 0
+        for i in range(0, len(self.test.boxes), 64):
+            sl = slice(i, i + 64)
+            loss, out = self._loss(model, self.test.images[sl], self.test.boxes[sl], self.test.labels[sl])
+            total += loss.item() * len(self.test.boxes[sl])
+            n += len(self.test.boxes[sl])
+            probs = out["logits"].float().softmax(-1)[..., :-1].cpu()  # the last class is "no object"
+            scores, classes = probs.max(-1)
+            preds = [{"boxes": b.float().cpu(), "scores": s, "labels": c} for b, s, c in zip(out["boxes"], scores, classes)]
+            target = [{"boxes": b, "labels": c} for b, c in zip(self.test.boxes[sl], self.test.labels[sl])]
+            mean_ap.update(preds, target)
+        return total / n, float(mean_ap.compute()["map_50"])
+
+
+TASK_CLASSES = {"digits": DigitsTask, "pydoc_text": TextTask, "digits_canvas": CanvasTask}
+
+
+def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyReport:
+    from tqdm.auto import tqdm
+
+    from fastzoo.bench.harness import device_name, versions
+
+    device = torch.device(device)
+    task = TASK_CLASSES[cfg.task](cfg, device)
+    batches = _batches(task.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
+    models = _models(cfg, device)
+    results = []
+    with tqdm(total=len(cfg.arms) * cfg.steps, desc=cfg.name, disable=not progress, leave=False, dynamic_ncols=True) as bar:
+        for arm, model in zip(cfg.arms, models):
+            bar.set_postfix_str(arm.name)
+            r = ArmResult(arm.name)
+            results.append(r)
+            if isinstance(model, str):
+                r.status, r.note = "unavailable", model
+                bar.update(cfg.steps)
+                continue
+            t0 = time.perf_counter()
+            try:
+                _train(cfg, task, arm, model, batches, r, bar)
+            except BackendUnavailableError as e:  # e.g. no backward for this kernel on this device
+                r.status, r.note = "unavailable", str(e).split(". Available on this machine")[0]
+                r.train_loss, r.eval_steps, r.eval_loss, r.eval_metric = [], [], [], []
+            r.seconds = time.perf_counter() - t0
+    _compare(cfg, results)
+    return AccuracyReport(_as_dict(cfg), task.metric, device_name(device), versions(), results)
+
+
+def _train(cfg, task, arm, model, batches, r: ArmResult, bar):
+    opt = _optimizer(model, cfg.optim)
+    for step, idx in enumerate(batches, 1):
+        model.train()
+        loss = task.loss(arm, model, idx)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        r.train_loss.append(loss.item())
+        if step % cfg.eval_every == 0 or step == len(batches):
+            model.eval()
+            el, em = task.evaluate(arm, model)
+            r.eval_steps.append(step)
+            r.eval_loss.append(el)
+            r.eval_metric.append(em)
+        bar.update(1)
+
+
+def _compare(cfg: RunConfig, results: list[ArmResult]) -> None:
+    ran = [r for r in results if r.status == "ok"]
+    if not ran:
+        return
+    ref, tol = ran[0], cfg.tolerance
+    for r in ran[1:]:
+        r.diff = {key: max(abs(a - b) for a, b in zip(getattr(r, key), getattr(ref, key)))
+                  for key in ("train_loss", "eval_loss", "eval_metric")}
+        over = [f"{k} {r.diff[k]:.2g} > {getattr(tol, k)}" for k in r.diff if not r.diff[k] <= getattr(tol, k)]
+        if over:
+            r.status, r.note = "disagrees", "; ".join(over)
+
+
+def _as_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def results_dir(device) -> Path:
+    from fastzoo.bench.harness import device_name
+
+    return Path("benchmarks") / "results" / device_name(torch.device(device)) / "accuracy"
+
+
+# -- command line ---------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="accuracy_parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, type=Path, help="a run file, configs/accuracy_*.yaml")
+    p.add_argument("--steps", type=int, help="override the file's steps")
+    p.add_argument("--eval-every", type=int, help="override the file's eval_every")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any field, dotted into sections: optim.lr=3e-4, data.n_train=200, tolerance.train_loss=1e-3")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads (default 1: on a shared CPU, spinning threads make a small model 10x slower)")
+    p.add_argument("--out", type=Path, help="folder for <name>.json and <name>.png (default benchmarks/results/<device>/accuracy)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    prog = "accuracy_parity"
+    torch.set_num_threads(args.threads)
+    assignments = list(args.assignments)
+    assignments += [f"steps={args.steps}"] if args.steps is not None else []
+    assignments += [f"eval_every={args.eval_every}"] if args.eval_every is not None else []
+    try:
+        cfg = load_config(args.config, assignments)
+        report = run(cfg, device=args.device, progress=not args.no_progress)
+    except FastzooError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or results_dir(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{cfg.name}.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (out / f"{cfg.name}.md").write_text(report.to_markdown())
+    report.plot(out / f"{cfg.name}.png")
+    print(report.to_markdown())
+    print(f"wrote {out / cfg.name}.json, .md and .png")
+    return 0 if report.agree else 1
