@@ -1,4 +1,4 @@
-"""Command line: ``fastzoo list | bench | check | convert``."""
+"""Command line: ``fastzoo tour | list | bench | check | convert``."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,18 @@ def cmd_bench(args) -> int:
 
 def _bench_args(p):
     from fastzoo.bench.cli import add_args
+
+    add_args(p)
+
+
+def _tour(args) -> int:
+    from fastzoo.bench.tour import cmd_tour
+
+    return cmd_tour(args)
+
+
+def _tour_args(p) -> None:
+    from fastzoo.bench.tour import add_args
 
     add_args(p)
 
@@ -102,6 +114,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {
+    "tour": (_tour, "the main job: all four models vs their originals here, parity + speed + what to use", _tour_args),
     "convert": (cmd_convert, "convert a checkpoint between fastzoo, timm, hf and torchvision formats", _convert_args),
     "list": (cmd_list, "models and the attention capability matrix", _list_args),
     "check": (_check, "parity of attention backends against the fp32 eager reference", _check_args),
