@@ -125,6 +125,10 @@ def read_file(path: Path) -> dict:
         if suffix in (".bin", ".pt", ".pth", ".ckpt"):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e):  # not a pickle of objects: damaged bytes
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip().startswith("Unsupported")),
+                          "not a torch.save file")
+            raise CheckpointError(f"{path}: cannot read this checkpoint ({reason})") from e
         raise CheckpointError(
             f"{path}: refused, it needs arbitrary pickled code to load (torch.load weights_only=True failed: "
             f"{str(e).splitlines()[0]}). Re-save it as a plain state dict or as .safetensors."
