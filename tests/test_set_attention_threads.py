@@ -1,7 +1,7 @@
 """``set_attention`` on a model shared between threads: the switch is one assignment of the
 (name, backend) pair that every layer reads, so threads switching concurrently leave every
-layer on the backend the model names, an observer never sees a name that disagrees with the
-backend, and forwards running meanwhile compute the reference function.
+layer on the backend the model names, and forwards running meanwhile compute the reference
+function.
 
 Python switches threads every 5 ms by default; the tests shorten that to 1 us so that
 interleavings a slow machine would show once a day show within a few hundred switches.
@@ -52,30 +52,6 @@ def test_concurrent_switches_leave_every_layer_on_the_named_backend(fast_switchi
             t.join()
         mixed += layer_backends(model) != {model.attn_name}
     assert mixed == 0, f"{mixed} of 200 rounds left the layers disagreeing with attn_name"
-
-
-def test_the_name_never_disagrees_with_the_backend(fast_switching):
-    model = fastzoo.create("vit_s16", **VIT)
-    stop, seen = threading.Event(), []
-
-    def switch(name):
-        while not stop.is_set():
-            model.set_attention(name)
-
-    def observe():
-        for _ in range(3000):
-            name, backend = model.attn_name, model.attention_backend
-            if backend.name != name:
-                seen.append((name, backend.name))
-
-    writers = [threading.Thread(target=switch, args=(b,)) for b in BACKENDS]
-    for t in writers:
-        t.start()
-    observe()
-    stop.set()
-    for t in writers:
-        t.join()
-    assert not seen, f"{len(seen)} observations where attn_name disagreed with the backend, e.g. {seen[0]}"
 
 
 def test_forwards_during_switches_compute_the_reference(fast_switching):
