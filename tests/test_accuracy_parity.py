@@ -1,0 +1,77 @@
+"""Accuracy parity on real data, short: every run file in configs/accuracy_*.yaml for a few steps
+(smaller data where it is generated), checking that every arm's curves agree with the first arm's
+within the file's tolerance, plus the run files' refusals. The full runs' results are committed
+in benchmarks/results/<device>/accuracy/."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastzoo.bench.accuracy import ConfigError, load_config, run
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = sorted((ROOT / "configs").glob("accuracy_*.yaml"))
+SHORT = ["steps=3", "eval_every=3", "data.n_train=16", "data.n_test=8", "optim.batch_size=8"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("path", RUNS, ids=[p.stem for p in RUNS])
+def test_short_run_curves_agree_within_the_files_tolerance(path):
+    cfg = load_config(path, SHORT)
+    report = run(cfg, progress=False)
+    ran = [a for a in report.arms if a.status != "unavailable"]
+    assert len(ran) >= 2, [a.note for a in report.arms]
+    ref = ran[0]
+    for a in ran:
+        assert len(a.train_loss) == 3 and a.eval_steps == [3]
+        assert all(torch.isfinite(torch.tensor(a.train_loss)))
+    for a in ran[1:]:
+        for key in ("train_loss", "eval_loss", "eval_metric"):
+            assert a.diff[key] <= getattr(cfg.tolerance, key), f"{a.name}: {key} differs by {a.diff[key]}"
+            # the diff is what it says: the max over the run of the absolute difference
+            assert a.diff[key] == pytest.approx(max(abs(x - y) for x, y in zip(getattr(a, key), getattr(ref, key))))
+    assert report.agree
+
+
+def test_unavailable_arm_is_reported_not_hidden():
+    cfg = load_config(ROOT / "configs" / "accuracy_digits_vit.yaml", SHORT)
+    flex = next(a for a in run(cfg, progress=False).arms if a.name == "fastzoo flex")
+    assert flex.status == "unavailable" and "backward" in flex.note  # CPU flex has no backward
+
+
+@pytest.mark.parametrize("assignment, needle", [
+    ("optim.learning_rate=0.1", "unknown field 'learning_rate' (did you mean 'lr'?)"),
+    ("stepz=3", "unknown field 'stepz' (did you mean 'steps'?)"),
+    ("steps=three", "steps: expected int"),
+    ("task=imagenet", "task: 'imagenet' is not one of"),
+])
+def test_bad_fields_are_refused_by_name(assignment, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "accuracy_digits_vit.yaml", [assignment])
+    assert needle in str(e.value)
+
+
+def test_cli_flags_override_and_a_bad_field_is_one_line_exit_2(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "accuracy_parity.py"), "--config",
+           str(ROOT / "configs" / "accuracy_digits_resnet.yaml"), "--no-progress", "--out", str(tmp_path)]
+    bad = subprocess.run([*cmd, "--set", "optim.lrr=1"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown field 'lrr'" in bad.stderr
+    good = subprocess.run([*cmd, "--steps", "2", "--eval-every", "1", "--set", "optim.batch_size=4"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert good.returncode == 0, good.stderr[-2000:]
+    data = json.loads((tmp_path / "accuracy_digits_resnet.json").read_text())
+    assert data["config"]["steps"] == 2 and data["config"]["optim"]["batch_size"] == 4  # flags won over the file
+    assert [len(a["train_loss"]) for a in data["arms"]] == [2, 2] and data["agree"]
+    assert (tmp_path / "accuracy_digits_resnet.png").read_bytes()[:4] == b"\x89PNG"
