@@ -61,8 +61,8 @@ class FastzooModel(nn.Module):
         if dtype is None and p is not None and p.dtype != torch.float32:
             dtype = p.dtype
         layers = [m for m in self.modules() if isinstance(m, UsesAttention)]
-        most = max(layers, key=lambda m: m.attn_dropout, default=None)
-        dropout = {} if most is None else {"attn_dropout": most.attn_dropout, "attn_dropout_field": most.attn_dropout_field}
+        most = max(layers, key=lambda m: m.attn_dropout_p, default=None)
+        dropout = {} if most is None else {"attn_dropout": most.attn_dropout_p, "attn_dropout_field": most.attn_dropout_field}
         return AttnRequest(device=device, dtype=dtype, **{**dropout, **self.attention_needs()})
 
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
