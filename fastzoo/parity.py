@@ -234,6 +234,7 @@ def _run(model, inputs, dtype, device, *, gen_seed: int, grads: bool):
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grads):
         out = model(*args, **kwargs)
+        out = getattr(out, "logits", out)  # GPT-2 returns transformers' output object
         out_NC = out.reshape(-1, out.shape[-1])
         if inputs.get("keep") is not None:  # padded batch: real tokens only, in (b, s) order
             out_NC = out_NC[inputs["keep"].to(device).reshape(-1)]
