@@ -13,9 +13,7 @@ are read by :mod:`fastzoo.layers.sequence`, and ``generate`` & co. come from
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +28,7 @@ from fastzoo.attention.base import AttnContext
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy
-from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.models.base import FastzooModel, ModelConfig, write_pretrained
 from fastzoo.models.generation import CausalLMConventions
 
 # HF ACT2FN names -> the activation module. "gelu_new" is OpenAI's tanh approximation.
@@ -343,31 +341,20 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
 
         return transformers.GPT2Config(**self.config.to_dict())
 
-    def save_pretrained(self, path, safe_serialization: bool = True, **_ignored) -> Path:
+    def save_pretrained(self, path, **_hf_options) -> Path:
         """Write a directory that ``transformers.GPT2LMHeadModel.from_pretrained`` and fastzoo
-        both read: HF's ``config.json`` and ``model.safetensors`` with HF's keys and layout
-        (``Conv1D`` weights ``[in, out]``; the tied head stored once, as HF does)."""
-        from safetensors.torch import save_file
-
+        both read: HF's ``config.json``, ``generation_config.json`` and ``model.safetensors``
+        with HF's keys and layout (``Conv1D`` weights ``[in, out]``; the tied head stored once,
+        as HF does). Written atomically (:func:`~fastzoo.models.base.write_pretrained`).
+        transformers' own options (``safe_serialization``, ``max_shard_size`` ...) are accepted
+        and ignored: the weights are always one safetensors file."""
         from fastzoo.weights.hf import GPT2 as HF
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         cfg = {**self.hf_config().to_dict(), "architectures": ["GPT2LMHeadModel"]}
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k != "lm_head.weight"}
-        state = HF.from_fastzoo(state, self.config)
-        _atomic_write(path / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
-        _atomic_write(path / "config.json", lambda tmp: tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True)))
+        state = {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}
+        path = write_pretrained(path, cfg, HF.from_fastzoo(state, self.config), weights_format="pt")
         self.generation_config.save_pretrained(path)
         return path
-
-
-def _atomic_write(dest: Path, write) -> None:
-    tmp = dest.with_name(dest.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
 
 
 def _flash_kwargs(kwargs: dict, cu_seqlens, max_seqlen):
