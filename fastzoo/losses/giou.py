@@ -43,6 +43,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastzoo.kernel_ranges import kernel_range
+
 REDUCTIONS = ("none", "mean", "sum")
 IMPLS = ("auto", "torch", "kernel")
 last_impl: str | None = None  # the path the last giou_loss call took: "torch" | "cpu-cpp" | "cpu-vectorised" | "triton" | "nki" | "xla-vectorised"
@@ -173,9 +175,11 @@ def giou_loss(
         check_boxes(target, "target")
     if impl == "torch":
         last_impl = "torch"
-        return _reduce(giou_loss_reference(pred, target, eps), reduction)
+        with kernel_range("loss", "giou_loss", impl):
+            return _reduce(giou_loss_reference(pred, target, eps), reduction)
     last_impl = path
-    return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
+    with kernel_range("loss", "giou_loss", impl):  # for fastzoo.explain; a no-op otherwise
+        return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
 
 
 # -- variable box counts: four layouts, one number --------------------------------------
