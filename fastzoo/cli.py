@@ -1,4 +1,4 @@
-"""Command line: ``fastzoo list | bench | check | convert``."""
+"""Command line: ``fastzoo tour | list | bench | check | convert``."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,18 @@ def _bench_args(p):
     add_args(p)
 
 
+def _tour(args) -> int:
+    from fastzoo.bench.tour import cmd_tour
+
+    return cmd_tour(args)
+
+
+def _tour_args(p) -> None:
+    from fastzoo.bench.tour import add_args
+
+    add_args(p)
+
+
 def _list_args(p) -> None:
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 
@@ -72,6 +84,7 @@ def cmd_convert(args) -> int:
     from safetensors.torch import save_file
 
     import fastzoo
+    from fastzoo import files
     from fastzoo.errors import FastzooError
     from fastzoo.models.base import untied
 
@@ -84,12 +97,16 @@ def cmd_convert(args) -> int:
         overrides[key] = yaml.safe_load(value)
     try:
         model = fastzoo.create(args.model, pretrained=args.source, **overrides)
+        # Written atomically (fastzoo.files): converting in place, over the source, is safe
+        # (the source was read whole above) and a failure leaves the old file.
         if args.to == "fastzoo":
             model.save_pretrained(args.output)
         else:
             state = fastzoo.export_state_dict(model, args.to)
-            save_file(untied({k: v.detach().contiguous() for k, v in state.items()}), args.output)
-    except (FastzooError, ValueError, TypeError) as e:
+            tensors = untied({k: v.detach().contiguous() for k, v in state.items()})
+            with files.atomic_path(args.output) as tmp:
+                save_file(tensors, str(tmp))
+    except (FastzooError, ValueError, TypeError, OSError) as e:
         print(f"fastzoo convert: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} ({args.to} format, {sum(p.numel() for p in model.parameters()):,} parameters)")
@@ -97,6 +114,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {
+    "tour": (_tour, "the main job: all four models vs their originals here, parity + speed + what to use", _tour_args),
     "convert": (cmd_convert, "convert a checkpoint between fastzoo, timm, hf and torchvision formats", _convert_args),
     "list": (cmd_list, "models and the attention capability matrix", _list_args),
     "check": (_check, "parity of attention backends against the fp32 eager reference", _check_args),

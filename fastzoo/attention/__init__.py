@@ -96,7 +96,7 @@ __all__ = [
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "score_mod", "dropout", "backward", "compile", "head dim", "verified")
+                  "kv cache", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -117,6 +117,7 @@ def capability_matrix() -> list[dict]:
             "causal": yes(caps.causal),
             "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
             "varlen": yes(caps.varlen),
+            "kv cache": yes(caps.kv_cache),
             "score_mod": yes(caps.score_mod),
             "dropout": yes(caps.dropout),
             "backward": "/".join(caps.backward) or "no",
