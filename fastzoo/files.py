@@ -79,6 +79,15 @@ def write_json(path, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def save_figure(fig, path, **savefig_kwargs) -> Path:
+    """``fig.savefig`` to ``path`` atomically (parents created; the format from the suffix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or None, **savefig_kwargs)
+    return path
+
+
 def recover_dir(path) -> None:
     """Undo what a killed :func:`atomic_dir` left at ``path``: a half-written ``NAME.tmp`` is
     removed; ``NAME.old`` (the previous version, moved aside for the rename) is put back if

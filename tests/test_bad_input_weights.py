@@ -10,6 +10,7 @@ shards; damaged config.json files.
 import hashlib
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -304,3 +305,26 @@ def test_a_state_dict_holding_something_other_than_tensors_is_refused(vit):
         fastzoo.load_pretrained(vit, {"head.weight": [[0.0] * 32] * 3})
     with pytest.raises(CheckpointError, match="takes a path"):
         fastzoo.load_pretrained(vit, 42)
+
+
+# -- damaged and adversarial files ---------------------------------------------------------
+def _safetensors_with_header(header: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header
+
+
+@pytest.mark.parametrize("name,data,needle", [
+    ("empty.safetensors", b"", "cannot read this checkpoint"),
+    ("huge_header.safetensors", (10**15).to_bytes(8, "little") + b"{}", "header too large"),
+    ("bad_header.safetensors", _safetensors_with_header(b"{{{{"), "cannot read this checkpoint"),
+    ("offsets_past_the_end.safetensors", _safetensors_with_header(
+        b'{"head.weight":{"dtype":"F32","shape":[3,32],"data_offsets":[0,99999999]}}'), "cannot read this checkpoint"),
+    ("empty.pt", b"", "cannot read this checkpoint"),
+    ("zeros.bin", b"\0" * 100, "cannot read this checkpoint (Unsupported operand"),  # damaged, not "pickled code"
+])
+def test_a_damaged_file_is_a_checkpoint_error_naming_it(tmp_path, vit, name, data, needle):
+    (tmp_path / name).write_bytes(data)
+    before = snapshot(vit)
+    with pytest.raises(CheckpointError, match=re.escape(needle)) as e:
+        fastzoo.load_pretrained(vit, tmp_path / name)
+    assert str(tmp_path / name) in str(e.value)
+    assert_unchanged(vit, before)

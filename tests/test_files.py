@@ -113,6 +113,12 @@ def test_save_pretrained_removes_a_stale_shard_index_that_would_shadow_it(tmp_pa
     assert torch.equal(again.head.weight, new.head.weight)
 
 
+def test_save_pretrained_cleans_the_temporaries_of_a_killed_save(tmp_path):
+    (tmp_path / ".model.safetensors.0badf00d.tmp").write_bytes(b"half a file")
+    fastzoo.create("vit_s16", **VIT).save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_save_pretrained_into_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(FileExistsError, match="is a file"):

@@ -133,6 +133,9 @@ def write_pretrained(path, config: dict, state: dict) -> Path:
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file; save_pretrained writes a directory")
     path.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):  # temporaries of a writer killed before its rename
+        for stale in path.glob(f".{name}.*{files.TMP_SUFFIX}"):
+            stale.unlink(missing_ok=True)
     tensors = untied({k: v.detach().contiguous().cpu() for k, v in state.items()})
     with files.atomic_path(path / "config.json") as config_tmp, files.atomic_path(path / "model.safetensors") as weights_tmp:
         save_file(tensors, str(weights_tmp), metadata={"format": "fastzoo"})

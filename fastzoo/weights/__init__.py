@@ -86,13 +86,19 @@ def _read_module(module: nn.Module) -> Source:
     if inner is not module:
         origin += f" (inside {type(module).__name__})"
     config = getattr(inner, "config", None)
-    from fastzoo.models.base import FastzooModel
-
-    if isinstance(inner, FastzooModel):
+    if _is_fastzoo_model(inner):
         config = {"fastzoo_model": inner.model_name, "family": inner.family, **config.to_dict()}
     else:
         config = config.to_dict() if hasattr(config, "to_dict") else None
     return Source(_clean(dict(inner.state_dict()), origin), origin, config, inner)
+
+
+def _is_fastzoo_model(module: nn.Module) -> bool:
+    """A fastzoo model, told by what every one has (a family and a dataclass config) rather than
+    by importing ``fastzoo.models``, which sits above this module."""
+    import dataclasses
+
+    return isinstance(getattr(type(module), "family", None), str) and dataclasses.is_dataclass(getattr(module, "config", None))
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -119,6 +125,10 @@ def read_file(path: Path) -> dict:
         if suffix in (".bin", ".pt", ".pth", ".ckpt"):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e):  # not a pickle of objects: damaged bytes
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip().startswith("Unsupported")),
+                          "not a torch.save file")
+            raise CheckpointError(f"{path}: cannot read this checkpoint ({reason})") from e
         raise CheckpointError(
             f"{path}: refused, it needs arbitrary pickled code to load (torch.load weights_only=True failed: "
             f"{str(e).splitlines()[0]}). Re-save it as a plain state dict or as .safetensors."
