@@ -82,6 +82,8 @@ class AttnContext:
         ``key`` names what the value depends on beyond the context's own fields (who built
         it, shapes); the context's masks and offsets are fixed for its lifetime.
         """
+        if any(isinstance(k, (torch.SymInt, torch.fx.Proxy)) for k in key):
+            return build()  # a traced size (export's dynamic batch, FX) is no dict key: build per call
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -211,6 +213,8 @@ class AttentionBackend:
 
     # -- compute --------------------------------------------------------------------
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if isinstance(q_BHSD, torch.fx.Proxy):  # symbolic tracing: record the kernel; create checked the request
+            return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
         self.check_call(q_BHSD, ctx)
         if q_BHSD.numel() == 0:  # no queries (S == 0 or B == 0): every kernel's answer is the empty output
             return v_BHSD.new_zeros(*q_BHSD.shape[:-1], v_BHSD.shape[-1])

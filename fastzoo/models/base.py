@@ -89,13 +89,17 @@ class FastzooModel(nn.Module):
 
         return next((m.backend for m in self.modules() if isinstance(m, UsesAttention)), None)
 
+    def extra_config(self) -> dict:
+        """Keys config.json carries for other readers (timm's hub format for image classifiers)."""
+        return {}
+
     def save_pretrained(self, path) -> Path:
         """Write ``config.json`` (the architecture) and ``model.safetensors`` (fastzoo keys)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict()}
+        meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict(), **self.extra_config()}
         (path / "config.json").write_text(json.dumps(meta, indent=2))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(untied(state), str(path / "model.safetensors"), metadata={"format": "fastzoo"})
