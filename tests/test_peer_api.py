@@ -405,6 +405,18 @@ def test_resnet_backbone_with_fpn_equals_torchvision():
     assert ours.out_channels == 32
 
 
+def test_detector_backbone_carries_timms_api_after_load_backbone():
+    """The detector's backbone is a fastzoo ResNet: timm's API, with the loaded checkpoint's pretrained_cfg."""
+    ref = timm_resnet()
+    ref.pretrained_cfg = {**ref.pretrained_cfg, "interpolation": "bilinear"}
+    det = _detector()
+    det.load_backbone(ref)
+    assert det.backbone.pretrained_cfg == ref.pretrained_cfg
+    x = images("resnet")
+    assert max_diff(det.backbone.forward_intermediates(x, indices=[1, 3], intermediates_only=True),
+                    ref.forward_intermediates(x, indices=[1, 3], intermediates_only=True)) <= TOL
+
+
 # -- compilers -----------------------------------------------------------------------------
 def _detector():
     torch.manual_seed(0)
@@ -483,3 +495,28 @@ def test_save_pretrained_is_read_by_timm_and_fastzoo(kind, tmp_path):
     assert timm.data.resolve_data_config({}, model=again) == timm.data.resolve_data_config({}, model=m)
     as_tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in timm.data.resolve_data_config({}, model=by_dir).items()}
     assert as_tuples == timm.data.resolve_data_config({}, model=m)  # timm keeps JSON's lists
+
+
+# -- the issue's snippet, at tiny size ------------------------------------------------------
+def test_the_drop_in_snippet_runs_and_matches_timm():
+    """fastzoo.create from a timm checkpoint with attn="flex", timm's data config and layer-decay
+    optimizer, reset_classifier + grad checkpointing, forward_intermediates, a torchvision FPN
+    over the ResNet, and a dynamic-batch export (under no_grad: CPU flex has no backward)."""
+    arch = dict(img_size=32, patch_size=8, embed_dim=48, num_heads=3, attn_drop_rate=0.0)
+    ref = _randomize_(timm.create_model("vit_base_patch16_224", pretrained=False, **arch)).eval()
+    m = fastzoo.create("vit_b16", attn="flex", pretrained=ref.state_dict(), **arch)
+    assert timm.data.resolve_data_config({}, model=m)["mean"] == (0.5, 0.5, 0.5)
+    kw = dict(opt="adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.75)
+    assert _groups(timm.optim.create_optimizer_v2(m, **kw), m) == _groups(timm.optim.create_optimizer_v2(ref, **kw), ref)
+    m.reset_classifier(10)
+    m.set_grad_checkpointing(True)
+    x = images("vit")
+    with torch.no_grad():
+        feats = m.forward_intermediates(x, indices=[5, 11])
+        assert max_diff(feats, ref.forward_intermediates(x, indices=[5, 11])) <= TOL
+        ep = torch.export.export(m.eval(), (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        x3 = images("vit", batch=3, seed=4)
+        assert max_diff(ep.module()(x3), m(x3)) <= TOL
+    r = fastzoo.create("resnet50", pretrained=tv_resnet())
+    fpn = BackboneWithFPN(r, {"layer2": "0", "layer3": "1", "layer4": "2"}, [512, 1024, 2048], 256)
+    assert [v.shape[1] for v in fpn.eval()(images("resnet")).values()] == [256] * 4
