@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from fastzoo import files
 from fastzoo.bench.harness import Report, device_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,7 +53,7 @@ def compile_modes(quick: bool, device: torch.device, compile: bool | None = None
 
 def save(report: Report, out: Path, stem: str) -> Report:
     report.write_json(out / f"{stem}.json")
-    (out / f"{stem}.md").write_text(report.to_markdown())
+    files.write_text(out / f"{stem}.md", report.to_markdown())
     if not report.skipped and report.rows:
         report.plot(out / f"{stem}.png")
     print(report.to_markdown())

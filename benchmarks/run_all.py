@@ -16,6 +16,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 
 import fastzoo  # noqa: E402
+from fastzoo import files  # noqa: E402
 import giou  # noqa: E402
 import gpt2_varlen  # noqa: E402
 import resnet  # noqa: E402
@@ -92,7 +93,7 @@ def main():
                           progress=progress)
         tp.write_json(out / "parity_train.json")
         tp.plot(out / "parity_train.png")
-        (out / "parity_train.md").write_text(tp.to_markdown())
+        files.write_text(out / "parity_train.md", tp.to_markdown())
         print(tp.to_markdown())
         sections.append(tp.to_markdown() + "\n![loss curves](parity_train.png)\n")
     minutes = (time.perf_counter() - t0) / 60
@@ -107,7 +108,7 @@ def main():
              "Speed-ups are against the peer timed in the same run (timm / Hugging Face / torchvision). A backend that "
              "fails parity against the eager reference is listed and not timed.", "", "## Targets", ""]
     head += targets(reports) + [""]
-    (out / "README.md").write_text("\n".join(head) + "\n" + "\n".join(sections))
+    files.write_text(out / "README.md", "\n".join(head) + "\n" + "\n".join(sections))
     print(f"wrote {out} in {minutes:.1f} min")
 
 

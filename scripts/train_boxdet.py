@@ -15,7 +15,8 @@ directory, or its state dict file) or a ResNet-50 backbone (torchvision / timm f
 COCO boxes (``[x, y, w, h]`` in pixels) become ``xyxy`` in [0, 1]; an image may have any
 number of boxes, zero included; crowd regions are skipped. ``--giou`` picks how the GIoU
 loss handles the different box counts: ``per_sample`` (a loop), ``concat`` (one
-concatenated call), ``padded`` (a padded batch and a mask) or ``kernel`` (the fused kernel).
+concatenated call), ``padded`` (the padded batch, masked, in plain ops) or ``kernel`` (the
+default: the fused op on the padded batch, masked reduction inside, no host sync).
 The validation loss is printed after every epoch.
 
 Batches are collated on the CPU by ``fastzoo.data.boxes.collate_detection`` (validated
@@ -136,8 +137,9 @@ def build_parser():
     g.add_argument("--synthetic", type=positive_int, metavar="N", help="N synthetic training images (N/4 for eval)")
     g.add_argument("--img-size", type=positive_int, default=512, help="images are resized to this square")
     g.add_argument("--num-queries", type=positive_int, default=None, help="box queries (default: the model's)")
-    g.add_argument("--giou", choices=["per_sample", "concat", "padded", "kernel"], default="concat",
-                   help="how the GIoU loss handles images with different box counts")
+    g.add_argument("--giou", choices=["per_sample", "concat", "padded", "kernel"], default="kernel",
+                   help="how the GIoU loss handles images with different box counts (default: kernel, the fused "
+                        "op on the padded boxes)")
     g.add_argument("--channels-last", action="store_true", help="NHWC images and weights (faster convolutions on GPU)")
     return p
 

@@ -65,6 +65,29 @@ def test_hungarian_is_optimal_on_a_random_case():
     assert det.match(outputs, tb).tolist() == list(best)
 
 
+def test_batched_matcher_equals_matching_each_image_alone():
+    """The matcher builds each image's cost against its own boxes in one padded [B, Q, M] tensor
+    (one host copy per batch); the assignment is the one each image gets when matched alone
+    (DETR's per-image cost, scipy on it), whatever the other images hold."""
+    from scipy.optimize import linear_sum_assignment
+
+    g = torch.Generator().manual_seed(5)
+    counts = (3, 0, 6, 1)
+    boxes = torch.cat([(xy := torch.rand(4, 6, 2, generator=g)) * 0.6, xy * 0.6 + 0.3], -1)
+    outputs = {"boxes": boxes, "logits": torch.randn(4, 6, 3, generator=g)}
+    targets = [torch.cat([(t := torch.rand(n, 2, generator=g) * 0.5), t + 0.2], -1) for n in counts]
+    labels = [torch.randint(0, 2, (n,), generator=g) for n in counts]
+    tb = collate_boxes(targets, labels)
+    det = tiny(num_queries=6, num_classes=2)
+    expected = []
+    for b, (t, lab) in enumerate(zip(targets, labels)):
+        cost = (5 * torch.cdist(boxes[b], t, p=1) - outputs["logits"][b].softmax(-1)[:, lab]
+                - 2 * generalized_box_iou(boxes[b], t))  # [Q, n_b], DETR's default weights
+        rows, cols = linear_sum_assignment(cost.numpy())
+        expected += rows[cols.argsort()].tolist()
+    assert det.match(outputs, tb).tolist() == expected
+
+
 @pytest.mark.parametrize("matcher", ["order", "hungarian"])
 def test_four_loss_modes_same_loss_and_grads(matcher):
     torch.manual_seed(0)

@@ -222,15 +222,19 @@ def test_four_modes_give_the_same_number(counts, reduction):
             loss = giou_loss_per_sample(list(base.split(pb.counts)), tb.per_image(), reduction=reduction)
         elif mode == "concat":
             loss = giou_loss_concat(base, tb.boxes, reduction=reduction)
-        elif mode == "padded":
+        elif mode.startswith("padded"):  # padded-<impl>-<validity>
+            _, impl, validity = mode.split("-")
             padded = torch.zeros_like(pb.padded).index_put((pb.batch_index, _slots(pb.counts)), base)
-            loss = giou_loss_padded(padded, tb.padded, tb.mask, reduction=reduction)
+            mask = tb.mask if validity == "mask" else None
+            loss = giou_loss_padded(padded, tb.padded, mask, reduction=reduction, impl=impl)
         else:
             loss = giou_loss_kernel(base, tb.boxes, reduction=reduction)
         loss.backward()
         return loss.detach(), base.grad
 
-    results = {m: run(m) for m in ("per_sample", "concat", "padded", "kernel")}
+    modes = ("per_sample", "concat", "padded-torch-mask", "padded-torch-target", "padded-kernel-mask",
+             "padded-kernel-target", "kernel")
+    results = {m: run(m) for m in modes}
     for mode, (value, grad) in results.items():
         torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-6, msg=mode)  # summation order only
         torch.testing.assert_close(grad, results["concat"][1], rtol=1e-5, atol=1e-6, msg=mode)
@@ -240,7 +244,8 @@ def _slots(counts):
     return torch.cat([torch.arange(n) for n in counts]) if sum(counts) else torch.zeros(0, dtype=torch.long)
 
 
-def test_padded_mode_ignores_garbage_in_padding():
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_padded_mode_ignores_garbage_in_padding(impl):
     preds, targets = _matched((2, 1))
     tb = collate_boxes(targets)
     pred = collate_boxes(preds).padded.clone()
@@ -248,7 +253,7 @@ def test_padded_mode_ignores_garbage_in_padding():
     target = tb.padded.clone()
     target[1, 1] = torch.tensor([0.9, 0.9, 0.1, float("inf")])
     pred.requires_grad_()
-    loss = giou_loss_padded(pred, target, tb.mask)
+    loss = giou_loss_padded(pred, target, tb.mask, impl=impl)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(pred.grad).all()
     assert (pred.grad[1, 1] == 0).all()
@@ -393,3 +398,119 @@ def test_bad_shapes_and_options_are_refused():
         giou_loss_padded(p[None], p[None], torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="choose 'sum' or 'mean'"):
         giou_loss_concat(p, p, reduction="none")
+
+
+def test_collated_targets_mark_their_padding():
+    """collate_boxes pads with PAD_BOX, an inverted box: the padded targets alone say which
+    slots are real (the mask=None form of giou_loss_padded), and no real box is inverted."""
+    tb = collate_boxes([random_boxes(n) for n in (2, 0, 4)])
+    assert torch.equal(~giou_op.padding_rows(tb.padded), tb.mask)
+    assert tb.padded[1].tolist() == [list(G.PAD_BOX)] * 4
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("mask_form", [True, False], ids=["mask", "from-target"])
+def test_padded_kernel_matches_torchvision_on_the_real_pairs(reduction, mask_form):
+    """The fused padded op against torchvision on the gathered real pairs: values, and the
+    gradient of every slot (the real ones torchvision's, padding exactly 0), for pred and target,
+    with a non-uniform upstream gradient for "none"; above the C++ grain (16384 slots), so the
+    loop and the reduction run on several threads."""
+    g = torch.Generator().manual_seed(2)
+    B, M = 300, 64
+    counts = torch.randint(0, 5, (B,), generator=g)
+    mask = torch.arange(M)[None, :] < counts[:, None]
+    pred, target = random_boxes(B * M, g).view(B, M, 4), random_boxes(B * M, g).view(B, M, 4)
+    target = torch.where(mask[..., None], target, torch.tensor(G.PAD_BOX))
+    pred[~mask] = float("nan")  # whatever padding holds, it must not leak
+    a, b = pred.clone().requires_grad_(), target.clone().requires_grad_()
+    loss = giou_loss_padded(a, b, mask if mask_form else None, reduction=reduction, impl="kernel", validate=False)
+    assert G.last_impl == "cpu-cpp"
+    w = torch.linspace(-1, 2, loss.numel(), dtype=torch.float64).reshape(loss.shape)
+    (loss * w).sum().backward()
+    ra, rb = pred[mask].double().requires_grad_(), target[mask].double().requires_grad_()
+    ref = tv_giou_loss(ra, rb, reduction=reduction)
+    (ref * (w[mask] if reduction == "none" else w)).sum().backward()
+    if reduction == "none":
+        assert (loss[~mask] == 0).all()
+        loss, ref = loss[mask], ref
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)  # fp32 math vs fp64, fp64 sum
+    for grad, ref_grad in ((a.grad, ra.grad), (b.grad, rb.grad)):
+        assert (grad[~mask] == 0).all()
+        torch.testing.assert_close(grad[mask].double(), ref_grad, rtol=1e-4, atol=1e-6)  # as the fp32 test
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_padded_all_padding_gives_zero(impl):
+    pred = torch.rand(3, 2, 4).requires_grad_()
+    target = torch.tensor(G.PAD_BOX).repeat(3, 2, 1)
+    for reduction in ("sum", "mean"):
+        loss = giou_loss_padded(pred, target, reduction=reduction, impl=impl)
+        (grad,) = torch.autograd.grad(loss, pred)
+        assert loss.item() == 0.0 and (grad == 0).all()  # torchvision's mean of nothing is 0 too
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mask=torch.ones(2, 3)), "mask must be a bool"),
+    (dict(mask=torch.ones(3, 2, dtype=torch.bool)), "mask must be a bool"),
+    (dict(target=torch.rand(2, 4, 4)), "must both be"),
+    (dict(reduction="max"), "reduction="),
+    (dict(impl="triton"), "impl="),
+])
+def test_padded_bad_arguments_are_named(bad, match):
+    kw = dict(pred=torch.rand(2, 3, 4), target=torch.rand(2, 3, 4) + torch.tensor([0, 0, 1, 1]), mask=None) | bad
+    with pytest.raises(ValueError, match=match):
+        giou_loss_padded(kw.pop("pred"), kw.pop("target"), kw.pop("mask"), **kw)
+
+
+def test_padded_kernel_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces the padded op, reduction included: no graph break,
+    hence no host sync (a .item() or a data-dependent shape would break the graph)."""
+    tb = collate_boxes([random_boxes(n) for n in (2, 0, 3)])
+    pred = collate_boxes([random_boxes(n) for n in (2, 0, 3)]).padded
+    f = torch.compile(lambda a, t: giou_loss_padded(a, t, reduction="mean", impl="kernel", validate=False),
+                      fullgraph=True, backend="aot_eager")
+    a, a_ref = pred.clone().requires_grad_(), pred.clone().requires_grad_()
+    loss = f(a, tb.padded)
+    ref = giou_loss_padded(a_ref, tb.padded, tb.mask, reduction="mean", impl="torch")
+    loss.backward(), ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-6, atol=1e-6)  # summation order only
+    torch.testing.assert_close(a.grad, a_ref.grad, rtol=1e-4, atol=1e-6)  # as in the fp32 test
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_padded_kernels_in_the_interpreter():
+    """The padded Triton kernels (mask and from-target forms, every reduction, mixed dtypes)
+    under Triton's CPU interpreter, against the C++ CPU kernel: the same arithmetic (fp64 sums,
+    IEEE divisions, eps in the compute dtype), so equal to a few ulp."""
+    code = textwrap.dedent("""
+        import torch
+        import fastzoo.losses.giou as G
+        from fastzoo.losses.kernels import triton_giou, giou_op
+        from tests.test_giou import random_boxes
+        assert G.kernel_path("cpu") == "cpu-cpp"  # loads the C++ kernels: the reference below
+        g = torch.Generator().manual_seed(0)
+        B, M = 5, 7
+        mask = torch.arange(M)[None, :] < torch.tensor([0, 3, 7, 1, 2])[:, None]
+        p = random_boxes(B * M, g).view(B, M, 4)
+        t = torch.where(mask[..., None], random_boxes(B * M, g).view(B, M, 4), torch.tensor(G.PAD_BOX))
+        p[~mask] = float("nan")
+        for pdt, tdt in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+            a, b = p.to(pdt), t.to(tdt)
+            for m in (mask, None):
+                for red in (0, 1, 2):
+                    ref = giou_op.giou_loss_masked(a, b, m, 1e-7, red)  # the C++ kernel (CPU)
+                    out = triton_giou.masked_forward(a, b, m, 1e-7, red)
+                    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.shape, ref.shape)
+                    tol = 1e-12 if ref.dtype == torch.float64 else 1e-6
+                    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+                    grad = torch.linspace(-1, 2, ref.numel(), dtype=ref.dtype).reshape(ref.shape)
+                    gref = giou_op.giou_loss_masked_bwd(grad, a, b, m, 1e-7, red)
+                    gout = triton_giou.masked_backward(grad, a, b, m, 1e-7, red)
+                    for x, y in zip(gout, gref):
+                        assert x.dtype == y.dtype and torch.isfinite(x).all()
+                        torch.testing.assert_close(x, y, rtol=1e-5 if x.dtype != torch.bfloat16 else 2 ** -7, atol=tol)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

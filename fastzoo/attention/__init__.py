@@ -89,6 +89,9 @@ def list_attention(available_only: bool = False) -> list[str]:
     return names
 
 
+AttentionBackend.available_here = staticmethod(lambda: list_attention(available_only=True))
+
+
 __all__ = [
     "AttentionBackend", "AttnContext", "AttnRequest", "Capabilities",
     "backend_class", "capability_matrix", "get_backend", "list_attention", "register_attention",
@@ -96,7 +99,7 @@ __all__ = [
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "score_mod", "dropout", "backward", "compile", "head dim", "verified")
+                  "kv cache", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -117,6 +120,7 @@ def capability_matrix() -> list[dict]:
             "causal": yes(caps.causal),
             "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
             "varlen": yes(caps.varlen),
+            "kv cache": yes(caps.kv_cache),
             "score_mod": yes(caps.score_mod),
             "dropout": yes(caps.dropout),
             "backward": "/".join(caps.backward) or "no",

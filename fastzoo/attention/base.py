@@ -4,6 +4,14 @@ A backend receives ``q_BHSD, k_BHSD, v_BHSD`` (batch, heads, sequence, head dim;
 layout of ``F.scaled_dot_product_attention``) and an :class:`AttnContext`, and returns
 ``o_BHSD``. Packed sequences use a batch of one, ``S = T`` tokens, and ``ctx.cu_seqlens``.
 
+Causal attention is bottom-right aligned: with ``Sq`` queries and ``Sk`` keys, query ``i``
+sees keys ``j <= i + Sk - Sq`` (the queries are the last ``Sq`` positions). With
+``Sq == Sk`` that is the usual top-left triangle; ``Sq < Sk`` is decoding with a KV cache
+(the keys of earlier steps plus the new ones), which a backend serves only if it declares
+``kv_cache`` (SDPA's ``is_causal`` and a plain lower-triangular mask are top-left: they
+would let the first new token see nothing of the cache). A key-padding mask then covers
+all ``Sk`` keys.
+
 Each backend declares :class:`Capabilities`. Models state what they need as an
 :class:`AttnRequest`; :meth:`AttentionBackend.check` compares the two when a model is
 built or its backend is switched, so that an impossible request fails before the first
@@ -22,14 +30,10 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.text import dtype_name  # noqa: F401  (re-exported: backends name dtypes in messages)
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FLOATS, HALF = (FP32, BF16, FP16), (BF16, FP16)  # the dtype sets backends declare
-_DTYPE_NAMES = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class Capabilities:
     padding_mask: bool = True
     varlen: bool = False
     score_mod: bool = False
+    kv_cache: bool = False  # causal with fewer queries than keys (Sq < Sk), bottom-right aligned
     dropout: bool = True  # attention dropout (ctx.dropout_p > 0)
     backward: tuple[str, ...] = ("cpu", "cuda")  # device types on which backward works
     compile: bool = True
@@ -66,8 +71,8 @@ class AttnContext:
     document ids, an xFormers bias) are built by the first layer and reused by the others.
     """
 
-    causal: bool = False
-    key_padding_mask: torch.Tensor | None = None  # [B, S] bool, True = real token
+    causal: bool = False  # bottom-right aligned when there are fewer queries than keys (KV cache)
+    key_padding_mask: torch.Tensor | None = None  # [B, Sk] bool over the keys, True = real token
     cu_seqlens: torch.Tensor | None = None  # [N+1] int32 offsets of packed sequences along S
     max_seqlen: int | None = None
     scale: float | None = None  # None: 1/sqrt(head_dim)
@@ -101,6 +106,7 @@ class AttnRequest:
     causal: bool = False
     padding_mask: bool = False
     varlen: bool = False
+    kv_cache: bool = False  # decoding with a KV cache: causal with Sq < Sk
     grid_2d: bool | None = None  # the model gives ctx.grid_size (ViT patches), for 2-D masks
     attn_dropout: float = 0.0  # the largest attention dropout the model is configured with
     attn_dropout_field: str = "attention dropout"  # the config field that sets it, for messages
@@ -127,6 +133,9 @@ class AttentionBackend:
     capabilities: Capabilities  # class default; an instance may narrow it from its options
     options: ClassVar[dict] = {}
     description: ClassVar[str] = ""
+    # Names of the backends this machine runs, said in every refusal. The registry
+    # (fastzoo.attention) installs it: this module sits below the registry and cannot import it.
+    available_here: ClassVar[Callable[[], list[str]]] = staticmethod(lambda: [])
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.options))
@@ -173,6 +182,9 @@ class AttentionBackend:
             problems.append("takes no key-padding mask, which this model needs")
         if req.varlen and not caps.varlen:
             problems.append("takes no packed sequences (cu_seqlens), which this model needs")
+        if req.kv_cache and not caps.kv_cache:
+            problems.append("cannot attend with a KV cache (causal with fewer queries than keys), which generation needs: "
+                            "pass use_cache=False, or pick a backend with kv_cache (eager, sdpa)")
         if req.attn_dropout > 0 and not caps.dropout:
             problems.append(
                 f"has no attention dropout, and this model is configured with {req.attn_dropout_field}={req.attn_dropout:g}: "
@@ -183,9 +195,7 @@ class AttentionBackend:
         return problems
 
     def _message(self, problems: list[str]) -> str:
-        from fastzoo.attention import list_attention  # the registry imports this module
-
-        here = ", ".join(list_attention(available_only=True))
+        here = ", ".join(AttentionBackend.available_here())
         text = f"attention backend {self.name!r} " + "; ".join(problems)
         return text.rstrip(".") + f". Available on this machine: {here}."
 
@@ -216,6 +226,11 @@ class AttentionBackend:
         if isinstance(q_BHSD, torch.fx.Proxy):  # symbolic tracing: record the kernel; create checked the request
             return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
         self.check_call(q_BHSD, ctx)
+        Sq, Sk = q_BHSD.shape[-2], k_BHSD.shape[-2]
+        if ctx.causal and Sq != Sk and not self.capabilities.kv_cache:
+            raise BackendUnavailableError(self._message([
+                f"cannot attend with a KV cache ({Sq} queries, {Sk} keys, causal): pass use_cache=False, "
+                "or switch to a backend with kv_cache (model.set_attention('sdpa')) for decoding"]))
         if q_BHSD.numel() == 0:  # no queries (S == 0 or B == 0): every kernel's answer is the empty output
             return v_BHSD.new_zeros(*q_BHSD.shape[:-1], v_BHSD.shape[-1])
         return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)

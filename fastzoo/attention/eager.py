@@ -19,6 +19,7 @@ class EagerBackend(AttentionBackend):
         devices={"cpu": FLOATS, "cuda": FLOATS},
         varlen=True,
         score_mod=True,
+        kv_cache=True,
         verified="reference (CPU fp32)",
     )
     options = {"score_mod": None, "mask_mod": None, "softcap": 50.0, "window": 128, "radius": 3}
@@ -34,7 +35,7 @@ class EagerBackend(AttentionBackend):
     def _allowed(self, ctx, B, H, Sq, Sk, device):
         """This call's bool mask, broadcastable to [B, H, Sq, Sk] (None: no mask); built once per forward."""
         user_mask = masks.resolve_mask_mod(self.opts["mask_mod"], ctx, window=self.opts["window"], radius=self.opts["radius"])
-        mask_mod = masks.context_mask_mod(ctx, Sq, user_mask)
+        mask_mod = masks.context_mask_mod(ctx, Sq, user_mask, total_k=Sk)
         return None if mask_mod is None else masks.dense_mask(mask_mod, B, H, Sq, Sk, device)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):

@@ -51,6 +51,7 @@ class FlexBackend(AttentionBackend):
         devices={"cpu": FLOATS, "cuda": FLOATS},
         varlen=True,
         score_mod=True,
+        kv_cache=True,
         dropout=False,
         backward=("cuda",),
         verified="CPU fp32 inference (torch 2.14.1)",
@@ -85,7 +86,7 @@ class FlexBackend(AttentionBackend):
             extra = user.mask_mod
         else:
             extra = masks.resolve_mask_mod(self.opts["mask_mod"], ctx, window=self.opts["window"], radius=self.opts["radius"])
-        mask_mod = masks.context_mask_mod(ctx, Sq, extra)
+        mask_mod = masks.context_mask_mod(ctx, Sq, extra, total_k=Sk)
         if mask_mod is None:
             return None
         if ctx.key_padding_mask is not None or ctx.cu_seqlens is not None:  # depends on this batch: once per forward

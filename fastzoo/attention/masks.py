@@ -79,13 +79,26 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.where(t < cu[-1], ids, -1)
 
 
-def padding(key_padding_mask: torch.Tensor) -> MaskMod:
+def causal_from(offset: int) -> MaskMod:
+    """Causal, bottom-right aligned: query ``i`` is position ``i + offset`` among the keys
+    (``offset = Sk - Sq``: the keys a KV cache holds before the queries)."""
+    if offset == 0:
+        return causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    return mask_mod
+
+
+def padding(key_padding_mask: torch.Tensor, offset: int = 0) -> MaskMod:
     """Real queries see real keys only. A padding query sees every key: its output is
-    never used, and this keeps its softmax row non-empty (no NaN leaking into gradients)."""
+    never used, and this keeps its softmax row non-empty (no NaN leaking into gradients).
+    The mask covers the keys; query ``i`` is key position ``i + offset`` (KV cache)."""
     valid_BS = key_padding_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return valid_BS[b, kv_idx] | ~valid_BS[b, q_idx]
+        return valid_BS[b, kv_idx] | ~valid_BS[b, q_idx + offset]
 
     return mask_mod
 
@@ -147,11 +160,18 @@ def check_mod_option(name: str, value, presets) -> None:
         raise ValueError(f"{name}={value!r} is not a preset ({', '.join(presets)}) nor a callable")
 
 
-def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = None) -> MaskMod | None:
-    """The one mask the context implies: causal, padding, packed documents, plus ``extra``."""
+def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = None, total_k: int | None = None) -> MaskMod | None:
+    """The one mask the context implies: causal, padding, packed documents, plus ``extra``.
+
+    With fewer queries than keys (``total_k``, a KV cache) the queries are the last
+    ``total_q`` positions: causal is bottom-right aligned (see ``fastzoo.attention.base``).
+    """
+    offset = 0 if total_k is None else total_k - total_q
+    if offset and ctx.cu_seqlens is not None:
+        raise ValueError("cu_seqlens: packed sequences take no KV cache (fewer queries than keys)")
     return and_masks(
-        causal if ctx.causal else None,
-        padding(ctx.key_padding_mask) if ctx.key_padding_mask is not None else None,
+        causal_from(offset) if ctx.causal else None,
+        padding(ctx.key_padding_mask, offset) if ctx.key_padding_mask is not None else None,
         document(ctx.cu_seqlens, total_q) if ctx.cu_seqlens is not None else None,
         extra,
     )

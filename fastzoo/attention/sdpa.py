@@ -3,7 +3,8 @@
 ``sdpa_backend=None`` lets PyTorch pick; ``flash`` | ``efficient`` | ``cudnn`` | ``math``
 pins it with ``torch.nn.attention.sdpa_kernel`` so that a benchmark measures the kernel it
 names and a request the kernel cannot serve fails instead of quietly running another one.
-Causal-only attention uses ``is_causal=True``; padding and packed sequences use a boolean
+Causal-only attention uses ``is_causal=True`` (top-left aligned, so only when there are
+as many queries as keys; decoding with a KV cache gets an explicit bottom-right mask); padding and packed sequences use a boolean
 mask built from the same ``mask_mod`` as the reference, so their meaning cannot drift.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ _KERNELS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
-_BASE = Capabilities(devices={"cpu": FLOATS, "cuda": FLOATS}, varlen=True, verified="CPU fp32 (torch 2.14.1)")
+_BASE = Capabilities(devices={"cpu": FLOATS, "cuda": FLOATS}, varlen=True, kv_cache=True, verified="CPU fp32 (torch 2.14.1)")
 # What each pinned kernel takes, from PyTorch's sdp_utils checks. On CPU "flash" is
 # PyTorch's C++ flash kernel (fp32 too, masks allowed); on CUDA it is FlashAttention-2.
 _KERNEL_CAPS = {
@@ -39,7 +40,7 @@ _KERNEL_CAPS = {
 
 
 def _dense_mask(ctx, B, Sq, Sk, device):
-    mask_mod = masks.context_mask_mod(ctx, Sq)
+    mask_mod = masks.context_mask_mod(ctx, Sq, total_k=Sk)
     return None if mask_mod is None else masks.dense_mask(mask_mod, B, 1, Sq, Sk, device)
 
 
@@ -67,7 +68,8 @@ class SdpaBackend(AttentionBackend):
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         B, H, Sq, _ = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
-        only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None
+        # is_causal is top-left aligned: with a KV cache (Sq < Sk) the bottom-right mask is explicit
+        only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk
         attn_mask = None
         if not only_causal:  # built by the first layer of a forward, reused by the others
             attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk), lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))

@@ -6,7 +6,7 @@ user would pick instead). For each case the harness
 
 1. builds it (a backend this machine cannot run is reported ``unavailable`` with the reason),
 2. compares its outputs and gradients with the group's fp32 eager reference on identical
-   weights (:mod:`fastzoo.bench.parity`, the rule of ``fastzoo check``); a case that fails
+   weights (:func:`fastzoo.equivalence.compare_cases`, the rule of ``fastzoo check``); a case that fails
    is reported and *not timed*,
 3. runs ``warmup`` untimed steps (compilation happens here; the parity pass, one full
    step, counts as the first), then ``iters`` timed steps:
@@ -31,8 +31,9 @@ from typing import Callable
 
 import torch
 
-from fastzoo.bench import parity
+from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.text import dtype_name, markdown_table
 
 
 class Unavailable(Exception):
@@ -176,7 +177,10 @@ class Report:
         return not any(r.status == "error" for r in self.rows)
 
     def table(self) -> str:
-        return markdown_table(self.rows, with_setting=len({r.group for r in self.rows}) > 1)
+        if not self.rows:
+            return "(no rows)"
+        with_setting = len({r.group for r in self.rows}) > 1
+        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) for r in self.rows])
 
     def to_markdown(self, title: str | None = None) -> str:
         lines = [f"## {title or self.suite}", ""]
@@ -258,15 +262,6 @@ def _fmt_err(r: Row) -> str:
     return text + (f" (grad {r.grad_err:.1e})" if r.grad_err is not None else "")
 
 
-def markdown_table(rows: list[Row], with_setting: bool = False) -> str:
-    if not rows:
-        return "(no rows)"
-    cells = [({"setting": r.group} if with_setting else {}) | row_cells(r) for r in rows]
-    cols = list(cells[0])
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(str(c[k]).replace("|", "/") for k in cols) + " |" for c in cells]
-    return "\n".join(out)
-
 
 # -- environment ----------------------------------------------------------------------------
 def device_name(device: torch.device | str) -> str:
@@ -293,29 +288,55 @@ def versions() -> dict:
 
 
 # -- running --------------------------------------------------------------------------------
-def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool = True, note: str = "") -> Report:
-    """Parity-gate and time every case of ``suite``; see the module docstring."""
+def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool = True, note: str = "", bar=None,
+              interleave: bool = False) -> Report:
+    """Parity-gate and time every case of ``suite``; see the module docstring.
+
+    ``bar``: a tqdm bar to advance instead of a new one (a run of several suites, one bar).
+    ``interleave``: time a group's cases in rounds (one step of each case per round) instead
+    of one case after the other, so that a burst of load from elsewhere on a shared CPU slows
+    every case of the round alike instead of one case's whole measurement. Each case is still
+    built and parity-checked first; peak memory is not reported (the cases are alive together).
+    """
+    from contextlib import nullcontext
+
     from tqdm.auto import tqdm
 
-    dtype_text = str(suite.dtype).replace("torch.", "")
+    dtype_text = dtype_name(suite.dtype)
     report = Report(suite.name, device_name(suite.device), dtype_text, suite.config, warmup, iters, versions(),
                     torch.get_num_threads(), [], suite.skipped, note)
     if suite.skipped:
         return report
     total = sum(len(g.cases) for g in suite.groups)
-    with tqdm(total=total, desc=suite.name, disable=not progress, leave=False, dynamic_ncols=True) as bar:
+    own = bar is None
+    if own:
+        bar = tqdm(total=total, desc=suite.name, disable=not progress, leave=False, dynamic_ncols=True)
+    with bar if own else nullcontext():
         for group in suite.groups:
             bar.set_postfix_str(f"{group.name}: reference")
             ref = group.reference() if group.reference is not None else None
             ref_in_dtype = None
-            rows = []
+            rows, pending = [], []
             for case in sorted(group.cases, key=lambda c: not c.reference):  # reference first: it sets the tolerance
                 bar.set_postfix_str(f"{group.name}: {case.label}")
-                row, got = _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters)
+                row, got, step, warm = _prepare_case(case, group, ref, ref_in_dtype, suite, warmup)
                 if case.reference:
                     ref_in_dtype = got
                 rows.append(row)
-                bar.update(1)
+                if step is None:
+                    bar.update(1)
+                elif interleave:
+                    pending.append((row, step, warm))
+                else:
+                    _guarded(row, suite, lambda: _time_case(row, step, warm, iters, suite.device))
+                    bar.update(1)
+                    del step
+                    gc.collect()
+            if pending:
+                bar.set_postfix_str(f"{group.name}: timing {len(pending)} cases in rounds")
+                _time_interleaved(pending, iters, suite)
+                bar.update(len(pending))
+                pending.clear()
                 gc.collect()
             order = {c.label + str(c.compiled): i for i, c in enumerate(group.cases)}
             rows.sort(key=lambda r: order[r.label + str(r.compiled)])
@@ -324,18 +345,21 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
     return report
 
 
-def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
+def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
+    """Build the case and gate it on parity: (row, its outputs, the step to time or None, warm-up left)."""
     row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit)
     try:
         step = case.build()
     except (Unavailable, BackendUnavailableError) as e:
         row.status, row.note = "unavailable", str(e)
-        return row, None
+        return row, None, None, 0
     except Exception as e:  # reported, not hidden: the CLI exits non-zero
         row.status, row.note = "error", f"{type(e).__name__}: {e}"
-        return row, None
+        return row, None, None, 0
     got = None
-    try:
+
+    def gate():
+        nonlocal got
         parity_ran = ref is not None and step.outputs is not None
         if parity_ran:
             got = step.outputs()
@@ -343,23 +367,27 @@ def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
             peer = (got if case.reference else ref_in_dtype) if low else None
             if low and peer is None:
                 raise Unavailable("low-precision parity needs the eager reference case in this group")
-            comps = parity.compare(ref, got, peer, same_names=case.same_names)
+            comps = compare_cases(ref, got, peer, same_names=case.same_names)
             row.max_err = comps[0].err
             row.grad_err = comps[1].err if len(comps) > 1 else None
             failed = [c for c in comps if not c.passed]
             if failed:
                 row.status = "failed parity"
                 row.note = "not timed: " + "; ".join(f"{c.name} error {c.err:.2g} > {c.bound:.2g}" for c in failed)
-                return row, got
-        if suite.device.type == "cuda":
-            torch.cuda.synchronize(suite.device)
-            torch.cuda.reset_peak_memory_stats(suite.device)
-        warm = max(warmup - 1, 0) if parity_ran else warmup  # the parity pass was a full step
-        stats = summarize(measure(step.run, warmup=warm, iters=iters, device=suite.device))
-        row.median_s, row.min_s, row.max_s, row.iters = stats.median, stats.min, stats.max, stats.n
-        row.throughput = step.items / stats.median
-        if suite.device.type == "cuda":
-            row.peak_mem_mib = torch.cuda.max_memory_allocated(suite.device) / 2**20
+                return False
+        return True
+
+    passed = _guarded(row, suite, gate)
+    if not passed or row.status != "ok":
+        return row, got, None, 0
+    warm = max(warmup - 1, 0) if (ref is not None and step.outputs is not None) else warmup  # the parity pass was a full step
+    return row, got, step, warm
+
+
+def _guarded(row: Row, suite: Suite, fn):
+    """Run ``fn``; an unavailable kernel, out-of-memory or any other exception becomes the row's status."""
+    try:
+        return fn()
     except (Unavailable, BackendUnavailableError) as e:
         row.status, row.note = "unavailable", str(e)
     except torch.OutOfMemoryError as e:  # a result, not a bug: eager attention at long sequence lengths
@@ -367,7 +395,38 @@ def _run_case(case, group, ref, ref_in_dtype, suite, warmup, iters):
         torch.cuda.empty_cache()
     except Exception as e:
         row.status, row.note = "error", f"{type(e).__name__}: {e}"
-    return row, got
+    return None
+
+
+def _record(row: Row, samples: list[float], items: float) -> None:
+    stats = summarize(samples)
+    row.median_s, row.min_s, row.max_s, row.iters = stats.median, stats.min, stats.max, stats.n
+    row.throughput = items / stats.median
+
+
+def _time_case(row: Row, step: Step, warm: int, iters: int, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    _record(row, measure(step.run, warmup=warm, iters=iters, device=device), step.items)
+    if device.type == "cuda":
+        row.peak_mem_mib = torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def _time_interleaved(pending: list, iters: int, suite: Suite) -> None:
+    live = []
+    for row, step, warm in pending:
+        if _guarded(row, suite, lambda: measure(step.run, warmup=max(warm - 1, 0), iters=1, device=suite.device)) is not None:
+            live.append((row, step, []))
+    for _ in range(iters):
+        for row, step, samples in live:
+            if row.status == "ok":
+                got = _guarded(row, suite, lambda: measure(step.run, warmup=0, iters=1, device=suite.device))
+                if got is not None:
+                    samples.extend(got)
+    for row, step, samples in live:
+        if row.status == "ok" and samples:
+            _record(row, samples, step.items)
 
 
 def _fill_speedups(rows: list[Row]) -> None:

@@ -14,7 +14,6 @@ final held-out accuracy. Backends agree if, against eager:
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import fastzoo
+from fastzoo import files
 from fastzoo.bench.harness import device_name, versions
 from fastzoo.errors import BackendUnavailableError
 
@@ -83,8 +83,7 @@ class TrainParityReport:
     def write_json(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**asdict(self), "agree": self.agree}, indent=2) + "\n")
-        return path
+        return files.write_json(path, {**asdict(self), "agree": self.agree})
 
     def plot(self, path) -> Path:
         import matplotlib
@@ -102,11 +101,9 @@ class TrainParityReport:
         ax.legend()
         ax.set_title(f"{self.model}: one initialisation, every backend ({self.device}, {self.dtype})", fontsize=9)
         fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        files.save_figure(fig, path, dpi=110)
         plt.close(fig)
-        return path
+        return Path(path)
 
 
 def train_parity(

@@ -4,7 +4,9 @@
 modes take (``fastzoo/losses/giou.py``):
 
 - concatenated + counts: ``boxes [N, 4]``, ``labels [N]``, ``batch_index [N]``, ``counts``;
-- padded + mask: ``padded [B, M, 4]``, ``padded_labels [B, M]`` (-1 in padding), ``mask [B, M]``;
+- padded + mask: ``padded [B, M, 4]`` (padding holds ``PAD_BOX``, an inverted box, so the
+  padded targets alone say which slots are real), ``padded_labels [B, M]`` (-1 in padding),
+  ``mask [B, M]``;
 - list of tensors: ``per_image()``, views into the concatenated tensor.
 
 So a batch moves to the GPU as a handful of tensors (``.to(device, non_blocking=True)``
@@ -22,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from fastzoo.losses.giou import check_boxes, first_bad_box
+from fastzoo.losses.giou import PAD_BOX, check_boxes, first_bad_box
 
 
 @dataclass
@@ -32,7 +34,7 @@ class BoxTargets:
     labels: Tensor  # [N] int64
     batch_index: Tensor  # [N] int64: image of each box
     slot: Tensor  # [N] int64: position of each box in its image (its column in ``padded``)
-    padded: Tensor  # [B, M, 4], zeros in padding
+    padded: Tensor  # [B, M, 4], PAD_BOX (an inverted box) in padding: giou_loss_padded reads validity from it
     padded_labels: Tensor  # [B, M], -1 in padding
     mask: Tensor  # [B, M] bool, True = a real box
     checked_classes: int | None = None  # labels were checked to lie in [0, checked_classes) (on the CPU)
@@ -106,7 +108,7 @@ def collate_boxes(
     batch_index = torch.repeat_interleave(torch.arange(B, device=device), counts_t)
     starts = torch.cumsum(counts_t, 0) - counts_t
     slot = torch.arange(cat.shape[0], device=device) - starts[batch_index]
-    padded = torch.zeros(B, M, 4, dtype=dtype, device=device)
+    padded = torch.tensor(PAD_BOX, dtype=dtype, device=device).repeat(B, M, 1)
     padded_labels = torch.full((B, M), -1, dtype=torch.long, device=device)
     mask = torch.zeros(B, M, dtype=torch.bool, device=device)
     padded[batch_index, slot] = cat

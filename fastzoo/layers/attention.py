@@ -9,18 +9,38 @@ from torch import nn
 from fastzoo.attention.base import AttentionBackend, AttnContext
 
 
+class AttentionSlot:
+    """The backend (and its name) that every attention layer of one model calls, held as
+    one value: ``set_attention`` swaps it with a single assignment, so a thread never sees
+    some layers switched and others not, nor a name that disagrees with the layers."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, name: str | None, backend: AttentionBackend | None):
+        self.current = (name, backend)
+
+
 class UsesAttention(nn.Module):
     """A module that calls an attention backend; ``FastzooModel.set_attention`` sets it.
 
-    The backend is a plain attribute, not a submodule: it holds no weights, so switching
-    kernels never touches the state dict. ``attn_dropout`` is the layer's configured
-    attention dropout and ``attn_dropout_field`` the config field that sets it: backends
-    without dropout refuse such a model at create, naming the field.
+    The backend is not a submodule: it holds no weights, so switching kernels never
+    touches the state dict. The layers of a model share one :class:`AttentionSlot`.
+    ``attn_dropout`` is the layer's configured attention dropout and
+    ``attn_dropout_field`` the config field that sets it: backends without dropout refuse
+    such a model at create, naming the field.
     """
 
-    backend: AttentionBackend | None = None
+    slot: AttentionSlot | None = None
     attn_dropout: float = 0.0
     attn_dropout_field: ClassVar[str] = "attention dropout"
+
+    @property
+    def backend(self) -> AttentionBackend | None:
+        return None if self.slot is None else self.slot.current[1]
+
+    @backend.setter
+    def backend(self, backend: AttentionBackend) -> None:  # this layer alone (the model's set_attention sets all)
+        self.slot = AttentionSlot(getattr(backend, "name", None), backend)
 
     def attend(self, q_BHSD, k_BHSD, v_BHSD, ctx: AttnContext, scale: float | None = None) -> torch.Tensor:
         """The backend on the model's shared ``ctx``, with this layer's scale and dropout.

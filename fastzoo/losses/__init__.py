@@ -1,6 +1,7 @@
 """Losses with a reference definition and, where it pays, faster implementations:
 GIoU for boxes (four layouts for images with different box counts, and a fused kernel)
-and the causal LM loss for padded, packed and nested batches."""
+the causal LM loss for padded, packed and nested batches, and a fused linear cross-entropy
+for the LM head that never materialises the logits."""
 from fastzoo.losses.giou import (
     generalized_box_iou,
     giou_loss,
@@ -10,9 +11,10 @@ from fastzoo.losses.giou import (
     giou_loss_per_sample,
     kernel_path,
 )
+from fastzoo.losses.linear_ce import linear_cross_entropy
 from fastzoo.losses.lm import causal_lm_loss
 
 __all__ = [
     "causal_lm_loss", "generalized_box_iou", "giou_loss", "giou_loss_concat", "giou_loss_kernel", "giou_loss_padded",
-    "giou_loss_per_sample", "kernel_path",
+    "giou_loss_per_sample", "kernel_path", "linear_cross_entropy",
 ]

@@ -11,7 +11,8 @@ The formula (torchvision's, from fvcore; ``eps`` is added to both denominators):
 
 fp16 / bf16 boxes are computed in fp32 and the loss is fp32, as torchvision does; integer
 boxes (e.g. pixel coordinates) are upcast to fp32 first, as torchvision's ``_upcast_non_float``
-does.
+does. pred and target may have different float dtypes (bf16 predictions from an autocast
+region against fp32 targets): every path computes in fp32 (fp64 if either is fp64).
 
 Two implementations behind one function, :func:`giou_loss` (``impl=``):
 
@@ -27,8 +28,11 @@ Variable box counts (all four give the same number for the same matched pairs):
 
 - :func:`giou_loss_per_sample` -- a Python loop over images (the naive baseline);
 - :func:`giou_loss_concat` -- all pairs concatenated, one call;
-- :func:`giou_loss_padded` -- ``[B, M, 4]`` padded pairs + a ``[B, M]`` validity mask;
-- :func:`giou_loss_kernel` -- concatenated pairs through the fused kernel.
+- :func:`giou_loss_padded` -- ``[B, M, 4]`` padded pairs, validity from a ``[B, M]`` mask or
+  from the target itself (an inverted box, :data:`PAD_BOX`, marks padding), through one fused
+  op (``impl="kernel"``, the default) that also does the masked sum / mean: no gather, no
+  dynamic shapes, no host sync;
+- :func:`giou_loss_kernel` -- concatenated pairs through the fused elementwise kernel.
 
 ``fastzoo.data.boxes.collate_boxes`` builds all three layouts in one go on the CPU.
 
@@ -44,6 +48,7 @@ from collections.abc import Sequence
 import torch
 
 REDUCTIONS = ("none", "mean", "sum")
+PAD_BOX = (0.0, 0.0, -1.0, -1.0)  # an inverted box: marks a padded slot of a padded target
 IMPLS = ("auto", "torch", "kernel")
 last_impl: str | None = None  # the path the last giou_loss call took: "torch" | "cpu-cpp" | "cpu-vectorised" | "triton" | "nki" | "xla-vectorised"
 
@@ -109,8 +114,8 @@ def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
 # -- the reference math -----------------------------------------------------------------
 def giou_loss_reference(pred: torch.Tensor, target: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
     """Elementwise 1 - GIoU in plain PyTorch ops, torchvision's formula and op order."""
-    if pred.dtype not in (torch.float32, torch.float64):
-        pred, target = pred.float(), target.float()
+    ct = _giou_op().compute_dtype(pred.dtype, target.dtype)  # fp32, or fp64 if either is fp64
+    pred, target = pred.to(ct), target.to(ct)  # no-ops (no autograd node) when already ct
     x1, y1, x2, y2 = pred.unbind(-1)
     x1g, y1g, x2g, y2g = target.unbind(-1)
     iw = torch.min(x2, x2g) - torch.max(x1, x1g)
@@ -124,8 +129,9 @@ def giou_loss_reference(pred: torch.Tensor, target: torch.Tensor, eps: float = 1
 
 
 def generalized_box_iou(a_N4: torch.Tensor, b_M4: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """Pairwise GIoU [N, M] between two sets of xyxy boxes (the matcher's cost)."""
-    return 1 - giou_loss_reference(a_N4[:, None, :].expand(-1, b_M4.shape[0], -1), b_M4[None, :, :].expand(a_N4.shape[0], -1, -1), eps)
+    """Pairwise GIoU [..., N, M] between xyxy boxes [..., N, 4] and [..., M, 4] (the matcher's
+    cost; leading dims, e.g. images, are batched)."""
+    return 1 - giou_loss_reference(a_N4[..., :, None, :], b_M4[..., None, :, :], eps)
 
 
 # -- one function, two implementations --------------------------------------------------
@@ -205,30 +211,73 @@ def giou_loss_concat(pred: torch.Tensor, target: torch.Tensor, *, reduction: str
 
 
 def giou_loss_padded(
-    pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    reduction: str = "sum",
+    eps: float = 1e-7,
+    impl: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
-    """Pairs padded to [B, M, 4] with ``mask`` [B, M] (True = a real pair): one call, masked.
+    """Pairs padded to [B, M, 4] (any [..., 4]): one call on the padded tensors, no gather.
 
-    Padded slots are dropped with ``torch.where``, so their loss and gradient are exactly 0
-    whatever they hold; "mean" divides by ``mask.sum()`` on the device (no host sync).
+    Which slots are real: ``mask`` [B, M] (True = a real pair), or, with ``mask=None``, the
+    target says: a padded slot holds an inverted box (x2 < x1 or y2 < y1, e.g. :data:`PAD_BOX`),
+    which is how :func:`fastzoo.data.boxes.collate_boxes` pads ``BoxTargets.padded`` (real boxes
+    are never inverted; a NaN target is not padding, it stays visible in the loss).
+    Padded slots give exactly 0 loss and 0 gradient whatever ``pred`` holds there.
+
+    ``reduction``: "sum" | "mean" (over the real pairs; 0 if there are none, as torchvision's
+    mean of nothing) | "none" ([B, M], 0 in padding). ``impl``: "kernel" (= "auto") runs the
+    fused op ``torch.ops.fastzoo.giou_loss_masked`` -- the loss, the masked reduction and, in
+    the backward, the gradient of every slot in one kernel per direction (C++ on CPU, Triton on
+    CUDA), with no host sync, so it traces under ``torch.compile(fullgraph=True)``; "torch" is
+    the same in plain ops. pred and target may differ in dtype (bf16 predictions from an
+    autocast region, fp32 targets); the loss is fp32 (fp64 if either is fp64).
     """
-    _check_sum_or_mean(reduction)
+    global last_impl
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     check_boxes(pred, "pred", values=False)
     check_boxes(target, "target", values=False)
-    if pred.ndim != 3 or pred.shape != target.shape:
+    if pred.ndim < 2 or pred.shape != target.shape:
         raise ValueError(f"pred and target must both be [B, M, 4], got {tuple(pred.shape)} and {tuple(target.shape)}")
-    if mask.shape != pred.shape[:2] or mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool [B, M] = {tuple(pred.shape[:2])} tensor, got {mask.dtype} {tuple(mask.shape)}")
-    if validate:
-        check_boxes(pred[mask], "pred")
-        check_boxes(target[mask], "target")
-    # Padding may hold anything: give those slots a valid box so no NaN reaches the backward.
-    unit = pred.new_tensor([0.0, 0.0, 1.0, 1.0])
-    pred = torch.where(mask[..., None], pred, unit)
-    target = torch.where(mask[..., None], target, unit.to(target.dtype))
-    loss = torch.where(mask, giou_loss(pred, target, eps=eps, impl="torch", validate=False), 0.0)
+    if pred.device != target.device:
+        raise ValueError(f"pred is on {pred.device} and target on {target.device}; put them on one device")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != pred.shape[:-1]
+                             or mask.dtype != torch.bool or mask.device != pred.device):
+        raise ValueError(f"mask must be a bool {tuple(pred.shape[:-1])} tensor on {pred.device}, got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
+    if impl != "torch":
+        op = _giou_op()
+        path = op.kernel_path(pred.device.type)
+    if validate:  # the real pairs only: one gather and a host sync (skip with validate=False)
+        valid = mask if mask is not None else ~_giou_op().padding_rows(target)
+        check_boxes(pred[valid], "pred")
+        check_boxes(target[valid], "target")
+    if impl == "torch":
+        last_impl = "torch"
+        return _padded_torch(pred, target, mask, reduction, eps)
+    last_impl = path
+    return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
+
+
+def _padded_torch(pred, target, mask, reduction: str, eps: float) -> torch.Tensor:
+    """giou_loss_padded in plain ops: padding replaced by the unit box (so no NaN reaches the
+    backward), its loss dropped with ``torch.where``; "mean" divides on the device."""
+    valid = mask if mask is not None else ~_giou_op().padding_rows(target)
+    unit = torch.tensor([0.0, 0.0, 1.0, 1.0], device=pred.device)
+    pred = torch.where(valid[..., None], pred, unit.to(pred.dtype))
+    target = torch.where(valid[..., None], target, unit.to(target.dtype))
+    loss = torch.where(valid, giou_loss_reference(pred, target, eps), 0.0)
+    if reduction == "none":
+        return loss
     total = loss.sum()
-    return total / mask.sum().clamp_min(1) if reduction == "mean" else total
+    return total / valid.sum().clamp_min(1) if reduction == "mean" else total
 
 
 def giou_loss_kernel(pred: torch.Tensor, target: torch.Tensor, *, reduction: str = "sum", eps: float = 1e-7, validate: bool = True):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -10,6 +11,8 @@ from torch import nn
 
 from fastzoo.attention import AttnRequest, get_backend
 from fastzoo.errors import did_you_mean
+
+_SLOT_LOCK = threading.Lock()
 
 
 class ModelConfig:
@@ -34,7 +37,6 @@ class FastzooModel(nn.Module):
     family: str = "?"
     config_class: type = ModelConfig
     model_name: str | None = None
-    attn_name: str | None = None
 
     def adapt_checkpoint(self, state: dict, changed: set[str]) -> tuple[dict, list[str], list[str]]:
         """Fit a converted checkpoint to config fields the user changed on purpose
@@ -68,42 +70,83 @@ class FastzooModel(nn.Module):
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
         """Switch every attention layer to backend ``name`` (options are the backend's own).
 
-        The backend is checked against this model's needs first; nothing changes if it fails.
+        The backend is built and checked against this model's needs first; nothing changes
+        if it fails. The switch is one assignment to the slot all layers share, so threads
+        sharing the model see either the old backend everywhere or the new one everywhere
+        (a forward already running may finish its remaining layers on the new one: every
+        backend computes the same function, and one that cannot serve the forward's
+        context raises rather than computing something else).
         """
         from fastzoo.layers.attention import UsesAttention
 
         backend = get_backend(name, **options)
-        if not any(isinstance(m, UsesAttention) for m in self.modules()):
+        layers = [m for m in self.modules() if isinstance(m, UsesAttention)]
+        if not layers:
             return self  # no attention layers (a ResNet): nothing to check or switch
         device = torch.device(device).type if device is not None else None
         backend.check(self.attention_request(device=device, dtype=dtype))
-        for m in self.modules():
-            if isinstance(m, UsesAttention):
-                m.backend = backend
-        self.attn_name = name
+        slot = self._attention_slot()
+        for m in layers:
+            if m.slot is not slot:
+                m.slot = slot
+        slot.current = (name, backend)
         return self
+
+    def _attention_slot(self):
+        from fastzoo.layers.attention import AttentionSlot
+
+        with _SLOT_LOCK:  # two threads' first set_attention must not make two slots
+            slot = self.__dict__.get("_attn_slot")
+            if slot is None:
+                slot = self.__dict__["_attn_slot"] = AttentionSlot(None, None)
+        return slot
+
+    @property
+    def attn_name(self) -> str | None:
+        slot = self.__dict__.get("_attn_slot")
+        return None if slot is None else slot.current[0]
 
     @property
     def attention_backend(self):
-        from fastzoo.layers.attention import UsesAttention
-
-        return next((m.backend for m in self.modules() if isinstance(m, UsesAttention)), None)
+        slot = self.__dict__.get("_attn_slot")
+        return None if slot is None else slot.current[1]
 
     def extra_config(self) -> dict:
         """Keys config.json carries for other readers (timm's hub format for image classifiers)."""
         return {}
 
     def save_pretrained(self, path) -> Path:
-        """Write ``config.json`` (the architecture) and ``model.safetensors`` (fastzoo keys)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        """Write ``config.json`` (the architecture) and ``model.safetensors`` (fastzoo keys),
+        each replaced atomically (see :func:`write_pretrained`)."""
         meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict(), **self.extra_config()}
-        (path / "config.json").write_text(json.dumps(meta, indent=2))
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(untied(state), str(path / "model.safetensors"), metadata={"format": "fastzoo"})
-        return path
+        return write_pretrained(path, meta, self.state_dict())
+
+
+def write_pretrained(path, config: dict, state: dict) -> Path:
+    """``config.json`` + ``model.safetensors`` in directory ``path`` (other files there are
+    kept, as Hugging Face's ``save_pretrained`` keeps a tokenizer's). Both are written to
+    temporary files first and renamed in only once both are complete, so a failure (a full
+    disk, a kill) leaves the previous pair. A shard index left by an earlier sharded save is
+    removed with its shards: readers prefer an index, which would shadow the new weights."""
+    from safetensors.torch import save_file
+
+    from fastzoo import files
+    from fastzoo.weights import stale_shard_files
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file; save_pretrained writes a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):  # temporaries of a writer killed before its rename
+        for stale in path.glob(f".{name}.*{files.TMP_SUFFIX}"):
+            stale.unlink(missing_ok=True)
+    tensors = untied({k: v.detach().contiguous().cpu() for k, v in state.items()})
+    with files.atomic_path(path / "config.json") as config_tmp, files.atomic_path(path / "model.safetensors") as weights_tmp:
+        save_file(tensors, str(weights_tmp), metadata={"format": "fastzoo"})
+        config_tmp.write_text(json.dumps(config, indent=2))
+    for stale in stale_shard_files(path):
+        stale.unlink(missing_ok=True)
+    return path
 
 
 def untied(state: dict) -> dict:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastzoo.data.boxes import BoxTargets, collate_boxes
-from fastzoo.losses.giou import generalized_box_iou, giou_loss_concat, giou_loss_kernel, giou_loss_padded, giou_loss_per_sample
+from fastzoo.losses.giou import generalized_box_iou, giou_loss_concat, giou_loss_padded, giou_loss_per_sample
 from fastzoo.models.base import FastzooModel, ModelConfig
 from fastzoo.models.resnet import ResNet, ResNetConfig
 
@@ -58,7 +58,9 @@ class BoxDetConfig(ModelConfig):
     num_classes: int = 1  # object classes; logits have one more (the last: no object)
     num_queries: int = 100
     hidden_dim: int = 256
-    loss: str = "kernel"  # how the GIoU term runs: per_sample | concat | padded | kernel
+    # how the GIoU term runs: per_sample (a loop) | concat (gathered pairs) | padded (padded pairs,
+    # plain ops) | kernel (padded pairs through the fused op: no gather, no host sync)
+    loss: str = "kernel"
     matcher: str = "hungarian"  # order (prediction i <-> target i) | hungarian
     eos_coef: float = 0.1  # weight of the no-object class in the cross-entropy
     loss_ce: float = 1.0  # loss weights (DETR's defaults)
@@ -180,26 +182,33 @@ class BoxDetector(FastzooModel):
 
     @torch.no_grad()
     def match(self, outputs: dict, targets: BoxTargets) -> torch.Tensor:
-        """For each target box (concatenated order), the index of its query [N]."""
+        """For each target box (concatenated order), the index of its query [N].
+
+        DETR's cost (class probability, L1, GIoU) is computed on the device for each image
+        against its own boxes only, in the padded layout ``[B, Q, M]`` (M = most boxes in an
+        image), and copied to the host once per batch for scipy's Hungarian solver; the
+        assignment goes back in one copy. (DETR's reference matcher builds every query against
+        every box of the batch, ``[B*Q, N]``, and slices it per image: B times the work and
+        the transfer.)"""
         if self.config.matcher == "order" or targets.num_boxes == 0:
             return targets.slot  # target i of an image <-> query i
         from scipy.optimize import linear_sum_assignment
 
         boxes_BQ4, logits_BQK = outputs["boxes"].float(), outputs["logits"].float()
-        B, Q = boxes_BQ4.shape[:2]
-        c = self.config
-        # DETR's cost against every target box of the batch at once, then one copy to the host
-        cost_class = -logits_BQK.softmax(-1)[..., targets.labels]  # [B, Q, N]
-        cost_bbox = torch.cdist(boxes_BQ4.reshape(B * Q, 4), targets.boxes.float(), p=1).reshape(B, Q, -1)
-        cost_giou = -generalized_box_iou(boxes_BQ4.reshape(B * Q, 4), targets.boxes.float()).reshape(B, Q, -1)
-        cost = (c.cost_bbox * cost_bbox + c.cost_class * cost_class + c.cost_giou * cost_giou).cpu()
+        Q, c = boxes_BQ4.shape[1], self.config
+        target_BM4 = targets.padded.float()
+        labels_BQM = targets.padded_labels.clamp_min(0)[:, None, :].expand(-1, Q, -1)  # padding: any class
+        cost_class = -logits_BQK.softmax(-1).gather(2, labels_BQM)
+        cost_bbox = torch.cdist(boxes_BQ4, target_BM4, p=1)
+        cost_giou = -generalized_box_iou(boxes_BQ4, target_BM4)
+        cost_BQM = (c.cost_bbox * cost_bbox + c.cost_class * cost_class + c.cost_giou * cost_giou).cpu().numpy()
         query = torch.empty(targets.num_boxes, dtype=torch.long)
         start = 0
-        for b, n in enumerate(targets.counts):
-            rows, cols = linear_sum_assignment(cost[b, :, start : start + n].numpy())
+        for b, n in enumerate(targets.counts):  # real boxes come first in each padded row
+            rows, cols = linear_sum_assignment(cost_BQM[b, :, :n])
             query[start + torch.as_tensor(cols, dtype=torch.long)] = torch.as_tensor(rows, dtype=torch.long)
             start += n
-        return query.to(boxes_BQ4.device)
+        return query.to(boxes_BQ4.device, non_blocking=True)
 
     def _giou_sum(self, boxes_BQ4, matched_N4, query_N, tb: BoxTargets) -> torch.Tensor:
         """Sum of 1 - GIoU over matched pairs, in the configured layout (all equal)."""
@@ -207,13 +216,15 @@ class BoxDetector(FastzooModel):
         if mode == "per_sample":
             preds = [boxes_BQ4[b, q] for b, q in enumerate(query_N.split(tb.counts))]
             return giou_loss_per_sample(preds, tb.per_image(), reduction="sum", validate=False)
-        if mode == "padded":
-            B, M = tb.mask.shape
-            query_BM = torch.zeros(B, M, dtype=torch.long, device=query_N.device).index_put((tb.batch_index, tb.slot), query_N)
-            pred_BM4 = boxes_BQ4.gather(1, query_BM[..., None].expand(-1, -1, 4))
-            return giou_loss_padded(pred_BM4, tb.padded, tb.mask, reduction="sum", validate=False)
-        fn = giou_loss_kernel if mode == "kernel" else giou_loss_concat
-        return fn(matched_N4, tb.boxes, reduction="sum", validate=False)
+        if mode == "concat":
+            return giou_loss_concat(matched_N4, tb.boxes, reduction="sum", validate=False)
+        # padded: each target slot's matched prediction, gathered on the device (no host sync);
+        # padded slots read query 0 and are masked out by the inverted box in tb.padded
+        B, M = tb.mask.shape
+        query_BM = torch.zeros(B, M, dtype=torch.long, device=query_N.device).index_put((tb.batch_index, tb.slot), query_N)
+        pred_BM4 = boxes_BQ4.gather(1, query_BM[..., None].expand(-1, -1, 4))
+        impl = "kernel" if mode == "kernel" else "torch"
+        return giou_loss_padded(pred_BM4, tb.padded, reduction="sum", impl=impl, validate=False)
 
     def loss_components(self, outputs: dict, targets, labels=None, *, num_images=None, num_boxes=None) -> dict[str, torch.Tensor]:
         """``{"loss", "loss_ce", "loss_bbox", "loss_giou"}``; ``loss`` is the weighted sum.

@@ -14,19 +14,18 @@ restores all of it, so the run continues with the same losses as one never inter
 """
 from __future__ import annotations
 
-import json
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
+from fastzoo import files
 from fastzoo.errors import CheckpointError
-from fastzoo.models.base import untied
+from fastzoo.models.base import write_pretrained
 from fastzoo.train import distributed as D
-from fastzoo.train.rng import get_rng_state, set_rng_state
+from fastzoo.train.rng import get_rng_state, rng_state_problem, set_rng_state
+from fastzoo.weights import FREE_FIELDS, check_config, check_state_dict, read_config_json, read_file
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -47,49 +46,121 @@ def model_config_json(model) -> dict:
 
 def write_weights(path: Path, model, state: dict[str, torch.Tensor]) -> None:
     """``config.json`` + ``model.safetensors`` for ``state`` (a full state dict of ``model``)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model_config_json(model), indent=2))
-    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(untied(state), str(path / MODEL_FILE), metadata={"format": "fastzoo"})
+    write_pretrained(path, model_config_json(model), state)
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     file = Path(path) / MODEL_FILE
     if not file.is_file():
         raise CheckpointError(f"{path}: no {MODEL_FILE} here; expected a directory written by a fastzoo training script")
-    return load_file(str(file))
+    return read_file(file)
 
 
 def save_checkpoint(path, model, optimizer, scheduler, state: TrainState, world: D.World) -> Path:
-    """Write a checkpoint at ``path`` (replaced atomically). Every process must call this."""
+    """Write a checkpoint at ``path``, replaced atomically (``files.atomic_dir``): a kill or a
+    full disk leaves the previous version. Every process must call this."""
     path = Path(path)
     weights = D.full_model_state(model)
     optim = D.full_optimizer_state(model, optimizer)
     rngs = D.all_gather_object(get_rng_state())
     if world.is_main:
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_weights(tmp, model, weights)
-        torch.save({**asdict(state), "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
-                    "world_size": world.size}, tmp / STATE_FILE)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        try:
+            with files.atomic_dir(path) as tmp:
+                write_weights(tmp, model, weights)
+                torch.save({**asdict(state), "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
+                            "world_size": world.size}, tmp / STATE_FILE)
+        except OSError as e:
+            raise CheckpointError(f"{path}: could not write the checkpoint ({e}); nothing was replaced, "
+                                  f"earlier checkpoints are intact") from e
     D.barrier()
     return path
 
 
-def load_checkpoint(path, model, optimizer, scheduler, world: D.World) -> TrainState:
-    """Restore what :func:`save_checkpoint` wrote into the (already wrapped) model and optimizer."""
+@dataclass
+class Checkpoint:
+    """What a checkpoint directory holds, read and checked, not yet applied."""
+
+    weights: dict[str, torch.Tensor]
+    data: dict  # train_state.pt
+
+    @property
+    def state(self) -> TrainState:
+        return TrainState(self.data["step"], self.data["epoch"], self.data["batch_in_epoch"])
+
+
+_STATE_FIELDS = {"step": int, "epoch": int, "batch_in_epoch": int, "optimizer": dict, "scheduler": dict, "rng": list}
+
+
+def read_checkpoint(path, model, optimizer) -> Checkpoint:
+    """Read every file of checkpoint ``path`` and check it against the run: the architecture
+    in its config.json against ``model.config`` (a field that changes the function, such as
+    ``n_head``, is refused by name), the weights against the model (keys, shapes, kinds of
+    value), train_state.pt's fields and the optimizer's parameter groups. Raises
+    :class:`CheckpointError` naming the file and the problem; nothing is applied here."""
     path = Path(path)
+    where = f"--resume {path}"
+    if path.name.endswith(files.TMP_SUFFIX):
+        raise CheckpointError(f"{where}: an unfinished checkpoint (a run was stopped while writing it); "
+                              f"resume from a checkpoint-<step> directory")
     if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"--resume {path}: no {STATE_FILE} there; pass the checkpoint directory a training run wrote")
-    D.load_model_state(model, read_weights(path))
-    data = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-    D.load_optimizer_state(model, optimizer, data["optimizer"])
-    scheduler.load_state_dict(data["scheduler"])
+        raise CheckpointError(f"{where}: no {STATE_FILE} there; pass the checkpoint directory a training run wrote")
+    _check_architecture(path, model)
+    weights = read_weights(path)
+    check_state_dict(model, weights, str(path / MODEL_FILE))
+    try:
+        data = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or corrupt: RuntimeError, EOFError, UnpicklingError... by torch version
+        raise CheckpointError(f"{path / STATE_FILE}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    problems = [f"{k!r} missing" if k not in data else f"{k!r} is a {type(data[k]).__name__}, not {t.__name__}"
+                for k, t in _STATE_FIELDS.items() if not isinstance(data, dict) or not isinstance(data.get(k), t)]
+    if isinstance(data, dict) and isinstance(data.get("rng"), list):
+        problems += [f"rng[{i}]: {why}" for i, r in enumerate(data["rng"]) if (why := rng_state_problem(r))]
+        if not data["rng"]:
+            problems.append("'rng' is empty (no process's RNG states)")
+    if not problems:
+        groups = data["optimizer"].get("param_groups", [])
+        sizes, own = [len(g.get("params", [])) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+        if sizes != own:
+            problems.append(f"optimizer parameter groups hold {sizes} parameters, this run's optimizer {own}")
+    if problems:
+        raise CheckpointError(f"{path / STATE_FILE}: not a complete training state ({'; '.join(problems)}); nothing was loaded")
+    return Checkpoint(weights, data)
+
+
+def _check_architecture(path: Path, model) -> None:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"--resume {path}: no config.json there, so the architecture cannot be checked")
+    config = read_config_json(cfg_file)
+    family = getattr(model, "family", None)
+    if config.get("family") not in (None, family):
+        raise CheckpointError(f"{cfg_file}: a {config['family']} checkpoint; this run trains a {family} model")
+    if not hasattr(model, "config_class"):
+        return
+    fields = {k: v for k, v in config.items() if k not in ("fastzoo_model", "family")}
+    check_config(model, fields, f"--resume {path}")
+    own = model.config.to_dict()
+    free = [f"{k}: checkpoint {fields[k]!r}, this run {own[k]!r}"
+            for k in sorted(FREE_FIELDS.get(family, ())) if k in fields and k in own and own[k] != fields[k]]
+    if free:  # training-only fields (dropout...): the user's choice, but the losses will not continue the old run's
+        warnings.warn(f"--resume {path}: resuming with other training settings ({'; '.join(free)})", stacklevel=3)
+
+
+def load_checkpoint(path, model, optimizer, scheduler, world: D.World) -> TrainState:
+    """Restore what :func:`save_checkpoint` wrote into the (already wrapped) model and optimizer,
+    after :func:`read_checkpoint` has read and checked all of it."""
+    path = Path(path)
+    ckpt = read_checkpoint(path, model, optimizer)
+    data = ckpt.data
+    try:
+        D.load_model_state(model, ckpt.weights)
+        D.load_optimizer_state(model, optimizer, data["optimizer"])
+        scheduler.load_state_dict(data["scheduler"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"--resume {path}: the training state does not fit this run ({type(e).__name__}: {e})") from e
     rngs = data["rng"]
     if len(rngs) != world.size:
         warnings.warn(f"{path} was written by {len(rngs)} process(es), resuming with {world.size}: the data order "
                       f"is kept but random streams (dropout, augmentation) start from process 0's state", stacklevel=2)
     set_rng_state(rngs[world.rank] if world.rank < len(rngs) else rngs[0])
-    return TrainState(data["step"], data["epoch"], data["batch_in_epoch"])
+    return ckpt.state

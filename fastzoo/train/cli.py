@@ -5,11 +5,11 @@ timm's ``train.py`` and Hugging Face's ``run_clm``), ``--model-kwargs key=value`
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
 from fastzoo.errors import FastzooError
+from fastzoo.text import parse_key_values
 
 
 class UsageError(FastzooError, ValueError):
@@ -22,13 +22,10 @@ class _KeyValue(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         out = dict(getattr(namespace, self.dest) or {})
         for item in values:
-            key, sep, text = item.partition("=")
-            if not sep or not key:
-                parser.error(f"{option_string}: expected key=value, got {item!r}")
             try:
-                out[key] = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                out[key] = text
+                out.update(parse_key_values([item], what=option_string))
+            except ValueError as e:
+                parser.error(str(e))
         setattr(namespace, self.dest, out)
 
 
@@ -41,6 +38,9 @@ def positive_int(text: str) -> int:
 
 def train_parser(description: str, model_default: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", type=Path, default=None,
+                   help="a YAML run file (configs/*.yaml): its fields are this script's options, named as below "
+                        "with underscores (batch_size, model_kwargs...); flags given here override them")
     g = p.add_argument_group("model")
     g.add_argument("--model", default=model_default, help="fastzoo model name (see `fastzoo list`)")
     g.add_argument("--pretrained", default=None, help="any source pretrained= accepts: file, save_pretrained dir, checkpoint dir")
@@ -84,14 +84,75 @@ def train_parser(description: str, model_default: str) -> argparse.ArgumentParse
 _NOT_REPLAYED = {"replay", "resume", "output_dir"}
 
 
+def read_run_config(parser: argparse.ArgumentParser, path: Path, argv: list[str]) -> dict:
+    """The fields of a YAML run file as defaults for ``parser``: every field must be one of the
+    parser's options (else :class:`UsageError` naming it, with the closest option), string values
+    go through the option's type, and a field of a mutually exclusive group is dropped when the
+    command line gives another member of that group (the command line wins)."""
+    import difflib
+
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"--config {path}: cannot read it as YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions:
+            close = difflib.get_close_matches(dest, list(actions), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"--config {path}: unknown field {key!r}{hint}; fields are this script's options: "
+                             f"{', '.join(sorted(actions))}")
+        out[dest] = _typed(actions[dest], value, path, key)
+    given = {tok.split("=", 1)[0] for tok in argv if tok.startswith("-")}
+    for group in parser._mutually_exclusive_groups:
+        if any(given & set(a.option_strings) for a in group._group_actions):
+            for a in group._group_actions:
+                out.pop(a.dest, None)
+    return out
+
+
+def _typed(action: argparse.Action, value, path, key):
+    def one(v):
+        if isinstance(v, str) and action.type is not None and callable(action.type):
+            try:
+                v = action.type(v)
+            except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+                raise UsageError(f"--config {path}: {key}: {e}") from e
+        if action.choices is not None and v not in action.choices:
+            raise UsageError(f"--config {path}: {key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+        return v
+
+    if isinstance(action, _KeyValue):
+        if not isinstance(value, dict):
+            raise UsageError(f"--config {path}: {key}: expected a mapping (key: value), got {value!r}")
+        return dict(value)
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise UsageError(f"--config {path}: {key}: expected true or false, got {value!r}")
+        return value
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [one(v) for v in (value if isinstance(value, list) else [value])]
+    return one(value)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else map(str, argv))
     args = parser.parse_args(argv)
+    if args.config is not None:
+        parser.set_defaults(**read_run_config(parser, args.config, argv))
+        args = parser.parse_args(argv)
     if args.replay is not None:
         from fastzoo.train.nan_guard import read_meta
 
         try:
             stored = read_meta(args.replay)["args"]
-        except FileNotFoundError as e:
+        except FastzooError as e:
             parser.error(str(e))
         known = {a.dest for a in parser._actions}
         parser.set_defaults(**{k: v for k, v in stored.items() if k in known and k not in _NOT_REPLAYED})
@@ -118,7 +179,7 @@ def run_main(main, argv=None) -> None:
     prog = Path(sys.argv[0]).name
     try:
         code = main(argv)
-    except (FastzooError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (FastzooError, OSError) as e:  # a user error, or the environment's (missing file, full disk...)
         print(f"{prog}: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
@@ -133,11 +194,11 @@ def run_main(main, argv=None) -> None:
 def create_model(args: argparse.Namespace, device=None, **overrides):
     """``fastzoo.create`` from ``--model/--attn/--pretrained/--model-kwargs`` (+ the script's own
     overrides); a bad name or override becomes a one-line error."""
-    import fastzoo
+    from fastzoo.registry import create
 
     kwargs = {**args.model_kwargs, **overrides}
     try:
-        return fastzoo.create(args.model, attn=args.attn, pretrained=args.pretrained, device=device, **kwargs)
+        return create(args.model, attn=args.attn, pretrained=args.pretrained, device=device, **kwargs)
     except (TypeError, ValueError) as e:
         if isinstance(e, FastzooError):
             raise

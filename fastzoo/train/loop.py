@@ -15,7 +15,6 @@ even when processes hold different numbers of tokens or boxes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import sys
@@ -27,12 +26,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from fastzoo import files
 from fastzoo.train import distributed as D
 from fastzoo.train import nan_guard
 from fastzoo.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from fastzoo.train.cli import UsageError, args_to_json
 from fastzoo.train.metrics import RunningMeans
-from fastzoo.train.progress import Progress
+from fastzoo.train.progress import Progress, trim_log
 from fastzoo.train.rng import get_rng_state, seed_everything, set_rng_state
 
 NAN_EXIT_CODE = 3
@@ -177,9 +177,13 @@ class Trainer:
             state = load_checkpoint(args.resume, self.raw, self.optimizer, sched, world)
         if world.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "args.json").write_text(json.dumps(args_to_json(args), indent=2))
+            for stale in self.out.glob(f"checkpoint-*[0-9]{files.TMP_SUFFIX}"):  # left by a run killed while saving
+                files.recover_dir(stale.with_name(stale.name[: -len(files.TMP_SUFFIX)]))
+            files.write_json(self.out / "args.json", args_to_json(args))
             if args.resume is None:
                 (self.out / "log.jsonl").unlink(missing_ok=True)
+            else:  # steps after the checkpoint are run again: their old records go
+                trim_log(self.out / "log.jsonl", state.step)
         progress = Progress(total, state.step, self.out / "log.jsonl", self.task.unit, enabled=world.is_main)
         means = RunningMeans(self.device)
         self.model.train()

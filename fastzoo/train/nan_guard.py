@@ -25,10 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from fastzoo import files
+from fastzoo.errors import CheckpointError
 from fastzoo.train.checkpoint import read_weights, write_weights
+from fastzoo.train.rng import rng_state_problem
+from fastzoo.weights import read_config_json, read_file
 
 META_FILE = "meta.json"
 
@@ -78,13 +82,14 @@ def _to_cpu(obj):
 def write_capture(path: Path, *, model: nn.Module, weights: dict, batch, rng_state: dict, loss: torch.Tensor,
                   grads: dict[str, torch.Tensor] | None, meta: dict) -> Path:
     path = Path(path)
-    write_weights(path, model, weights)
-    torch.save(_to_cpu(batch), path / "batch.pt")
-    torch.save(rng_state, path / "rng.pt")
-    observed = {"loss": loss.detach().float().cpu().reshape(())}
-    observed.update({f"grad/{k}": v.contiguous() for k, v in (grads or {}).items()})
-    save_file(observed, str(path / "observed.safetensors"))
-    (path / META_FILE).write_text(json.dumps(meta, indent=2))
+    with files.atomic_dir(path) as tmp:  # a replay never sees half a capture
+        write_weights(tmp, model, weights)
+        torch.save(_to_cpu(batch), tmp / "batch.pt")
+        torch.save(rng_state, tmp / "rng.pt")
+        observed = {"loss": loss.detach().float().cpu().reshape(())}
+        observed.update({f"grad/{k}": v.contiguous() for k, v in (grads or {}).items()})
+        save_file(observed, str(tmp / "observed.safetensors"))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
     return path
 
 
@@ -94,21 +99,43 @@ def resolve_capture_dir(path) -> Path:
     for cand in (path, path / "rank0"):
         if (cand / META_FILE).is_file():
             return cand
-    raise FileNotFoundError(f"--replay {path}: no {META_FILE} there; pass a nan_step<K> directory a training run wrote")
+    raise CheckpointError(f"--replay {path}: no {META_FILE} there; pass a nan_step<K> directory a training run wrote")
 
 
 def read_meta(path) -> dict:
-    return json.loads((resolve_capture_dir(path) / META_FILE).read_text())
+    file = resolve_capture_dir(path) / META_FILE
+    meta = read_config_json(file)
+    missing = [k for k in ("step", "count_global", "world_size", "args") if k not in meta]
+    if missing or not isinstance(meta.get("args"), dict):
+        raise CheckpointError(f"{file}: not a capture's metadata (missing {', '.join(missing) or 'args'})")
+    return meta
 
 
 def read_capture(path) -> dict:
+    """Every file of a capture, read and checked; :class:`CheckpointError` names a damaged one."""
+    meta = read_meta(path)
     path = resolve_capture_dir(path)
-    observed = load_file(str(path / "observed.safetensors"))
+
+    def load(name: str):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"--replay {path}: {name} is missing; the capture is incomplete")
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated or corrupt (the error type depends on where it breaks)
+            raise CheckpointError(f"{file}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+
+    batch, rng = load("batch.pt"), load("rng.pt")
+    if why := rng_state_problem(rng):
+        raise CheckpointError(f"{path / 'rng.pt'}: not the RNG states of a step ({why})")
+    observed = read_file(path / "observed.safetensors") if (path / "observed.safetensors").is_file() else {}
+    if "loss" not in observed:
+        raise CheckpointError(f"--replay {path}: observed.safetensors is missing or holds no loss; the capture is incomplete")
     return {
-        "meta": json.loads((path / META_FILE).read_text()),
+        "meta": meta,
         "weights": read_weights(path),
-        "batch": torch.load(path / "batch.pt", weights_only=True),
-        "rng": torch.load(path / "rng.pt", weights_only=True),
+        "batch": batch,
+        "rng": rng,
         "loss": observed.pop("loss"),
         "grads": {k[len("grad/"):]: v for k, v in observed.items()},
     }

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from fastzoo import files
+
 
 def _fmt(v) -> str:
     if isinstance(v, float):
@@ -58,3 +60,25 @@ class Progress:
         self.bar.close()
         if self.log_file is not None:
             self.log_file.close()
+
+
+def trim_log(path: Path, last_step: int) -> int:
+    """Drop the records of ``log.jsonl`` after step ``last_step`` (a run resumed from that
+    step's checkpoint logs them again) and a last line cut off by a kill; rewritten
+    atomically. Returns how many records were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record.get("step", 0)) <= last_step
+        except (ValueError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        files.write_text(path, "".join(line + "\n" for line in kept))
+    return dropped

@@ -37,3 +37,21 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_state_problem(state) -> str | None:
+    """Why ``state`` is not a value :func:`get_rng_state` made, or None (checked before a
+    resume applies anything, so a damaged file is refused whole)."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not the dict of generator states"
+    missing = [k for k in ("python", "numpy", "torch") if k not in state]
+    if missing:
+        return f"no {' / '.join(missing)} generator state"
+    py, npy, cpu = state["python"], state["numpy"], state["torch"]
+    if not (isinstance(py, list) and len(py) == 3 and isinstance(py[1], list) and len(py[1]) == len(random.getstate()[1])):
+        return "the python generator state is damaged"
+    if not (isinstance(npy, list) and len(npy) == 5 and isinstance(npy[1], torch.Tensor) and npy[1].numel() == 624):
+        return "the numpy generator state is damaged"
+    if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.shape == torch.get_rng_state().shape):
+        return "the torch generator state is damaged"
+    return None

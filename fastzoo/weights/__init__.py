@@ -86,13 +86,19 @@ def _read_module(module: nn.Module) -> Source:
     if inner is not module:
         origin += f" (inside {type(module).__name__})"
     config = getattr(inner, "config", None)
-    from fastzoo.models.base import FastzooModel
-
-    if isinstance(inner, FastzooModel):
+    if _is_fastzoo_model(inner):
         config = {"fastzoo_model": inner.model_name, "family": inner.family, **config.to_dict()}
     else:
         config = config.to_dict() if hasattr(config, "to_dict") else None
     return Source(_clean(dict(inner.state_dict()), origin), origin, config, inner)
+
+
+def _is_fastzoo_model(module: nn.Module) -> bool:
+    """A fastzoo model, told by what every one has (a family and a dataclass config) rather than
+    by importing ``fastzoo.models``, which sits above this module."""
+    import dataclasses
+
+    return isinstance(getattr(type(module), "family", None), str) and dataclasses.is_dataclass(getattr(module, "config", None))
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -119,6 +125,10 @@ def read_file(path: Path) -> dict:
         if suffix in (".bin", ".pt", ".pth", ".ckpt"):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if "Unsupported global" not in str(e):  # not a pickle of objects: damaged bytes
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip().startswith("Unsupported")),
+                          "not a torch.save file")
+            raise CheckpointError(f"{path}: cannot read this checkpoint ({reason})") from e
         raise CheckpointError(
             f"{path}: refused, it needs arbitrary pickled code to load (torch.load weights_only=True failed: "
             f"{str(e).splitlines()[0]}). Re-save it as a plain state dict or as .safetensors."
@@ -129,29 +139,91 @@ def read_file(path: Path) -> dict:
 
 
 def _read_dir(path: Path) -> Source:
-    config = None
-    if (path / "config.json").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from e
+    config = read_config_json(path / "config.json") if (path / "config.json").is_file() else None
     for index_name in INDEX_FILES:
-        index_path = path / index_name
-        if index_path.is_file():
-            try:
-                shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index_path}: not a shard index with a 'weight_map' ({e})") from e
-            state = {}
-            for shard in shards:
-                if not (path / shard).is_file():
-                    raise CheckpointError(f"{index_path} names the shard {shard!r}, which is missing from {path}")
-                state.update(read_file(path / shard))
-            return Source(_clean(state, str(path)), str(path), config)
+        if (path / index_name).is_file():
+            return Source(_clean(_read_shards(path, path / index_name), str(path)), str(path), config)
     for name in WEIGHT_FILES:
         if (path / name).is_file():
-            return Source(_clean(read_file(path / name), str(path / name)), str(path / name), config)
+            file = _inside(path, name, "weights file")
+            return Source(_clean(read_file(file), str(path / name)), str(path / name), config)
     raise CheckpointError(f"{path}: no weights found (looked for {', '.join(INDEX_FILES + WEIGHT_FILES)})")
+
+
+def stale_shard_files(path: Path, keep=("model.safetensors", "config.json")) -> list[Path]:
+    """The shard indexes in directory ``path`` and the shard files they name there except
+    ``keep`` (for a writer replacing them with one weights file)."""
+    out = []
+    for index_name in INDEX_FILES:
+        index = path / index_name
+        if not index.is_file():
+            continue
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            names = set()  # unreadable: the index still goes
+        out += [path / n for n in sorted(names, key=str) if isinstance(n, str) and n not in keep
+                and (path / n).parent.resolve() == path.resolve()]
+        out.append(index)
+    return out
+
+
+def read_config_json(file: Path) -> dict:
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
+
+
+def _read_shards(path: Path, index_path: Path) -> dict:
+    """Every shard an index names, read only when the index and the shards agree key for key."""
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index_path}: not valid JSON ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: not a shard index (needs a non-empty 'weight_map' object of "
+                              f"tensor name -> shard file name)")
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise CheckpointError(f"{index_path}: weight_map[{bad!r}] is {weight_map[bad]!r}; each value must be a "
+                              f"shard file name")
+    state, problems = {}, []
+    for shard in sorted(set(weight_map.values())):
+        tensors = read_file(_inside(path, shard, f"shard named by {index_path.name}"))
+        for k, v in tensors.items():
+            if weight_map.get(k) != shard:  # also how a key held by two shards shows
+                where = f"maps it to {weight_map[k]!r}" if k in weight_map else "does not list it"
+                problems.append(f"{shard} holds {k!r}, but the index {where}")
+            else:
+                state[k] = v
+    problems += [f"the index maps {k!r} to {s!r}, which does not hold it" for k, s in weight_map.items() if k not in state]
+    if problems:
+        raise CheckpointError(f"{index_path} and its shards disagree ({len(problems)}): {_names(problems, 6)}; "
+                              f"nothing was loaded")
+    return state
+
+
+def _inside(root: Path, name: str, what: str) -> Path:
+    """``root / name``, refused unless it is a file inside ``root`` once every ``..`` and
+    symlink is resolved: an index (or a planted link) must not make fastzoo read another
+    model's weights. The one outside place allowed is the Hugging Face hub cache's layout,
+    where ``<repo>/snapshots/<rev>/<file>`` links to ``<repo>/blobs/<hash>``."""
+    file = root / name
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{root}: {what} {name!r} is not a plain file name inside the checkpoint directory; refused")
+    real, allowed = file.resolve(), [root.resolve()]
+    if root.resolve().parent.name == "snapshots":
+        allowed.append(root.resolve().parent.parent / "blobs")
+    if not any(real.is_relative_to(a) for a in allowed):
+        raise CheckpointError(f"{root}: {what} {name!r} resolves to {real}, outside the checkpoint directory; refused")
+    if not file.is_file():
+        raise CheckpointError(f"{root}: {what} {name!r} is missing")
+    return file
 
 
 def _clean(obj, origin: str) -> dict:
@@ -164,6 +236,9 @@ def _clean(obj, origin: str) -> dict:
                 break
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{origin}: not a state dict (a mapping of names to tensors)")
+    odd = [f"{k}: {why}" for k, v in obj.items() if (why := _storage_problem(v))]
+    if odd:  # refused before any converter touches them (a transpose of a meta tensor is still no data)
+        raise CheckpointError(f"{origin}: tensors without plain data ({len(odd)}): {_names(odd)}; nothing was loaded")
     out = {}
     for k, v in obj.items():
         while k.startswith(_PREFIXES):
@@ -255,15 +330,22 @@ def export_state_dict(model, format: str) -> dict:
 
 # -- loading ----------------------------------------------------------------------------
 def check_state_dict(model: nn.Module, state: dict, origin: str, allow_missing=()) -> None:
-    """Raise CheckpointError naming every missing, unexpected and mis-shaped key."""
+    """Raise CheckpointError naming every key that would not load faithfully: missing,
+    unexpected, mis-shaped, of another kind of value (integers, bools or complex numbers for
+    float weights...), without data (meta), not a dense tensor (sparse, quantized, nested),
+    or a tied weight given two different values. A key tied to one that is present (GPT-2's
+    ``lm_head.weight``, one tensor with ``transformer.wte.weight``) may be absent."""
     own = model.state_dict()
-    missing = [k for k in own if k not in state and k not in allow_missing]
+    tied = _tied_keys(own)
+    missing = [k for k in own if k not in state and k not in allow_missing and not any(t in state for t in tied.get(k, ()))]
     unexpected = [k for k in state if k not in own]
     shapes = [
         f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
         for k in own
-        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+        if k in state and isinstance(state[k], torch.Tensor) and tuple(state[k].shape) != tuple(own[k].shape)
     ]
+    values = [f"{k}: {why}" for k in own if k in state and (why := _value_problem(state[k], own[k]))]
+    untied = [] if shapes or values else _tie_problems(state, tied)
     problems = []
     if missing:
         problems.append(f"missing keys ({len(missing)}): {_names(missing)}")
@@ -271,8 +353,67 @@ def check_state_dict(model: nn.Module, state: dict, origin: str, allow_missing=(
         problems.append(f"unexpected keys ({len(unexpected)}): {_names(unexpected)}")
     if shapes:
         problems.append(f"shape mismatches ({len(shapes)}): {_names(shapes)}")
+    if values:
+        problems.append(f"values that cannot load ({len(values)}): {_names(values)}")
+    if untied:
+        problems.append(f"tied weights given different values ({len(untied)}): {_names(untied)}")
     if problems:
         raise CheckpointError(f"{origin} does not fit {type(model).__name__}; nothing was loaded. " + "; ".join(problems))
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "integer"
+
+
+def _value_problem(value, target: torch.Tensor) -> str | None:
+    """Why ``value`` cannot be copied faithfully into ``target``, or None. Precision may
+    change within a kind (fp16 -> fp32), the kind may not: an int8 tensor copied into a
+    float weight gives small integers, not the weights that were quantized."""
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor"
+    if why := _storage_problem(value):
+        return why
+    if _kind(value.dtype) != _kind(target.dtype):
+        return f"{str(value.dtype).replace('torch.', '')} values for a {str(target.dtype).replace('torch.', '')} tensor"
+    return None
+
+
+def _storage_problem(value: torch.Tensor) -> str | None:
+    """Why ``value`` is not a dense tensor holding its values, or None."""
+    if value.is_meta:
+        return "a meta tensor (no data: saved from a model built on the meta device)"
+    if value.is_quantized:
+        return f"a quantized tensor ({value.dtype}); dequantize it first (tensor.dequantize())"
+    if value.is_nested:
+        return "a nested tensor"
+    if value.layout != torch.strided:
+        return f"a {str(value.layout).replace('torch.', '')} tensor; make it dense first (tensor.to_dense())"
+    return None
+
+
+def _tied_keys(own: dict) -> dict[str, list[str]]:
+    """key -> the other keys of the model's state dict that are the same tensor."""
+    groups: dict[tuple, list[str]] = {}
+    for k, v in own.items():
+        if v.numel():
+            groups.setdefault((v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride()), []).append(k)
+    return {k: [t for t in g if t != k] for g in groups.values() if len(g) > 1 for k in g}
+
+
+def _tie_problems(state: dict, tied: dict) -> list[str]:
+    """Tied keys that the checkpoint gives different values: loading both would keep
+    whichever came last, a model that is neither of the checkpoint's."""
+    out = []
+    for k, others in tied.items():
+        for t in others:
+            if k < t and k in state and t in state and not torch.equal(state[k].to(state[t].dtype), state[t]):
+                out.append(f"{k} differs from {t}, which this model ties to it (one tensor): the checkpoint has "
+                           f"an untied head that this architecture cannot hold")
+    return out
 
 
 def _names(keys: list[str], limit: int = 12) -> str:

@@ -1,8 +1,17 @@
-// Fused GIoU loss on CPU: one loop for the forward, one for the hand-written backward, and the
-// box check of fastzoo.losses.giou.first_bad_box in one pass. Built on first use by
-// giou_cpu.py (torch.utils.cpp_extension) and registered as the CPU kernels of the
-// torch.library ops defined in giou_op.py; the math is giou_op.py's closed form, element by
-// element, in torchvision's op order (fp16/bf16 boxes computed in fp32, fp64 in fp64).
+// Fused GIoU loss on CPU, registered as the CPU kernels of the torch.library ops defined in
+// giou_op.py and built on first use (torch.utils.cpp_extension):
+//
+//   giou_loss_fwd / giou_loss_bwd        elementwise loss of [N, 4] pairs, hand-written backward;
+//   giou_loss_masked / _masked_bwd       padded [..., 4] pairs, validity from a mask or from the
+//                                        target (an inverted box marks padding), the masked
+//                                        sum / mean fused in, no gather and no host sync;
+//   first_bad_box                        the box check of fastzoo.losses.giou in one pass.
+//
+// The math is giou_op.py's closed form, element by element, in torchvision's op order. pred and
+// target may have different dtypes (bf16 predictions under autocast, fp32 targets): each is read
+// in its own dtype and the math runs in fp32 (fp64 if either is fp64); the loss is returned in
+// that compute dtype and each gradient in its input's dtype. Sums accumulate in fp64, as the
+// Triton kernel's do (triton_giou.py), so both devices reduce alike.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -13,47 +22,106 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 
 namespace {
 
 // Below this many boxes one thread does the whole loop (thread start-up costs more).
 constexpr int64_t kGrain = 16384;
+enum Reduction : int64_t { kNone = 0, kSum = 1, kMean = 2 };
 
 template <typename T>
 inline T tie(T a, T b) {  // d max(a, b) / da under autograd's rule: 1, 1/2 at a tie, 0
   return a > b ? T(1) : (a == b ? T(0.5) : T(0));
 }
 
-void check_inputs(const at::Tensor& pred, const at::Tensor& target) {
-  TORCH_CHECK(pred.dim() == 2 && pred.size(1) == 4 && pred.sizes() == target.sizes(),
-              "giou_loss: pred and target must both be [N, 4], got ", pred.sizes(), " and ", target.sizes());
-  TORCH_CHECK(pred.scalar_type() == target.scalar_type(), "giou_loss: pred is ", pred.scalar_type(),
-              " but target is ", target.scalar_type());
+template <typename acc_t>
+struct Box {
+  acc_t x1, y1, x2, y2;
+  template <typename scalar_t>
+  static Box load(const scalar_t* p) {
+    return {static_cast<acc_t>(p[0]), static_cast<acc_t>(p[1]), static_cast<acc_t>(p[2]), static_cast<acc_t>(p[3])};
+  }
+  bool inverted() const { return x2 < x1 || y2 < y1; }  // the padding sentinel (NaN is not padding)
+};
+
+template <typename acc_t>
+inline acc_t giou_loss_one(const Box<acc_t>& a, const Box<acc_t>& b, acc_t e) {
+  const acc_t iw = std::min(a.x2, b.x2) - std::max(a.x1, b.x1);
+  const acc_t ih = std::min(a.y2, b.y2) - std::max(a.y1, b.y1);
+  const acc_t inter = (iw > 0 && ih > 0) ? iw * ih : acc_t(0);
+  const acc_t uni = (a.x2 - a.x1) * (a.y2 - a.y1) + (b.x2 - b.x1) * (b.y2 - b.y1) - inter;
+  const acc_t area_c = (std::max(a.x2, b.x2) - std::min(a.x1, b.x1)) * (std::max(a.y2, b.y2) - std::min(a.y1, b.y1));
+  return acc_t(1) - (inter / (uni + e) - (area_c - uni) / (area_c + e));
 }
 
-at::Tensor giou_loss_fwd_cpu(const at::Tensor& pred_in, const at::Tensor& target_in, double eps) {
-  check_inputs(pred_in, target_in);
-  const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
-  const int64_t n = pred.size(0);
-  const auto out_type = pred.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor loss = at::empty({n}, pred.options().dtype(out_type));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pred.scalar_type(), "giou_loss_fwd_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* p = pred.const_data_ptr<scalar_t>();
-    const scalar_t* t = target.const_data_ptr<scalar_t>();
-    acc_t* out = loss.mutable_data_ptr<acc_t>();
-    const acc_t e = static_cast<acc_t>(eps);
-    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const acc_t x1 = p[4 * i], y1 = p[4 * i + 1], x2 = p[4 * i + 2], y2 = p[4 * i + 3];
-        const acc_t x1g = t[4 * i], y1g = t[4 * i + 1], x2g = t[4 * i + 2], y2g = t[4 * i + 3];
-        const acc_t iw = std::min(x2, x2g) - std::max(x1, x1g);
-        const acc_t ih = std::min(y2, y2g) - std::max(y1, y1g);
-        const acc_t inter = (iw > 0 && ih > 0) ? iw * ih : acc_t(0);
-        const acc_t uni = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter;
-        const acc_t area_c = (std::max(x2, x2g) - std::min(x1, x1g)) * (std::max(y2, y2g) - std::min(y1, y1g));
-        out[i] = acc_t(1) - (inter / (uni + e) - (area_c - uni) / (area_c + e));
+// Gradients of g * loss(a, b) with respect to a's and b's four coordinates.
+template <typename acc_t>
+inline void giou_grad_one(const Box<acc_t>& a, const Box<acc_t>& b, acc_t g, acc_t e, acc_t* ga, acc_t* gb) {
+  const acc_t w1 = a.x2 - a.x1, h1 = a.y2 - a.y1, w2 = b.x2 - b.x1, h2 = b.y2 - b.y1;
+  const acc_t iw = std::min(a.x2, b.x2) - std::max(a.x1, b.x1);
+  const acc_t ih = std::min(a.y2, b.y2) - std::max(a.y1, b.y1);
+  const bool overlap = iw > 0 && ih > 0;  // touching boxes: no intersection, no gradient
+  const acc_t inter = overlap ? iw * ih : acc_t(0);
+  const acc_t uni = w1 * h1 + w2 * h2 - inter;
+  const acc_t cw = std::max(a.x2, b.x2) - std::min(a.x1, b.x1);
+  const acc_t ch = std::max(a.y2, b.y2) - std::min(a.y1, b.y1);
+  const acc_t u = uni + e, c = cw * ch + e;
+  const acc_t g_union = g * inter / (u * u) - g / c;
+  const acc_t g_inter = overlap ? -g / u - g_union : acc_t(0);
+  const acc_t g_area_c = g * (uni + e) / (c * c);
+  const acc_t g_iw = g_inter * ih, g_ih = g_inter * iw;
+  const acc_t g_cw = g_area_c * ch, g_ch = g_area_c * cw;
+  // share of max(x1, x1g) going to x1, of min(x2, x2g) going to x2; same in y
+  const acc_t tx1 = tie(a.x1, b.x1), ty1 = tie(a.y1, b.y1), tx2 = tie(b.x2, a.x2), ty2 = tie(b.y2, a.y2);
+  ga[0] = -g_iw * tx1 - g_cw * (1 - tx1) - g_union * h1;
+  ga[1] = -g_ih * ty1 - g_ch * (1 - ty1) - g_union * w1;
+  ga[2] = g_iw * tx2 + g_cw * (1 - tx2) + g_union * h1;
+  ga[3] = g_ih * ty2 + g_ch * (1 - ty2) + g_union * w1;
+  gb[0] = -g_iw * (1 - tx1) - g_cw * tx1 - g_union * h2;
+  gb[1] = -g_ih * (1 - ty1) - g_ch * ty1 - g_union * w2;
+  gb[2] = g_iw * (1 - tx2) + g_cw * tx2 + g_union * h2;
+  gb[3] = g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2;
+}
+
+at::ScalarType compute_type(const at::Tensor& pred, const at::Tensor& target) {
+  return (pred.scalar_type() == at::kDouble || target.scalar_type() == at::kDouble) ? at::kDouble : at::kFloat;
+}
+
+// Calls f.template operator()<pred_t, target_t, acc_t>() for the two tensors' dtypes.
+template <typename F>
+void dispatch_pair(const at::Tensor& pred, const at::Tensor& target, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pred.scalar_type(), "giou_loss (pred)", [&] {
+    using pred_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "giou_loss (target)", [&] {
+      using target_t = scalar_t;
+      if (compute_type(pred, target) == at::kDouble) {
+        f.template operator()<pred_t, target_t, double>();
+      } else {
+        f.template operator()<pred_t, target_t, float>();
       }
+    });
+  });
+}
+
+void check_pair(const at::Tensor& pred, const at::Tensor& target, const char* name) {
+  TORCH_CHECK(pred.size(-1) == 4 && pred.sizes() == target.sizes(), name, ": pred and target must have the same shape [..., 4], got ",
+              pred.sizes(), " and ", target.sizes());
+}
+
+// -- elementwise [N, 4] ---------------------------------------------------------------------
+at::Tensor giou_loss_fwd_cpu(const at::Tensor& pred_in, const at::Tensor& target_in, double eps) {
+  check_pair(pred_in, target_in, "giou_loss");
+  const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
+  const int64_t n = pred.numel() / 4;
+  at::Tensor loss = at::empty(pred.sizes().slice(0, pred.dim() - 1), pred.options().dtype(compute_type(pred, target)));
+  dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
+    const P* p = pred.const_data_ptr<P>();
+    const T* t = target.const_data_ptr<T>();
+    A* out = loss.mutable_data_ptr<A>();
+    const A e = static_cast<A>(eps);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) out[i] = giou_loss_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), e);
     });
   });
   return loss;
@@ -61,59 +129,139 @@ at::Tensor giou_loss_fwd_cpu(const at::Tensor& pred_in, const at::Tensor& target
 
 std::tuple<at::Tensor, at::Tensor> giou_loss_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& pred_in,
                                                      const at::Tensor& target_in, double eps) {
-  check_inputs(pred_in, target_in);
+  check_pair(pred_in, target_in, "giou_loss_bwd");
   const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
-  const int64_t n = pred.size(0);
+  const int64_t n = pred.numel() / 4;
   TORCH_CHECK(grad_in.numel() == n, "giou_loss_bwd: grad has ", grad_in.numel(), " elements for ", n, " boxes");
-  const auto acc_type = pred.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor grad = grad_in.to(acc_type).contiguous();
+  const at::Tensor grad = grad_in.to(compute_type(pred, target)).contiguous();
   at::Tensor grad_pred = at::empty_like(pred), grad_target = at::empty_like(target);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pred.scalar_type(), "giou_loss_bwd_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* p = pred.const_data_ptr<scalar_t>();
-    const scalar_t* t = target.const_data_ptr<scalar_t>();
-    const acc_t* go = grad.const_data_ptr<acc_t>();
-    scalar_t* gp = grad_pred.mutable_data_ptr<scalar_t>();
-    scalar_t* gt = grad_target.mutable_data_ptr<scalar_t>();
-    const acc_t e = static_cast<acc_t>(eps);
+  dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
+    const P* p = pred.const_data_ptr<P>();
+    const T* t = target.const_data_ptr<T>();
+    const A* go = grad.const_data_ptr<A>();
+    P* gp = grad_pred.mutable_data_ptr<P>();
+    T* gt = grad_target.mutable_data_ptr<T>();
+    const A e = static_cast<A>(eps);
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      A ga[4], gb[4];
       for (int64_t i = begin; i < end; ++i) {
-        const acc_t x1 = p[4 * i], y1 = p[4 * i + 1], x2 = p[4 * i + 2], y2 = p[4 * i + 3];
-        const acc_t x1g = t[4 * i], y1g = t[4 * i + 1], x2g = t[4 * i + 2], y2g = t[4 * i + 3];
-        const acc_t g = go[i];
-        const acc_t w1 = x2 - x1, h1 = y2 - y1, w2 = x2g - x1g, h2 = y2g - y1g;
-        const acc_t iw = std::min(x2, x2g) - std::max(x1, x1g);
-        const acc_t ih = std::min(y2, y2g) - std::max(y1, y1g);
-        const bool overlap = iw > 0 && ih > 0;  // touching boxes: no intersection, no gradient
-        const acc_t inter = overlap ? iw * ih : acc_t(0);
-        const acc_t uni = w1 * h1 + w2 * h2 - inter;
-        const acc_t cw = std::max(x2, x2g) - std::min(x1, x1g);
-        const acc_t ch = std::max(y2, y2g) - std::min(y1, y1g);
-        const acc_t u = uni + e, c = cw * ch + e;
-        const acc_t g_union = g * inter / (u * u) - g / c;
-        const acc_t g_inter = overlap ? -g / u - g_union : acc_t(0);
-        const acc_t g_area_c = g * (uni + e) / (c * c);
-        const acc_t g_iw = g_inter * ih, g_ih = g_inter * iw;
-        const acc_t g_cw = g_area_c * ch, g_ch = g_area_c * cw;
-        // share of max(x1, x1g) going to x1, of min(x2, x2g) going to x2; same in y
-        const acc_t tx1 = tie(x1, x1g), ty1 = tie(y1, y1g), tx2 = tie(x2g, x2), ty2 = tie(y2g, y2);
-        gp[4 * i] = -g_iw * tx1 - g_cw * (1 - tx1) - g_union * h1;
-        gp[4 * i + 1] = -g_ih * ty1 - g_ch * (1 - ty1) - g_union * w1;
-        gp[4 * i + 2] = g_iw * tx2 + g_cw * (1 - tx2) + g_union * h1;
-        gp[4 * i + 3] = g_ih * ty2 + g_ch * (1 - ty2) + g_union * w1;
-        gt[4 * i] = -g_iw * (1 - tx1) - g_cw * tx1 - g_union * h2;
-        gt[4 * i + 1] = -g_ih * (1 - ty1) - g_ch * ty1 - g_union * w2;
-        gt[4 * i + 2] = g_iw * (1 - tx2) + g_cw * tx2 + g_union * h2;
-        gt[4 * i + 3] = g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2;
+        giou_grad_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), go[i], e, ga, gb);
+        for (int k = 0; k < 4; ++k) gp[4 * i + k] = static_cast<P>(ga[k]), gt[4 * i + k] = static_cast<T>(gb[k]);
       }
     });
   });
   return {grad_pred, grad_target};
 }
 
-// The autograd rule in C++ (as torchvision does for its C++ ops), so an eager CPU call is one
-// dispatcher call with no Python in between; CUDA and the vectorised fallback keep the Python
-// rule of giou_op.py (register_autograd), and torch.compile traces either one.
+// -- padded [..., 4] with the masked reduction fused in ----------------------------------------
+void check_masked(const at::Tensor& pred, const at::Tensor& target, const std::optional<at::Tensor>& mask,
+                  int64_t reduction) {
+  check_pair(pred, target, "giou_loss_masked");
+  TORCH_CHECK(reduction == kNone || reduction == kSum || reduction == kMean, "giou_loss_masked: reduction code ",
+              reduction, " is not 0 (none), 1 (sum) or 2 (mean)");
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->sizes() == pred.sizes().slice(0, pred.dim() - 1),
+                "giou_loss_masked: mask must be bool of shape ", pred.sizes().slice(0, pred.dim() - 1), ", got ",
+                mask->scalar_type(), " ", mask->sizes());
+  }
+}
+
+// Whether row i is a real pair: mask[i] if given, else the target is not an inverted box.
+template <typename A, typename T>
+inline bool row_valid(const bool* m, const T* t, int64_t i) {
+  return m ? m[i] : !Box<A>::load(t + 4 * i).inverted();
+}
+
+at::Tensor giou_loss_masked_cpu(const at::Tensor& pred_in, const at::Tensor& target_in,
+                                const std::optional<at::Tensor>& mask_in, double eps, int64_t reduction) {
+  check_masked(pred_in, target_in, mask_in, reduction);
+  const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
+  const std::optional<at::Tensor> mask = mask_in.has_value() ? std::optional<at::Tensor>(mask_in->contiguous()) : std::nullopt;
+  const int64_t n = pred.numel() / 4;
+  const auto ct = compute_type(pred, target);
+  at::Tensor out = reduction == kNone ? at::empty(pred.sizes().slice(0, pred.dim() - 1), pred.options().dtype(ct))
+                                      : at::empty({}, pred.options().dtype(ct));
+  dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
+    const P* p = pred.const_data_ptr<P>();
+    const T* t = target.const_data_ptr<T>();
+    const bool* m = mask.has_value() ? mask->const_data_ptr<bool>() : nullptr;
+    const A e = static_cast<A>(eps);
+    if (reduction == kNone) {
+      A* o = out.mutable_data_ptr<A>();
+      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i)
+          o[i] = row_valid<A>(m, t, i) ? giou_loss_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), e) : A(0);
+      });
+      return;
+    }
+    // (sum, count) over the real pairs, in fp64
+    using SumCount = std::pair<double, int64_t>;
+    const SumCount total = at::parallel_reduce(
+        0, n, kGrain, SumCount{0.0, 0},
+        [&](int64_t begin, int64_t end, SumCount acc) {
+          for (int64_t i = begin; i < end; ++i) {
+            if (!row_valid<A>(m, t, i)) continue;
+            acc.first += static_cast<double>(giou_loss_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), e));
+            acc.second += 1;
+          }
+          return acc;
+        },
+        [](SumCount a, SumCount b) { return SumCount{a.first + b.first, a.second + b.second}; });
+    // mean over no pairs is 0, as torchvision's mean of an empty loss
+    const double value = reduction == kSum ? total.first : (total.second ? total.first / total.second : 0.0);
+    *out.mutable_data_ptr<A>() = static_cast<A>(value);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& pred_in,
+                                                            const at::Tensor& target_in,
+                                                            const std::optional<at::Tensor>& mask_in, double eps,
+                                                            int64_t reduction) {
+  check_masked(pred_in, target_in, mask_in, reduction);
+  const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
+  const std::optional<at::Tensor> mask = mask_in.has_value() ? std::optional<at::Tensor>(mask_in->contiguous()) : std::nullopt;
+  const int64_t n = pred.numel() / 4;
+  const at::Tensor grad = grad_in.to(compute_type(pred, target)).contiguous();
+  TORCH_CHECK(grad.numel() == (reduction == kNone ? n : 1), "giou_loss_masked_bwd: grad has ", grad.numel(), " elements");
+  at::Tensor grad_pred = at::empty_like(pred), grad_target = at::empty_like(target);
+  dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
+    const P* p = pred.const_data_ptr<P>();
+    const T* t = target.const_data_ptr<T>();
+    const bool* m = mask.has_value() ? mask->const_data_ptr<bool>() : nullptr;
+    const A* go = grad.const_data_ptr<A>();
+    P* gp = grad_pred.mutable_data_ptr<P>();
+    T* gt = grad_target.mutable_data_ptr<T>();
+    const A e = static_cast<A>(eps);
+    A scale = go[0];
+    if (reduction == kMean) {
+      const int64_t count = at::parallel_reduce(
+          0, n, kGrain, int64_t(0),
+          [&](int64_t begin, int64_t end, int64_t c) {
+            for (int64_t i = begin; i < end; ++i) c += row_valid<A>(m, t, i);
+            return c;
+          },
+          std::plus<int64_t>());
+      scale = count ? static_cast<A>(static_cast<double>(go[0]) / count) : A(0);
+    }
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      A ga[4], gb[4];
+      for (int64_t i = begin; i < end; ++i) {
+        if (row_valid<A>(m, t, i)) {
+          giou_grad_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), reduction == kNone ? go[i] : scale, e, ga, gb);
+        } else {  // padding: whatever it holds, no gradient
+          for (int k = 0; k < 4; ++k) ga[k] = gb[k] = A(0);
+        }
+        for (int k = 0; k < 4; ++k) gp[4 * i + k] = static_cast<P>(ga[k]), gt[4 * i + k] = static_cast<T>(gb[k]);
+      }
+    });
+  });
+  return {grad_pred, grad_target};
+}
+
+// -- autograd in C++ (as torchvision does for its C++ ops): an eager CPU call is one dispatcher
+// call with no Python in between; CUDA and the vectorised fallback keep the Python rules of
+// giou_op.py (register_autograd), and torch.compile traces either one.
 class GiouLossFunction : public torch::autograd::Function<GiouLossFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& pred, const at::Tensor& target,
@@ -130,12 +278,42 @@ class GiouLossFunction : public torch::autograd::Function<GiouLossFunction> {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastzoo::giou_loss_bwd", "").typed<decltype(giou_loss_bwd_cpu)>();
     const auto saved = ctx->get_saved_variables();
     auto [grad_pred, grad_target] = op.call(grads[0], saved[0], saved[1], ctx->saved_data["eps"].toDouble());
-    return {grad_pred, grad_target, at::Tensor()};
+    return {ctx->needs_input_grad(0) ? grad_pred : at::Tensor(), ctx->needs_input_grad(1) ? grad_target : at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+class GiouMaskedFunction : public torch::autograd::Function<GiouMaskedFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& pred, const at::Tensor& target,
+                            const std::optional<at::Tensor>& mask, double eps, int64_t reduction) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastzoo::giou_loss_masked", "").typed<decltype(giou_loss_masked_cpu)>();
+    ctx->save_for_backward({pred, target, mask.has_value() ? *mask : at::Tensor()});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["reduction"] = reduction;
+    return op.call(pred, target, mask, eps, reduction);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastzoo::giou_loss_masked_bwd", "").typed<decltype(giou_loss_masked_bwd_cpu)>();
+    const auto saved = ctx->get_saved_variables();
+    const std::optional<at::Tensor> mask = saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    auto [grad_pred, grad_target] = op.call(grads[0], saved[0], saved[1], mask, ctx->saved_data["eps"].toDouble(),
+                                            ctx->saved_data["reduction"].toInt());
+    return {ctx->needs_input_grad(0) ? grad_pred : at::Tensor(), ctx->needs_input_grad(1) ? grad_target : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor giou_loss_fwd_autograd(const at::Tensor& pred, const at::Tensor& target, double eps) {
   return GiouLossFunction::apply(pred, target, eps);
+}
+
+at::Tensor giou_loss_masked_autograd(const at::Tensor& pred, const at::Tensor& target,
+                                     const std::optional<at::Tensor>& mask, double eps, int64_t reduction) {
+  return GiouMaskedFunction::apply(pred, target, mask, eps, reduction);
 }
 
 // Flattened row of the first box that is not finite or has x2 < x1 or y2 < y1, or -1.
@@ -165,9 +343,12 @@ TORCH_LIBRARY_FRAGMENT(fastzoo, m) {
 TORCH_LIBRARY_IMPL(fastzoo, CPU, m) {
   m.impl("giou_loss_fwd", giou_loss_fwd_cpu);
   m.impl("giou_loss_bwd", giou_loss_bwd_cpu);
+  m.impl("giou_loss_masked", giou_loss_masked_cpu);
+  m.impl("giou_loss_masked_bwd", giou_loss_masked_bwd_cpu);
   m.impl("first_bad_box", first_bad_box_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastzoo, AutogradCPU, m) {
   m.impl("giou_loss_fwd", giou_loss_fwd_autograd);
+  m.impl("giou_loss_masked", giou_loss_masked_autograd);
 }

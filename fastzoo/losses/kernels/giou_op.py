@@ -1,7 +1,13 @@
 """The fused GIoU loss as ``torch.library`` ops, with a hand-written backward.
 
 ``torch.ops.fastzoo.giou_loss_fwd(pred[N,4], target[N,4], eps) -> loss[N]`` and
-``torch.ops.fastzoo.giou_loss_bwd(grad[N], pred, target, eps) -> (grad_pred, grad_target)``.
+``torch.ops.fastzoo.giou_loss_bwd(grad[N], pred, target, eps) -> (grad_pred, grad_target)``;
+for padded pairs ``torch.ops.fastzoo.giou_loss_masked(pred[...,4], target[...,4], mask[...] | None,
+eps, reduction) -> loss`` (reduction 0 none / 1 sum / 2 mean over the real pairs; ``mask=None``
+reads validity from the target: an inverted box is padding) and its ``giou_loss_masked_bwd``.
+The padded op is the whole loss in one kernel launch per direction: no gather of the real
+pairs, no separate reduction, no host sync. pred and target may differ in dtype (bf16
+predictions, fp32 targets); the loss is fp32 (fp64 if either is fp64).
 Kernels, by device (``kernel_path`` says which one runs):
 
 - ``"cpu-cpp"``: one C++ loop for the forward and one for the backward (``giou_cpu.cpp``),
@@ -90,9 +96,10 @@ def _load_cpp_kernel() -> str:
     return "cpu-cpp"
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp16/bf16 are computed (and the loss returned) in fp32, as torchvision does."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp16/bf16 are computed (and the loss returned) in fp32, as torchvision does; fp64 if any
+    input is fp64. pred and target may differ (bf16 predictions, fp32 targets under autocast)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _tie_weight(a: Tensor, b: Tensor) -> Tensor:
@@ -101,7 +108,7 @@ def _tie_weight(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _forward_vectorised(pred: Tensor, target: Tensor, eps: float) -> Tensor:
-    ct = compute_dtype(pred.dtype)
+    ct = compute_dtype(pred.dtype, target.dtype)
     x1, y1, x2, y2 = pred.to(ct).unbind(-1)
     x1g, y1g, x2g, y2g = target.to(ct).unbind(-1)
     iw = torch.minimum(x2, x2g) - torch.maximum(x1, x1g)
@@ -113,7 +120,7 @@ def _forward_vectorised(pred: Tensor, target: Tensor, eps: float) -> Tensor:
 
 
 def _backward_vectorised(grad: Tensor, pred: Tensor, target: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    ct = compute_dtype(pred.dtype)
+    ct = compute_dtype(pred.dtype, target.dtype)
     g = grad.to(ct)
     x1, y1, x2, y2 = pred.to(ct).unbind(-1)
     x1g, y1g, x2g, y2g = target.to(ct).unbind(-1)
@@ -175,7 +182,7 @@ def _giou_loss_fwd_xla(pred: Tensor, target: Tensor, eps: float) -> Tensor:
 
 @giou_loss_fwd.register_fake
 def _(pred, target, eps):
-    return pred.new_empty(pred.shape[:-1], dtype=compute_dtype(pred.dtype))
+    return pred.new_empty(pred.shape[:-1], dtype=compute_dtype(pred.dtype, target.dtype))
 
 
 @torch.library.custom_op("fastzoo::giou_loss_bwd", mutates_args=())
@@ -221,6 +228,97 @@ def _backward(ctx, grad):
 
 
 giou_loss_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- padded pairs, the masked reduction fused in ------------------------------------------
+REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2}
+
+
+def padding_rows(target: Tensor) -> Tensor:
+    """[...] bool: rows of a padded target [..., 4] that are padding, marked by an inverted box
+    (x2 < x1 or y2 < y1; ``fastzoo.losses.giou.PAD_BOX``). NaN is not padding: it stays visible."""
+    return (target[..., 2] < target[..., 0]) | (target[..., 3] < target[..., 1])
+
+
+def _valid_rows(target: Tensor, mask: Tensor | None) -> Tensor:
+    return mask if mask is not None else ~padding_rows(target)
+
+
+def _masked_vectorised(pred: Tensor, target: Tensor, mask: Tensor | None, eps: float, reduction: int) -> Tensor:
+    valid = _valid_rows(target, mask)
+    loss = torch.where(valid, _forward_vectorised(pred, target, eps), 0.0)  # padding's NaN never selected
+    if reduction == 0:
+        return loss
+    total = loss.sum(dtype=torch.float64)  # fp64 accumulation, as the C++ and Triton kernels
+    if reduction == 2:
+        total = total / valid.sum().clamp_min(1)  # over no pairs: 0 (torchvision's empty mean)
+    return total.to(loss.dtype)
+
+
+def _masked_backward_vectorised(grad, pred, target, mask, eps: float, reduction: int) -> tuple[Tensor, Tensor]:
+    valid = _valid_rows(target, mask)
+    ct = compute_dtype(pred.dtype, target.dtype)
+    g = grad.to(ct)
+    if reduction == 2:
+        g = (g.double() / valid.sum().clamp_min(1)).to(ct)
+    g = torch.where(valid, g.expand(valid.shape), 0.0)
+    unit = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=ct, device=pred.device)  # padding may hold NaN: no NaN * 0
+    gp, gt = _backward_vectorised(g, torch.where(valid[..., None], pred.to(ct), unit),
+                                  torch.where(valid[..., None], target.to(ct), unit), eps)
+    return gp.to(pred.dtype), gt.to(target.dtype)
+
+
+@torch.library.custom_op("fastzoo::giou_loss_masked", mutates_args=())
+def giou_loss_masked(pred: Tensor, target: Tensor, mask: Tensor | None, eps: float, reduction: int) -> Tensor:
+    return _masked_vectorised(pred, target, mask, eps, reduction)
+
+
+@giou_loss_masked.register_kernel("cuda")
+def _giou_loss_masked_cuda(pred, target, mask, eps, reduction):
+    from fastzoo.losses.kernels import triton_giou
+
+    m = mask.contiguous() if mask is not None else None
+    return triton_giou.masked_forward(pred.contiguous(), target.contiguous(), m, eps, reduction)
+
+
+@giou_loss_masked.register_fake
+def _(pred, target, mask, eps, reduction):
+    return pred.new_empty(pred.shape[:-1] if reduction == 0 else (), dtype=compute_dtype(pred.dtype, target.dtype))
+
+
+@torch.library.custom_op("fastzoo::giou_loss_masked_bwd", mutates_args=())
+def giou_loss_masked_bwd(grad: Tensor, pred: Tensor, target: Tensor, mask: Tensor | None, eps: float,
+                         reduction: int) -> tuple[Tensor, Tensor]:
+    return _masked_backward_vectorised(grad, pred, target, mask, eps, reduction)
+
+
+@giou_loss_masked_bwd.register_kernel("cuda")
+def _giou_loss_masked_bwd_cuda(grad, pred, target, mask, eps, reduction):
+    from fastzoo.losses.kernels import triton_giou
+
+    m = mask.contiguous() if mask is not None else None
+    return triton_giou.masked_backward(grad, pred.contiguous(), target.contiguous(), m, eps, reduction)
+
+
+@giou_loss_masked_bwd.register_fake
+def _(grad, pred, target, mask, eps, reduction):
+    return torch.empty_like(pred), torch.empty_like(target)
+
+
+def _setup_masked(ctx, inputs, output):
+    pred, target, mask, eps, reduction = inputs
+    ctx.save_for_backward(pred, target, mask)
+    ctx.eps, ctx.reduction = eps, reduction
+
+
+def _backward_masked(ctx, grad):
+    pred, target, mask = ctx.saved_tensors
+    grad_pred, grad_target = giou_loss_masked_bwd(grad.contiguous(), pred, target, mask, ctx.eps, ctx.reduction)
+    return (grad_pred if ctx.needs_input_grad[0] else None, grad_target if ctx.needs_input_grad[1] else None,
+            None, None, None)
+
+
+giou_loss_masked.register_autograd(_backward_masked, setup_context=_setup_masked)
 
 
 def fused_giou_loss(pred: Tensor, target: Tensor, eps: float = 1e-7) -> Tensor:

@@ -1,0 +1,144 @@
+"""fastzoo.losses.linear_cross_entropy equals F.cross_entropy(hidden @ weight.T, target) in value
+and gradient, for every impl, reduction, ignore pattern and autocast dtype."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastzoo.losses import linear_cross_entropy
+from fastzoo.losses.linear_ce import chunk_rows
+
+N, D, V = 300, 32, 1000  # chunk_rows(300, 1000, 32) = 64 rows: 5 chunks, the last one partial
+IMPLS = ["fused", "torch", "reference", "auto"]
+
+
+def case(seed=0, n=N, d=D, v=V, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    w = (0.5 * torch.randn(v, d, generator=g)).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    if ignore:
+        t[::3] = -100
+        t[64:128] = -100  # one whole chunk ignored
+    return h, w, t
+
+
+def value_and_grads(fn, h, w, t, reduction, seed=1):
+    out = fn(h, w, t, reduction)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return (out, *torch.autograd.grad(out, (h, w), g))
+
+
+REF = lambda h, w, t, r: F.cross_entropy(h @ w.T, t, reduction=r)  # noqa: E731
+
+
+def test_case_spans_several_chunks_with_an_all_ignored_one():
+    assert chunk_rows(N, V, D) == 64 and N % 64 != 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_value_and_grads_match_cross_entropy_of_the_logits(impl, reduction):
+    h, w, t = case()
+    ref = value_and_grads(REF, h, w, t, reduction)
+    out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl=impl), h, w, t, reduction)
+    for name, a, b in zip(("loss", "grad hidden", "grad weight"), out, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        # fp32, summation order differs: 1e-5 relative to the largest value (a "sum" loss is ~2e3)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)
+
+
+def test_custom_ignore_index_and_leading_dims():
+    h, w, t = case(ignore=False)
+    t[5:40] = 7  # class 7 is a real class for the reference too, but ignored here
+    h_BSD, t_BS = h.reshape(3, 100, D), t.reshape(3, 100)
+    ref = value_and_grads(lambda h, w, t, r: F.cross_entropy(h @ w.T, t, ignore_index=7, reduction=r), h, w, t, "mean")
+    out = value_and_grads(lambda h, w, t, r: linear_cross_entropy(h.reshape(3, 100, D), w, t.reshape(3, 100),
+                                                                  ignore_index=7), h, w, t, "mean")
+    assert h_BSD.shape[:-1] == t_BS.shape
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_all_targets_ignored_gives_nan_mean_and_zero_grads_like_cross_entropy(impl):
+    h, w, _ = case()
+    t = torch.full((N,), -100)
+    loss = linear_cross_entropy(h, w, t, impl=impl)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert torch.isnan(loss)
+    assert gh.abs().max() == 0 and gw.abs().max() == 0
+
+
+def test_tied_weight_gets_both_gradients():
+    """GPT-2 ties the LM head to the token embedding: both uses add into one gradient."""
+    h, w, t = case()
+    ids = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
+
+    def tied(impl):
+        x = h + w[ids]  # the embedding lookup
+        loss = F.cross_entropy(x @ w.T, t) if impl == "ref" else linear_cross_entropy(x, w, t, impl=impl)
+        return torch.autograd.grad(loss, (h, w))
+
+    for a, b in zip(tied("fused"), tied("ref")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32
+
+
+def test_frozen_weight_and_no_grad():
+    h, w, t = case()
+    w = w.detach()
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, w, t, impl="fused"), (h,))
+    torch.testing.assert_close(gh, torch.autograd.grad(REF(h, w, t, "mean"), (h,))[0], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, t, impl="fused")
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, REF(h, w, t, "mean").detach(), rtol=1e-6, atol=1e-6)  # fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_matches_the_reference_under_autocast(dtype):
+    """The issue-14 rule: every loss path runs under autocast and matches fp32 within the dtype's
+    tolerance. The matmuls run in the low dtype (as the reference's), softmax in fp32."""
+    h, w, t = case()
+    fp32 = value_and_grads(REF, h, w, t, "mean")
+    with torch.autocast("cpu", dtype=dtype):
+        ref = value_and_grads(REF, h, w, t, "mean")
+        out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], impl="fused"), h, w, t, "mean")
+    for name, a, b, f in zip(("loss", "grad hidden", "grad weight"), out, ref, fp32):
+        assert a.dtype == b.dtype == f.dtype == torch.float32, name
+        # flash-attn's rule: no further from fp32 than 3x the reference's own low-precision error (+ floor)
+        floor = 1e-3 * f.abs().max().item()
+        assert (a - f).abs().max() <= 3 * (b - f).abs().max() + floor, name
+
+
+def test_low_precision_inputs_without_autocast_return_their_dtype():
+    h, w, t = case()
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    ref, out = REF(hb, wb, t, "mean"), linear_cross_entropy(hb, wb, t, impl="fused")
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert abs(out.item() - REF(h, w, t, "mean").item()) <= 2e-2 * abs(out.item())  # bf16: 8 bits of mantissa
+    assert torch.autograd.grad(out, hb)[0].dtype == torch.bfloat16
+
+
+def test_second_backward_is_refused_not_wrong():
+    h, w, t = case()
+    loss = linear_cross_entropy(h, w, t, impl="fused")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(impl="liger"), "impl="),
+    (dict(reduction="avg"), "reduction="),
+    (dict(target_N=torch.zeros(N)), "target_N must hold integer"),
+    (dict(target_N=torch.zeros(N + 1, dtype=torch.long)), "target_N must have shape"),
+    (dict(target_N=torch.full((N,), V)), r"target_N\[0\] = 1000"),
+    (dict(weight_VD=torch.zeros(V, D + 1)), "weight_VD must be"),
+    (dict(weight_VD=torch.zeros(V, D, dtype=torch.float64)), "hidden_ND is torch.float32 but weight_VD"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    h, w, t = case()
+    kw = dict(hidden_ND=h, weight_VD=w, target_N=t) | bad
+    args = [kw.pop(k) for k in ("hidden_ND", "weight_VD", "target_N")]
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(*args, **kw)

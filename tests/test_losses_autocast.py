@@ -1,0 +1,125 @@
+"""Every loss path under autocast and with mixed dtypes (issue 14): bf16 / fp16 predictions
+against fp32 targets, on CPU, through every GIoU implementation and layout, the fused LM-head
+cross-entropy and the detector's loss; each matches the fp32 reference within the dtype's
+tolerance. And the README recipe that crashed, ``train_boxdet.py --giou kernel --amp bf16``,
+at tiny size."""
+import pytest
+import torch
+from torchvision.ops import generalized_box_iou_loss as tv_giou_loss
+
+import fastzoo
+import fastzoo.losses.giou as G
+from fastzoo.data.boxes import collate_boxes
+from fastzoo.losses import giou_loss, giou_loss_padded
+from tests.test_giou import box_pairs, random_boxes
+from tests.test_train_scripts import BOXDET, COMMON, ok, run
+
+# one rounding of the boxes to the dtype (8 / 11 significant bits), amplified by up to ~4 in the
+# loss's differences of coordinates: rtol on the values; grads the same, relative to their scale
+TOL = {torch.bfloat16: 2 ** -6, torch.float16: 2 ** -8}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _fp32_reference(p, t, reduction):
+    a = p.float().clone().requires_grad_()
+    loss = tv_giou_loss(a, t.float(), reduction=reduction)
+    loss.sum().backward()
+    return loss.detach(), a.grad
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_low_precision_predictions_with_fp32_targets(impl, dtype):
+    """The issue-14 crash: the fused kernel refused bf16 predictions with fp32 targets
+    ("pred is BFloat16 but target is Float"). Each is read in its own dtype, computed in fp32."""
+    p, t = box_pairs()
+    a = p.to(dtype).requires_grad_()
+    loss = giou_loss(a, t, reduction="none", impl=impl)
+    loss.sum().backward()
+    assert G.last_impl == ("cpu-cpp" if impl == "kernel" else "torch")
+    assert loss.dtype == torch.float32 and a.grad.dtype == dtype
+    ref, ref_grad = _fp32_reference(p.to(dtype), t, "none")  # the same rounded predictions, in fp32
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)  # fp32 math on identical inputs
+    torch.testing.assert_close(a.grad.float(), ref_grad, rtol=TOL[dtype], atol=1e-5)  # grads rounded to dtype
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize("mask_form", [True, False], ids=["mask", "from-target"])
+def test_padded_loss_with_mixed_dtypes_both_ways(impl, mask_form):
+    """bf16 pred / fp32 target and fp32 pred / fp64 target (the math runs in the wider one)."""
+    preds, targets = [random_boxes(n) for n in (3, 0, 2)], [random_boxes(n) for n in (3, 0, 2)]
+    tb = collate_boxes(targets)
+    pad = collate_boxes(preds).padded
+    for pdt, tdt, tol in ((torch.bfloat16, torch.float32, 1e-6), (torch.float32, torch.float64, 1e-12)):
+        a = pad.to(pdt).requires_grad_()
+        loss = giou_loss_padded(a, tb.padded.to(tdt), tb.mask if mask_form else None, reduction="mean", impl=impl)
+        loss.backward()
+        assert loss.dtype == torch.promote_types(tdt, torch.float32) and a.grad.dtype == pdt
+        ref = tv_giou_loss(torch.cat(preds).to(pdt).to(loss.dtype), torch.cat(targets).to(loss.dtype), reduction="mean")
+        torch.testing.assert_close(loss, ref, rtol=tol, atol=tol)  # same rounded inputs, computed in the wider dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_giou_path_under_autocast(dtype):
+    """A box head under autocast returns low-precision boxes; every GIoU path takes them with
+    fp32 targets and matches the fp32 run within the dtype's tolerance (loss and head grads)."""
+    g = torch.Generator().manual_seed(0)
+    counts = (3, 1, 0, 4)
+    tb = collate_boxes([random_boxes(n, g) for n in counts])
+    head = torch.nn.Linear(8, 4)
+    x = torch.randn(len(counts), tb.mask.shape[1], 8, generator=g)
+
+    def run(path, autocast):
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            s = head(x).sigmoid()
+            pred_BM4 = torch.cat([s[..., :2] * 0.5, s[..., :2] * 0.5 + s[..., 2:] * 0.5], -1)  # valid boxes
+            assert pred_BM4.dtype == (dtype if autocast else torch.float32)
+            if path.startswith("padded"):
+                impl = path.split("-")[1]
+                loss = giou_loss_padded(pred_BM4, tb.padded, reduction="mean", impl=impl, validate=False)
+            else:
+                loss = giou_loss(pred_BM4[tb.mask], tb.boxes, reduction="mean", impl=path)
+        loss.backward()
+        return loss.detach(), head.weight.grad.clone()
+
+    for path in ("kernel", "torch", "padded-kernel", "padded-torch"):
+        (l32, g32), (low, glow) = run(path, False), run(path, True)
+        assert low.dtype == torch.float32, path
+        assert abs(low - l32) <= 4 * TOL[dtype] * abs(l32), path
+        assert (glow - g32).abs().max() <= 4 * TOL[dtype] * g32.abs().max(), path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_detector_loss_under_autocast_matches_fp32(dtype):
+    model = fastzoo.create("boxdet_r50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=32,
+                           num_queries=6, matcher="order").eval()
+    assert model.config.loss == "kernel"  # the detector's default: the padded fused op
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(3, 3, 32, 32, generator=g)
+    targets = collate_boxes([random_boxes(n, g).clamp(0, 1) for n in (2, 0, 3)])
+
+    def loss_and_grad(autocast):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            parts = model.loss_components(model(images), targets)
+        parts["loss"].backward()
+        return {k: v.detach() for k, v in parts.items()}, model.bbox_embed.layers[-1].weight.grad.clone()
+
+    (p32, g32), (plow, glow) = loss_and_grad(False), loss_and_grad(True)
+    assert G.last_impl == "cpu-cpp"
+    for k in ("loss_giou", "loss_bbox", "loss_ce"):
+        assert plow[k].dtype == torch.float32
+        # a whole network in low precision: a few % (bf16) of drift, as in the attention equivalence rule
+        assert abs(plow[k] - p32[k]) <= 16 * TOL[dtype] * max(abs(p32[k]), 1e-3), (k, plow[k], p32[k])
+    assert (glow - g32).abs().max() <= 32 * TOL[dtype] * g32.abs().max()
+
+
+def test_readme_recipe_giou_kernel_amp_bf16(tmp_path):
+    """README / the script's docstring: ``train_boxdet.py ... --giou kernel --amp bf16
+    --channels-last`` (crashed on mixed dtypes), at tiny size."""
+    out = tmp_path / "run"
+    ok(run("train_boxdet.py", *BOXDET, *COMMON, "--giou", "kernel", "--amp", "bf16", "--channels-last",
+           "--steps", 2, "--output-dir", out))
+    losses = [line for line in (out / "log.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(losses) == 2 and "nan" not in " ".join(losses).lower()

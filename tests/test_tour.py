@@ -1,0 +1,108 @@
+"""`fastzoo tour`, the README's main job: at its smallest size, through the real command line.
+
+The tour is run once (a subprocess, as a user runs it); the tests read what it printed and
+wrote. Values are checked, not presence: parity within the fp32 rule, the recommended path
+one that passed parity and the fastest that did, the chart a real PNG. Times are never asserted.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastzoo.bench.harness import Row
+from fastzoo.bench.tour import Entry, recommend
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32_OUT_ATOL = 1e-4  # DESIGN.md: fp32 logits within 1e-4 of the original
+FP32_GRAD_RTOL = 1e-4  # gradients: the worst parameter's relative error (fastzoo.parity's rule)
+MODELS = ["vit", "gpt2", "resnet50", "boxdet_r50 (GIoU loss)"]
+
+
+@pytest.fixture(scope="module")
+def tour(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tour")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "fastzoo.cli", "tour", "--size", "tiny", "--device", "cpu", "--out", str(out),
+                           "--no-progress", "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads((out / "tour.json").read_text()), out
+
+
+def test_every_model_has_a_recommendation_that_passed_parity(tour):
+    _, data, _ = tour
+    assert [r["model"] for r in data["recommendations"]] == MODELS
+    rows = {(r["group"], r["label"]): r for r in data["rows"]}
+    for rec in data["recommendations"]:
+        chosen = [r for r in data["rows"] if r["label"] == rec["label"] and not r["peer"]]
+        assert chosen, f"{rec['model']}: recommended {rec['label']!r}, which is not a measured row"
+        row = chosen[0]
+        assert row["status"] == "ok", f"{rec['model']}: recommended a path with status {row['status']}"
+        assert row["max_err"] is not None and row["max_err"] <= FP32_OUT_ATOL
+        if row["grad_err"] is not None:
+            assert row["grad_err"] <= FP32_GRAD_RTOL
+        assert (row["group"], row["label"]) in rows
+
+
+def test_parity_of_every_timed_fastzoo_path_is_within_the_fp32_rule(tour):
+    _, data, _ = tour
+    checked = 0
+    for r in data["rows"]:
+        assert r["status"] in ("ok", "unavailable"), f"{r['group']} / {r['label']}: {r['status']} {r['note']}"
+        if r["status"] == "ok" and not r["peer"]:
+            assert r["max_err"] <= FP32_OUT_ATOL, f"{r['label']}: logits differ from the original by {r['max_err']}"
+            assert r["grad_err"] is None or r["grad_err"] <= FP32_GRAD_RTOL, f"{r['label']}: grads {r['grad_err']}"
+            checked += 1
+    assert checked >= 4  # at least one fastzoo path per model was compared with its original
+
+
+def test_speedups_are_against_the_original_timed_in_the_same_run(tour):
+    _, data, _ = tour
+    for group in {r["group"] for r in data["rows"]}:
+        rows = [r for r in data["rows"] if r["group"] == group]
+        peer = [r for r in rows if r["peer"]]
+        assert len(peer) == 1, f"{group}: one original per setting"
+        for r in rows:
+            if r["median_s"] is not None:
+                assert r["speedup"] == pytest.approx(peer[0]["median_s"] / r["median_s"])
+
+
+def test_printed_table_and_lines_carry_the_measured_values(tour):
+    stdout, data, _ = tour
+    assert "fastzoo tour on **cpu-" in stdout
+    table = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert [line.split("|")[1].strip() for line in table] == MODELS
+    for rec in data["recommendations"]:
+        assert rec["line"] in stdout  # one line per model: what to use here, the ratio and the parity numbers
+        assert rec["line"].startswith(f"{rec['model']}: {rec['use']}")
+        assert f"{rec['speedup']:.2f}x" in rec["line"]
+
+
+def test_chart_is_a_png_and_the_markdown_lists_every_row(tour):
+    _, data, out = tour
+    png = (out / "tour.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    md = (out / "tour.md").read_text()
+    for r in data["rows"]:
+        assert r["label"] in md
+
+
+def _row(label, status="ok", median=1.0, peer=False):
+    return Row("g", label, False, status, peer=peer, median_s=median if status == "ok" else None,
+               speedup=None, max_err=0.0)
+
+
+def test_recommendation_is_the_fastest_path_that_passed_parity():
+    entry = Entry("m", "orig", suite=None, paths={"a": "use a", "b": "use b", "c": "use c"}, decisive_group="g")
+    rows = [_row("orig", peer=True, median=2.0), _row("a", median=1.0), _row("b", "failed parity"), _row("c", median=0.5)]
+    assert recommend(entry, rows).use == "use c"
+    rows[3] = _row("c", "failed parity")  # the fastest answer is wrong: never recommended
+    assert recommend(entry, rows).use == "use a"
+
+
+def test_no_recommendation_when_nothing_passed():
+    entry = Entry("m", "orig", suite=None, paths={"a": "use a"}, decisive_group="g")
+    rec = recommend(entry, [_row("orig", peer=True), _row("a", "failed parity")])
+    assert rec.row is None and "no fastzoo path passed parity" in rec.line()
