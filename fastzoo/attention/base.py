@@ -87,6 +87,8 @@ class AttnContext:
         ``key`` names what the value depends on beyond the context's own fields (who built
         it, shapes); the context's masks and offsets are fixed for its lifetime.
         """
+        if any(isinstance(k, (torch.SymInt, torch.fx.Proxy)) for k in key):
+            return build()  # a traced size (export's dynamic batch, FX) is no dict key: build per call
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -222,6 +224,8 @@ class AttentionBackend:
 
     # -- compute --------------------------------------------------------------------
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if isinstance(q_BHSD, torch.fx.Proxy):  # symbolic tracing: record the kernel; create checked the request
+            return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
         self.check_call(q_BHSD, ctx)
         Sq, Sk = q_BHSD.shape[-2], k_BHSD.shape[-2]
         if ctx.causal and Sq != Sk and not self.capabilities.kv_cache:

@@ -170,7 +170,7 @@ def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = Non
     ``total_q`` positions: causal is bottom-right aligned (see ``fastzoo.attention.base``).
     """
     offset = 0 if total_k is None else total_k - total_q
-    if offset and ctx.cu_seqlens is not None:
+    if ctx.cu_seqlens is not None and offset:  # this order: under FX tracing offset is a Proxy, not a bool
         raise ValueError("cu_seqlens: packed sequences take no KV cache (fewer queries than keys)")
     kpm = ctx.key_padding_mask
     return and_masks(
