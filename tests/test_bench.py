@@ -11,7 +11,7 @@ import torch
 import fastzoo
 from fastzoo.attention import Capabilities
 from fastzoo.bench import Case, Group, Step, Suite, measure, run_suite, speedup, summarize
-from fastzoo.bench import parity
+from fastzoo.equivalence import compare_cases
 from fastzoo.bench.vit import ViTSetting, vit_suite
 
 TINY_VIT = ViTSetting("tiny", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
@@ -70,17 +70,17 @@ def test_ratios_and_throughput_follow_from_the_measured_medians():
 def test_parity_gate_uses_the_shared_rule():
     ref = {"output": torch.zeros(3), "grad:w": torch.tensor([1.0, -4.0])}
     got = {"output": torch.tensor([0.0, 2e-5, 0.0]), "grad:w": torch.tensor([1.0, -4.02])}
-    out, grads = parity.compare(ref, got)
+    out, grads = compare_cases(ref, got)
     assert out.err == pytest.approx(2e-5) and out.passed  # fp32 outputs: <= 1e-4
     assert grads.err == pytest.approx(0.02 / 4.0) and not grads.passed  # relative to the gradient scale, > 1e-4
     # low precision: a bound of 3x the eager model's own error in that dtype (plus a small floor)
     peer = {"output": torch.tensor([0.0, 1e-2, 0.0]), "grad:w": torch.tensor([1.0, -4.04])}
-    out, grads = parity.compare(ref, got, peer)
+    out, grads = compare_cases(ref, got, peer)
     assert out.bound == pytest.approx(3e-2, rel=1e-3) and out.passed and grads.passed
     # a peer library with its own parameter names: gradients compared on the shared names only
     foreign = {"output": torch.zeros(3), "grad:w": torch.tensor([1.0, -4.0]), "grad:theirs": torch.ones(2)}
-    assert [c.passed for c in parity.compare(ref, foreign, same_names=False)] == [True, True]
-    assert len(parity.compare(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
+    assert [c.passed for c in compare_cases(ref, foreign, same_names=False)] == [True, True]
+    assert len(compare_cases(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
 
 
 @pytest.fixture
@@ -176,11 +176,35 @@ def test_giou_suite_every_layout_matches_torchvision():
     report = run_suite(giou_suite(GIoUSetting("tiny", 4, 8, 3)), warmup=0, iters=1, progress=False)
     assert [r.label for r in report.rows] == ["torchvision on concatenated real pairs", "fastzoo per-sample loop",
                                               "fastzoo concat", "fastzoo padded", "fastzoo kernel",
+                                              "fastzoo padded kernel (mask)", "fastzoo padded kernel (validity from target)",
                                               "torchvision (pairs given)", "fastzoo kernel (pairs given)"]
     for r in report.rows:
         assert r.status == "ok", (r.label, r.note)
         assert r.max_err <= 1e-6 and r.grad_err <= 1e-4  # fp32 mean loss of ~8 pairs; gradients relative
         assert r.throughput == pytest.approx(report.config["real boxes"] / r.median_s)
+
+
+def test_linear_ce_suite_every_impl_matches_the_logits_and_reports_cpu_memory():
+    from fastzoo.bench.linear_ce import LinearCESetting, linear_ce_suite
+
+    report = run_suite(linear_ce_suite(LinearCESetting("tiny", 200, 16, 500)), warmup=0, iters=1, progress=False)
+    assert [r.label.split(" ")[0] for r in report.rows] == ["reference:", "torch", "fastzoo"]
+    for r in report.rows:
+        assert r.status == "ok", (r.label, r.note)
+        assert r.max_err <= 1e-5 and r.grad_err <= 1e-4  # fp32 mean loss; gradients relative
+    ref, _, fused = report.rows
+    # the reference holds [200, 500] fp32 logits, their log-softmax and gradient (~400 KB each);
+    # the fused path one chunk of them at a time
+    assert ref.peak_mem_mib >= 3 * 200 * 500 * 4 / 2**20 and fused.peak_mem_mib < ref.peak_mem_mib
+
+
+def test_matcher_suite_before_and_after_agree():
+    from fastzoo.bench.matcher import MatcherSetting, matcher_suite
+
+    report = run_suite(matcher_suite(MatcherSetting("tiny", 6, 10, 3)), warmup=0, iters=1, progress=False)
+    assert len(report.rows) == 2
+    for r in report.rows:
+        assert r.status == "ok" and r.max_err == 0, (r.label, r.note)  # the same assignment, index for index
 
 
 def test_gpt2_suite_packed_matches_padded():

@@ -6,6 +6,8 @@ Examples::
     fastzoo bench vit_b16 --attn sdpa,flex --mode train --device cuda --dtype bf16 --compile --json out.json --plot out.png
     fastzoo bench gpt2 --attn all --quick          # padded vs nested vs packed, real tokens/s
     fastzoo bench giou                              # GIoU loss implementations vs torchvision
+    fastzoo bench linear_ce                         # the LM head's loss: fused vs logits vs torch's chunked op
+    fastzoo bench matcher                           # the detector's Hungarian matcher, before / after
     fastzoo bench vit_s16 --parity-train --plot curves.png
 """
 from __future__ import annotations
@@ -16,15 +18,14 @@ import sys
 import warnings
 
 import torch
-import yaml
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from fastzoo.text import DTYPES, parse_key_values
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or `giou` for the loss suite")
+    p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or a loss suite: giou, linear_ce, matcher")
     p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]; eager is always added")
     p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
@@ -44,16 +45,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="fine-tune a small model of this family with every backend from one initialisation; compare accuracy")
     p.add_argument("--steps", type=int, help="--parity-train steps (default 300; quick 100)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set depth=2")
-        k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
-    return out
 
 
 def _replace(setting, overrides: dict):
@@ -78,9 +69,12 @@ def _backends(spec: str) -> list[str]:
     return names if "eager" in names else ["eager", *names]
 
 
+LOSS_SUITES = ("giou", "linear_ce", "matcher")  # `fastzoo bench NAME` for the loss suites
+
+
 def _family(model: str) -> str:
-    if model == "giou":
-        return "giou"
+    if model in LOSS_SUITES:
+        return model
     from fastzoo.registry import get_entry
 
     return get_entry(model).model_class.family
@@ -88,7 +82,7 @@ def _family(model: str) -> str:
 
 def build_suite(args, device: torch.device, dtype: torch.dtype):
     family = _family(args.model)
-    overrides = _overrides(args.overrides)
+    overrides = parse_key_values(args.overrides, what="--set")
     modes, compile_modes = (args.mode,), (args.compile,)
     if family == "vit":
         from fastzoo.bench.vit import setting_from_model, vit_suite
@@ -112,6 +106,16 @@ def build_suite(args, device: torch.device, dtype: torch.dtype):
 
         setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
         return giou_suite(setting, device=device, dtype=dtype)
+    if family == "linear_ce":
+        from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite
+
+        setting = _replace(TARGET_SETTING, {**({"tokens": args.batch_size} if args.batch_size else {}), **overrides})
+        return linear_ce_suite(setting, device=device, dtype=dtype)
+    if family == "matcher":
+        from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite
+
+        setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
+        return matcher_suite(setting, device=device)
     raise ValueError(f"model {args.model!r} (family {family!r}) has no benchmark suite yet")
 
 

@@ -187,8 +187,11 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
                 nn.init.normal_(p, std=std)
 
     def attention_needs(self) -> dict:
-        # Padding masks, packed sequences and KV caches depend on each call: checked per call.
-        return {"head_dim": self.config.n_embd // self.config.n_head, "causal": True, "grid_2d": False}
+        # HF callers pass attention_mask (a tokenizer's output has one): a backend must serve it,
+        # with a mask or by the model unpadding into packed sequences. Packed input (cu_seqlens)
+        # and the KV cache are checked per call (check_call; generate checks kv_cache first).
+        return {"head_dim": self.config.n_embd // self.config.n_head, "causal": True, "grid_2d": False,
+                "padding_mask": True, "unpads": True}
 
     # -- forward ---------------------------------------------------------------------------
     def forward(
