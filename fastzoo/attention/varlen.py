@@ -213,6 +213,7 @@ class VarlenBackend(AttentionBackend):
         raise BackendUnavailableError(self._message([f"no varlen kernel here fits {q.dtype} on {q.device.type}"]))
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        packing.check_self_attention(self, q_BHSD, k_BHSD)
         impl = self.pick(q_BHSD, ctx)
         if impl == "flex":
             if self._flex is None:
