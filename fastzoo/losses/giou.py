@@ -265,9 +265,11 @@ def giou_loss_padded(
         check_boxes(target[valid], "target")
     if impl == "torch":
         last_impl = "torch"
-        return _padded_torch(pred, target, mask, reduction, eps)
+        with kernel_range("loss", "giou_loss_padded", impl):
+            return _padded_torch(pred, target, mask, reduction, eps)
     last_impl = path
-    return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
+    with kernel_range("loss", "giou_loss_padded", impl):  # for fastzoo.explain; a no-op otherwise
+        return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
 
 
 def _padded_torch(pred, target, mask, reduction: str, eps: float) -> torch.Tensor:
