@@ -267,3 +267,13 @@ def test_flash_attn_before_2_1_is_refused_for_a_kv_cache(monkeypatch):
     _check_bottom_right("flash_attn", kv, kv, causal=True)  # equal lengths: both alignments agree
     old.__version__ = "2.6.3"
     _check_bottom_right("flash_attn", q, kv, causal=True)
+
+
+def test_capability_matrix_has_a_row_per_pinned_kernel_and_varlen_impl():
+    from fastzoo.attention import capability_matrix
+
+    rows = {r["backend"]: r for r in capability_matrix()}
+    assert rows["sdpa (sdpa_backend=cudnn)"]["devices: dtypes"] == "cuda: bf16/fp16"
+    assert rows["varlen (impl=torch)"]["dropout"] == "no"
+    assert all(rows[f"varlen (impl={i})"]["kv cache"] == "no" for i in ("torch", "flash", "xformers", "flex", "cpu"))
+    assert "no attn_mask" in rows["sdpa (sdpa_backend=flash)"]["verified"]
