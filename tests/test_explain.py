@@ -153,3 +153,11 @@ def test_check_explain_fails_on_a_fallback_unless_allowed(capsys):
     assert "Kernels of nested: FALLBACK" in capsys.readouterr().out
     assert main(args + ["--allow-fallback"]) == 0
     assert "no causal kernel on CPU" in capsys.readouterr().out
+
+
+def test_readme_recipe():
+    """README "Which kernel really ran": the snippet as written (ViT-B/16, batch 2)."""
+    model = fastzoo.create("vit_b16", attn="sdpa")
+    report = fastzoo.explain(model, torch.randn(2, 3, 224, 224), backward=True)
+    assert "| blocks.0-11.attn | sdpa: a fused SDPA kernel" in str(report)
+    assert all(r.executed == [FLASH_CPU] for r in report.rows)
