@@ -118,7 +118,9 @@ class Explanation:
                 cells.append(r.executed_text(backward=True))
             cells.append(r.fallback or "none")
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines])
+        said = [f"- {w.splitlines()[0]}" for w in self.warnings]
+        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines]
+                         + (["torch's warnings about kernels during the run:", *said] if said else []))
 
     def __str__(self) -> str:
         return self.table()
