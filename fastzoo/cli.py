@@ -146,7 +146,7 @@ def cmd_convert(args) -> int:
     import fastzoo
     from fastzoo import files
     from fastzoo.errors import FastzooError
-    from fastzoo.models.base import untied
+    from fastzoo.weights import untied
 
     try:
         overrides = parse_key_values(args.set, what="--set")

@@ -127,7 +127,7 @@ def write_pretrained(path, config: dict, state: dict) -> Path:
     from safetensors.torch import save_file
 
     from fastzoo import files
-    from fastzoo.weights import stale_shard_files
+    from fastzoo.weights import stale_shard_files, untied
 
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -143,14 +143,3 @@ def write_pretrained(path, config: dict, state: dict) -> Path:
     for stale in stale_shard_files(path):
         stale.unlink(missing_ok=True)
     return path
-
-
-def untied(state: dict) -> dict:
-    """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
-        out[k] = v.clone() if ptr in seen else v
-        if ptr is not None:
-            seen.add(ptr)
-    return out

@@ -191,11 +191,11 @@ class BoxDetector(FastzooModel):
             return targets.slot  # target i of an image <-> query i
         from scipy.optimize import linear_sum_assignment
 
-        boxes_BQ4, logits_BQK = outputs["boxes"].float(), outputs["logits"].float()
+        boxes_BQ4, logits_BQC = outputs["boxes"].float(), outputs["logits"].float()
         Q, c = boxes_BQ4.shape[1], self.config
         target_BM4 = targets.padded.float()
         labels_BQM = targets.padded_labels.clamp_min(0)[:, None, :].expand(-1, Q, -1)  # padding: any class
-        cost_class = -logits_BQK.softmax(-1).gather(2, labels_BQM)
+        cost_class = -logits_BQC.softmax(-1).gather(2, labels_BQM)
         cost_bbox = torch.cdist(boxes_BQ4, target_BM4, p=1)
         cost_giou = -generalized_box_iou(boxes_BQ4, target_BM4)
         cost_BQM = (c.cost_bbox * cost_bbox + c.cost_class * cost_class + c.cost_giou * cost_giou).cpu().numpy()
@@ -234,22 +234,22 @@ class BoxDetector(FastzooModel):
         the whole batch's loss and the shares sum to it, so N processes compute the same function
         as one (DETR all-reduces ``num_boxes`` for the same reason).
         """
-        boxes_BQ4, logits_BQK = outputs["boxes"], outputs["logits"]
+        boxes_BQ4, logits_BQC = outputs["boxes"], outputs["logits"]
         B, Q = boxes_BQ4.shape[:2]
         C = self.config.num_classes
         tb = self._targets(targets, labels, B)
         query_N = self.match(outputs, tb)
         matched_N4 = boxes_BQ4[tb.batch_index, query_N]
-        target_classes_BQ = torch.full((B, Q), C, dtype=torch.long, device=logits_BQK.device)
+        target_classes_BQ = torch.full((B, Q), C, dtype=torch.long, device=logits_BQC.device)
         target_classes_BQ[tb.batch_index, query_N] = tb.labels
-        weight = torch.ones(C + 1, device=logits_BQK.device)
+        weight = torch.ones(C + 1, device=logits_BQC.device)
         weight[C] = self.config.eos_coef
         c = self.config
         num_images = B if num_images is None else num_images
         num_boxes = tb.num_boxes if num_boxes is None else num_boxes
         ce_weight = c.eos_coef * num_images * Q + (1 - c.eos_coef) * num_boxes  # sum of the CE weights over queries
         num_boxes = num_boxes.clamp_min(1) if isinstance(num_boxes, torch.Tensor) else max(num_boxes, 1)
-        loss_ce = F.cross_entropy(logits_BQK.float().transpose(1, 2), target_classes_BQ, weight, reduction="sum") / ce_weight
+        loss_ce = F.cross_entropy(logits_BQC.float().transpose(1, 2), target_classes_BQ, weight, reduction="sum") / ce_weight
         loss_bbox = F.l1_loss(matched_N4.float(), tb.boxes.float(), reduction="sum") / num_boxes
         loss_giou = self._giou_sum(boxes_BQ4, matched_N4, query_N, tb) / num_boxes
         total = c.loss_ce * loss_ce + c.loss_bbox * loss_bbox + c.loss_giou * loss_giou

@@ -452,3 +452,15 @@ def check_config(model, implied: dict, origin: str) -> None:
             f"Differing fields ({len(diffs)}): {'; '.join(diffs)}. Build the model from the checkpoint instead: "
             f"fastzoo.create(name, pretrained=...) reads these fields from it."
         )
+
+
+# -- writing -------------------------------------------------------------------------------
+def untied(state: dict) -> dict:
+    """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+        out[k] = v.clone() if ptr in seen else v
+        if ptr is not None:
+            seen.add(ptr)
+    return out
