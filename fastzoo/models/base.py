@@ -1,7 +1,6 @@
 """What every fastzoo model shares: a config, a swappable attention backend, save/load."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -10,25 +9,9 @@ import torch
 from torch import nn
 
 from fastzoo.attention import AttnRequest, get_backend
-from fastzoo.errors import did_you_mean
+from fastzoo.models.config import ModelConfig  # noqa: F401  (each model file's config base)
 
 _SLOT_LOCK = threading.Lock()
-
-
-class ModelConfig:
-    """Mixin for a model's config dataclass: built from a dict with field names checked."""
-
-    @classmethod
-    def from_dict(cls, values: dict, *, what: str = "override"):
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            k = unknown[0]
-            raise TypeError(f"unknown {what} {k!r} for {cls.__name__}.{did_you_mean(k, names)} Valid fields: {', '.join(names)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class FastzooModel(nn.Module):

@@ -27,25 +27,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.errors import ConfigError
+from fastzoo.models.base import FastzooModel
+from fastzoo.models.config import ModelConfig, free, weights_decide
 
 EXPANSION = 4  # a bottleneck's output has 4x the channels of its 3x3 conv
 
 
 @dataclass
 class ResNetConfig(ModelConfig):
-    num_classes: int = 1000  # 0: no ``fc``, forward returns the pooled features
-    layers: tuple[int, ...] = (3, 4, 6, 3)  # bottlenecks per stage (ResNet-50)
-    channels: tuple[int, ...] = (64, 128, 256, 512)  # 3x3 width per stage (timm's name); out = 4x
-    in_chans: int = 3
-    channels_last: bool = False  # NHWC parameters and activations (faster convs on GPU)
-    zero_init_residual: bool = False  # init each block's last BN to 0 (timm's default; init only)
-    frozen_bn: bool = False  # BN: running statistics in train mode too, affine not trained (FrozenBatchNorm2d)
+    """torchvision / timm ResNet fields; each field's kind, meaning and constraint is declared with it."""
 
-    def __post_init__(self):
-        self.layers, self.channels = tuple(self.layers), tuple(self.channels)
+    num_classes: int = weights_decide(1000, "classifier outputs; 0: no fc, forward returns the pooled features", ge=0)
+    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "bottleneck blocks per stage (ResNet-50)", ge=1)
+    channels: tuple[int, ...] = weights_decide((64, 128, 256, 512), "3x3 width per stage (timm's name); out = 4x", ge=1)
+    in_chans: int = weights_decide(3, "image channels", ge=1)
+    channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")
+    zero_init_residual: bool = free(False, "init each block's last BN to 0 (init only)")
+    frozen_bn: bool = free(False, "BN uses running statistics in train mode too, affine not trained (FrozenBatchNorm2d)")
+
+    def validate(self):
         if len(self.layers) != len(self.channels) or not self.layers:
-            raise ValueError(f"layers={self.layers} and channels={self.channels} must have the same, nonzero length")
+            raise ConfigError(f"layers={self.layers} and channels={self.channels} must have the same, nonzero length",
+                              fields=("layers", "channels"))
 
     @property
     def num_features(self) -> int:
