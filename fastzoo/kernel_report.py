@@ -290,6 +290,25 @@ def _backward_events(range_events, all_events):
     return out
 
 
+def explain_model(model_name: str, backend: str, *, backend_options: dict | None = None, device="cpu",
+                  dtype: torch.dtype = torch.float32, overrides: dict | None = None, batch: int = 2,
+                  backward: bool = True, allow_fallback: bool = False) -> dict[str, Explanation]:
+    """:func:`explain` on ``fastzoo.create(model_name, attn=backend)`` with the inputs
+    ``fastzoo check`` uses, per input form ("" for images; "padded" / "packed" for GPT-2).
+    ``backward`` only where the backend has one on ``device``."""
+    from fastzoo.equivalence import example_inputs
+    from fastzoo.registry import create
+
+    model = create(model_name, attn=backend, attn_options=backend_options or {}, device=device, dtype=dtype,
+                   **(overrides or {})).eval()
+    backward = backward and torch.device(device).type in model.attention_backend.capabilities.backward
+    out = {}
+    for form, inputs in example_inputs(model, batch):
+        inputs = inputs.to(device, dtype)
+        out[form] = explain(model, *inputs.args, backward=backward, allow_fallback=allow_fallback, **inputs.kwargs)
+    return out
+
+
 # -- the entry point ----------------------------------------------------------------------------------
 def explain(model, *inputs, backward: bool = False, loss: Callable[[Any], torch.Tensor] | None = None,
             allow_fallback: bool = False, **kwargs) -> Explanation:

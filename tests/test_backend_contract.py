@@ -84,7 +84,7 @@ def te_stand_in(monkeypatch):
 
         def forward(self, q, k, v, qkv_format, attn_mask_type, **kw):
             modes.append(self.training)
-            return v.flatten(-2)
+            return q.flatten(-2)  # the output has the queries' length
 
     te = types.ModuleType("transformer_engine")
     te.pytorch = types.ModuleType("transformer_engine.pytorch")
@@ -201,3 +201,79 @@ def test_capability_matrix_says_compiled_flex_on_cpu_is_refused():
 
     row = next(r for r in capability_matrix() if r["backend"] == "flex")
     assert "compiled on CPU refused" in row["verified"]
+
+
+# -- causal alignment: bottom-right with fewer queries than keys (KV cache) ----------------------
+@pytest.mark.parametrize("name,kv_cache", [("fa2", True), ("fa3", True), ("te", True), ("xformers", True),
+                                           ("nested", False), ("varlen", False), ("neuron", False)])
+def test_kv_cache_is_declared_where_the_library_has_a_bottom_right_causal(name, kv_cache):
+    assert get_backend(name).capabilities.kv_cache is kv_cache
+
+
+@pytest.mark.parametrize("name", ["nested", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_backends_refuse_fewer_queries_than_keys(name, causal):
+    """One cu_seqlens serves queries and keys alike: unequal lengths would split the keys at
+    the queries' offsets (causal is refused by the contract, non-causal by the packing)."""
+    q = torch.randn(2, 2, 1, 8)
+    k = v = torch.randn(2, 2, 5, 8)
+    with pytest.raises(BackendUnavailableError, match=r"queries.*keys"):
+        get_backend(name)(q, k, v, AttnContext(causal=causal))
+
+
+def test_te_asks_for_its_bottom_right_causal_mask_with_a_kv_cache(te_stand_in, monkeypatch):
+    from fastzoo.attention import te
+
+    types_seen = []
+    original = te._dense_mask_type
+    monkeypatch.setattr(te, "_dense_mask_type", lambda *a: types_seen.append(original(*a)) or types_seen[-1])
+    backend = get_backend("te")
+    q, kv = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 4, 8)
+    backend.dense(q, kv, kv, causal=True, scale=None, dropout_p=0.0)
+    backend.dense(kv, kv, kv, causal=True, scale=None, dropout_p=0.0)
+    backend.dense(q, kv, kv, causal=False, scale=None, dropout_p=0.0)
+    assert types_seen == ["causal_bottom_right", "causal", "no_mask"]
+
+
+def test_xformers_gets_its_bottom_right_mask_with_a_kv_cache(monkeypatch):
+    """xFormers' documented bias classes (xformers.ops.fmha.attn_bias): LowerTriangularMask is
+    top-left; LowerTriangularFromBottomRightMask is the KV-cache form."""
+    from fastzoo.attention.xformers import causal_bias
+
+    attn_bias = types.ModuleType("xformers.ops.fmha.attn_bias")
+    attn_bias.LowerTriangularMask = type("LowerTriangularMask", (), {})
+    attn_bias.LowerTriangularFromBottomRightMask = type("LowerTriangularFromBottomRightMask", (), {})
+    fmha = types.ModuleType("xformers.ops.fmha")
+    fmha.attn_bias = attn_bias
+    for name, mod in (("xformers", types.ModuleType("xformers")), ("xformers.ops", types.ModuleType("xformers.ops")),
+                      ("xformers.ops.fmha", fmha), ("xformers.ops.fmha.attn_bias", attn_bias)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["xformers.ops"].fmha = fmha
+    assert type(causal_bias(True, 1, 6)).__name__ == "LowerTriangularFromBottomRightMask"
+    assert type(causal_bias(True, 6, 6)).__name__ == "LowerTriangularMask"
+    assert causal_bias(False, 1, 6) is None
+
+
+def test_flash_attn_before_2_1_is_refused_for_a_kv_cache(monkeypatch):
+    """flash-attn 2.0 aligned causal top-left: fastzoo refuses it rather than answer differently."""
+    from fastzoo.attention.flash import _check_bottom_right
+
+    old = types.ModuleType("flash_attn")
+    old.__version__ = "2.0.9"
+    monkeypatch.setitem(sys.modules, "flash_attn", old)
+    q, kv = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 4, 8)
+    with pytest.raises(ValueError, match="bottom-right"):
+        _check_bottom_right("flash_attn", q, kv, causal=True)
+    _check_bottom_right("flash_attn", kv, kv, causal=True)  # equal lengths: both alignments agree
+    old.__version__ = "2.6.3"
+    _check_bottom_right("flash_attn", q, kv, causal=True)
+
+
+def test_capability_matrix_has_a_row_per_pinned_kernel_and_varlen_impl():
+    from fastzoo.attention import capability_matrix
+
+    rows = {r["backend"]: r for r in capability_matrix()}
+    assert rows["sdpa (sdpa_backend=cudnn)"]["devices: dtypes"] == "cuda: bf16/fp16"
+    assert rows["varlen (impl=torch)"]["dropout"] == "no"
+    assert all(rows[f"varlen (impl={i})"]["kv cache"] == "no" for i in ("torch", "flash", "xformers", "flex", "cpu"))
+    assert "no attn_mask" in rows["sdpa (sdpa_backend=flash)"]["verified"]

@@ -218,3 +218,24 @@ def test_gpt2_suite_packed_matches_padded():
         if r.status == "ok":
             assert r.max_err <= 1e-4, r.label  # real-token logits vs fastzoo eager padded, fp32
     assert report.rows[0].label.startswith("HF padded to longest") and report.rows[0].status == "ok"
+
+
+def test_gpt2_training_step_with_labels_matches_the_logits_loss():
+    """The training-step row: ``model(..., labels=...).loss.backward()``; fastzoo's fused loss
+    (padded and packed) equals HF's loss on the logits, and the gradients too."""
+    from fastzoo.bench.gpt2 import GPT2Setting, _needs_labels, gpt2_suite
+    from fastzoo.bench.harness import Unavailable
+
+    try:
+        _needs_labels()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    suite = gpt2_suite(GPT2Setting("tiny", 2, 32, 2, 3, 16, vocab_size=300), backends=["eager", "sdpa", "varlen"],
+                       modes=("train",))
+    suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert len(report.rows) == 6 and any("packed (varlen)" in r.label for r in report.rows)
+    for r in report.rows:
+        assert r.status == "ok", (r.label, r.note)
+        assert r.max_err <= 1e-5 and r.grad_err <= 1e-4  # fp32 mean loss; gradients relative
+        assert r.peak_mem_mib is not None  # measured on CPU for this group

@@ -133,3 +133,31 @@ def test_a_loss_passed_to_explain_is_reported_beside_the_layers():
     report = explain(model, x, backward=True, allow_fallback=True,
                      loss=lambda logits: giou_loss(logits[:, :4].sigmoid().cumsum(-1), target, reduction="sum"))
     assert [r.kind for r in report.rows] == ["attention", "attention", "loss"]
+
+
+def test_check_explain_prints_the_kernel_table(capsys):
+    from fastzoo.cli import main
+
+    rc = main(["check", "vit_s16", "--tiny", "--attn", "sdpa:sdpa_backend=math", "--explain"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Kernels of sdpa:sdpa_backend=math:" in out
+    assert f"| blocks.0-1.attn | sdpa (sdpa_backend=math): {MATH} | {MATH} |" in out
+
+
+def test_check_explain_fails_on_a_fallback_unless_allowed(capsys):
+    from fastzoo.cli import main
+
+    args = ["check", "gpt2", "--tiny", "--attn", "nested", "--no-grad", "--explain"]
+    assert main(args) == 1
+    assert "Kernels of nested: FALLBACK" in capsys.readouterr().out
+    assert main(args + ["--allow-fallback"]) == 0
+    assert "no causal kernel on CPU" in capsys.readouterr().out
+
+
+def test_readme_recipe():
+    """README "Which kernel really ran": the snippet as written (ViT-S/16, batch 2)."""
+    model = fastzoo.create("vit_s16", attn="sdpa")
+    report = fastzoo.explain(model, torch.randn(2, 3, 224, 224), backward=True)
+    assert "| blocks.0-11.attn | sdpa: a fused SDPA kernel" in str(report)
+    assert all(r.executed == [FLASH_CPU] for r in report.rows)

@@ -420,9 +420,9 @@ def load_pretrained(model, source) -> None:
 
     A source that states its architecture (config.json, a live module) must agree with
     ``model.config`` on every field that changes the function (every field the config does
-    not declare ``free``: see :mod:`fastzoo.models.config`), else :class:`CheckpointError` names each differing field. A bare state dict is checked
-    by its keys and shapes only. To build a model that fits a checkpoint, use
-    ``fastzoo.create(name, pretrained=source)``.
+    not declare ``free``: see :mod:`fastzoo.models.config`), else :class:`CheckpointError`
+    names each differing field. A bare state dict is checked by its keys and shapes only. To
+    build a model that fits a checkpoint, use ``fastzoo.create(name, pretrained=source)``.
     """
     src = read_source(source)
     if states_config(src):
