@@ -81,9 +81,6 @@ def gpt2_suite(
     s = setting
     config = {"model": s.describe(), "peer": "HF GPT2LMHeadModel, attn_implementation='sdpa', padded to the longest",
               "tokens/s": "real tokens only"}
-    missing = needs()
-    if missing:
-        return Suite("gpt2_varlen", [], config=config, dtype=dtype, device=device, skipped=missing)
     from fastzoo.data import nested, pack
 
     hf = _hf_model(s, seed)
@@ -197,10 +194,7 @@ def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, de
         return _fastzoo_layout(loss_step(model, (ids.to(device),), padded_kwargs), model)
 
     def fz_case(backend, args, kwargs):
-        def build():
-            _needs_labels()
-            return loss_step(fz(backend), args, kwargs)
-        return build
+        return lambda: loss_step(fz(backend), args, kwargs)
 
     def reference():  # fp32 logits materialised, HF's loss on them: the function both sides compute
         model = fastzoo.create("gpt2", attn="eager", pretrained=hf).to(device).train()
@@ -252,10 +246,7 @@ def _generate_group(s, seqs, backends, hf_copy, fz, device) -> Group:
         return Step(run, items, outputs=lambda: {"output": (out["ids"] if "ids" in out else run()).float()})
 
     def fz_case(backend):
-        def build():
-            _needs_labels()
-            return step(fz(backend))
-        return build
+        return lambda: step(fz(backend))
 
     cases = [Case("HF generate, KV cache (sdpa)", lambda: step(hf_copy()), peer=True)]
     for b in backends:
@@ -264,16 +255,6 @@ def _generate_group(s, seqs, backends, hf_copy, fz, device) -> Group:
     reference = lambda: step(hf_copy()).outputs()  # noqa: E731  HF's tokens: every case must equal them
     return Group(f"{s.name} | generate {GENERATE_NEW_TOKENS} tokens, greedy, left-padded prompts", cases,
                  reference=reference, unit="new tokens/s")
-
-
-def _needs_labels() -> None:
-    import inspect
-
-    from fastzoo.bench.harness import Unavailable
-
-    model_class = type(fastzoo.create("gpt2", n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8))
-    if "labels" not in inspect.signature(model_class.forward).parameters:
-        raise Unavailable("needs fastzoo GPT-2's labels= (the HF call convention, branch gpt2) in this checkout")
 
 
 def _fastzoo_layout(step, hf_model):
