@@ -7,8 +7,11 @@ Three entry points, one rule:
   and compares the outputs and every parameter gradient. With ``layers=True`` it also hooks
   every module of both models, matched by module name (fastzoo's module names are the
   checkpoint's), and names the *first diverging layer*: in forward order the first module
-  whose output differs; in backward order the first module whose gradient arriving at its
-  output still agrees but whose input or own-parameter gradients do not.
+  whose input still agrees with the original's but whose output does not; in backward order
+  the first module whose output and the gradient arriving there agree, but whose input or
+  own-parameter gradients do not. Each module's tensors are compared relative to the
+  original's scale (fp32: 1e-4); the other model's activations are compared as they are
+  made, so only one model's are held in memory.
 - :func:`check` does all of that for a registered model and one attention backend: it builds
   the original library's model (eager attention, fp32) at random init, the fastzoo model from
   it (``fastzoo.create(name, pretrained=original, attn=backend)``) and the inputs (images for
@@ -126,7 +129,7 @@ class LayerReport:
 
     @property
     def first_forward(self) -> LayerDiff | None:
-        """The first module, in forward order, whose output differs from the original's."""
+        """The first module, in forward order, whose output differs from the original's while its input agrees."""
         return next((d for d in self.layers if d.forward_diverges), None)
 
     @property
@@ -490,16 +493,15 @@ def compare(
     layers = layers and dtype == torch.float32
     ref = _run(original, original_inputs, torch.float32, device, seed=seed, grads=grads, layers=layers)
     ours = _run(model, inputs, dtype, device, seed=seed, grads=grads, layers=layers, against=ref)
-    ref_grads = _in_fastzoo_names(model, original, ref.grads) if grads else {}
-    ref_grads = {k: v for k, v in ref_grads.items() if k in ours.grads or k in dict(model.named_parameters())}
-    suffix = ""
-    comps_peer = _run(peer, original_inputs, dtype, device, seed=seed, grads=grads) if peer is not None else None
-    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, comps_peer.out_NC if comps_peer else None)]
+    own = {n for n, _ in model.named_parameters()}  # the original's extra names (an HF tied head) are not compared
+    ref_grads = {k: v for k, v in _in_fastzoo_names(model, original, ref.grads).items() if k in own} if grads else {}
+    low = _run(peer, original_inputs, dtype, device, seed=seed, grads=grads) if peer is not None else None
+    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, low.out_NC if low else None)]
     if grads:
-        peer_grads = _in_fastzoo_names(model, peer, comps_peer.grads) if comps_peer else None
-        if peer_grads is not None:
-            peer_grads = {k: v for k, v in peer_grads.items() if k in ref_grads}
-        comps.append(compare_grads("grads" + suffix, ours.grads, ref_grads, peer_grads))
+        peer_grads = None
+        if low is not None:
+            peer_grads = {k: v for k, v in _in_fastzoo_names(model, peer, low.grads).items() if k in ref_grads}
+        comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads))
     report = _layer_report(model, ours, ref, ref_grads, FP32_LAYER_RTOL) if layers else None
     return comps, report
 
@@ -602,6 +604,14 @@ def check(
     if layers and low:
         result.notes.append("per-layer report: fp32 only (in low precision every layer differs a little)")
     return result
+
+
+def example_inputs(model, batch: int = 2, seed: int = 1) -> list[tuple[str, Inputs]]:
+    """The input forms :func:`check` feeds ``model`` (e.g. GPT-2: "padded", "packed" where its
+    backend takes them), as ``(form, Inputs)``; for ``fastzoo check --explain``."""
+    caps = model.attention_backend.capabilities
+    gen = torch.Generator().manual_seed(seed)
+    return [(form, ours) for form, ours, _ in _INPUTS[model.family](model, batch, gen, caps, [])]
 
 
 def _vit_inputs(model, batch, gen, caps, notes):

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities
+from fastzoo.errors import BackendUnavailableError
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -30,7 +31,8 @@ _KERNEL_CAPS = {
     None: _BASE,
     "math": _BASE,
     "flash": dataclasses.replace(
-        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0)
+        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
+        verified="CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding / packed refused",
     ),
     "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
@@ -40,7 +42,7 @@ _KERNEL_CAPS = {
 
 
 def _dense_mask(ctx, B, Sq, Sk, device):
-    mask_mod = masks.context_mask_mod(ctx, Sq, total_k=Sk)
+    mask_mod = masks.context_mask_mod(ctx, Sq, total_k=Sk, device=device)
     return None if mask_mod is None else masks.dense_mask(mask_mod, B, 1, Sq, Sk, device)
 
 
@@ -49,6 +51,7 @@ class SdpaBackend(AttentionBackend):
     description = "torch scaled_dot_product_attention (sdpa_backend= flash|efficient|cudnn|math)"
     capabilities = _BASE
     options = {"sdpa_backend": None}
+    variants = tuple({"sdpa_backend": k} for k in _KERNELS)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -60,19 +63,31 @@ class SdpaBackend(AttentionBackend):
 
     def problems(self, req):
         problems = super().problems(req)
-        # FlashAttention-2 inside SDPA on CUDA takes no arbitrary mask.
-        if self.opts["sdpa_backend"] == "flash" and req.device == "cuda" and (req.padding_mask or req.varlen):
-            problems.append("flash on CUDA takes no mask (padding / packed sequences)")
+        needs = (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen),
+                 ("a bottom-right causal mask with a KV cache", req.kv_cache))
+        if self._mask_free and req.device == "cuda" and any(need for _, need in needs):
+            takes = " and ".join(w for w, need in needs if need)
+            problems.append(f"sdpa_backend='flash' on CUDA (FlashAttention-2) takes no attn_mask, and this model's forward "
+                            f"takes {takes}: use sdpa_backend='efficient' or None, or the fa2 / varlen backends")
         return problems
+
+    @property
+    def _mask_free(self) -> bool:
+        """FlashAttention-2 inside SDPA on CUDA takes no ``attn_mask`` (on CPU PyTorch's flash kernel does)."""
+        return self.opts["sdpa_backend"] == "flash"
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         B, H, Sq, _ = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
         # is_causal is top-left aligned: with a KV cache (Sq < Sk) the bottom-right mask is explicit
-        only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk
+        only_causal = bool(ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk)  # bool: Sq == Sk is symbolic under export
         attn_mask = None
         if not only_causal:  # built by the first layer of a forward, reused by the others
             attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk), lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
+        if attn_mask is not None and self._mask_free and q_BHSD.is_cuda:
+            raise BackendUnavailableError(self._message(
+                ["sdpa_backend='flash' on CUDA takes no attn_mask, and this call needs one (key padding, packed "
+                 "sequences or a KV cache's bottom-right causal mask): use sdpa_backend='efficient' or None, or fa2"]))
         kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale)
         if self.kernel is None:
             return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fastzoo
-from fastzoo.bench.harness import Case, Group, Suite
+from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.steps import check_mode, model_step
 
 
@@ -39,14 +39,6 @@ class GPT2Setting:
 
 # The issue's CPU target: a small GPT-2 on 8 sequences of 1..512 tokens.
 TARGET_SETTING = GPT2Setting("4x256, 8 seqs in [1,512]", 4, 256, 4, 8, 512)
-QUICK_SETTING = TARGET_SETTING
-
-
-def needs() -> str | None:
-    """What this checkout lacks for the fastzoo side of the suite, or None."""
-    if "gpt2" not in fastzoo.list_models():
-        return "needs the fastzoo GPT-2 model (`fastzoo.create('gpt2')`, branch gpt2) in this checkout"
-    return None
 
 
 def _hf_model(s: GPT2Setting, seed: int):
@@ -89,9 +81,6 @@ def gpt2_suite(
     s = setting
     config = {"model": s.describe(), "peer": "HF GPT2LMHeadModel, attn_implementation='sdpa', padded to the longest",
               "tokens/s": "real tokens only"}
-    missing = needs()
-    if missing:
-        return Suite("gpt2_varlen", [], config=config, dtype=dtype, device=device, skipped=missing)
     from fastzoo.data import nested, pack
 
     hf = _hf_model(s, seed)
@@ -179,7 +168,93 @@ def gpt2_suite(
                     cases.append(Case(f"fastzoo packed ({b})", fz_case(b, "packed", mode, c), compiled=c))
             groups.append(Group(f"{s.name} | {mode}" + (" | compiled" if c else ""), cases,
                                 reference=lambda m=mode: reference(m), unit="tokens/s"))
+    if "train" in modes:
+        groups.append(_labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, device))
+    if "eval" in modes:
+        groups.append(_generate_group(s, seqs, backends, hf_copy, fz, device))
     return Suite("gpt2_varlen", groups, config=config, dtype=dtype, device=device)
+
+
+def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, device) -> Group:
+    """A training step as users write it: ``model(..., labels=...).loss.backward()``. HF computes
+    the logits and ``cross_entropy`` on them; fastzoo in train mode computes the loss from the
+    hidden states with the fused ``linear_cross_entropy`` (no ``[tokens, 50257]`` logits)."""
+    ids, mask = pad_long
+    labels = ids.masked_fill(mask == 0, -100).to(device)  # HF's convention: padding not scored
+    padded_kwargs = {"attention_mask": mask.to(device), "labels": labels}
+    packed_kwargs = dict(position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
+                         labels=packed.labels)
+
+    def loss_step(model, args, kwargs):
+        return model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
+                          items=real, view=lambda out: out.loss.reshape(1))
+
+    def hf_case():
+        model = hf_copy()
+        return _fastzoo_layout(loss_step(model, (ids.to(device),), padded_kwargs), model)
+
+    def fz_case(backend, args, kwargs):
+        return lambda: loss_step(fz(backend), args, kwargs)
+
+    def reference():  # fp32 logits materialised, HF's loss on them: the function both sides compute
+        model = fastzoo.create("gpt2", attn="eager", pretrained=hf).to(device).train()
+        h_ids = ids.to(device)
+        out = model(h_ids, attention_mask=mask.to(device))
+        logits = _logits(out).float()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss.backward()
+        got = {"output": loss.detach().reshape(1)}
+        got.update({f"grad:{n}": p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        return got
+
+    cases = [Case("HF padded to longest (sdpa), labels", hf_case, peer=True)]
+    for b in backends:
+        caps = fastzoo.attention.backend_class(b).capabilities
+        if caps.padding_mask and b in ("eager", "sdpa"):
+            cases.append(Case(f"fastzoo padded to longest ({b}), labels: fused loss",
+                              fz_case(b, (ids.to(device),), padded_kwargs), reference=b == "eager"))
+        if caps.varlen:
+            cases.append(Case(f"fastzoo packed ({b}), labels: fused loss", fz_case(b, (packed.input_ids,), packed_kwargs)))
+    return Group(f"{s.name} | train with labels", cases, reference=reference, unit="tokens/s", cpu_memory=True)
+
+
+GENERATE_NEW_TOKENS = 32
+
+
+def _generate_group(s, seqs, backends, hf_copy, fz, device) -> Group:
+    """``generate`` with the KV cache, greedy, on the suite's sequences as left-padded prompts
+    (each cut to at most 64 tokens): HF's ``generate`` against fastzoo's (transformers'
+    GenerationMixin driving fastzoo's forward and cache). Throughput counts new tokens; parity
+    is the generated ids, which must be equal token for token."""
+    from fastzoo.data import pad_to_longest
+
+    prompts = pad_to_longest([x[-64:] for x in seqs], side="left")
+    ids, mask = prompts.input_ids.to(device), prompts.attention_mask.to(device)
+    kw = dict(attention_mask=mask, max_new_tokens=GENERATE_NEW_TOKENS, min_new_tokens=GENERATE_NEW_TOKENS,
+              do_sample=False, use_cache=True, pad_token_id=0)
+    items = GENERATE_NEW_TOKENS * ids.shape[0]
+
+    def step(model):
+        model.eval()
+        out = {}
+
+        def run():
+            with torch.no_grad():
+                out["ids"] = model.generate(ids, **kw)
+            return out["ids"]
+
+        return Step(run, items, outputs=lambda: {"output": (out["ids"] if "ids" in out else run()).float()})
+
+    def fz_case(backend):
+        return lambda: step(fz(backend))
+
+    cases = [Case("HF generate, KV cache (sdpa)", lambda: step(hf_copy()), peer=True)]
+    for b in backends:
+        if fastzoo.attention.backend_class(b).capabilities.kv_cache:
+            cases.append(Case(f"fastzoo generate, KV cache ({b})", fz_case(b), reference=b == "eager"))
+    reference = lambda: step(hf_copy()).outputs()  # noqa: E731  HF's tokens: every case must equal them
+    return Group(f"{s.name} | generate {GENERATE_NEW_TOKENS} tokens, greedy, left-padded prompts", cases,
+                 reference=reference, unit="new tokens/s")
 
 
 def _fastzoo_layout(step, hf_model):
