@@ -51,7 +51,7 @@ def test_unavailable_arm_is_reported_not_hidden():
 
 
 @pytest.mark.parametrize("assignment, needle", [
-    ("optim.learning_rate=0.1", "unknown field 'learning_rate' (did you mean 'lr'?)"),
+    ("optim.learning_rate=0.1", "unknown field 'learning_rate'; fields: batch_size, lr"),
     ("stepz=3", "unknown field 'stepz' (did you mean 'steps'?)"),
     ("steps=three", "steps: expected int"),
     ("task=imagenet", "task: 'imagenet' is not one of"),
