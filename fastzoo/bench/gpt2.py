@@ -81,9 +81,6 @@ def gpt2_suite(
     s = setting
     config = {"model": s.describe(), "peer": "HF GPT2LMHeadModel, attn_implementation='sdpa', padded to the longest",
               "tokens/s": "real tokens only"}
-    missing = needs()
-    if missing:
-        return Suite("gpt2_varlen", [], config=config, dtype=dtype, device=device, skipped=missing)
     from fastzoo.data import nested, pack
 
     hf = _hf_model(s, seed)
