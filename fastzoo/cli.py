@@ -4,12 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def markdown_table(rows: list[dict], columns=None) -> str:
-    columns = list(columns or (rows[0].keys() if rows else []))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+from fastzoo.text import DTYPES, markdown_table, parse_dtype, parse_key_values
 
 
 def cmd_list(args) -> int:
@@ -57,16 +52,82 @@ def _list_args(p) -> None:
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 
 
-def _check(args) -> int:
-    from fastzoo.parity import cmd_check
-
-    return cmd_check(args)
-
-
 def _check_args(p) -> None:
-    from fastzoo.parity import add_check_args
+    p.add_argument("model", help="model name (see `fastzoo list`)")
+    p.add_argument("--attn", nargs="+", default=["all"], metavar="BACKEND",
+                   help="backends to check: 'all', names, or NAME:key=value[:key=value] for options "
+                        "(e.g. sdpa:sdpa_backend=math)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--tiny", action="store_true", help="a small config of the model (CPU, CI)")
+    p.add_argument("--no-grad", action="store_true", help="compare outputs only")
+    p.add_argument("--layers", action="store_true",
+                   help="also print the per-layer table (fp32): each module's output and gradient error, "
+                        "and the first layer where fastzoo and the original part")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
-    add_check_args(p)
+
+def parse_backend_spec(spec: str) -> tuple[str, dict]:
+    """``"sdpa:sdpa_backend=math"`` -> ``("sdpa", {"sdpa_backend": "math"})``."""
+    name, *pairs = spec.split(":")
+    return name, parse_key_values(pairs, what=f"backend option in {spec!r}:")
+
+
+def cmd_check(args) -> int:
+    """``fastzoo check MODEL --attn ...``: :func:`fastzoo.equivalence.check` per backend, as a table."""
+    import json
+
+    import torch
+
+    from fastzoo import equivalence
+    from fastzoo.attention import list_attention
+    from fastzoo.errors import BackendUnavailableError
+
+    dtype = parse_dtype(args.dtype)
+    everything = args.attn == ["all"]
+    specs = [(n, {}) for n in list_attention()] if everything else [parse_backend_spec(s) for s in args.attn]
+    overrides = equivalence.tiny_overrides(args.model) if args.tiny else None
+    rows, results, layer_tables, failed = [], [], [], False
+    for name, options in specs:
+        try:
+            res = equivalence.check(args.model, name, device=args.device, dtype=dtype, overrides=overrides,
+                                    backend_options=options, batch=args.batch, train=not args.no_grad,
+                                    layers=args.layers)
+        except BackendUnavailableError as e:
+            failed |= not everything  # asked for by name: not being able to run it is a failure
+            rows.append({"backend": name, "device": args.device, "dtype": args.dtype, "result": f"unavailable: {e}"})
+            results.append({"backend": name, "options": {k: repr(v) for k, v in options.items()}, "unavailable": str(e)})
+            continue
+        except Exception as e:  # a kernel that crashes is a failed check, and the table goes on
+            failed = True
+            rows.append({"backend": name, "device": args.device, "dtype": args.dtype,
+                         "result": f"ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+            results.append({"backend": name, "options": {k: repr(v) for k, v in options.items()},
+                            "error": f"{type(e).__name__}: {e}", "passed": False})
+            continue
+        failed |= not res.passed
+        rows.extend(res.rows())
+        rows.extend({"backend": name, "result": f"note: {n}"} for n in res.notes)
+        results.append(res.to_dict())
+        for form, report in res.layers.items():
+            first = report.first
+            verdict = ("no layer diverges" if first is None else
+                       f"first diverging layer: {first.name or '(model)'}")
+            layer_tables.append(f"\nLayers of {name} ({form}): {verdict}\n" + markdown_table(report.rows()))
+    cols = ["backend", "device", "dtype", "compared", "max error", "bound", "original's own error", "result"]
+    print(f"Equivalence of {args.model}{' (tiny config)' if args.tiny else ''} with the original library's model "
+          "(fp32, eager attention); rule: "
+          + (f"fp32 abs {equivalence.FP32_OUT_ATOL:g}, grads rel {equivalence.FP32_GRAD_RTOL:g}" if dtype == torch.float32
+             else f"<= {equivalence.LOW_FACTOR:g} x the original's own {args.dtype} error + floor"))
+    print(markdown_table(rows, cols))
+    for table in layer_tables:
+        print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "tiny": args.tiny, "device": args.device, "dtype": args.dtype,
+                       "torch": torch.__version__, "results": results}, f, indent=2)
+    return 1 if failed else 0
 
 
 def _convert_args(p) -> None:
@@ -80,7 +141,6 @@ def _convert_args(p) -> None:
 
 def cmd_convert(args) -> int:
     """Load ``source`` strictly (format detected from the keys) and write it in ``--to`` format."""
-    import yaml
     from safetensors.torch import save_file
 
     import fastzoo
@@ -88,14 +148,8 @@ def cmd_convert(args) -> int:
     from fastzoo.errors import FastzooError
     from fastzoo.models.base import untied
 
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"fastzoo convert: --set takes KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        overrides[key] = yaml.safe_load(value)
     try:
+        overrides = parse_key_values(args.set, what="--set")
         model = fastzoo.create(args.model, pretrained=args.source, **overrides)
         # Written atomically (fastzoo.files): converting in place, over the source, is safe
         # (the source was read whole above) and a failure leaves the old file.
@@ -117,7 +171,7 @@ COMMANDS = {
     "tour": (_tour, "the main job: all four models vs their originals here, parity + speed + what to use", _tour_args),
     "convert": (cmd_convert, "convert a checkpoint between fastzoo, timm, hf and torchvision formats", _convert_args),
     "list": (cmd_list, "models and the attention capability matrix", _list_args),
-    "check": (_check, "parity of attention backends against the fp32 eager reference", _check_args),
+    "check": (cmd_check, "equivalence of each attention backend with the original library's model", _check_args),
     "bench": (cmd_bench, "parity-gated speed of every attention backend vs the peer library", _bench_args),
 }
 

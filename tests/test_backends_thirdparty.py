@@ -19,7 +19,8 @@ from fastzoo.attention.base import FP32, Capabilities
 from fastzoo.attention.library import LibraryBackend
 from fastzoo.attention.packing import repad, unpad
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.parity import TINY, check_parity
+from fastzoo.equivalence import TINY
+from fastzoo.equivalence import check as check_parity
 
 THIRD_PARTY = {  # backend -> (import name, words its install command contains)
     "fa2": ("flash_attn", "pip install flash-attn"),

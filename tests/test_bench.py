@@ -11,7 +11,7 @@ import torch
 import fastzoo
 from fastzoo.attention import Capabilities
 from fastzoo.bench import Case, Group, Step, Suite, measure, run_suite, speedup, summarize
-from fastzoo.bench import parity
+from fastzoo.equivalence import compare_cases
 from fastzoo.bench.vit import ViTSetting, vit_suite
 
 TINY_VIT = ViTSetting("tiny", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
@@ -70,17 +70,17 @@ def test_ratios_and_throughput_follow_from_the_measured_medians():
 def test_parity_gate_uses_the_shared_rule():
     ref = {"output": torch.zeros(3), "grad:w": torch.tensor([1.0, -4.0])}
     got = {"output": torch.tensor([0.0, 2e-5, 0.0]), "grad:w": torch.tensor([1.0, -4.02])}
-    out, grads = parity.compare(ref, got)
+    out, grads = compare_cases(ref, got)
     assert out.err == pytest.approx(2e-5) and out.passed  # fp32 outputs: <= 1e-4
     assert grads.err == pytest.approx(0.02 / 4.0) and not grads.passed  # relative to the gradient scale, > 1e-4
     # low precision: a bound of 3x the eager model's own error in that dtype (plus a small floor)
     peer = {"output": torch.tensor([0.0, 1e-2, 0.0]), "grad:w": torch.tensor([1.0, -4.04])}
-    out, grads = parity.compare(ref, got, peer)
+    out, grads = compare_cases(ref, got, peer)
     assert out.bound == pytest.approx(3e-2, rel=1e-3) and out.passed and grads.passed
     # a peer library with its own parameter names: gradients compared on the shared names only
     foreign = {"output": torch.zeros(3), "grad:w": torch.tensor([1.0, -4.0]), "grad:theirs": torch.ones(2)}
-    assert [c.passed for c in parity.compare(ref, foreign, same_names=False)] == [True, True]
-    assert len(parity.compare(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
+    assert [c.passed for c in compare_cases(ref, foreign, same_names=False)] == [True, True]
+    assert len(compare_cases(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
 
 
 @pytest.fixture

@@ -89,6 +89,9 @@ def list_attention(available_only: bool = False) -> list[str]:
     return names
 
 
+AttentionBackend.available_here = staticmethod(lambda: list_attention(available_only=True))
+
+
 __all__ = [
     "AttentionBackend", "AttnContext", "AttnRequest", "Capabilities",
     "backend_class", "capability_matrix", "get_backend", "list_attention", "register_attention",

@@ -30,14 +30,10 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.text import dtype_name  # noqa: F401  (re-exported: backends name dtypes in messages)
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FLOATS, HALF = (FP32, BF16, FP16), (BF16, FP16)  # the dtype sets backends declare
-_DTYPE_NAMES = {FP32: "fp32", FP16: "fp16", BF16: "bf16"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclass(frozen=True)
@@ -135,6 +131,9 @@ class AttentionBackend:
     capabilities: Capabilities  # class default; an instance may narrow it from its options
     options: ClassVar[dict] = {}
     description: ClassVar[str] = ""
+    # Names of the backends this machine runs, said in every refusal. The registry
+    # (fastzoo.attention) installs it: this module sits below the registry and cannot import it.
+    available_here: ClassVar[Callable[[], list[str]]] = staticmethod(lambda: [])
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.options))
@@ -194,9 +193,7 @@ class AttentionBackend:
         return problems
 
     def _message(self, problems: list[str]) -> str:
-        from fastzoo.attention import list_attention  # the registry imports this module
-
-        here = ", ".join(list_attention(available_only=True))
+        here = ", ".join(AttentionBackend.available_here())
         text = f"attention backend {self.name!r} " + "; ".join(problems)
         return text.rstrip(".") + f". Available on this machine: {here}."
 

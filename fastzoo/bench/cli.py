@@ -16,9 +16,8 @@ import sys
 import warnings
 
 import torch
-import yaml
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from fastzoo.text import DTYPES, parse_key_values
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -44,16 +43,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="fine-tune a small model of this family with every backend from one initialisation; compare accuracy")
     p.add_argument("--steps", type=int, help="--parity-train steps (default 300; quick 100)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: write KEY=VALUE, e.g. --set depth=2")
-        k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
-    return out
 
 
 def _replace(setting, overrides: dict):
@@ -88,7 +77,7 @@ def _family(model: str) -> str:
 
 def build_suite(args, device: torch.device, dtype: torch.dtype):
     family = _family(args.model)
-    overrides = _overrides(args.overrides)
+    overrides = parse_key_values(args.overrides, what="--set")
     modes, compile_modes = (args.mode,), (args.compile,)
     if family == "vit":
         from fastzoo.bench.vit import setting_from_model, vit_suite

@@ -6,7 +6,7 @@ user would pick instead). For each case the harness
 
 1. builds it (a backend this machine cannot run is reported ``unavailable`` with the reason),
 2. compares its outputs and gradients with the group's fp32 eager reference on identical
-   weights (:mod:`fastzoo.bench.parity`, the rule of ``fastzoo check``); a case that fails
+   weights (:func:`fastzoo.equivalence.compare_cases`, the rule of ``fastzoo check``); a case that fails
    is reported and *not timed*,
 3. runs ``warmup`` untimed steps (compilation happens here; the parity pass, one full
    step, counts as the first), then ``iters`` timed steps:
@@ -31,8 +31,9 @@ from typing import Callable
 
 import torch
 
-from fastzoo.bench import parity
+from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.text import dtype_name, markdown_table
 
 
 class Unavailable(Exception):
@@ -176,7 +177,10 @@ class Report:
         return not any(r.status == "error" for r in self.rows)
 
     def table(self) -> str:
-        return markdown_table(self.rows, with_setting=len({r.group for r in self.rows}) > 1)
+        if not self.rows:
+            return "(no rows)"
+        with_setting = len({r.group for r in self.rows}) > 1
+        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) for r in self.rows])
 
     def to_markdown(self, title: str | None = None) -> str:
         lines = [f"## {title or self.suite}", ""]
@@ -258,15 +262,6 @@ def _fmt_err(r: Row) -> str:
     return text + (f" (grad {r.grad_err:.1e})" if r.grad_err is not None else "")
 
 
-def markdown_table(rows: list[Row], with_setting: bool = False) -> str:
-    if not rows:
-        return "(no rows)"
-    cells = [({"setting": r.group} if with_setting else {}) | row_cells(r) for r in rows]
-    cols = list(cells[0])
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(str(c[k]).replace("|", "/") for k in cols) + " |" for c in cells]
-    return "\n".join(out)
-
 
 # -- environment ----------------------------------------------------------------------------
 def device_name(device: torch.device | str) -> str:
@@ -307,7 +302,7 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
 
     from tqdm.auto import tqdm
 
-    dtype_text = str(suite.dtype).replace("torch.", "")
+    dtype_text = dtype_name(suite.dtype)
     report = Report(suite.name, device_name(suite.device), dtype_text, suite.config, warmup, iters, versions(),
                     torch.get_num_threads(), [], suite.skipped, note)
     if suite.skipped:
@@ -372,7 +367,7 @@ def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
             peer = (got if case.reference else ref_in_dtype) if low else None
             if low and peer is None:
                 raise Unavailable("low-precision parity needs the eager reference case in this group")
-            comps = parity.compare(ref, got, peer, same_names=case.same_names)
+            comps = compare_cases(ref, got, peer, same_names=case.same_names)
             row.max_err = comps[0].err
             row.grad_err = comps[1].err if len(comps) > 1 else None
             failed = [c for c in comps if not c.passed]

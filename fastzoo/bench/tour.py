@@ -211,7 +211,7 @@ class TourResult:
                 f"torch {rep.versions.get('torch')}; {self.seconds:.0f} s in all.")
 
     def summary_table(self) -> str:
-        from fastzoo.cli import markdown_table
+        from fastzoo.text import markdown_table
 
         return markdown_table(self.summary_rows())
 

@@ -5,11 +5,11 @@ timm's ``train.py`` and Hugging Face's ``run_clm``), ``--model-kwargs key=value`
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
 from fastzoo.errors import FastzooError
+from fastzoo.text import parse_key_values
 
 
 class UsageError(FastzooError, ValueError):
@@ -22,13 +22,10 @@ class _KeyValue(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         out = dict(getattr(namespace, self.dest) or {})
         for item in values:
-            key, sep, text = item.partition("=")
-            if not sep or not key:
-                parser.error(f"{option_string}: expected key=value, got {item!r}")
             try:
-                out[key] = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                out[key] = text
+                out.update(parse_key_values([item], what=option_string))
+            except ValueError as e:
+                parser.error(str(e))
         setattr(namespace, self.dest, out)
 
 
@@ -197,11 +194,11 @@ def run_main(main, argv=None) -> None:
 def create_model(args: argparse.Namespace, device=None, **overrides):
     """``fastzoo.create`` from ``--model/--attn/--pretrained/--model-kwargs`` (+ the script's own
     overrides); a bad name or override becomes a one-line error."""
-    import fastzoo
+    from fastzoo.registry import create
 
     kwargs = {**args.model_kwargs, **overrides}
     try:
-        return fastzoo.create(args.model, attn=args.attn, pretrained=args.pretrained, device=device, **kwargs)
+        return create(args.model, attn=args.attn, pretrained=args.pretrained, device=device, **kwargs)
     except (TypeError, ValueError) as e:
         if isinstance(e, FastzooError):
             raise

@@ -86,13 +86,19 @@ def _read_module(module: nn.Module) -> Source:
     if inner is not module:
         origin += f" (inside {type(module).__name__})"
     config = getattr(inner, "config", None)
-    from fastzoo.models.base import FastzooModel
-
-    if isinstance(inner, FastzooModel):
+    if _is_fastzoo_model(inner):
         config = {"fastzoo_model": inner.model_name, "family": inner.family, **config.to_dict()}
     else:
         config = config.to_dict() if hasattr(config, "to_dict") else None
     return Source(_clean(dict(inner.state_dict()), origin), origin, config, inner)
+
+
+def _is_fastzoo_model(module: nn.Module) -> bool:
+    """A fastzoo model, told by what every one has (a family and a dataclass config) rather than
+    by importing ``fastzoo.models``, which sits above this module."""
+    import dataclasses
+
+    return isinstance(getattr(type(module), "family", None), str) and dataclasses.is_dataclass(getattr(module, "config", None))
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -1,4 +1,6 @@
-"""The parity harness: it passes for correct backends, fails for wrong ones, and its CLI reports both."""
+"""fastzoo.equivalence: a fastzoo model against the original library's model (timm's ViT,
+Hugging Face's GPT-2) on the same weights and inputs. It passes for correct backends, fails
+for wrong ones, names the first layer where the two models part, and its CLI reports all of it."""
 import json
 
 import pytest
@@ -10,7 +12,10 @@ from fastzoo.attention import _REGISTRY
 from fastzoo.attention.base import BF16, FP32, Capabilities
 from fastzoo.cli import main
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.parity import FP32_GRAD_RTOL, FP32_OUT_ATOL, TINY, check_parity, parse_backend_spec
+from fastzoo import equivalence
+from fastzoo.cli import parse_backend_spec
+from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL, TINY
+from fastzoo.equivalence import check as check_parity
 
 VIT = dict(overrides=TINY["vit"])
 
@@ -153,3 +158,81 @@ def test_gpt2_padded_and_packed_against_the_padded_reference():
     names = [c.name for c in res.comparisons]
     assert names == ["logits (padded)", "grads (padded)", "logits (packed)", "grads (packed)"]
     assert res.passed, res.rows()
+
+
+# -- the first diverging layer ---------------------------------------------------------------------
+def _scaled_backward(q, k, v, ctx):  # exact forward; the backward scales every gradient by 1.5
+    o = F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)
+    return o.detach() + 1.5 * (o - o.detach())
+
+
+def _vit_pair():
+    original = equivalence.original("vit_s16", **TINY["vit"])
+    return fastzoo.create("vit_s16", attn="eager", pretrained=original).eval(), original
+
+
+def test_correct_backend_has_no_diverging_layer_and_every_layer_within_tolerance():
+    res = check_parity("vit_s16", "sdpa", layers=True, **VIT)
+    report = res.layers["images"]
+    assert report.first is None, report.rows()
+    assert {"blocks.0.attn", "blocks.1.mlp.fc1", "head"} <= {d.name for d in report.layers}  # matched by name
+    # fp32: every layer's output and gradients within 1e-4 of the original's scale (observed <1e-6)
+    errs = [e for d in report.layers for e in (d.output_err, d.grad_out_err, d.grad_in_err) if e is not None]
+    assert errs and max(errs) <= FP32_LAYER_RTOL
+
+
+def test_a_perturbed_weight_is_found_in_exactly_its_layer():
+    ours, original = _vit_pair()
+    with torch.no_grad():
+        ours.blocks[1].mlp.fc1.weight[0, 0] += 0.1  # one weight of one layer, fastzoo side only
+    comps, report = equivalence.compare(ours, original, (torch.randn(2, 3, 32, 32),), layers=True)
+    assert not comps[0].passed
+    assert report.first.name == "blocks.1.mlp.fc1"
+    assert report.first_forward is report.first
+    before = [d for d in report.layers[: report.layers.index(report.first)]]
+    assert before and not any(d.forward_diverges for d in before)  # everything upstream still agrees
+
+
+def test_a_backend_wrong_in_one_layer_is_named_by_the_forward_report(register):
+    register("wrong_scale_layer", _wrong_scale, CPU_FP32)
+    ours, original = _vit_pair()
+    ours.blocks[1].attn.backend = fastzoo.get_backend("wrong_scale_layer")  # one layer only
+    comps, report = equivalence.compare(ours, original, (torch.randn(2, 3, 32, 32),), layers=True)
+    assert not comps[0].passed and report.first.name == "blocks.1.attn"
+
+
+def test_when_only_the_gradients_diverge_the_backward_report_names_the_layer(register):
+    register("scaled_backward", _scaled_backward, CPU_FP32)
+    ours, original = _vit_pair()
+    ours.blocks[1].attn.backend = fastzoo.get_backend("scaled_backward")
+    logits, grads = equivalence.compare(ours, original, (torch.randn(2, 3, 32, 32),), layers=True)[0]
+    report = equivalence.compare(ours, original, (torch.randn(2, 3, 32, 32),), layers=True)[1]
+    assert logits.passed and not grads.passed  # the outputs are exact, the gradients are not
+    assert report.first_forward is None
+    assert report.first.name == report.first_backward.name == "blocks.1.attn"
+    # block 1's attention receives the right gradient and sends on a wrong one
+    assert report.first.grad_out_err <= FP32_LAYER_RTOL < report.first.grad_in_err
+
+
+def test_gpt2_layers_are_matched_with_hugging_face_by_module_name():
+    original = equivalence.original("gpt2", **TINY["gpt2"])
+    ours = fastzoo.create("gpt2", attn="sdpa", pretrained=original).eval()
+    with torch.no_grad():
+        ours.transformer.h[1].mlp.c_fc.weight[0, 0] += 0.1
+    ids = torch.randint(0, TINY["gpt2"]["vocab_size"], (2, 16))
+    comps, report = equivalence.compare(ours, original, equivalence.Inputs((ids,)), layers=True)
+    assert not comps[0].passed
+    assert report.first.name == "transformer.h.1.mlp.c_fc"
+
+
+def test_cli_check_layers_prints_the_per_layer_table(capsys):
+    assert main(["check", "vit_s16", "--tiny", "--attn", "sdpa", "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "Layers of sdpa (images): no layer diverges" in out
+    assert "| blocks.1.attn |" in out
+
+
+def test_cli_check_layers_names_the_first_diverging_layer(register, capsys):
+    register("wrong_scale_cli_layers", _wrong_scale, CPU_FP32)
+    assert main(["check", "vit_s16", "--tiny", "--no-grad", "--attn", "wrong_scale_cli_layers", "--layers"]) == 1
+    assert "first diverging layer: blocks.0.attn" in capsys.readouterr().out
