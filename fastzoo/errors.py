@@ -38,5 +38,10 @@ class BackendUnavailableError(FastzooError, RuntimeError):
     """A backend cannot serve the request: missing package, device, dtype, head dim or feature."""
 
 
+class UsageError(FastzooError, ValueError):
+    """Bad command-line arguments or unreadable user data: the command line reports it in one
+    line and exits with status 2."""
+
+
 class CheckpointError(FastzooError, ValueError):
     """A checkpoint cannot be read or does not fit the model. Nothing was loaded."""
