@@ -20,6 +20,7 @@ import yaml
 
 from fastzoo.attention import backend_class
 from fastzoo.errors import CheckpointError, UnknownModelError
+from fastzoo.models.timm_api import timm_pretrained_cfg
 from fastzoo import weights
 
 
@@ -30,6 +31,7 @@ class ModelEntry:
     config: dict
     peer: str
     description: str
+    timm: str | None = None  # the timm architecture whose default pretrained_cfg a fresh model carries
 
     @property
     def model_class(self):
@@ -47,7 +49,7 @@ def _entries() -> dict[str, ModelEntry]:
         data = yaml.safe_load(text)
         first = text.splitlines()[0].lstrip("# ").strip() if text.startswith("#") else ""
         name = path.name[: -len(".yaml")]
-        out[name] = ModelEntry(name, data["model"], dict(data.get("config") or {}), data.get("peer", ""), first)
+        out[name] = ModelEntry(name, data["model"], dict(data.get("config") or {}), data.get("peer", ""), first, data.get("timm"))
     return out
 
 
@@ -80,8 +82,14 @@ def create(
     (unwrapped from DDP / torch.compile), what the keys fix from a bare state dict.
     Overriding ``num_classes`` against a checkpoint gives a fresh head (with a warning).
     A ``device`` this machine cannot allocate on is a ValueError before anything is built.
+
+    Image classifiers carry timm's ``pretrained_cfg``: the source's own (a live timm model's,
+    a ``save_pretrained`` directory's) else timm's default for the variant (the YAML's
+    ``timm``). ``features_only=True`` (with ``out_indices=``, ``feature_cls=``) returns timm's
+    feature wrapper around the model, as ``timm.create_model(..., features_only=True)``.
     """
     entry = get_entry(name)
+    features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
     backend_class(attn)  # an unknown backend name fails before anything is built
     if device is not None:
         check_device(device)
@@ -98,6 +106,9 @@ def create(
     changed = _overridden_fields(cls.config_class, implied, cfg, overrides) if src else set()
 
     model.model_name = name
+    if hasattr(cls, "pretrained_cfg"):
+        known = weights.pretrained_cfg_of(src) if src is not None else None
+        model.pretrained_cfg = known or timm_pretrained_cfg(entry.timm or cls.timm_architecture)
     model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))
     if src is not None:
         state = weights.to_fastzoo(cls.family, src)
@@ -107,6 +118,12 @@ def create(
         weights.load_into(model, state, src.origin, allow_missing=fresh)
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
+    if features.pop("features_only", False):
+        if not hasattr(model, "as_features"):
+            raise ValueError(f"features_only=True: {name} has no feature maps to return (ViT and ResNet have)")
+        return model.as_features(**features)
+    if features:
+        raise ValueError(f"{', '.join(features)} go with features_only=True")
     return model
 
 

@@ -107,7 +107,7 @@ def capability_matrix() -> list[dict]:
     rows = []
     for name in list_attention():
         cls = backend_class(name)
-        caps = cls.capabilities
+        caps = cls().capabilities  # default options; an instance may declare what this machine serves (varlen)
         reason = cls.unavailable_reason()
         yes = lambda flag: "yes" if flag else "no"  # noqa: E731
         head = f"<= {caps.max_head_dim}" if caps.max_head_dim else "any"

@@ -87,6 +87,8 @@ class AttnContext:
         ``key`` names what the value depends on beyond the context's own fields (who built
         it, shapes); the context's masks and offsets are fixed for its lifetime.
         """
+        if any(isinstance(k, (torch.SymInt, torch.fx.Proxy)) for k in key):
+            return build()  # a traced size (export's dynamic batch, FX) is no dict key: build per call
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -102,8 +104,9 @@ class AttnRequest:
 
     head_dim: int
     causal: bool = False
-    padding_mask: bool = False
-    varlen: bool = False
+    padding_mask: bool = False  # the model's forward takes key-padding masks (GPT-2's attention_mask)
+    varlen: bool = False  # the model's forward takes packed sequences (cu_seqlens)
+    unpads: bool = False  # the model packs a padded batch itself for a backend with varlen but no padding mask
     kv_cache: bool = False  # decoding with a KV cache: causal with Sq < Sk
     grid_2d: bool | None = None  # the model gives ctx.grid_size (ViT patches), for 2-D masks
     attn_dropout: float = 0.0  # the largest attention dropout the model is configured with
@@ -176,7 +179,7 @@ class AttentionBackend:
             problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
         if req.causal and not caps.causal:
             problems.append("has no causal masking, which this model needs")
-        if req.padding_mask and not caps.padding_mask:
+        if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):
             problems.append("takes no key-padding mask, which this model needs")
         if req.varlen and not caps.varlen:
             problems.append("takes no packed sequences (cu_seqlens), which this model needs")
@@ -221,6 +224,8 @@ class AttentionBackend:
 
     # -- compute --------------------------------------------------------------------
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if isinstance(q_BHSD, torch.fx.Proxy):  # symbolic tracing: record the kernel; create checked the request
+            return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
         self.check_call(q_BHSD, ctx)
         Sq, Sk = q_BHSD.shape[-2], k_BHSD.shape[-2]
         if ctx.causal and Sq != Sk and not self.capabilities.kv_cache:

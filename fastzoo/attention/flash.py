@@ -9,7 +9,7 @@
 - ``fa3``: FlashAttention-3 (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention
   with Asynchrony and Low-precision"), the ``flash_attn_interface`` module built from
   flash-attention's ``hopper/`` directory: the same two functions, without dropout. Hopper
-  (compute capability 9.0), fp16/bf16, head dim <= 256. Older builds return
+  (compute capability 9.0), fp16/bf16, head dim <= 256 and a multiple of 8. Older builds return
   ``(out, softmax_lse)`` and newer ones ``out``; both are accepted.
 
 Why ``fa3`` calls ``flash_attn_interface`` directly rather than PyTorch's
@@ -85,6 +85,7 @@ class Fa3Backend(LibraryBackend):
         dropout=False,
         compile=True,  # registered as torch.library custom ops (flash_attn_3::_flash_attn_forward)
         max_head_dim=256,
+        head_dim_multiple=8,  # FA3 takes head dims that are multiples of 8 only (it does not pad them, unlike fa2)
         min_cuda_capability=(9, 0),
         packages=("flash_attn_interface",),
         install="cd flash-attention/hopper && pip install --no-build-isolation .",  # source build: no PyPI wheel

@@ -28,12 +28,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = x_BCHW.shape
-        if (H, W) != self.img_size:
-            raise ValueError(f"images are {H}x{W}, the model was built for img_size={self.img_size}")
+        # the image size is the model's to check, outside traced graphs (fastzoo.models.timm_api.check_images)
         if self.kind == "conv":
             return self.proj(x_BCHW).flatten(2).transpose(1, 2)  # x_BND
-        p = self.patch_size
+        B, C, p = x_BCHW.shape[0], self.proj.in_channels, self.patch_size
         gh, gw = self.grid_size
         # [B, C, gh, p, gw, p] -> [B, gh, gw, C, p, p]: each patch flattened in the conv weight's (C, p, p) order
         patches_BNK = x_BCHW.reshape(B, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * p * p)

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastzoo.kernel_ranges import kernel_range
+
 REDUCTIONS = ("none", "mean", "sum")
 PAD_BOX = (0.0, 0.0, -1.0, -1.0)  # an inverted box: marks a padded slot of a padded target
 IMPLS = ("auto", "torch", "kernel")
@@ -179,9 +181,11 @@ def giou_loss(
         check_boxes(target, "target")
     if impl == "torch":
         last_impl = "torch"
-        return _reduce(giou_loss_reference(pred, target, eps), reduction)
+        with kernel_range("loss", "giou_loss", impl):
+            return _reduce(giou_loss_reference(pred, target, eps), reduction)
     last_impl = path
-    return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
+    with kernel_range("loss", "giou_loss", impl):  # for fastzoo.explain; a no-op otherwise
+        return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
 
 
 # -- variable box counts: four layouts, one number --------------------------------------

@@ -111,10 +111,14 @@ class FastzooModel(nn.Module):
         slot = self.__dict__.get("_attn_slot")
         return None if slot is None else slot.current[1]
 
+    def extra_config(self) -> dict:
+        """Keys config.json carries for other readers (timm's hub format for image classifiers)."""
+        return {}
+
     def save_pretrained(self, path) -> Path:
         """Write ``config.json`` (the architecture) and ``model.safetensors`` (fastzoo keys),
         each replaced atomically (see :func:`write_pretrained`)."""
-        meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict()}
+        meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict(), **self.extra_config()}
         return write_pretrained(path, meta, self.state_dict())
 
 

@@ -145,6 +145,9 @@ class BoxDetector(FastzooModel):
         src = weights.read_source(source)
         state = {k: v for k, v in weights.to_fastzoo("resnet", src).items() if not k.startswith("fc.")}
         weights.load_into(self.backbone, state, src.origin)
+        cfg = weights.pretrained_cfg_of(src)
+        if cfg:  # the backbone's preprocessing is the checkpoint's (timm's resolve_data_config(model=det.backbone))
+            self.backbone.pretrained_cfg = cfg
 
     def forward(self, images_BCHW: torch.Tensor) -> dict[str, torch.Tensor]:
         f_BDHW = self.input_proj(self.backbone.forward_features(images_BCHW))

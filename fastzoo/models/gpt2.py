@@ -164,8 +164,11 @@ class GPT2LMHeadModel(FastzooModel):
                 nn.init.normal_(p, std=std)
 
     def attention_needs(self) -> dict:
-        # Padding masks and packed sequences depend on each call's inputs: check_call checks those.
-        return {"head_dim": self.config.n_embd // self.config.n_head, "causal": True, "grid_2d": False}
+        # HF callers pass attention_mask (a tokenizer's output has one): a backend must serve it,
+        # with a mask or by the model unpadding into packed sequences. Packed input (cu_seqlens)
+        # is fastzoo's own opt-in form: a backend without varlen is refused per call (check_call).
+        return {"head_dim": self.config.n_embd // self.config.n_head, "causal": True, "grid_2d": False,
+                "padding_mask": True, "unpads": True}
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None, max_seqlen=None):

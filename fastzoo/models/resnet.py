@@ -28,13 +28,17 @@ import torch
 from torch import nn
 
 from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
+
+torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
 
 EXPANSION = 4  # a bottleneck's output has 4x the channels of its 3x3 conv
 
 
 @dataclass
 class ResNetConfig(ModelConfig):
-    num_classes: int = 1000  # 0: no ``fc``, forward returns the pooled features
+    num_classes: int = 1000  # 0: ``fc`` is the identity, forward returns the pooled features
+    global_pool: str = "avg"  # "avg" | "" (no pooling: forward_head returns the feature map; needs num_classes=0)
     layers: tuple[int, ...] = (3, 4, 6, 3)  # bottlenecks per stage (ResNet-50)
     channels: tuple[int, ...] = (64, 128, 256, 512)  # 3x3 width per stage (timm's name); out = 4x
     in_chans: int = 3
@@ -46,6 +50,10 @@ class ResNetConfig(ModelConfig):
         self.layers, self.channels = tuple(self.layers), tuple(self.channels)
         if len(self.layers) != len(self.channels) or not self.layers:
             raise ValueError(f"layers={self.layers} and channels={self.channels} must have the same, nonzero length")
+        if self.global_pool not in ("avg", ""):
+            raise ValueError(f"global_pool={self.global_pool!r}: fastzoo's ResNet pools with 'avg' or '' (none)")
+        if self.global_pool == "" and self.num_classes:
+            raise ValueError(f"global_pool='' (no pooling) needs num_classes=0, got num_classes={self.num_classes}")
 
     @property
     def num_features(self) -> int:
@@ -70,16 +78,20 @@ class Bottleneck(nn.Module):
             self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
 
     def forward(self, x):
+        # torchvision's op order, so FX graph node names (create_feature_extractor) are its too
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
         shortcut = x if self.downsample is None else self.downsample(x)
-        x = self.relu(self.bn1(self.conv1(x)))
-        x = self.relu(self.bn2(self.conv2(x)))
-        x = self.bn3(self.conv3(x))
-        return self.relu(x + shortcut)
+        return self.relu(out + shortcut)
 
 
-class ResNet(FastzooModel):
+class ResNet(TimmModelAPI, FastzooModel):
     family = "resnet"
     config_class = ResNetConfig
+    timm_architecture = "resnet50"
+    timm_feature_cls = "list"  # timm's features_only for ResNet: FeatureListNet over the children
+    default_out_indices = (0, 1, 2, 3, 4)
 
     def __init__(self, cfg: ResNetConfig):
         super().__init__()
@@ -89,15 +101,18 @@ class ResNet(FastzooModel):
         self.bn1 = nn.BatchNorm2d(stem)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        # timm's feature_info (its stem activation is named act1; here it is torchvision's relu)
+        self.feature_info = [dict(num_chs=stem, reduction=2, module="relu")]
         inplanes = stem
         for i, (n, planes) in enumerate(zip(cfg.layers, cfg.channels)):
             stride = 1 if i == 0 else 2
             blocks = [Bottleneck(inplanes, planes, stride)] + [Bottleneck(planes * EXPANSION, planes) for _ in range(n - 1)]
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
             inplanes = planes * EXPANSION
+            self.feature_info.append(dict(num_chs=inplanes, reduction=4 * 2**i, module=f"layer{i + 1}"))
         self.num_stages = len(cfg.layers)
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(cfg.num_features, cfg.num_classes) if cfg.num_classes > 0 else None
+        self.avgpool = nn.AdaptiveAvgPool2d(1) if cfg.global_pool else nn.Identity()
+        self.fc = nn.Linear(cfg.num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         self._init_weights()
         if cfg.frozen_bn:
             for m in self.modules():
@@ -128,23 +143,88 @@ class ResNet(FastzooModel):
                 if isinstance(m, Bottleneck):
                     nn.init.zeros_(m.bn3.weight)
 
-    def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        """The last stage's feature map (C5 for ResNet-50: [B, 2048, H/32, W/32])."""
-        if images_BCHW.ndim != 4 or images_BCHW.shape[1] != self.config.in_chans:
-            raise ValueError(f"images must be [B, {self.config.in_chans}, H, W], got shape {tuple(images_BCHW.shape)}")
+    def _stem(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        images_BCHW = check_images(images_BCHW, self.config.in_chans)
         if self.config.channels_last:
             images_BCHW = images_BCHW.contiguous(memory_format=torch.channels_last)
-        x = self.maxpool(self.relu(self.bn1(self.conv1(images_BCHW))))
-        for i in range(self.num_stages):
-            x = getattr(self, f"layer{i + 1}")(x)
+        return self.relu(self.bn1(self.conv1(images_BCHW)))
+
+    def _stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.grad_checkpointing:
+            return getattr(self, f"layer{i + 1}")(x)
+        for block in getattr(self, f"layer{i + 1}"):  # timm's checkpoint_seq(flatten=True): one block at a time
+            x = self._run_block(block, x)
         return x
 
+    def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        """The last stage's feature map (C5 for ResNet-50: [B, 2048, H/32, W/32])."""
+        x = self.maxpool(self._stem(images_BCHW))
+        for i in range(self.num_stages):
+            x = self._stage(i, x)
+        return x
+
+    def forward_intermediates(
+        self,
+        images_BCHW: torch.Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
+        """timm's ``forward_intermediates``: feature maps ``indices`` of the stem activation (0) and
+        each stage (1..), as ``feature_info`` lists them (None: all, an int: the last n, negative
+        from the end). Returns ``(final feature map, intermediates)`` or only the intermediates.
+        ``norm`` is accepted and does nothing, as in timm (a ResNet has no final norm)."""
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt={output_fmt!r}: a ResNet's feature maps are 'NCHW'")
+        taken, last = take_indices(self.num_stages + 1, indices)
+        x = self._stem(images_BCHW)
+        out = [x] if 0 in taken else []
+        x = self.maxpool(x)
+        for i in range(last if stop_early else self.num_stages):
+            x = self._stage(i, x)
+            if i + 1 in taken:
+                out.append(x)
+        return out if intermediates_only else (x, out)
+
     def forward_head(self, x_BCHW: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x_BC = torch.flatten(self.avgpool(x_BCHW), 1)
-        return x_BC if pre_logits or self.fc is None else self.fc(x_BC)
+        x = self.avgpool(x_BCHW)
+        if self.config.global_pool:
+            x = torch.flatten(x, 1)
+        return x if pre_logits else self.fc(x)
 
     def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images_BCHW))
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups (layer decay): the stem, then one group per block (per stage if ``coarse``)."""
+        return dict(stem=r"^conv1|bn1|maxpool", blocks=r"^layer(\d+)" if coarse else r"^layer(\d+)\.(\d+)")
+
+    def get_classifier(self, name_only: bool = False):
+        return "fc" if name_only else self.fc
+
+    def timm_model_args(self) -> dict | None:
+        c = self.config
+        if c.frozen_bn:  # timm's ResNet has no frozen BatchNorm: in train mode it would be another function
+            return None
+        return {"layers": list(c.layers), "channels": list(c.channels), "in_chans": c.in_chans,
+                "num_classes": c.num_classes, "global_pool": c.global_pool}
+
+    def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
+        """A fresh ``fc`` for ``num_classes`` (0: none) and pooling ``global_pool`` ('avg', or ''
+        for none with num_classes=0), on the model's device and dtype, as timm's."""
+        if num_classes < 0:
+            raise ValueError(f"num_classes={num_classes} must be >= 0 (0: no classifier)")
+        if global_pool not in ("avg", ""):
+            raise ValueError(f"global_pool={global_pool!r}: fastzoo's ResNet pools with 'avg' or '' (none)")
+        if global_pool == "" and num_classes:
+            raise ValueError(f"global_pool='' (no pooling) needs num_classes=0, got num_classes={num_classes}")
+        self.config.num_classes, self.config.global_pool = num_classes, global_pool
+        w = self.conv1.weight
+        self.avgpool = nn.AdaptiveAvgPool2d(1) if global_pool else nn.Identity()
+        fc = nn.Linear(self.config.num_features, num_classes) if num_classes else nn.Identity()
+        self.fc = fc.to(device=w.device, dtype=w.dtype).train(self.training)
 
     def adapt_checkpoint(self, state, changed):
         if "num_classes" not in changed:

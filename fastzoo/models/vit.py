@@ -18,6 +18,12 @@ from torch import nn
 from fastzoo.attention.base import AttnContext
 from fastzoo.layers import ACTIVATIONS, Attention, DropPath, LayerScale, Mlp, PatchEmbed
 from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
+
+torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
+
+
+POOLS = ("token", "avg", "")
 
 
 @dataclass
@@ -26,7 +32,7 @@ class ViTConfig(ModelConfig):
     patch_size: int = 16
     in_chans: int = 3
     num_classes: int = 1000
-    global_pool: str = "token"  # "token" | "avg"
+    global_pool: str = "token"  # "token" | "avg" | "" (no pooling: forward_head returns every token)
     embed_dim: int = 768
     depth: int = 12
     num_heads: int = 12
@@ -68,14 +74,18 @@ class ViTConfig(ModelConfig):
         for name in ("drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool={self.global_pool!r}: choose 'token' or 'avg'")
+        if self.global_pool not in POOLS:
+            raise ValueError(f"global_pool={self.global_pool!r}: choose 'token', 'avg' or '' (no pooling)")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token")
         if self.fc_norm not in (None, True, False):
             raise ValueError(f"fc_norm={self.fc_norm!r}: choose None (timm's rule), True or False")
         if self.act_layer not in ACTIVATIONS:
             raise ValueError(f"act_layer={self.act_layer!r}: choose one of {', '.join(map(repr, ACTIVATIONS))}")
+
+    @property
+    def num_features(self) -> int:
+        return self.embed_dim
 
     @property
     def use_fc_norm(self) -> bool:
@@ -103,9 +113,12 @@ class Block(nn.Module):
         return x_BSD + self.drop_path2(self.ls2(self.mlp(self.norm2(x_BSD))))
 
 
-class VisionTransformer(FastzooModel):
+class VisionTransformer(TimmModelAPI, FastzooModel):
     family = "vit"
     config_class = ViTConfig
+    timm_architecture = "vit_base_patch16_224"
+    timm_feature_cls = "getter"  # timm's features_only for ViT: forward_intermediates
+    default_out_indices = 3  # timm's: the last three blocks
 
     def __init__(self, cfg: ViTConfig):
         super().__init__()
@@ -122,6 +135,8 @@ class VisionTransformer(FastzooModel):
         self.norm_pre = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
         rates = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
         self.blocks = nn.ModuleList([Block(cfg, r) for r in rates])
+        reduction = cfg.patch_size  # timm's feature_info: one entry per block
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=D, reduction=reduction) for i in range(cfg.depth)]
         self.norm = nn.LayerNorm(D, eps=cfg.norm_eps) if not cfg.use_fc_norm else nn.Identity()
         self.fc_norm = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.use_fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(cfg.drop_rate)
@@ -149,27 +164,83 @@ class VisionTransformer(FastzooModel):
             return torch.cat(prefix + [x_BND + self.pos_embed], dim=1)
         return torch.cat(prefix + [x_BND], dim=1) + self.pos_embed
 
+    def _embed(self, images_BCHW: torch.Tensor) -> tuple[torch.Tensor, AttnContext]:
+        """Patch tokens with prefix tokens and position embedding, and the forward's attention context."""
+        images_BCHW = check_images(images_BCHW, self.config.in_chans, self.patch_embed.img_size)
+        x_BSD = self.norm_pre(self.pos_drop(self._pos_embed(self.patch_embed(images_BCHW))))
+        return x_BSD, AttnContext(grid_size=self.patch_embed.grid_size, num_prefix_tokens=self.num_prefix_tokens)
+
     def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        if images_BCHW.ndim != 4:
-            raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images_BCHW.shape)}")
-        if images_BCHW.shape[1] != self.config.in_chans:
-            raise ValueError(f"images have {images_BCHW.shape[1]} channels, the model was built for in_chans={self.config.in_chans}")
-        if not images_BCHW.is_floating_point():
-            raise ValueError(f"images are {images_BCHW.dtype}: convert them to a floating dtype (and normalise) first")
-        x_BSD = self.pos_drop(self._pos_embed(self.patch_embed(images_BCHW)))
-        x_BSD = self.norm_pre(x_BSD)
-        ctx = AttnContext(grid_size=self.patch_embed.grid_size, num_prefix_tokens=self.num_prefix_tokens)
+        x_BSD, ctx = self._embed(images_BCHW)
         for block in self.blocks:
-            x_BSD = block(x_BSD, ctx)
+            x_BSD = self._run_block(block, x_BSD, ctx)
         return self.norm(x_BSD)
 
+    def forward_intermediates(
+        self,
+        images_BCHW: torch.Tensor,
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ):
+        """timm's ``forward_intermediates``: the outputs of blocks ``indices`` (None: all, an int:
+        the last n, a list: those; negative from the end), prefix tokens split off, as
+        ``[B, D, gh, gw]`` (``"NCHW"``) or ``[B, N, D]`` (``"NLC"``); ``norm`` applies the final
+        norm to each. Returns ``(final features, intermediates)``, or only the intermediates;
+        with ``return_prefix_tokens`` each intermediate is a ``(patch tokens, prefix tokens)`` pair."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt={output_fmt!r}: choose 'NCHW' or 'NLC'")
+        taken, last = take_indices(len(self.blocks), indices)
+        x_BSD, ctx = self._embed(images_BCHW)
+        blocks = self.blocks[: last + 1] if stop_early else self.blocks
+        out = []
+        for i, block in enumerate(blocks):
+            x_BSD = self._run_block(block, x_BSD, ctx)
+            if i in taken:
+                out.append(self.norm(x_BSD) if norm else x_BSD)
+        P = self.num_prefix_tokens
+        prefix = [y[:, :P] for y in out]
+        out = [y[:, P:] for y in out]
+        if output_fmt == "NCHW":
+            gh, gw = self.patch_embed.grid_size
+            out = [y.reshape(y.shape[0], gh, gw, -1).permute(0, 3, 1, 2).contiguous() for y in out]
+        if return_prefix_tokens and P:
+            out = list(zip(out, prefix))
+        return out if intermediates_only else (self.norm(x_BSD), out)
+
     def forward_head(self, x_BSD: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.config.global_pool == "token":
-            x_BD = x_BSD[:, 0]
-        else:
-            x_BD = x_BSD[:, self.num_prefix_tokens :].mean(dim=1)
-        x_BD = self.head_drop(self.fc_norm(x_BD))
-        return x_BD if pre_logits else self.head(x_BD)
+        pool = self.config.global_pool
+        if pool == "token":
+            x = x_BSD[:, 0]
+        elif pool == "avg":
+            x = x_BSD[:, self.num_prefix_tokens :].mean(dim=1)
+        else:  # no pooling: every token
+            x = x_BSD
+        x = self.head_drop(self.fc_norm(x))
+        return x if pre_logits else self.head(x)
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters timm's optimizer factory keeps out of weight decay (besides biases and norms)."""
+        return {"pos_embed", "cls_token", "reg_token", "dist_token"}
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups (layer decay): the embedding, then one group per block, the final norm last."""
+        return dict(stem=r"^cls_token|reg_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def timm_model_args(self) -> dict | None:
+        c = self.config
+        if c.norm_eps != 1e-6:  # timm's LayerNorm default; another eps cannot be written as JSON
+            return None
+        names = ("patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                 "qkv_bias", "class_token", "reg_tokens", "no_embed_class", "pre_norm", "fc_norm", "init_values",
+                 "act_layer", "drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate")
+        return {"img_size": list(c.img_size), **{n: getattr(c, n) for n in names}}
 
     def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(images_BCHW))
@@ -188,10 +259,19 @@ class VisionTransformer(FastzooModel):
             notes.append(f"img_size={self.config.img_size}: position embedding resampled (bicubic) to {self.patch_embed.grid_size}")
         return state, fresh, notes
 
-    def reset_classifier(self, num_classes: int) -> None:
-        """A fresh head for ``num_classes`` (fine-tuning), on the device and dtype of the model."""
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh head for ``num_classes`` (0: none) on the model's device and dtype, and
+        optionally another pooling ('token', 'avg', '' for none), as timm's. The final norm
+        stays where it is (timm's rule too): the config pins ``fc_norm`` so it says so."""
         if num_classes < 0:
             raise ValueError(f"num_classes={num_classes} must be >= 0 (0: no classifier head)")
+        if global_pool is not None:
+            if global_pool not in POOLS:
+                raise ValueError(f"global_pool={global_pool!r}: fastzoo's ViT pools with 'token', 'avg' or '' (none)")
+            if global_pool == "token" and self.cls_token is None:
+                raise ValueError("global_pool='token' needs a class token, which this model has not")
+            self.config.fc_norm = self.config.use_fc_norm
+            self.config.global_pool = global_pool
         self.config.num_classes = num_classes
         if num_classes == 0:
             self.head = nn.Identity()
@@ -199,7 +279,7 @@ class VisionTransformer(FastzooModel):
         head = nn.Linear(self.config.embed_dim, num_classes)  # initialised in fp32: trunc_normal_ needs it on some devices
         nn.init.trunc_normal_(head.weight, std=0.02)
         nn.init.zeros_(head.bias)
-        self.head = head.to(device=self.pos_embed.device, dtype=self.pos_embed.dtype)
+        self.head = head.to(device=self.pos_embed.device, dtype=self.pos_embed.dtype).train(self.training)
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, new_grid: tuple[int, int], num_prefix: int) -> torch.Tensor:

@@ -274,13 +274,27 @@ def _is_fastzoo(config: dict | None) -> bool:
     return bool(config) and "fastzoo_model" in config
 
 
+# keys timm's hub format adds to a save_pretrained config.json (timm reads the directory too)
+TIMM_HUB_KEYS = ("architecture", "pretrained_cfg", "model_args", "num_features", "label_names", "label_descriptions")
+
+
+def pretrained_cfg_of(src: Source) -> dict | None:
+    """The timm ``pretrained_cfg`` a source carries (a live timm or fastzoo model's, a
+    save_pretrained directory's config.json), or None: preprocessing goes with the weights."""
+    cfg = getattr(src.module, "pretrained_cfg", None) if src.module is not None else None
+    if not cfg and src.config:
+        cfg = src.config.get("pretrained_cfg")
+    # JSON has no tuples; timm's configs hold sizes and mean/std as tuples
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()} if cfg else None
+
+
 def config_from_source(family: str, src: Source) -> dict:
     """The config fields the source decides: all of them from a config.json or a live module
     that states its architecture, what the keys fix from a bare state dict."""
     if _is_fastzoo(src.config):
         if src.config.get("family", family) != family:
             raise CheckpointError(f"{src.origin}: a {src.config['family']} checkpoint, not a {family} one")
-        return {k: v for k, v in src.config.items() if k not in ("fastzoo_model", "family")}
+        return {k: v for k, v in src.config.items() if k not in ("fastzoo_model", "family") + TIMM_HUB_KEYS}
     conv = find_converter(family, src)
     if src.config and hasattr(conv, "config_from_json"):
         return conv.config_from_json(src.config)

@@ -106,8 +106,8 @@ def _refusals(m) -> list[str]:
     if type(m) is not VisionTransformer:
         return [f"model class {type(m).__name__} (fastzoo reproduces timm's VisionTransformer itself)"]
     out = []
-    if m.global_pool not in ("token", "avg"):
-        out.append(f"global_pool={m.global_pool!r} (fastzoo pools with 'token' or 'avg')")
+    if m.global_pool not in ("token", "avg", ""):
+        out.append(f"global_pool={m.global_pool!r} (fastzoo pools with 'token' or 'avg', or not at all)")
     if m.pool_include_prefix:
         out.append("pool_include_prefix=True")
     if m.dynamic_img_size or getattr(m.patch_embed, "dynamic_img_pad", False):

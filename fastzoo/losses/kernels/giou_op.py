@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fastzoo.losses.kernels import compute_dtype  # shared with triton_giou, which this module imports
+
 FORCE_ENV = "FASTZOO_GIOU_CPU"  # "vectorised": skip the C++ build (tests of the fallback)
 _cpu_path: str | None = None  # "cpu-cpp" | "cpu-vectorised", decided on first use
 
@@ -94,12 +96,6 @@ def _load_cpp_kernel() -> str:
                       "ninja (pip install ninja) to get the fused kernel.", stacklevel=3)
         return "cpu-vectorised"
     return "cpu-cpp"
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """fp16/bf16 are computed (and the loss returned) in fp32, as torchvision does; fp64 if any
-    input is fp64. pred and target may differ (bf16 predictions, fp32 targets under autocast)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _tie_weight(a: Tensor, b: Tensor) -> Tensor:

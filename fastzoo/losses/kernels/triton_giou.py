@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastzoo.losses.kernels.giou_op import compute_dtype
+from fastzoo.losses.kernels import compute_dtype
 
 BLOCK = 256
 NONE, SUM, MEAN = 0, 1, 2  # reduction codes of the masked op
