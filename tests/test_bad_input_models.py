@@ -98,6 +98,7 @@ DET_BAD = {
     "more labels than boxes": (lambda: ([BOX, BOX], [torch.tensor([1, 2]), torch.tensor([2])]), "labels[0] must be an integer tensor"),
     "float labels": (lambda: ([BOX, BOX], [torch.tensor([1.0]), torch.tensor([2.0])]), "labels[0] must be an integer tensor"),
     "targets for one image of two": (lambda: ([BOX], [torch.tensor([1])]), "targets has 1 images but the outputs have 2"),
+    "pixel coordinates": (lambda: ([BOX * 32, BOX], [torch.tensor([1]), torch.tensor([2])]), "normalised to [0, 1]"),
 }
 
 
