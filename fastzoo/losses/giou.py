@@ -95,6 +95,13 @@ def _upcast_integer(boxes, name: str):
     return boxes.float()
 
 
+def _check_options(reduction: str, impl: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+
+
 def _check_pair(pred, target) -> None:
     """Shapes, dtypes and devices (free); the values are check_boxes's job."""
     check_boxes(pred, "pred", values=False)
@@ -167,10 +174,7 @@ def giou_loss(
     fastzoo runs on has one). Matches ``torchvision.ops.generalized_box_iou_loss``.
     """
     global last_impl
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    _check_options(reduction, impl)
     pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     _check_pair(pred, target)
     if impl != "torch":
@@ -241,10 +245,7 @@ def giou_loss_padded(
     autocast region, fp32 targets); the loss is fp32 (fp64 if either is fp64).
     """
     global last_impl
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    _check_options(reduction, impl)
     pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     check_boxes(pred, "pred", values=False)
     check_boxes(target, "target", values=False)
@@ -265,9 +266,11 @@ def giou_loss_padded(
         check_boxes(target[valid], "target")
     if impl == "torch":
         last_impl = "torch"
-        return _padded_torch(pred, target, mask, reduction, eps)
+        with kernel_range("loss", "giou_loss_padded", impl):
+            return _padded_torch(pred, target, mask, reduction, eps)
     last_impl = path
-    return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
+    with kernel_range("loss", "giou_loss_padded", impl):  # for fastzoo.explain; a no-op otherwise
+        return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
 
 
 def _padded_torch(pred, target, mask, reduction: str, eps: float) -> torch.Tensor:
