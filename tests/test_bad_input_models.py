@@ -72,7 +72,7 @@ GPT2_BAD = {
     "1-d ids": (dict(input_ids=IDS[0]), "input_ids must be [B, S]"),
     "3-d ids": (dict(input_ids=IDS[None]), "input_ids must be [B, S]"),
     "longer than n_positions": (dict(input_ids=torch.zeros(1, 17, dtype=torch.long)), "n_positions=16"),
-    "mask of another shape": (dict(input_ids=IDS, attention_mask=torch.ones(2, 7)), "attention_mask must have the shape"),
+    "mask of another shape": (dict(input_ids=IDS, attention_mask=torch.ones(2, 7)), "attention_mask must be [2, 8]"),
     "mask of 2s": (dict(input_ids=IDS, attention_mask=torch.full((2, 8), 2)), "attention_mask must hold 0/1"),
     "positions past n_positions": (dict(input_ids=IDS, position_ids=torch.arange(8)[None] + 10),
                                    "position_ids must lie in [0, 16)"),
