@@ -118,7 +118,9 @@ class Explanation:
                 cells.append(r.executed_text(backward=True))
             cells.append(r.fallback or "none")
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines])
+        said = [f"- {w.splitlines()[0]}" for w in self.warnings]
+        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines]
+                         + (["torch's warnings about kernels during the run:", *said] if said else []))
 
     def __str__(self) -> str:
         return self.table()
@@ -252,8 +254,10 @@ def _sdpa_math_reason(call: _Call) -> str:
         if call.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             return f"PyTorch's CPU flash kernel takes no {call.dtype}"
         return "PyTorch's dispatcher chose math (torch._fused_sdp_choice)"
-    return ("PyTorch's dispatcher chose math: see the warnings of torch.backends.cuda.can_use_flash_attention / "
-            "can_use_efficient_attention (debug=True) listed below")
+    known = "flash and cuDNN take fp16/bf16 only; " if call.dtype == torch.float32 else ""
+    return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
+            "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
+            "print each kernel's reason)")
 
 
 # -- reading the profile -----------------------------------------------------------------------------
