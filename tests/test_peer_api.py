@@ -29,7 +29,6 @@ import timm
 import timm.data
 import timm.optim
 import torch
-import torchvision
 from timm.utils import ModelEmaV3
 from torch import nn
 from torchvision.models._utils import IntermediateLayerGetter
@@ -256,6 +255,12 @@ def test_forward_intermediates_equal_timms(kind, kwargs):
     ours, theirs = m.forward_intermediates(x, **kwargs), ref.forward_intermediates(x, **kwargs)
     assert type(ours) is type(theirs)
     assert max_diff(ours, theirs) <= TOL
+
+
+@pytest.mark.parametrize("kwargs", [dict(n=2), dict(n=[0, 2], reshape=True, norm=True, return_prefix_tokens=True)])
+def test_vit_get_intermediate_layers_equals_timm(kwargs):
+    ref, m = pair("vit")
+    assert max_diff(m.get_intermediate_layers(images("vit"), **kwargs), ref.get_intermediate_layers(images("vit"), **kwargs)) <= TOL
 
 
 @pytest.mark.parametrize("kind", KINDS)
