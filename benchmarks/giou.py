@@ -1,6 +1,7 @@
 """GIoU loss, forward + backward: B images x 256 box slots with 1-4 real boxes each.
-Per-sample loop vs concat vs padded vs fused kernel vs torchvision's loss on the
-concatenated real pairs (the peer). 256 images is the issue's target setting.
+Per-sample loop vs concat vs padded vs the fused kernels (on gathered pairs, and on the
+padded tensors with the masked mean inside) vs torchvision's loss on the concatenated real
+pairs (the peer), gather included. 256 images is the issue's target setting.
 
     python benchmarks/giou.py --device cpu --quick
 """
@@ -16,7 +17,8 @@ from fastzoo.bench.giou import TARGET_SETTING, giou_suite  # noqa: E402
 
 def run(device, out, *, quick, compile=None, note="", progress=True):  # a loss: no compiled rows
     suite = giou_suite(TARGET_SETTING, device=device)  # fp32: box coordinates are precision-sensitive
-    return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "giou")
+    # in rounds (one step of each case per round): a shared CPU's load hits every case alike
+    return save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True), out, "giou")
 
 
 if __name__ == "__main__":

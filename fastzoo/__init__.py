@@ -8,13 +8,14 @@ import importlib
 
 from fastzoo import data, errors, losses
 from fastzoo.attention import get_backend, list_attention, register_attention
+from fastzoo.kernel_report import explain
 from fastzoo.registry import create, list_models
 from fastzoo.weights import export_state_dict, load_pretrained
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "create", "data", "errors", "export_state_dict", "get_backend", "list_attention",
+    "create", "data", "errors", "explain", "export_state_dict", "get_backend", "list_attention",
     "list_models", "load_pretrained", "losses", "register_attention", "train",
 ]
 

@@ -66,6 +66,10 @@ def _check_args(p) -> None:
                         "and the first layer where fastzoo and the original part")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--explain", action="store_true",
+                   help="also print, per attention layer, the kernel requested and the one the profiler saw run "
+                        "(fastzoo.explain); a requested kernel that did not run fails the check")
+    p.add_argument("--allow-fallback", action="store_true", help="with --explain: report fallbacks without failing")
 
 
 def parse_backend_spec(spec: str) -> tuple[str, dict]:
@@ -110,6 +114,8 @@ def cmd_check(args) -> int:
         rows.extend(res.rows())
         rows.extend({"backend": name, "result": f"note: {n}"} for n in res.notes)
         results.append(res.to_dict())
+        if args.explain:
+            failed |= _explain_tables(args, name, options, overrides, dtype, layer_tables)
         for form, report in res.layers.items():
             first = report.first
             verdict = ("no layer diverges" if first is None else
@@ -128,6 +134,23 @@ def cmd_check(args) -> int:
             json.dump({"model": args.model, "tiny": args.tiny, "device": args.device, "dtype": args.dtype,
                        "torch": torch.__version__, "results": results}, f, indent=2)
     return 1 if failed else 0
+
+
+def _explain_tables(args, name, options, overrides, dtype, tables) -> bool:
+    """Append the kernel tables of one backend to ``tables``; True if a requested kernel did not run."""
+    from fastzoo.kernel_report import KernelFallbackError, explain_model
+
+    label = name + "".join(f":{k}={v}" for k, v in options.items())
+    try:
+        reports = explain_model(args.model, name, backend_options=options, device=args.device, dtype=dtype,
+                                overrides=overrides, batch=args.batch, backward=not args.no_grad,
+                                allow_fallback=args.allow_fallback)
+    except KernelFallbackError as e:
+        tables.append(f"\nKernels of {label}: FALLBACK\n{e.explanation.table()}")
+        return True
+    for form, report in reports.items():
+        tables.append(f"\nKernels of {label}{f' ({form})' if form else ''}:\n{report.table()}")
+    return False
 
 
 def _convert_args(p) -> None:

@@ -604,6 +604,14 @@ def check(
     return result
 
 
+def example_inputs(model, batch: int = 2, seed: int = 1) -> list[tuple[str, Inputs]]:
+    """The input forms :func:`check` feeds ``model`` (e.g. GPT-2: "padded", "packed" where its
+    backend takes them), as ``(form, Inputs)``; for ``fastzoo check --explain``."""
+    caps = model.attention_backend.capabilities
+    gen = torch.Generator().manual_seed(seed)
+    return [(form, ours) for form, ours, _ in _INPUTS[model.family](model, batch, gen, caps, [])]
+
+
 def _vit_inputs(model, batch, gen, caps, notes):
     cfg = model.config
     size = cfg.img_size if isinstance(cfg.img_size, (tuple, list)) else (cfg.img_size, cfg.img_size)

@@ -81,6 +81,9 @@ def create(
     are read from it unless overridden: all of them from a config.json or a live module
     (unwrapped from DDP / torch.compile), what the keys fix from a bare state dict.
     Overriding ``num_classes`` against a checkpoint gives a fresh head (with a warning).
+    Train/eval mode follows the original library: GPT-2 loaded from ``pretrained`` is in eval
+    mode (transformers' ``from_pretrained``); ViT, ResNet and the detector stay in train mode
+    (``timm.create_model`` and torchvision's constructors).
     A ``device`` this machine cannot allocate on is a ValueError before anything is built.
 
     Image classifiers carry timm's ``pretrained_cfg``: the source's own (a live timm model's,
@@ -116,6 +119,8 @@ def create(
         for note in notes:
             warnings.warn(f"{src.origin}: {note}", stacklevel=2)
         weights.load_into(model, state, src.origin, allow_missing=fresh)
+        if getattr(cls, "eval_after_pretrained", False):  # GPT-2: transformers' from_pretrained returns eval mode
+            model.eval()
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
     if features.pop("features_only", False):

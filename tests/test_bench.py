@@ -176,11 +176,35 @@ def test_giou_suite_every_layout_matches_torchvision():
     report = run_suite(giou_suite(GIoUSetting("tiny", 4, 8, 3)), warmup=0, iters=1, progress=False)
     assert [r.label for r in report.rows] == ["torchvision on concatenated real pairs", "fastzoo per-sample loop",
                                               "fastzoo concat", "fastzoo padded", "fastzoo kernel",
+                                              "fastzoo padded kernel (mask)", "fastzoo padded kernel (validity from target)",
                                               "torchvision (pairs given)", "fastzoo kernel (pairs given)"]
     for r in report.rows:
         assert r.status == "ok", (r.label, r.note)
         assert r.max_err <= 1e-6 and r.grad_err <= 1e-4  # fp32 mean loss of ~8 pairs; gradients relative
         assert r.throughput == pytest.approx(report.config["real boxes"] / r.median_s)
+
+
+def test_linear_ce_suite_every_impl_matches_the_logits_and_reports_cpu_memory():
+    from fastzoo.bench.linear_ce import LinearCESetting, linear_ce_suite
+
+    report = run_suite(linear_ce_suite(LinearCESetting("tiny", 200, 16, 500)), warmup=0, iters=1, progress=False)
+    assert [r.label.split(" ")[0] for r in report.rows] == ["reference:", "torch", "fastzoo"]
+    for r in report.rows:
+        assert r.status == "ok", (r.label, r.note)
+        assert r.max_err <= 1e-5 and r.grad_err <= 1e-4  # fp32 mean loss; gradients relative
+    ref, _, fused = report.rows
+    # the reference holds [200, 500] fp32 logits, their log-softmax and gradient (~400 KB each);
+    # the fused path one chunk of them at a time
+    assert ref.peak_mem_mib >= 3 * 200 * 500 * 4 / 2**20 and fused.peak_mem_mib < ref.peak_mem_mib
+
+
+def test_matcher_suite_before_and_after_agree():
+    from fastzoo.bench.matcher import MatcherSetting, matcher_suite
+
+    report = run_suite(matcher_suite(MatcherSetting("tiny", 6, 10, 3)), warmup=0, iters=1, progress=False)
+    assert len(report.rows) == 2
+    for r in report.rows:
+        assert r.status == "ok" and r.max_err == 0, (r.label, r.note)  # the same assignment, index for index
 
 
 def test_gpt2_suite_packed_matches_padded():
@@ -196,3 +220,24 @@ def test_gpt2_suite_packed_matches_padded():
         if r.status == "ok":
             assert r.max_err <= 1e-4, r.label  # real-token logits vs fastzoo eager padded, fp32
     assert report.rows[0].label.startswith("HF padded to longest") and report.rows[0].status == "ok"
+
+
+def test_gpt2_training_step_with_labels_matches_the_logits_loss():
+    """The training-step row: ``model(..., labels=...).loss.backward()``; fastzoo's fused loss
+    (padded and packed) equals HF's loss on the logits, and the gradients too."""
+    from fastzoo.bench.gpt2 import GPT2Setting, _needs_labels, gpt2_suite
+    from fastzoo.bench.harness import Unavailable
+
+    try:
+        _needs_labels()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    suite = gpt2_suite(GPT2Setting("tiny", 2, 32, 2, 3, 16, vocab_size=300), backends=["eager", "sdpa", "varlen"],
+                       modes=("train",))
+    suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert len(report.rows) == 6 and any("packed (varlen)" in r.label for r in report.rows)
+    for r in report.rows:
+        assert r.status == "ok", (r.label, r.note)
+        assert r.max_err <= 1e-5 and r.grad_err <= 1e-4  # fp32 mean loss; gradients relative
+        assert r.peak_mem_mib is not None  # measured on CPU for this group

@@ -504,8 +504,10 @@ def test_triton_padded_kernels_in_the_interpreter():
                     tol = 1e-12 if ref.dtype == torch.float64 else 1e-6
                     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
                     grad = torch.linspace(-1, 2, ref.numel(), dtype=ref.dtype).reshape(ref.shape)
-                    gref = giou_op.giou_loss_masked_bwd(grad, a, b, m, 1e-7, red)
-                    gout = triton_giou.masked_backward(grad, a, b, m, 1e-7, red)
+                    gref = giou_op.giou_loss_masked_bwd(grad, a, b, m, 1e-7, red, True, True)
+                    gout = triton_giou.masked_backward(grad, a, b, m, 1e-7, red, True, True)
+                    only_pred = triton_giou.masked_backward(grad, a, b, m, 1e-7, red, True, False)
+                    assert only_pred[1].numel() == 0 and torch.equal(only_pred[0], gout[0])
                     for x, y in zip(gout, gref):
                         assert x.dtype == y.dtype and torch.isfinite(x).all()
                         torch.testing.assert_close(x, y, rtol=1e-5 if x.dtype != torch.bfloat16 else 2 ** -7, atol=tol)

@@ -142,3 +142,14 @@ def test_bad_inputs_name_the_argument(bad, match):
     args = [kw.pop(k) for k in ("hidden_ND", "weight_VD", "target_N")]
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(*args, **kw)
+
+
+def test_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces the fused path (no graph break, so no host sync);
+    aot_eager runs the traced graph without C++ codegen."""
+    h, w, t = case()
+    f = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t, impl="fused"), fullgraph=True, backend="aot_eager")
+    out = value_and_grads(lambda h, w, t, r: f(h, w, t), h, w, t, "mean")
+    ref = value_and_grads(REF, h, w, t, "mean")
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32

@@ -123,3 +123,26 @@ def test_readme_recipe_giou_kernel_amp_bf16(tmp_path):
            "--steps", 2, "--output-dir", out))
     losses = [line for line in (out / "log.jsonl").read_text().splitlines() if '"loss"' in line]
     assert len(losses) == 2 and "nan" not in " ".join(losses).lower()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_lm_loss_and_linear_cross_entropy_under_autocast(dtype):
+    """The LM losses take an autocast region's low-precision logits / hidden states: fp32 loss,
+    within the dtype's tolerance of the fp32 run (the fused loss has its own tests in test_linear_ce)."""
+    from fastzoo.losses import causal_lm_loss, linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    x = torch.randn(2, 12, 16, generator=g)
+    labels = torch.randint(0, 50, (2, 12), generator=g)
+    labels[1, 8:] = -100
+    results = {}
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            logits = head(x)
+            a = causal_lm_loss(logits, labels)
+            b = linear_cross_entropy(x[:, :-1].reshape(-1, 16), head.weight, labels[:, 1:].reshape(-1))
+        assert a.dtype == torch.float32 and b.dtype == torch.float32
+        results[autocast] = (a.item(), b.item())
+    for low, full in zip(results[True], results[False]):
+        assert abs(low - full) <= 4 * TOL[dtype] * abs(full)

@@ -104,8 +104,9 @@ class AttnRequest:
 
     head_dim: int
     causal: bool = False
-    padding_mask: bool = False
-    varlen: bool = False
+    padding_mask: bool = False  # the model's forward takes key-padding masks (GPT-2's attention_mask)
+    varlen: bool = False  # the model's forward takes packed sequences (cu_seqlens)
+    unpads: bool = False  # the model packs a padded batch itself for a backend with varlen but no padding mask
     kv_cache: bool = False  # decoding with a KV cache: causal with Sq < Sk
     grid_2d: bool | None = None  # the model gives ctx.grid_size (ViT patches), for 2-D masks
     attn_dropout: float = 0.0  # the largest attention dropout the model is configured with
@@ -132,6 +133,7 @@ class AttentionBackend:
     name: ClassVar[str] = "?"
     capabilities: Capabilities  # class default; an instance may narrow it from its options
     options: ClassVar[dict] = {}
+    variants: ClassVar[tuple[dict, ...]] = ()  # option sets that pick another kernel: a matrix row each
     description: ClassVar[str] = ""
     # Names of the backends this machine runs, said in every refusal. The registry
     # (fastzoo.attention) installs it: this module sits below the registry and cannot import it.
@@ -178,7 +180,7 @@ class AttentionBackend:
             problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
         if req.causal and not caps.causal:
             problems.append("has no causal masking, which this model needs")
-        if req.padding_mask and not caps.padding_mask:
+        if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):
             problems.append("takes no key-padding mask, which this model needs")
         if req.varlen and not caps.varlen:
             problems.append("takes no packed sequences (cu_seqlens), which this model needs")

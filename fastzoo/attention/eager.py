@@ -35,7 +35,7 @@ class EagerBackend(AttentionBackend):
     def _allowed(self, ctx, B, H, Sq, Sk, device):
         """This call's bool mask, broadcastable to [B, H, Sq, Sk] (None: no mask); built once per forward."""
         user_mask = masks.resolve_mask_mod(self.opts["mask_mod"], ctx, window=self.opts["window"], radius=self.opts["radius"])
-        mask_mod = masks.context_mask_mod(ctx, Sq, user_mask, total_k=Sk)
+        mask_mod = masks.context_mask_mod(ctx, Sq, user_mask, total_k=Sk, device=device)
         return None if mask_mod is None else masks.dense_mask(mask_mod, B, H, Sq, Sk, device)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):

@@ -9,6 +9,11 @@ batch can never attend across sequences whatever the user's mask says.
 Flex has no attention dropout: a model configured with one is refused at create /
 set_attention. On CPU PyTorch runs flex without a backward: a training forward fails
 before it runs.
+
+Compiled FlexAttention on CPU (``compile=True``, or the model under ``torch.compile``) is
+refused: its C++ template was seen to give wrong results in about half of the runs tried
+with torch 2.14.1 (fastzoo issue 14); a few clean runs do not prove it correct. Uncompiled flex on CPU is exact (it runs the
+scores through eager ops) and stays available; compiled flex on CUDA (Triton) is unaffected.
 """
 from __future__ import annotations
 
@@ -17,12 +22,20 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
+from fastzoo.errors import BackendUnavailableError
 
 _compiled_flex = {}
 
 
-def _flex_fn(compile_: bool, device_type: str):
-    """``flex_attention``, compiled or not.
+CPU_COMPILE_REFUSAL = (
+    "compiled FlexAttention on CPU is refused: PyTorch's C++ flex template was seen to give wrong results "
+    "in about half of the runs tried (torch 2.14.1). Run flex uncompiled on CPU (compile=False, and do not "
+    "torch.compile the model), use another backend (sdpa, eager) under torch.compile, or compile on CUDA"
+)
+
+
+def _flex_fn(compile_: bool):
+    """``flex_attention``, compiled or not (compiled only on CUDA: see CPU_COMPILE_REFUSAL).
 
     Uncompiled (the CPU default) PyTorch warns once per process that the scores are
     materialised; that is true, so it is not silenced (a filter would also change the
@@ -32,16 +45,20 @@ def _flex_fn(compile_: bool, device_type: str):
     shape gets a specialised kernel and the first change of a size (a packed batch's T
     changes every step) recompiles once with that size symbolic, which flex's Triton
     template supports (flex marks only the head count and head dim static), instead of
-    recompiling per length until the recompile limit as ``dynamic=False`` does. On CPU,
-    torch 2.14.1's C++ flex template fails to build with a symbolic length (measured), so
-    it stays ``dynamic=False``: one compile per distinct length there; bucket the lengths
-    (``fastzoo.data.pad_to_max``) or leave ``compile`` off.
+    recompiling per length until the recompile limit as ``dynamic=False`` does.
     """
     if not compile_:
         return flex_attention
-    if device_type not in _compiled_flex:
-        _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
-    return _compiled_flex[device_type]
+    if "cuda" not in _compiled_flex:
+        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=None)
+    return _compiled_flex["cuda"]
+
+
+@torch.compiler.disable
+def _refuse_compiled_on_cpu(backend: "FlexBackend"):
+    """Raised outside the graph: a ``raise`` traced by dynamo would only break the graph, and
+    the eager re-run (no longer compiling) would then pass silently."""
+    raise BackendUnavailableError(backend._message([CPU_COMPILE_REFUSAL]))
 
 
 class FlexBackend(AttentionBackend):
@@ -54,7 +71,7 @@ class FlexBackend(AttentionBackend):
         kv_cache=True,
         dropout=False,
         backward=("cuda",),
-        verified="CPU fp32 inference (torch 2.14.1)",
+        verified="CPU fp32 inference, uncompiled (torch 2.14.1); compiled on CPU refused",
     )
     options = {
         "score_mod": None, "mask_mod": None, "block_mask": None,
@@ -73,7 +90,15 @@ class FlexBackend(AttentionBackend):
         self._block_masks = {}  # (Sq, Sk, device) -> BlockMask for masks that do not depend on the batch
 
     def problems(self, req):
-        return super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
+        problems = super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
+        if self.opts["compile"] and req.device in (None, "cpu"):  # None: the model's parameters are on the CPU
+            problems.append(CPU_COMPILE_REFUSAL)
+        return problems
+
+    def check_call(self, q, ctx):
+        super().check_call(q, ctx)
+        if not q.is_cuda and (self.opts["compile"] or torch.compiler.is_compiling()):
+            _refuse_compiled_on_cpu(self)
 
     def _block_mask(self, ctx, B, Sq, Sk, device):
         user = self.opts["block_mask"]
@@ -86,7 +111,7 @@ class FlexBackend(AttentionBackend):
             extra = user.mask_mod
         else:
             extra = masks.resolve_mask_mod(self.opts["mask_mod"], ctx, window=self.opts["window"], radius=self.opts["radius"])
-        mask_mod = masks.context_mask_mod(ctx, Sq, extra, total_k=Sk)
+        mask_mod = masks.context_mask_mod(ctx, Sq, extra, total_k=Sk, device=device)
         if mask_mod is None:
             return None
         if ctx.key_padding_mask is not None or ctx.cu_seqlens is not None:  # depends on this batch: once per forward
@@ -104,4 +129,4 @@ class FlexBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         compile_ = self.opts["compile"]
         compile_ = q_BHSD.is_cuda if compile_ is None else compile_
-        return _flex_fn(compile_, q_BHSD.device.type)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale)
+        return _flex_fn(compile_)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale)

@@ -58,9 +58,10 @@ def softcap(cap: float) -> ScoreMod:
     return score_mod
 
 
-def document(cu_seqlens: torch.Tensor, total: int) -> MaskMod:
-    """Tokens attend only inside their own packed sequence."""
-    doc_T = document_ids(cu_seqlens, total)
+def document(cu_seqlens: torch.Tensor, total: int, device=None) -> MaskMod:
+    """Tokens attend only inside their own packed sequence. ``device``: where the mask is
+    evaluated (q's); ``cu_seqlens`` may live elsewhere (packed offsets are often on the CPU)."""
+    doc_T = document_ids(cu_seqlens if device is None else cu_seqlens.to(device), total)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return doc_T[q_idx] == doc_T[kv_idx]
@@ -160,8 +161,10 @@ def check_mod_option(name: str, value, presets) -> None:
         raise ValueError(f"{name}={value!r} is not a preset ({', '.join(presets)}) nor a callable")
 
 
-def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = None, total_k: int | None = None) -> MaskMod | None:
-    """The one mask the context implies: causal, padding, packed documents, plus ``extra``.
+def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = None, total_k: int | None = None,
+                     device=None) -> MaskMod | None:
+    """The one mask the context implies: causal, padding, packed documents, plus ``extra``;
+    evaluated on ``device`` (q's device: the offsets and the padding mask are moved there).
 
     With fewer queries than keys (``total_k``, a KV cache) the queries are the last
     ``total_q`` positions: causal is bottom-right aligned (see ``fastzoo.attention.base``).
@@ -169,10 +172,11 @@ def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = Non
     offset = 0 if total_k is None else total_k - total_q
     if ctx.cu_seqlens is not None and offset:  # this order: under FX tracing offset is a Proxy, not a bool
         raise ValueError("cu_seqlens: packed sequences take no KV cache (fewer queries than keys)")
+    kpm = ctx.key_padding_mask
     return and_masks(
         causal_from(offset) if ctx.causal else None,
-        padding(ctx.key_padding_mask, offset) if ctx.key_padding_mask is not None else None,
-        document(ctx.cu_seqlens, total_q) if ctx.cu_seqlens is not None else None,
+        padding(kpm if device is None else kpm.to(device), offset) if kpm is not None else None,
+        document(ctx.cu_seqlens, total_q, device) if ctx.cu_seqlens is not None else None,
         extra,
     )
 

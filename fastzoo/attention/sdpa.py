@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities
+from fastzoo.errors import BackendUnavailableError
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -30,7 +31,8 @@ _KERNEL_CAPS = {
     None: _BASE,
     "math": _BASE,
     "flash": dataclasses.replace(
-        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0)
+        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
+        verified="CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding / packed refused",
     ),
     "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
@@ -40,7 +42,7 @@ _KERNEL_CAPS = {
 
 
 def _dense_mask(ctx, B, Sq, Sk, device):
-    mask_mod = masks.context_mask_mod(ctx, Sq, total_k=Sk)
+    mask_mod = masks.context_mask_mod(ctx, Sq, total_k=Sk, device=device)
     return None if mask_mod is None else masks.dense_mask(mask_mod, B, 1, Sq, Sk, device)
 
 
@@ -49,6 +51,7 @@ class SdpaBackend(AttentionBackend):
     description = "torch scaled_dot_product_attention (sdpa_backend= flash|efficient|cudnn|math)"
     capabilities = _BASE
     options = {"sdpa_backend": None}
+    variants = tuple({"sdpa_backend": k} for k in _KERNELS)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -60,10 +63,24 @@ class SdpaBackend(AttentionBackend):
 
     def problems(self, req):
         problems = super().problems(req)
-        # FlashAttention-2 inside SDPA on CUDA takes no arbitrary mask.
-        if self.opts["sdpa_backend"] == "flash" and req.device == "cuda" and (req.padding_mask or req.varlen):
-            problems.append("flash on CUDA takes no mask (padding / packed sequences)")
+        if self._mask_free and req.device == "cuda" and (req.padding_mask or req.varlen):
+            takes = " and ".join(w for w, need in (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen)) if need)
+            problems.append(f"sdpa_backend='flash' on CUDA (FlashAttention-2) takes no attn_mask, and this model's forward "
+                            f"takes {takes}: use sdpa_backend='efficient' or None, or the fa2 / varlen backends")
         return problems
+
+    @property
+    def _mask_free(self) -> bool:
+        """FlashAttention-2 inside SDPA on CUDA takes no ``attn_mask`` (on CPU PyTorch's flash kernel does)."""
+        return self.opts["sdpa_backend"] == "flash"
+
+    def check_call(self, q, ctx):
+        super().check_call(q, ctx)
+        if self._mask_free and q.is_cuda and (ctx.key_padding_mask is not None or ctx.cu_seqlens is not None):
+            what = "a key-padding mask" if ctx.key_padding_mask is not None else "packed sequences (cu_seqlens)"
+            raise BackendUnavailableError(self._message(
+                [f"sdpa_backend='flash' on CUDA takes no attn_mask, and this call has {what}: "
+                 "use sdpa_backend='efficient' or None, or the fa2 / varlen backends"]))
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         B, H, Sq, _ = q_BHSD.shape

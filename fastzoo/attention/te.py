@@ -15,8 +15,21 @@ it holds no weights, so the model's state dict is untouched.
 """
 from __future__ import annotations
 
+import torch
+
 from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
+
+
+def _dense_mask_type(causal: bool, Sq: int, Sk: int) -> str:
+    """TE's "causal" is top-left aligned; fastzoo's causal is bottom-right when Sq < Sk (KV cache)."""
+    if not causal:
+        return "no_mask"
+    return "causal" if Sq == Sk else "causal_bottom_right"
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
 class TeBackend(LibraryBackend):
@@ -30,6 +43,7 @@ class TeBackend(LibraryBackend):
         compile=False,  # TE wraps its attention in no_torch_dynamo: torch.compile runs it eagerly
         max_head_dim=256,
         head_dim_multiple=8,  # cuDNN fused attention's requirement
+        kv_cache=True,  # dense calls with fewer queries than keys use attn_mask_type="causal_bottom_right"
         min_cuda_capability=(8, 0),
         packages=("transformer_engine",),
         install="pip install --no-build-isolation 'transformer_engine[pytorch]'",
@@ -40,29 +54,32 @@ class TeBackend(LibraryBackend):
         super().__init__(**options)
         self._modules = {}
 
-    def _module(self, heads: int, head_dim: int, scale, dropout_p: float):
+    def _module(self, heads: int, head_dim: int, scale, dropout_p: float, needs_grad: bool):
         key = (heads, head_dim, scale, dropout_p)
         if key not in self._modules:
             from transformer_engine.pytorch import DotProductAttention
 
             # softmax_scale only when set: TE's default is 1/sqrt(kv_channels), as ours.
             extra = {"softmax_scale": scale} if scale is not None else {}
-            module = DotProductAttention(heads, head_dim, attention_dropout=dropout_p, qkv_format="bshd",
-                                         attn_mask_type="no_mask", **extra)
-            module.train(dropout_p > 0)  # TE applies its dropout in training mode only
-            self._modules[key] = module
-        return self._modules[key]
+            self._modules[key] = DotProductAttention(heads, head_dim, attention_dropout=dropout_p, qkv_format="bshd",
+                                                     attn_mask_type="no_mask", **extra)
+        module = self._modules[key]
+        # TE keeps what its backward needs (the softmax statistics) only in training mode, so a
+        # call that will be differentiated runs in training mode even without dropout; dropout
+        # needs it too. Anything else runs in eval mode (nothing saved).
+        module.train(dropout_p > 0 or needs_grad)
+        return module
 
     def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
         B, S, H, D = q_BSHD.shape
-        attn = self._module(H, D, scale, dropout_p)
+        attn = self._module(H, D, scale, dropout_p, _needs_grad(q_BSHD, k_BSHD, v_BSHD))
         q_BSHD, k_BSHD, v_BSHD = (x.contiguous() for x in (q_BSHD, k_BSHD, v_BSHD))  # TE infers layouts from strides
-        o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
+        o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type=_dense_mask_type(causal, S, k_BSHD.shape[1]))
         return o_BSX.view(B, S, H, D)
 
     def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
         T, H, D = q_THD.shape
-        attn = self._module(H, D, scale, dropout_p)
+        attn = self._module(H, D, scale, dropout_p, _needs_grad(q_THD, k_THD, v_THD))
         q_THD, k_THD, v_THD = (x.contiguous() for x in (q_THD, k_THD, v_THD))
         o_TX = attn(
             q_THD, k_THD, v_THD, qkv_format="thd", attn_mask_type="padding_causal" if causal else "padding",

@@ -4,28 +4,34 @@ The queries of a packed row ``[1, H, T, D]`` are handed to a kernel as ``q_THD``
 int32 offsets ``cu_seqlens``; each sequence attends only inside its own span. ``impl=``
 picks the kernel, or ``None`` picks per call the first that fits the tensors:
 
-- ``"torch"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.10;
-  causal through ``window_size=(-1, 0)`` from torch 2.11); no dropout.
+- ``"torch"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.10); no
+  dropout. Its signature changed: torch 2.10 takes ``is_causal`` and no ``scale``; from 2.11
+  it takes keyword-only ``scale`` and ``window_size`` (causal is ``(-1, 0)``). Chosen once by
+  the torch version, not by inspecting the signature per call.
 - ``"flash"``: FlashAttention-2 ``flash_attn_varlen_func`` (through ``fastzoo.attention.flash``).
 - ``"xformers"``: xFormers with a block-diagonal (causal) mask (through ``fastzoo.attention.xformers``).
 - ``"flex"``: FlexAttention with a document mask (the ``flex`` backend); no dropout, and
   on CPU no backward.
 - ``"cpu"``: :func:`packed_sdpa`: exact, trains on CPU.
 
-Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. A plain ``[B, S]`` call
+Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. With ``impl=None`` the
+backend declares what the impls present on this machine serve, and a model's request is
+checked against each impl in turn: it is accepted only if one single impl serves all of it
+(CUDA fp32 with dropout needs xformers, for instance). A plain ``[B, S]`` call
 without ``cu_seqlens`` is treated as B sequences of S tokens. Padding masks are not taken:
 a model unpads a padded batch into a packed one before calling this backend.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
+import re
 
 import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import packing
-from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, unavailable
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, _device_present, unavailable
 from fastzoo.attention.flash import Fa2Backend, fa2_varlen
 from fastzoo.attention.masks import document_ids
 from fastzoo.attention.xformers import XformersBackend, xformers_varlen
@@ -35,17 +41,47 @@ _BASE = Capabilities(
     devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
 )
 _CAPS = {
-    None: _BASE,  # the per-call pick skips impls without dropout when dropout is asked; the cpu path has it
+    None: _BASE,  # an instance with impl=None declares _auto_capabilities(): what this machine's impls serve
     "torch": dataclasses.replace(
         _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
     ),
-    "flash": Fa2Backend.capabilities,  # the same kernels: one declaration
-    "xformers": XformersBackend.capabilities,
+    # the same kernels: one declaration, less the KV cache (one cu_seqlens for queries and keys)
+    "flash": dataclasses.replace(Fa2Backend.capabilities, kv_cache=False),
+    "xformers": dataclasses.replace(XformersBackend.capabilities, kv_cache=False),
     "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
     "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
-_CUDA_ORDER = ("torch", "flash", "xformers", "flex")
+_ORDER = {"cpu": ("cpu",), "cuda": ("torch", "flash", "xformers", "flex")}  # impl=None: first that fits
+
+
+def _present_impls(device: str) -> list[str]:
+    """The impls tried on ``device`` that can run on this machine."""
+    if not _device_present(device):
+        return []
+    return [i for i in _ORDER[device] if device in _CAPS[i].devices and unavailable(_CAPS[i]) is None]
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_capabilities() -> Capabilities:
+    """What ``impl=None`` serves here: per device, the dtypes of the impls present; a feature
+    (dropout, backward on a device) if one of them has it. A request is then checked against
+    the impls one by one (:meth:`VarlenBackend.problems`), since no single impl may have all."""
+    present = {dev: _present_impls(dev) for dev in _ORDER}
+    caps = [_CAPS[i] for impls in present.values() for i in impls]
+    devices = {dev: tuple(d for d in FLOATS if any(d in _CAPS[i].devices[dev] for i in impls))
+               for dev, impls in present.items() if impls}
+    heads = [c.max_head_dim for c in caps]
+    return dataclasses.replace(
+        _BASE,
+        devices=devices,
+        dropout=any(c.dropout for c in caps),
+        backward=tuple(dev for dev, impls in present.items() if any(dev in _CAPS[i].backward for i in impls)),
+        compile=all(c.compile for c in caps),
+        max_head_dim=None if None in heads else max(heads),
+        verified="; ".join(f"{dev}: {'/'.join(impls)}" for dev, impls in present.items() if impls) + " (impls present here); "
+                 + _BASE.verified,
+    )
 
 
 def _slots(cu_seqlens, T: int, L: int, causal: bool):
@@ -102,14 +138,21 @@ def _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool
     return o_NHLD.transpose(1, 2).reshape(N * L, H, -1)[slot_T]
 
 
+TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+# torch 2.10: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
+# torch >= 2.11: varlen_attn(..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1), ...)
+VARLEN_TAKES_SCALE = TORCH_VERSION >= (2, 11)
+
+
 def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
     from torch.nn.attention.varlen import varlen_attn
 
-    if "window_size" in inspect.signature(varlen_attn).parameters:  # torch >= 2.11
-        kw = {"window_size": (-1, 0) if causal else (-1, -1)}
-    else:  # torch 2.10
-        kw = {"is_causal": causal}
-    return varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **kw)
+    args = (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if VARLEN_TAKES_SCALE:
+        return varlen_attn(q_THD, k_THD, v_THD, *args, scale=scale, window_size=(-1, 0) if causal else (-1, -1))
+    if scale is not None:  # 2.10 applies 1/sqrt(D): fold the ratio into q (exact up to one rounding)
+        q_THD = q_THD * (scale * q_THD.shape[-1] ** 0.5)
+    return varlen_attn(q_THD, k_THD, v_THD, *args, is_causal=causal)
 
 
 # [T, H, D] kernels with one signature (``ctx``: the call's context, for per-forward caches);
@@ -122,13 +165,14 @@ class VarlenBackend(AttentionBackend):
     description = "packed sequences via cu_seqlens (impl= torch|flash|xformers|flex|cpu; default: best here)"
     capabilities = _BASE
     options = {"impl": None}
+    variants = tuple({"impl": k} for k in _CAPS if k)
 
     def __init__(self, **options):
         super().__init__(**options)
         impl = self.opts["impl"]
         if impl not in _CAPS:
             raise ValueError(f"impl={impl!r}: choose one of {', '.join(k for k in _CAPS if k)} (or None for the best available)")
-        self.capabilities = _CAPS[impl]
+        self.capabilities = _CAPS[impl] if impl is not None else _auto_capabilities()
         self._flex = None
 
     def check(self, req):
@@ -137,6 +181,17 @@ class VarlenBackend(AttentionBackend):
         if reason:  # named with the impl: "impl='flash' needs flash_attn" says more than "needs flash_attn"
             raise BackendUnavailableError(self._message([f"impl={impl!r} {reason}"]))
         super().check(req)
+
+    def problems(self, req):
+        problems = super().problems(req)
+        if self.opts["impl"] is not None or problems or req.device not in self.capabilities.devices:
+            return problems
+        # impl=None: the request must fit one impl whole, not a feature from each
+        why = {i: VarlenBackend(impl=i).problems(req) for i in _present_impls(req.device)}
+        if all(why.values()):
+            reasons = "; ".join(f"impl={i!r} {' and '.join(p)}" for i, p in why.items())
+            problems.append(f"has no single kernel on {req.device} serving this model ({reasons})")
+        return problems
 
     def _fits(self, impl: str, q, ctx) -> bool:
         caps = _CAPS[impl]
@@ -154,20 +209,20 @@ class VarlenBackend(AttentionBackend):
         impl = self.opts["impl"]
         if impl is not None:  # check_call has refused what its capabilities cannot serve
             return impl
-        order = ("cpu",) if q.device.type == "cpu" else _CUDA_ORDER
-        for impl in order:
+        for impl in _ORDER.get(q.device.type, ()):
             if self._fits(impl, q, ctx):
                 return impl
         raise BackendUnavailableError(self._message([f"no varlen kernel here fits {q.dtype} on {q.device.type}"]))
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        packing.check_self_attention(self, q_BHSD, k_BHSD)
         impl = self.pick(q_BHSD, ctx)
         if impl == "flex":
             if self._flex is None:
                 from fastzoo.attention.flex import FlexBackend
 
                 self._flex = FlexBackend()
-            return self._flex.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
+            return self._flex(q_BHSD, k_BHSD, v_BHSD, ctx)  # with flex's own per-call checks
         cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,

@@ -6,6 +6,8 @@ Examples::
     fastzoo bench vit_b16 --attn sdpa,flex --mode train --device cuda --dtype bf16 --compile --json out.json --plot out.png
     fastzoo bench gpt2 --attn all --quick          # padded vs nested vs packed, real tokens/s
     fastzoo bench giou                              # GIoU loss implementations vs torchvision
+    fastzoo bench linear_ce                         # the LM head's loss: fused vs logits vs torch's chunked op
+    fastzoo bench matcher                           # the detector's Hungarian matcher, before / after
     fastzoo bench vit_s16 --parity-train --plot curves.png
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fastzoo.text import DTYPES, parse_key_values
 def add_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or `giou` for the loss suite")
+    p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or a loss suite: giou, linear_ce, matcher")
     p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]; eager is always added")
     p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
@@ -67,9 +69,12 @@ def _backends(spec: str) -> list[str]:
     return names if "eager" in names else ["eager", *names]
 
 
+LOSS_SUITES = ("giou", "linear_ce", "matcher")  # `fastzoo bench NAME` for the loss suites
+
+
 def _family(model: str) -> str:
-    if model == "giou":
-        return "giou"
+    if model in LOSS_SUITES:
+        return model
     from fastzoo.registry import get_entry
 
     return get_entry(model).model_class.family
@@ -101,6 +106,16 @@ def build_suite(args, device: torch.device, dtype: torch.dtype):
 
         setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
         return giou_suite(setting, device=device, dtype=dtype)
+    if family == "linear_ce":
+        from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite
+
+        setting = _replace(TARGET_SETTING, {**({"tokens": args.batch_size} if args.batch_size else {}), **overrides})
+        return linear_ce_suite(setting, device=device, dtype=dtype)
+    if family == "matcher":
+        from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite
+
+        setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
+        return matcher_suite(setting, device=device)
     raise ValueError(f"model {args.model!r} (family {family!r}) has no benchmark suite yet")
 
 

@@ -1,11 +1,13 @@
 """GIoU loss on detection-shaped batches: B images x up to 256 box slots, few real boxes each.
 
-Forward + backward of the mean loss over the real (pred, target) pairs, in the four layouts
-of :mod:`fastzoo.losses.giou`: a Python loop over images (the naive baseline), ``concat``
-(the real pairs gathered, one call), ``padded`` (every slot, masked) and ``kernel`` (the
-real pairs through the fused op); the peer is ``torchvision.ops.generalized_box_iou_loss``
-on the concatenated real pairs. Gathering the real pairs is part of every step, as it is
-in a training loop. A second group times the loss alone on pairs already concatenated
+Forward + backward of the mean loss over the real (pred, target) pairs, in the layouts of
+:mod:`fastzoo.losses.giou`: a Python loop over images (the naive baseline), ``concat`` (the
+real pairs gathered, one call), ``padded`` (every slot, masked, plain ops), ``kernel`` (the
+real pairs gathered, through the fused elementwise op) and the padded kernel (the fused op on
+the padded tensors, validity from a mask or from the targets, the masked mean inside: no
+gather); the peer is ``torchvision.ops.generalized_box_iou_loss`` on the concatenated real
+pairs. Gathering the real pairs is part of every step that needs it, as it is in a training
+loop on padded data. A second group times the loss alone on pairs already concatenated
 (what a matcher hands the loss): torchvision vs the fused kernel, both on the same [N, 4]
 leaf. Parity: the loss and the gradient of the predicted boxes against torchvision in fp32.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite, Unavailable
+from fastzoo.losses.giou import PAD_BOX
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,15 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
         return _losses().giou_loss_concat(pred[valid], target[valid], reduction="mean", validate=False)
 
     def padded(pred):
-        return _losses().giou_loss_padded(pred, target, valid, reduction="mean", validate=False)
+        return _losses().giou_loss_padded(pred, target, valid, reduction="mean", impl="torch", validate=False)
+
+    def padded_kernel_mask(pred):
+        return _losses().giou_loss_padded(pred, target, valid, reduction="mean", impl="kernel", validate=False)
+
+    target_marked = torch.where(valid[..., None], target, torch.tensor(PAD_BOX, dtype=dtype, device=device))
+
+    def padded_kernel_target(pred):  # the padding is in the targets, as collate_boxes writes them
+        return _losses().giou_loss_padded(pred, target_marked, reduction="mean", impl="kernel", validate=False)
 
     def kernel(pred):
         return _losses().giou_loss_kernel(pred[valid], target[valid], reduction="mean", validate=False)
@@ -133,6 +144,8 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
         Case("fastzoo concat", fz(concat)),
         Case("fastzoo padded", fz(padded)),
         Case("fastzoo kernel", fz(kernel)),
+        Case("fastzoo padded kernel (mask)", fz(padded_kernel_mask)),
+        Case("fastzoo padded kernel (validity from target)", fz(padded_kernel_target)),
     ]
     config = {"batch": s.describe(), "step": "forward + backward of the mean loss over the real pairs",
               "peer": "torchvision.ops.generalized_box_iou_loss on the concatenated real pairs",

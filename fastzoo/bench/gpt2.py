@@ -179,7 +179,65 @@ def gpt2_suite(
                     cases.append(Case(f"fastzoo packed ({b})", fz_case(b, "packed", mode, c), compiled=c))
             groups.append(Group(f"{s.name} | {mode}" + (" | compiled" if c else ""), cases,
                                 reference=lambda m=mode: reference(m), unit="tokens/s"))
+    if "train" in modes:
+        groups.append(_labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, device))
     return Suite("gpt2_varlen", groups, config=config, dtype=dtype, device=device)
+
+
+def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, device) -> Group:
+    """A training step as users write it: ``model(..., labels=...).loss.backward()``. HF computes
+    the logits and ``cross_entropy`` on them; fastzoo in train mode computes the loss from the
+    hidden states with the fused ``linear_cross_entropy`` (no ``[tokens, 50257]`` logits)."""
+    ids, mask = pad_long
+    labels = ids.masked_fill(mask == 0, -100).to(device)  # HF's convention: padding not scored
+    padded_kwargs = {"attention_mask": mask.to(device), "labels": labels}
+    packed_kwargs = dict(position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
+                         labels=packed.labels)
+
+    def loss_step(model, args, kwargs):
+        return model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
+                          items=real, view=lambda out: out.loss.reshape(1))
+
+    def hf_case():
+        model = hf_copy()
+        return _fastzoo_layout(loss_step(model, (ids.to(device),), padded_kwargs), model)
+
+    def fz_case(backend, args, kwargs):
+        def build():
+            _needs_labels()
+            return loss_step(fz(backend), args, kwargs)
+        return build
+
+    def reference():  # fp32 logits materialised, HF's loss on them: the function both sides compute
+        model = fastzoo.create("gpt2", attn="eager", pretrained=hf).to(device).train()
+        h_ids = ids.to(device)
+        out = model(h_ids, attention_mask=mask.to(device))
+        logits = _logits(out).float()
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss.backward()
+        got = {"output": loss.detach().reshape(1)}
+        got.update({f"grad:{n}": p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        return got
+
+    cases = [Case("HF padded to longest (sdpa), labels", hf_case, peer=True)]
+    for b in backends:
+        caps = fastzoo.attention.backend_class(b).capabilities
+        if caps.padding_mask and b in ("eager", "sdpa"):
+            cases.append(Case(f"fastzoo padded to longest ({b}), labels: fused loss",
+                              fz_case(b, (ids.to(device),), padded_kwargs), reference=b == "eager"))
+        if caps.varlen:
+            cases.append(Case(f"fastzoo packed ({b}), labels: fused loss", fz_case(b, (packed.input_ids,), packed_kwargs)))
+    return Group(f"{s.name} | train with labels", cases, reference=reference, unit="tokens/s", cpu_memory=True)
+
+
+def _needs_labels() -> None:
+    import inspect
+
+    from fastzoo.bench.harness import Unavailable
+
+    model_class = type(fastzoo.create("gpt2", n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8))
+    if "labels" not in inspect.signature(model_class.forward).parameters:
+        raise Unavailable("needs fastzoo GPT-2's labels= (the HF call convention, branch gpt2) in this checkout")
 
 
 def _fastzoo_layout(step, hf_model):

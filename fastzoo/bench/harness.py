@@ -116,6 +116,7 @@ class Group:
     reference: Callable[[], dict] | None = None  # fp32 eager outputs on the same weights and inputs
     unit: str = "images/s"
     dtype: torch.dtype | None = None  # the precision this group runs in; None: the suite's
+    cpu_memory: bool = False  # on CPU, report each case's peak memory (cpu_peak_bytes: one extra profiled step)
 
 
 @dataclass
@@ -323,6 +324,9 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
                 if case.reference:
                     ref_in_dtype = got
                 rows.append(row)
+                if step is not None and group.cpu_memory and suite.device.type == "cpu":
+                    peak = _guarded(row, suite, lambda: cpu_peak_bytes(step.run))
+                    row.peak_mem_mib = peak / 2**20 if peak is not None else None
                 if step is None:
                     bar.update(1)
                 elif interleave:
@@ -396,6 +400,25 @@ def _guarded(row: Row, suite: Suite, fn):
     except Exception as e:
         row.status, row.note = "error", f"{type(e).__name__}: {e}"
     return None
+
+
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes held by tensors that ``fn`` allocates on the CPU, above what existed before: the
+    running sum of the profiler's allocation and free events (``profile_memory=True``), i.e.
+    what ``torch.cuda.max_memory_allocated`` measures on a GPU. Tensors only: no Python objects,
+    no allocator caching or fragmentation (RSS would add those and whatever else the process holds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def _record(row: Row, samples: list[float], items: float) -> None:

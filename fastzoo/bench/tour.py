@@ -169,8 +169,10 @@ def _giou(size: TourSize, device, dtype) -> Entry:
 
     s = giou_suite(size.giou, device=device, dtype=dtype)
     modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
-             "fastzoo kernel": "kernel"}
+             "fastzoo padded kernel (validity from target)": "kernel"}
     paths = {label: f'fastzoo.create("boxdet_r50", loss="{m}")' for label, m in modes.items()}
+    paths["fastzoo kernel"] = 'fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])'
+    paths["fastzoo padded kernel (mask)"] = 'fastzoo.losses.giou_loss_padded(pred, target, mask)'
     paths["fastzoo kernel (pairs given)"] = 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'
     return Entry("boxdet_r50 (GIoU loss)", "torchvision on concatenated real pairs", s, paths, s.groups[0].name)
 

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastzoo.kernel_ranges import kernel_range
+
 REDUCTIONS = ("none", "mean", "sum")
 PAD_BOX = (0.0, 0.0, -1.0, -1.0)  # an inverted box: marks a padded slot of a padded target
 IMPLS = ("auto", "torch", "kernel")
@@ -91,6 +93,13 @@ def _upcast_integer(boxes, name: str):
     if boxes.dtype == torch.bool or boxes.is_complex():
         raise ValueError(f"{name} must hold real coordinates (floating point or integer), got {boxes.dtype}")
     return boxes.float()
+
+
+def _check_options(reduction: str, impl: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
 
 
 def _check_pair(pred, target) -> None:
@@ -165,10 +174,7 @@ def giou_loss(
     fastzoo runs on has one). Matches ``torchvision.ops.generalized_box_iou_loss``.
     """
     global last_impl
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    _check_options(reduction, impl)
     pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     _check_pair(pred, target)
     if impl != "torch":
@@ -179,9 +185,11 @@ def giou_loss(
         check_boxes(target, "target")
     if impl == "torch":
         last_impl = "torch"
-        return _reduce(giou_loss_reference(pred, target, eps), reduction)
+        with kernel_range("loss", "giou_loss", impl):
+            return _reduce(giou_loss_reference(pred, target, eps), reduction)
     last_impl = path
-    return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
+    with kernel_range("loss", "giou_loss", impl):  # for fastzoo.explain; a no-op otherwise
+        return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
 
 
 # -- variable box counts: four layouts, one number --------------------------------------
@@ -237,10 +245,7 @@ def giou_loss_padded(
     autocast region, fp32 targets); the loss is fp32 (fp64 if either is fp64).
     """
     global last_impl
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
+    _check_options(reduction, impl)
     pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     check_boxes(pred, "pred", values=False)
     check_boxes(target, "target", values=False)
@@ -261,9 +266,11 @@ def giou_loss_padded(
         check_boxes(target[valid], "target")
     if impl == "torch":
         last_impl = "torch"
-        return _padded_torch(pred, target, mask, reduction, eps)
+        with kernel_range("loss", "giou_loss_padded", impl):
+            return _padded_torch(pred, target, mask, reduction, eps)
     last_impl = path
-    return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
+    with kernel_range("loss", "giou_loss_padded", impl):  # for fastzoo.explain; a no-op otherwise
+        return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
 
 
 def _padded_torch(pred, target, mask, reduction: str, eps: float) -> torch.Tensor:

@@ -86,7 +86,8 @@ def _check(hidden, weight, target, ignore_index):
     if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         raise ValueError(f"hidden_ND is {hidden.dtype} but weight_VD is {weight.dtype}: cast one (or run under autocast)")
     target = target.reshape(-1).long()
-    if target.device.type == "cpu" and target.numel():  # free on CPU; on a GPU it would be a host sync
+    # free on CPU in eager; on a GPU (or traced by torch.compile) it would be a host sync
+    if target.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling():
         bad = (target != ignore_index) & ((target < 0) | (target >= weight.shape[0]))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -122,11 +123,14 @@ def _chunk_pass(h_ND, w_VD, target_N, valid_N, row_scale_N, want_h: bool, want_w
     loss_N = torch.zeros(n, dtype=acc, device=h_ND.device) if compute_loss else None
     grad_h = torch.empty(n, d, dtype=h_ND.dtype, device=h_ND.device) if want_h else None
     grad_w = torch.zeros(v, d, dtype=acc, device=h_ND.device) if want_w else None  # accumulated over chunks
+    # one chunk's logits, reused by every chunk (a fresh [C, V] each time would be page-faulted in anew)
+    buf = torch.empty(min(step, n), v, dtype=h_ND.dtype, device=h_ND.device)
+    buf_acc = torch.empty(min(step, n), v, dtype=acc, device=h_ND.device) if low else buf
     for s in range(0, n, step):
         e = min(s + step, n)
         h_c = h_ND[s:e]
-        logits = h_c @ w_VD.T  # [C, V] in the matmul dtype
-        logits = logits.to(acc) if low else logits
+        logits = torch.mm(h_c, w_VD.T, out=buf[: e - s])  # [C, V] in the matmul dtype
+        logits = buf_acc[: e - s].copy_(logits) if low else logits
         t_c = target_N[s:e]
         safe_t = torch.where(valid_N[s:e], t_c, 0)[:, None]
         if compute_loss:
@@ -143,7 +147,7 @@ def _chunk_pass(h_ND, w_VD, target_N, valid_N, row_scale_N, want_h: bool, want_w
         # d loss / d logits = softmax - onehot(target), scaled per token (0 where ignored)
         logits.mul_(row_scale_N[s:e, None] / z)
         logits.scatter_add_(1, safe_t, -row_scale_N[s:e, None])
-        g_CV = logits.to(h_ND.dtype) if low else logits
+        g_CV = buf[: e - s].copy_(logits) if low else logits
         if want_h:
             torch.mm(g_CV, w_VD, out=grad_h[s:e])
         if want_w:

@@ -63,8 +63,8 @@ class FastzooModel(nn.Module):
         if dtype is None and p is not None and p.dtype != torch.float32:
             dtype = p.dtype
         layers = [m for m in self.modules() if isinstance(m, UsesAttention)]
-        most = max(layers, key=lambda m: m.attn_dropout, default=None)
-        dropout = {} if most is None else {"attn_dropout": most.attn_dropout, "attn_dropout_field": most.attn_dropout_field}
+        most = max(layers, key=lambda m: m.attn_dropout_p, default=None)
+        dropout = {} if most is None else {"attn_dropout": most.attn_dropout_p, "attn_dropout_field": most.attn_dropout_field}
         return AttnRequest(device=device, dtype=dtype, **{**dropout, **self.attention_needs()})
 
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
@@ -122,12 +122,13 @@ class FastzooModel(nn.Module):
         return write_pretrained(path, meta, self.state_dict())
 
 
-def write_pretrained(path, config: dict, state: dict) -> Path:
+def write_pretrained(path, config: dict, state: dict, weights_format: str = "fastzoo") -> Path:
     """``config.json`` + ``model.safetensors`` in directory ``path`` (other files there are
     kept, as Hugging Face's ``save_pretrained`` keeps a tokenizer's). Both are written to
     temporary files first and renamed in only once both are complete, so a failure (a full
     disk, a kill) leaves the previous pair. A shard index left by an earlier sharded save is
-    removed with its shards: readers prefer an index, which would shadow the new weights."""
+    removed with its shards: readers prefer an index, which would shadow the new weights.
+    ``weights_format`` goes in the safetensors metadata (transformers wants ``"pt"``)."""
     from safetensors.torch import save_file
 
     from fastzoo import files
@@ -142,7 +143,7 @@ def write_pretrained(path, config: dict, state: dict) -> Path:
             stale.unlink(missing_ok=True)
     tensors = untied({k: v.detach().contiguous().cpu() for k, v in state.items()})
     with files.atomic_path(path / "config.json") as config_tmp, files.atomic_path(path / "model.safetensors") as weights_tmp:
-        save_file(tensors, str(weights_tmp), metadata={"format": "fastzoo"})
+        save_file(tensors, str(weights_tmp), metadata={"format": weights_format})
         config_tmp.write_text(json.dumps(config, indent=2))
     for stale in stale_shard_files(path):
         stale.unlink(missing_ok=True)

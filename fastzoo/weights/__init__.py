@@ -38,7 +38,8 @@ _PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
 # initialisation, not the function the weights compute. Every other field is compared.
 FREE_FIELDS = {
     "vit": {"drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate", "patch_embed"},
-    "gpt2": {"resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range"},
+    "gpt2": {"resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range", "bos_token_id", "eos_token_id",
+             "pad_token_id", "use_cache"},
 }
 # Fields compared through the part of their value that changes the function.
 _FUNCTION_OF = {

@@ -15,6 +15,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -214,24 +215,28 @@ at::Tensor giou_loss_masked_cpu(const at::Tensor& pred_in, const at::Tensor& tar
   return out;
 }
 
+// Gradients of the padded loss; padding gets exactly 0. A gradient nobody asked for (the target
+// usually needs none) is not computed: an empty tensor stands in for it.
 std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& pred_in,
                                                             const at::Tensor& target_in,
                                                             const std::optional<at::Tensor>& mask_in, double eps,
-                                                            int64_t reduction) {
+                                                            int64_t reduction, bool need_pred, bool need_target) {
   check_masked(pred_in, target_in, mask_in, reduction);
   const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
   const std::optional<at::Tensor> mask = mask_in.has_value() ? std::optional<at::Tensor>(mask_in->contiguous()) : std::nullopt;
   const int64_t n = pred.numel() / 4;
   const at::Tensor grad = grad_in.to(compute_type(pred, target)).contiguous();
   TORCH_CHECK(grad.numel() == (reduction == kNone ? n : 1), "giou_loss_masked_bwd: grad has ", grad.numel(), " elements");
-  at::Tensor grad_pred = at::empty_like(pred), grad_target = at::empty_like(target);
+  // zero-filled (a memset): the loop below writes the real rows only
+  at::Tensor grad_pred = need_pred ? at::zeros_like(pred) : at::empty({0}, pred.options());
+  at::Tensor grad_target = need_target ? at::zeros_like(target) : at::empty({0}, target.options());
   dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
     const P* p = pred.const_data_ptr<P>();
     const T* t = target.const_data_ptr<T>();
     const bool* m = mask.has_value() ? mask->const_data_ptr<bool>() : nullptr;
     const A* go = grad.const_data_ptr<A>();
-    P* gp = grad_pred.mutable_data_ptr<P>();
-    T* gt = grad_target.mutable_data_ptr<T>();
+    P* gp = need_pred ? grad_pred.mutable_data_ptr<P>() : nullptr;
+    T* gt = need_target ? grad_target.mutable_data_ptr<T>() : nullptr;
     const A e = static_cast<A>(eps);
     A scale = go[0];
     if (reduction == kMean) {
@@ -247,12 +252,10 @@ std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& gr
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       A ga[4], gb[4];
       for (int64_t i = begin; i < end; ++i) {
-        if (row_valid<A>(m, t, i)) {
-          giou_grad_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), reduction == kNone ? go[i] : scale, e, ga, gb);
-        } else {  // padding: whatever it holds, no gradient
-          for (int k = 0; k < 4; ++k) ga[k] = gb[k] = A(0);
-        }
-        for (int k = 0; k < 4; ++k) gp[4 * i + k] = static_cast<P>(ga[k]), gt[4 * i + k] = static_cast<T>(gb[k]);
+        if (!row_valid<A>(m, t, i)) continue;  // padding, whatever it holds: no gradient
+        giou_grad_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), reduction == kNone ? go[i] : scale, e, ga, gb);
+        if (gp) for (int k = 0; k < 4; ++k) gp[4 * i + k] = static_cast<P>(ga[k]);
+        if (gt) for (int k = 0; k < 4; ++k) gt[4 * i + k] = static_cast<T>(gb[k]);
       }
     });
   });
@@ -301,7 +304,8 @@ class GiouMaskedFunction : public torch::autograd::Function<GiouMaskedFunction> 
     const auto saved = ctx->get_saved_variables();
     const std::optional<at::Tensor> mask = saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
     auto [grad_pred, grad_target] = op.call(grads[0], saved[0], saved[1], mask, ctx->saved_data["eps"].toDouble(),
-                                            ctx->saved_data["reduction"].toInt());
+                                            ctx->saved_data["reduction"].toInt(), ctx->needs_input_grad(0),
+                                            ctx->needs_input_grad(1));
     return {ctx->needs_input_grad(0) ? grad_pred : at::Tensor(), ctx->needs_input_grad(1) ? grad_target : at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -251,7 +251,8 @@ def _masked_vectorised(pred: Tensor, target: Tensor, mask: Tensor | None, eps: f
     return total.to(loss.dtype)
 
 
-def _masked_backward_vectorised(grad, pred, target, mask, eps: float, reduction: int) -> tuple[Tensor, Tensor]:
+def _masked_backward_vectorised(grad, pred, target, mask, eps: float, reduction: int, need_pred: bool,
+                                need_target: bool) -> tuple[Tensor, Tensor]:
     valid = _valid_rows(target, mask)
     ct = compute_dtype(pred.dtype, target.dtype)
     g = grad.to(ct)
@@ -261,7 +262,8 @@ def _masked_backward_vectorised(grad, pred, target, mask, eps: float, reduction:
     unit = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=ct, device=pred.device)  # padding may hold NaN: no NaN * 0
     gp, gt = _backward_vectorised(g, torch.where(valid[..., None], pred.to(ct), unit),
                                   torch.where(valid[..., None], target.to(ct), unit), eps)
-    return gp.to(pred.dtype), gt.to(target.dtype)
+    return (gp.to(pred.dtype) if need_pred else pred.new_empty(0),
+            gt.to(target.dtype) if need_target else target.new_empty(0))
 
 
 @torch.library.custom_op("fastzoo::giou_loss_masked", mutates_args=())
@@ -284,21 +286,24 @@ def _(pred, target, mask, eps, reduction):
 
 @torch.library.custom_op("fastzoo::giou_loss_masked_bwd", mutates_args=())
 def giou_loss_masked_bwd(grad: Tensor, pred: Tensor, target: Tensor, mask: Tensor | None, eps: float,
-                         reduction: int) -> tuple[Tensor, Tensor]:
-    return _masked_backward_vectorised(grad, pred, target, mask, eps, reduction)
+                         reduction: int, need_pred: bool, need_target: bool) -> tuple[Tensor, Tensor]:
+    """(grad_pred, grad_target); one not needed is an empty tensor (the target usually needs none)."""
+    return _masked_backward_vectorised(grad, pred, target, mask, eps, reduction, need_pred, need_target)
 
 
 @giou_loss_masked_bwd.register_kernel("cuda")
-def _giou_loss_masked_bwd_cuda(grad, pred, target, mask, eps, reduction):
+def _giou_loss_masked_bwd_cuda(grad, pred, target, mask, eps, reduction, need_pred, need_target):
     from fastzoo.losses.kernels import triton_giou
 
     m = mask.contiguous() if mask is not None else None
-    return triton_giou.masked_backward(grad, pred.contiguous(), target.contiguous(), m, eps, reduction)
+    return triton_giou.masked_backward(grad, pred.contiguous(), target.contiguous(), m, eps, reduction, need_pred,
+                                       need_target)
 
 
 @giou_loss_masked_bwd.register_fake
-def _(grad, pred, target, mask, eps, reduction):
-    return torch.empty_like(pred), torch.empty_like(target)
+def _(grad, pred, target, mask, eps, reduction, need_pred, need_target):
+    return (torch.empty_like(pred) if need_pred else pred.new_empty(0),
+            torch.empty_like(target) if need_target else target.new_empty(0))
 
 
 def _setup_masked(ctx, inputs, output):
@@ -309,9 +314,10 @@ def _setup_masked(ctx, inputs, output):
 
 def _backward_masked(ctx, grad):
     pred, target, mask = ctx.saved_tensors
-    grad_pred, grad_target = giou_loss_masked_bwd(grad.contiguous(), pred, target, mask, ctx.eps, ctx.reduction)
-    return (grad_pred if ctx.needs_input_grad[0] else None, grad_target if ctx.needs_input_grad[1] else None,
-            None, None, None)
+    need_pred, need_target = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_pred, grad_target = giou_loss_masked_bwd(grad.contiguous(), pred, target, mask, ctx.eps, ctx.reduction,
+                                                  need_pred, need_target)
+    return grad_pred if need_pred else None, grad_target if need_target else None, None, None, None
 
 
 giou_loss_masked.register_autograd(_backward_masked, setup_context=_setup_masked)

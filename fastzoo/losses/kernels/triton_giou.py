@@ -41,6 +41,7 @@ def load_box(ptr, rows, mask, CT: tl.constexpr):
     y2 = tl.load(ptr + rows * 4 + 3, mask=mask, other=1.0).to(CT)
     return x1, y1, x2, y2
 
+
 @triton.jit
 def div(a, b):
     # IEEE round-to-nearest: Triton's default fp32 "/" is approximate; fp64 "/" is IEEE already
@@ -59,8 +60,10 @@ def giou_loss_rows(x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps):
     area_c = (tl.maximum(x2, x2g) - tl.minimum(x1, x1g)) * (tl.maximum(y2, y2g) - tl.minimum(y1, y1g))
     return 1.0 - (div(inter, union + eps) - div(area_c - union, area_c + eps))
 
+
 @triton.jit
-def store_giou_grads(gpred_ptr, gtarget_ptr, rows, mask, g, x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps):
+def store_giou_grads(gpred_ptr, gtarget_ptr, rows, mask, g, x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps,
+                     STORE_PRED: tl.constexpr, STORE_TARGET: tl.constexpr):
     w1 = x2 - x1
     h1 = y2 - y1
     w2 = x2g - x1g
@@ -87,16 +90,19 @@ def store_giou_grads(gpred_ptr, gtarget_ptr, rows, mask, g, x1, y1, x2, y2, x1g,
     ty1 = tl.where(y1 > y1g, 1.0, tl.where(y1 == y1g, 0.5, 0.0))
     tx2 = tl.where(x2g > x2, 1.0, tl.where(x2g == x2, 0.5, 0.0))
     ty2 = tl.where(y2g > y2, 1.0, tl.where(y2g == y2, 0.5, 0.0))
-    out = gpred_ptr + rows * 4  # stores cast to the gradient's dtype (the input's)
-    tl.store(out + 0, -g_iw * tx1 - g_cw * (1 - tx1) - g_union * h1, mask=mask)
-    tl.store(out + 1, -g_ih * ty1 - g_ch * (1 - ty1) - g_union * w1, mask=mask)
-    tl.store(out + 2, g_iw * tx2 + g_cw * (1 - tx2) + g_union * h1, mask=mask)
-    tl.store(out + 3, g_ih * ty2 + g_ch * (1 - ty2) + g_union * w1, mask=mask)
-    out = gtarget_ptr + rows * 4
-    tl.store(out + 0, -g_iw * (1 - tx1) - g_cw * tx1 - g_union * h2, mask=mask)
-    tl.store(out + 1, -g_ih * (1 - ty1) - g_ch * ty1 - g_union * w2, mask=mask)
-    tl.store(out + 2, g_iw * (1 - tx2) + g_cw * tx2 + g_union * h2, mask=mask)
-    tl.store(out + 3, g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2, mask=mask)
+    if STORE_PRED:  # stores cast to the gradient's dtype (the input's)
+        out = gpred_ptr + rows * 4
+        tl.store(out + 0, -g_iw * tx1 - g_cw * (1 - tx1) - g_union * h1, mask=mask)
+        tl.store(out + 1, -g_ih * ty1 - g_ch * (1 - ty1) - g_union * w1, mask=mask)
+        tl.store(out + 2, g_iw * tx2 + g_cw * (1 - tx2) + g_union * h1, mask=mask)
+        tl.store(out + 3, g_ih * ty2 + g_ch * (1 - ty2) + g_union * w1, mask=mask)
+    if STORE_TARGET:
+        out = gtarget_ptr + rows * 4
+        tl.store(out + 0, -g_iw * (1 - tx1) - g_cw * tx1 - g_union * h2, mask=mask)
+        tl.store(out + 1, -g_ih * (1 - ty1) - g_ch * ty1 - g_union * w2, mask=mask)
+        tl.store(out + 2, g_iw * (1 - tx2) + g_cw * tx2 + g_union * h2, mask=mask)
+        tl.store(out + 3, g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2, mask=mask)
+
 
 @triton.jit
 def row_valid(mask_ptr, rows, in_range, x1g, y1g, x2g, y2g, HAS_MASK: tl.constexpr):
@@ -104,6 +110,7 @@ def row_valid(mask_ptr, rows, in_range, x1g, y1g, x2g, y2g, HAS_MASK: tl.constex
     if HAS_MASK:
         return in_range & (tl.load(mask_ptr + rows, mask=in_range, other=0) != 0)
     return in_range & ~((x2g < x1g) | (y2g < y1g))
+
 
 @triton.jit
 def giou_fwd_kernel(pred_ptr, target_ptr, loss_ptr, eps_ptr, n, CT: tl.constexpr, BLOCK: tl.constexpr):
@@ -114,6 +121,7 @@ def giou_fwd_kernel(pred_ptr, target_ptr, loss_ptr, eps_ptr, n, CT: tl.constexpr
     x1g, y1g, x2g, y2g = load_box(target_ptr, rows, mask, CT)
     tl.store(loss_ptr + rows, giou_loss_rows(x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps), mask=mask)
 
+
 @triton.jit
 def giou_bwd_kernel(grad_ptr, pred_ptr, target_ptr, gpred_ptr, gtarget_ptr, eps_ptr, n,
                     CT: tl.constexpr, BLOCK: tl.constexpr):
@@ -123,7 +131,8 @@ def giou_bwd_kernel(grad_ptr, pred_ptr, target_ptr, gpred_ptr, gtarget_ptr, eps_
     g = tl.load(grad_ptr + rows, mask=mask, other=0.0).to(CT)
     x1, y1, x2, y2 = load_box(pred_ptr, rows, mask, CT)
     x1g, y1g, x2g, y2g = load_box(target_ptr, rows, mask, CT)
-    store_giou_grads(gpred_ptr, gtarget_ptr, rows, mask, g, x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps)
+    store_giou_grads(gpred_ptr, gtarget_ptr, rows, mask, g, x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps, True, True)
+
 
 @triton.jit
 def giou_masked_fwd_kernel(pred_ptr, target_ptr, mask_ptr, out_ptr, sum_ptr, count_ptr, eps_ptr, n,
@@ -141,9 +150,11 @@ def giou_masked_fwd_kernel(pred_ptr, target_ptr, mask_ptr, out_ptr, sum_ptr, cou
     else:
         tl.store(out_ptr + rows, loss, mask=in_range)
 
+
 @triton.jit
 def giou_masked_bwd_kernel(grad_ptr, pred_ptr, target_ptr, mask_ptr, gpred_ptr, gtarget_ptr, eps_ptr, n,
-                           HAS_MASK: tl.constexpr, PER_ROW: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_MASK: tl.constexpr, PER_ROW: tl.constexpr, STORE_PRED: tl.constexpr,
+                           STORE_TARGET: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < n
     eps = tl.load(eps_ptr)
@@ -164,8 +175,8 @@ def giou_masked_bwd_kernel(grad_ptr, pred_ptr, target_ptr, mask_ptr, gpred_ptr, 
     x2g = tl.where(valid, x2g, 1.0)
     y2g = tl.where(valid, y2g, 1.0)
     g = tl.where(valid, g, 0.0)
-    store_giou_grads(gpred_ptr, gtarget_ptr, rows, in_range, g, x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps)
-
+    store_giou_grads(gpred_ptr, gtarget_ptr, rows, in_range, g, x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps,
+                     STORE_PRED, STORE_TARGET)
 
 
 def _launch(kernel, n: int, *args, **meta):
@@ -220,17 +231,22 @@ def masked_forward(pred, target, mask, eps: float, reduction: int) -> torch.Tens
     return total.to(ct)
 
 
-def masked_backward(grad, pred, target, mask, eps: float, reduction: int):
-    """(grad_pred, grad_target) of the padded loss; zero in padding."""
+def masked_backward(grad, pred, target, mask, eps: float, reduction: int, need_pred: bool = True,
+                    need_target: bool = True):
+    """(grad_pred, grad_target) of the padded loss, zero in padding; an unneeded one is an empty
+    tensor (the kernel skips its stores)."""
     ct = compute_dtype(pred.dtype, target.dtype)
     n = pred.numel() // 4
-    gp, gt = torch.empty_like(pred), torch.empty_like(target)
+    gp = torch.empty_like(pred) if need_pred else pred.new_empty(0)
+    gt = torch.empty_like(target) if need_target else target.new_empty(0)
     if not n:
         return gp, gt
     g = grad.to(ct).contiguous()
     if reduction == MEAN:
         valid = mask if mask is not None else ~((target[..., 2] < target[..., 0]) | (target[..., 3] < target[..., 1]))
         g = (g.double() / valid.sum().clamp_min(1)).to(ct)
-    _launch(giou_masked_bwd_kernel, n, g.reshape(-1), pred, target, mask if mask is not None else target, gp, gt,
-            _eps(eps, ct, pred.device), n, HAS_MASK=mask is not None, PER_ROW=reduction == NONE, CT=_ct(ct))
+    _launch(giou_masked_bwd_kernel, n, g.reshape(-1), pred, target, mask if mask is not None else target,
+            gp if need_pred else pred, gt if need_target else target, _eps(eps, ct, pred.device), n,
+            HAS_MASK=mask is not None, PER_ROW=reduction == NONE, STORE_PRED=need_pred, STORE_TARGET=need_target,
+            CT=_ct(ct))
     return gp, gt

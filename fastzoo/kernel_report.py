@@ -1,0 +1,433 @@
+"""``fastzoo.explain``: which kernel really ran, per attention layer and per loss, and why not the one asked for.
+
+One forward (and backward, if asked) runs under ``torch.profiler``. Each attention layer's
+backend call runs inside a profiler range named by the layer's module path, and each fastzoo
+loss inside one named by the loss (:mod:`fastzoo.kernel_ranges`), so every op the profiler saw
+is attributed to the layer or loss that launched it; backward ops are attributed through the
+autograd sequence numbers that link them to their forward op. What the backend was asked for
+(``sdpa_backend="flash"``, varlen's per-call pick, ``impl="kernel"``...) is compared with what
+ran. A requested kernel that did not run is a :class:`KernelFallbackError` unless
+``allow_fallback=True``; the explanation then says why (e.g. "PyTorch's CPU flash kernel takes
+no dropout").
+
+    >>> report = fastzoo.explain(model, images, backward=True)
+    >>> print(report)        # one markdown row per layer group and loss
+    >>> report.rows[0].executed
+    ['aten::_scaled_dot_product_flash_attention_for_cpu']
+
+The op names the third-party libraries register (flash_attn::, xformers, Transformer Engine,
+NKI) follow their documentation and are not verified on hardware.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastzoo import kernel_ranges
+from fastzoo.errors import FastzooError
+
+# Ops that are an attention kernel (forward or backward), as the profiler names them.
+_ATTENTION_OP = re.compile(
+    r"::_scaled_dot_product_\w+|::_flash_attention_\w+|::_efficient_attention_\w+|::_cudnn_attention\w*"
+    r"|flash_attn\w*::|xformers|FlexAttention|flex_attention|varlen_attn|FusedAttn|fused_attn|nki",
+    re.IGNORECASE,
+)
+_DECOMPOSED = ("aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax_backward_data")
+_ALLOCATION = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::to", "aten::_to_copy", "aten::contiguous",
+               "aten::clone", "aten::copy_", "aten::zeros", "aten::zero_", "aten::fill_", "aten::resize_"}
+_SDPA_OPS = {
+    ("flash", "cpu"): "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ("flash", "cuda"): "aten::_scaled_dot_product_flash_attention",
+    ("efficient", "cuda"): "aten::_scaled_dot_product_efficient_attention",
+    ("cudnn", "cuda"): "aten::_scaled_dot_product_cudnn_attention",
+    ("math", "cpu"): "aten::_scaled_dot_product_attention_math",
+    ("math", "cuda"): "aten::_scaled_dot_product_attention_math",
+}
+_SDPA_MATH = "aten::_scaled_dot_product_attention_math"
+# what each third-party path registers or launches (documented names; not verified on hardware)
+_LIBRARY_OPS = {
+    "fa2": r"flash_attn::|flash_fwd",
+    "fa3": r"flash_attn_3::|flash_attn_interface|flash_fwd|FlashAttnFwd",
+    "te": r"FusedAttn|fused_attn|cudnn|fmha|flash",
+    "xformers": r"xformers|fmha|cutlass",
+    "neuron": r"nki|flash_fwd",
+    "torch": r"::_flash_attention_forward|varlen_attn",
+    "flash": r"flash_attn::|flash_fwd",
+    "flex": r"FlexAttention|flex_attention|triton_tem",
+}
+
+
+class KernelFallbackError(FastzooError, RuntimeError):
+    """A requested kernel did not run. ``.explanation`` holds the full report."""
+
+    def __init__(self, explanation: "Explanation"):
+        self.explanation = explanation
+        rows = [r for r in explanation.rows if r.fallback]
+        lines = [f"{r.where}: requested {r.requested}, ran {r.executed_text()}: {r.fallback}" for r in rows]
+        super().__init__(
+            "a requested kernel did not run (pass allow_fallback=True to accept the fallback):\n  " + "\n  ".join(lines)
+        )
+
+
+@dataclass
+class KernelRow:
+    """One attention layer or one loss: what it asked for and what the profiler saw it run."""
+
+    kind: str  # "attention" | "loss"
+    where: str  # the layer's module path, or the loss's name
+    requested: str
+    executed: list[str] = field(default_factory=list)  # kernel ops in the forward, first seen first
+    executed_backward: list[str] = field(default_factory=list)
+    device_kernels: list[str] = field(default_factory=list)  # GPU kernels launched by those ops (CUDA only)
+    calls: int = 0
+    fallback: str | None = None  # why the requested kernel did not run; None: it ran
+
+    def executed_text(self, backward: bool = False) -> str:
+        names = self.executed_backward if backward else self.executed
+        return ", ".join(names) if names else "nothing recognised"
+
+
+@dataclass
+class Explanation:
+    device: str
+    dtype: str
+    backward: bool
+    rows: list[KernelRow]
+    warnings: list[str] = field(default_factory=list)  # torch's own words about kernel choice, if any
+
+    @property
+    def fallbacks(self) -> list[KernelRow]:
+        return [r for r in self.rows if r.fallback]
+
+    def table(self) -> str:
+        """Markdown; consecutive attention layers with the same story share one row."""
+        head = ["| where | requested | executed (forward) |" + (" executed (backward) |" if self.backward else "")
+                + " fallback |", "|---" * (4 + self.backward) + "|"]
+        lines = []
+        for where, r in _grouped(self.rows):
+            cells = [where, r.requested, r.executed_text()]
+            if self.backward:
+                cells.append(r.executed_text(backward=True))
+            cells.append(r.fallback or "none")
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _grouped(rows):
+    """(label, row) with runs of same-story attention layers merged: ``blocks.0-11.attn``."""
+    out = []
+    for r in rows:
+        key = (r.kind, r.requested, tuple(r.executed), tuple(r.executed_backward), r.fallback)
+        if out and out[-1][0] == key:
+            out[-1][1].append(r)
+        else:
+            out.append((key, [r]))
+    for _, group in out:
+        first, last = group[0].where, group[-1].where
+        yield (first if len(group) == 1 else _span(first, last)), group[0]
+
+
+def _span(first: str, last: str) -> str:
+    a, b = re.findall(r"\d+", first), re.findall(r"\d+", last)
+    if a and b and re.sub(r"\d+", "#", first) == re.sub(r"\d+", "#", last):
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is not None:
+            parts = re.split(r"(\d+)", first)
+            parts[2 * i + 1] = f"{a[i]}-{b[i]}"
+            return "".join(parts)
+    return f"{first} .. {last}"
+
+
+# -- what each backend call asked for --------------------------------------------------------------
+@dataclass
+class _Call:
+    device: str
+    dtype: torch.dtype
+    dropout_p: float
+    causal: bool
+    padded: bool
+    packed: bool
+    impl: str | None = None  # varlen's pick for this call
+    compiled: bool = False
+
+
+class _Spy:
+    """Stands in for a layer's backend while explaining: the same object to the model (attribute
+    reads go through), each call inside the layer's profiler range, its facts recorded."""
+
+    def __init__(self, backend, path: str):
+        self._backend, self._path, self.calls = backend, path, []
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def __call__(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        call = _Call(q_BHSD.device.type, q_BHSD.dtype, ctx.dropout_p, ctx.causal,
+                     ctx.key_padding_mask is not None, ctx.cu_seqlens is not None,
+                     compiled=torch.compiler.is_compiling())
+        if getattr(self._backend, "name", None) == "varlen" and q_BHSD.numel():
+            try:
+                call.impl = self._backend.pick(q_BHSD, ctx)
+            except FastzooError:
+                pass  # the call below raises it with the backend's own message
+        self.calls.append(call)
+        with kernel_ranges.kernel_range("attention", self._path, _backend_label(self._backend)):
+            return self._backend(q_BHSD, k_BHSD, v_BHSD, ctx)
+
+
+def _backend_label(backend) -> str:
+    opts = {k: v for k, v in getattr(backend, "opts", {}).items() if v != type(backend).options.get(k)}
+    args = ", ".join(f"{k}={v}" for k, v in opts.items() if not callable(v))
+    return f"{backend.name}" + (f" ({args})" if args else "")
+
+
+@dataclass
+class _Expect:
+    requested: str
+    accepts: Callable[[list[str]], bool]
+    why_not: Callable[[list[str]], str]
+
+
+def _expectation(backend, call: _Call) -> _Expect:
+    """The kernel ``backend`` was asked for on this call, and how to tell it ran."""
+    name, opts, dev = backend.name, getattr(backend, "opts", {}), call.device
+    label = _backend_label(backend)
+    if name == "sdpa":
+        kernel = opts.get("sdpa_backend")
+        if kernel is None:
+            return _Expect(
+                f"{label}: a fused SDPA kernel (PyTorch picks; math is its fallback)",
+                lambda ran: any(n.startswith("aten::_scaled_dot_product") and n != _SDPA_MATH for n in ran),
+                lambda ran: _sdpa_math_reason(call) if _SDPA_MATH in ran else "no SDPA kernel seen",
+            )
+        op = _SDPA_OPS.get((kernel, dev), f"SDPA's {kernel} kernel")
+        return _Expect(f"{label}: {op}", lambda ran: op in ran, lambda ran: f"SDPA ran {', '.join(ran) or 'no kernel'}")
+    if name == "eager":
+        return _Expect(f"{label}: matmul-softmax-matmul", lambda ran: not any(_ATTENTION_OP.search(n) for n in ran),
+                       lambda ran: "a fused kernel ran instead")
+    if name == "nested":
+        if dev == "cpu" and call.causal:
+            why = "PyTorch's jagged NestedTensor SDPA has no causal kernel on CPU: ran dense SDPA per sequence (varlen's cpu kernel)"
+        else:
+            why = "the NestedTensor path did not run"
+        return _Expect(f"{label}: jagged NestedTensor SDPA", lambda ran: any("_nested" in n for n in ran), lambda ran: why)
+    if name == "varlen":
+        impl = call.impl or opts.get("impl")
+        asked = opts.get("impl") or f"best here -> {impl}"
+        if impl == "cpu":
+            return _Expect(f"{label}: impl={asked}: dense SDPA per sequence",
+                           lambda ran: any(n.startswith("aten::_scaled_dot_product") for n in ran),
+                           lambda ran: "no SDPA kernel seen")
+        return _library_expect(f"{label}: impl={asked}", impl)
+    if name == "flex":
+        compiled = opts.get("compile") if opts.get("compile") is not None else dev == "cuda"
+        return _library_expect(f"{label}: FlexAttention" + (" (compiled)" if compiled else " (not compiled)"), "flex")
+    if name in _LIBRARY_OPS:
+        return _library_expect(label, name)
+    return _Expect(f"{label} (user backend)", lambda ran: True, lambda ran: "")
+
+
+def _library_expect(requested: str, key: str | None) -> _Expect:
+    pattern = re.compile(_LIBRARY_OPS.get(key, r"$^"), re.IGNORECASE)
+    return _Expect(requested, lambda ran: any(pattern.search(n) for n in ran),
+                   lambda ran: f"none of its ops ({pattern.pattern}) ran")
+
+
+def _sdpa_math_reason(call: _Call) -> str:
+    """Why SDPA's dispatcher took math: PyTorch's own checks, restated (CPU) or asked (CUDA)."""
+    if call.device == "cpu":
+        if call.dropout_p > 0:
+            return f"PyTorch's CPU flash kernel takes no dropout (dropout_p={call.dropout_p:g} in training mode)"
+        if call.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            return f"PyTorch's CPU flash kernel takes no {call.dtype}"
+        return "PyTorch's dispatcher chose math (torch._fused_sdp_choice)"
+    return ("PyTorch's dispatcher chose math: see the warnings of torch.backends.cuda.can_use_flash_attention / "
+            "can_use_efficient_attention (debug=True) listed below")
+
+
+# -- reading the profile -----------------------------------------------------------------------------
+def _descendants(evt):
+    for child in evt.cpu_children:
+        yield child
+        yield from _descendants(child)
+
+
+def _kernel_names(events) -> list[str]:
+    """The attention/loss kernel ops among ``events`` (first seen first); the decomposed ops
+    (bmm, softmax) if no kernel op ran."""
+    names = [e.name for e in events]
+    found = list(dict.fromkeys(n for n in names if _ATTENTION_OP.search(n) or n.startswith("fastzoo::")))
+    if found:
+        return found
+    return list(dict.fromkeys(n for n in names if n in _DECOMPOSED))
+
+
+def _device_kernels(events) -> list[str]:
+    out = []
+    for e in events:
+        for k in getattr(e, "kernels", []) or []:
+            out.append(k.name if len(k.name) <= 80 else k.name[:77] + "...")
+    return list(dict.fromkeys(out))
+
+
+def _backward_events(range_events, all_events):
+    """Backward ops of the forward ops in a range: autograd's evaluate_function events carry
+    the sequence number of the forward op that created them."""
+    seqs = {(e.sequence_nr, e.thread) for e in range_events if e.sequence_nr >= 0}
+    out = []
+    for e in all_events:
+        if e.name.startswith("autograd::engine::evaluate_function:") and (e.sequence_nr, e.fwd_thread) in seqs:
+            out.append(e)
+            out.extend(_descendants(e))
+    return out
+
+
+def explain_model(model_name: str, backend: str, *, backend_options: dict | None = None, device="cpu",
+                  dtype: torch.dtype = torch.float32, overrides: dict | None = None, batch: int = 2,
+                  backward: bool = True, allow_fallback: bool = False) -> dict[str, Explanation]:
+    """:func:`explain` on ``fastzoo.create(model_name, attn=backend)`` with the inputs
+    ``fastzoo check`` uses, per input form ("" for images; "padded" / "packed" for GPT-2).
+    ``backward`` only where the backend has one on ``device``."""
+    from fastzoo.equivalence import example_inputs
+    from fastzoo.registry import create
+
+    model = create(model_name, attn=backend, attn_options=backend_options or {}, device=device, dtype=dtype,
+                   **(overrides or {})).eval()
+    backward = backward and torch.device(device).type in model.attention_backend.capabilities.backward
+    out = {}
+    for form, inputs in example_inputs(model, batch):
+        inputs = inputs.to(device, dtype)
+        out[form] = explain(model, *inputs.args, backward=backward, allow_fallback=allow_fallback, **inputs.kwargs)
+    return out
+
+
+# -- the entry point ----------------------------------------------------------------------------------
+def explain(model, *inputs, backward: bool = False, loss: Callable[[Any], torch.Tensor] | None = None,
+            allow_fallback: bool = False, **kwargs) -> Explanation:
+    """Run ``model(*inputs, **kwargs)`` once under the profiler and report, per attention layer and
+    per fastzoo loss, the kernel requested, the kernel that executed, and why any fallback happened.
+
+    ``loss(output) -> scalar`` runs after the forward (its kernels are reported too); with
+    ``backward=True`` its result, else ``output.loss`` (GPT-2 with ``labels``), else the sum of the
+    output's first tensor, is differentiated. The model runs in its current train/eval mode.
+    Raises :class:`KernelFallbackError` if a requested kernel did not run, unless
+    ``allow_fallback``.
+    """
+    from fastzoo.layers.attention import UsesAttention
+
+    layers = [(path, m) for path, m in model.named_modules() if isinstance(m, UsesAttention) and m.backend is not None]
+    spies = {}
+    for path, m in layers:
+        spies[path] = m.backend = _Spy(m.backend, path)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:
+        with warnings.catch_warnings(record=True) as caught, kernel_ranges.recording(), profile(activities=activities) as prof:
+            warnings.simplefilter("always")
+            out = model(*inputs, **kwargs)
+            value = loss(out) if loss is not None else None
+            if backward:
+                _scalar(out, value).backward()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        for path, m in layers:
+            m.backend = spies[path]._backend
+
+    events = list(prof.events())
+    rows = []
+    ranges = [(kernel_ranges.parse(e.name), e) for e in events]
+    for path, m in layers:
+        spy = spies[path]
+        mine = [e for parsed, e in ranges if parsed and parsed[0] == "attention" and parsed[1] == path]
+        rows.append(_attention_row(path, spy, mine, events, backward))
+    for parsed, e in ranges:
+        if parsed and parsed[0] == "loss":
+            rows.append(_loss_row(parsed, e, events, backward))
+    rows = _merge_loss_calls(rows)
+    p = next(model.parameters(), None)
+    if p is None:
+        p = next((x for x in inputs if isinstance(x, torch.Tensor)), torch.empty(0))
+    texts = [str(w.message) for w in caught if _mentions_kernels(str(w.message))]
+    report = Explanation(device=str(p.device), dtype=str(p.dtype).replace("torch.", ""),
+                         backward=backward, rows=rows, warnings=list(dict.fromkeys(texts)))
+    if report.fallbacks and not allow_fallback:
+        raise KernelFallbackError(report)
+    return report
+
+
+def _scalar(out, value) -> torch.Tensor:
+    if value is not None:
+        return value
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, dict):
+        out = out.get("logits", next(iter(out.values())))
+    elif not isinstance(out, torch.Tensor):
+        out = getattr(out, "logits", None) if hasattr(out, "logits") else out[0]
+    return out.float().sum()
+
+
+def _mentions_kernels(text: str) -> bool:
+    return any(w in text.lower() for w in ("kernel", "flash", "efficient attention", "sdp", "fused"))
+
+
+def _attention_row(path, spy, range_events, all_events, backward) -> KernelRow:
+    inside = [d for e in range_events for d in _descendants(e)]
+    ran = _kernel_names(inside)
+    row = KernelRow("attention", path, requested=_backend_label(spy._backend), executed=ran,
+                    device_kernels=_device_kernels(inside), calls=len(spy.calls))
+    if backward:
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events))
+    if not spy.calls:
+        row.requested += " (not called)"
+        return row
+    stories = {}
+    for call in spy.calls:
+        expect = _expectation(spy._backend, call)
+        stories.setdefault(expect.requested, expect)
+    row.requested = "; ".join(stories)
+    misses = [e.why_not(ran) for e in stories.values() if not e.accepts(ran)]
+    row.fallback = "; ".join(dict.fromkeys(misses)) or None
+    return row
+
+
+def _loss_row(parsed, evt, all_events, backward) -> KernelRow:
+    _, name, requested = parsed
+    inside = list(_descendants(evt))
+    ran = _kernel_names(inside)
+    fused = [n for n in ran if n.startswith("fastzoo::")]
+    row = KernelRow("loss", name, requested=f"{name} impl={requested}", executed=ran,
+                    device_kernels=_device_kernels(inside), calls=1)
+    if fused:  # the op's Python (vectorised) body shows its arithmetic ops; a compiled kernel only allocates
+        op = next(e for e in inside if e.name == fused[0])
+        arithmetic = {d.name for d in _descendants(op)} - _ALLOCATION
+        compiled = bool(row.device_kernels) or not arithmetic
+        row.executed = [f"{fused[0]} ({'compiled kernel' if compiled else 'vectorised closed form'})"] + [
+            n for n in ran if n != fused[0]]
+        if requested in ("kernel", "auto") and not compiled:
+            row.fallback = "the fused op's compiled kernel is not loaded (see the build warning): ran its vectorised form"
+    elif requested in ("kernel", "auto"):
+        row.fallback = "the fused op did not run"
+    if backward:
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events))
+    return row
+
+
+def _merge_loss_calls(rows):
+    out = []
+    for r in rows:
+        same = next((o for o in out if o.kind == "loss" == r.kind and o.where == r.where and o.requested == r.requested
+                     and o.executed == r.executed and o.fallback == r.fallback), None)
+        if same is None:
+            out.append(r)
+        else:
+            same.calls += 1
+    return out
