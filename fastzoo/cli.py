@@ -15,6 +15,17 @@ def cmd_list(args) -> int:
     if args.markdown:  # the README's block: declarations only, not this machine's state
         print(markdown_table(capability_matrix(), [c for c in MATRIX_COLUMNS if c != "available here"]))
         return 0
+    if args.model:  # what its config says about itself
+        from fastzoo.models.config import KINDS
+
+        entry = get_entry(args.model)
+        cls = entry.model_class.config_class
+        values = cls.from_dict(dict(entry.config), what="field in the YAML").to_dict()
+        print(f"{args.model}: {entry.description}  [peer: {entry.peer}]\n"
+              f"Config {cls.__name__}; kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()) + ".")
+        rows = [{**r, "value here": repr(values[r["field"]])} for r in cls.describe()]
+        print(markdown_table(rows, ["field", "kind", "type", "value here", "constraint", "meaning"]))
+        return 0
     print("Models:")
     for name in fastzoo.list_models():
         e = get_entry(name)
@@ -49,6 +60,7 @@ def _tour_args(p) -> None:
 
 
 def _list_args(p) -> None:
+    p.add_argument("model", nargs="?", help="a model name: list its config fields (kind, type, constraint, meaning)")
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 
 
@@ -169,7 +181,7 @@ def cmd_convert(args) -> int:
     import fastzoo
     from fastzoo import files
     from fastzoo.errors import FastzooError
-    from fastzoo.models.base import untied
+    from fastzoo.weights import untied
 
     try:
         overrides = parse_key_values(args.set, what="--set")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import torch
 import yaml
 
 from fastzoo.attention import backend_class
-from fastzoo.errors import CheckpointError, UnknownModelError
+from fastzoo.errors import CheckpointError, ConfigError, UnknownModelError
 from fastzoo.models.timm_api import timm_pretrained_cfg
 from fastzoo import weights
 
@@ -144,14 +143,13 @@ def _check_device(device) -> None:
 
 @contextmanager
 def _blame_checkpoint(src, from_weights: dict, overrides: dict):
-    """Turn a ValueError about fields read from the checkpoint into a CheckpointError that
-    says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot tell)."""
+    """Turn a :class:`ConfigError` about fields read from the checkpoint into a CheckpointError
+    that says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot
+    tell). The error names its fields (``ConfigError.fields``): no message is parsed."""
     try:
         yield
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        named = list(dict.fromkeys(re.findall(r"\b([a-z_]+)=", str(e))))
+    except ConfigError as e:
+        named = list(e.fields)
         from_ckpt = [n for n in named if n in from_weights and n not in overrides]
         if src is None or not from_ckpt:
             raise

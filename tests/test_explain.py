@@ -161,3 +161,23 @@ def test_readme_recipe():
     report = fastzoo.explain(model, torch.randn(2, 3, 224, 224), backward=True)
     assert "| blocks.0-11.attn | sdpa: a fused SDPA kernel" in str(report)
     assert all(r.executed == [FLASH_CPU] for r in report.rows)
+
+
+@pytest.mark.parametrize("impl,forward,backward", [
+    ("fused", "_FusedLinearCrossEntropy", "_FusedLinearCrossEntropyBackward"),
+    ("reference", "aten::cross_entropy_loss", "aten::nll_loss_backward"),
+])
+def test_linear_cross_entropy_kernel_is_identified(impl, forward, backward):
+    from fastzoo.losses import linear_cross_entropy
+
+    class LMHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(50, 16))
+
+        def forward(self, hidden, target):
+            return linear_cross_entropy(hidden, self.weight, target, impl=impl)
+
+    (row,) = explain(LMHead(), torch.randn(8, 16), torch.randint(0, 50, (8,)), backward=True).rows
+    assert row.where == "linear_cross_entropy" and row.requested == f"linear_cross_entropy impl={impl}"
+    assert row.executed == [forward] and backward in row.executed_backward

@@ -79,10 +79,10 @@ class Attention(UsesAttention):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x_BSC: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        B, S, C = x_BSC.shape
-        qkv_3BHSD = self.qkv(x_BSC).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    def forward(self, x_BSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        qkv_3BHSD = self.qkv(x_BSD).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q_BHSD, k_BHSD, v_BHSD = qkv_3BHSD.unbind(0)
         o_BHSD = self.attend(q_BHSD, k_BHSD, v_BHSD, ctx)
-        x_BSC = o_BHSD.transpose(1, 2).reshape(B, S, C)
-        return self.proj_drop(self.proj(x_BSC))
+        x_BSD = o_BHSD.transpose(1, 2).reshape(B, S, D)
+        return self.proj_drop(self.proj(x_BSD))

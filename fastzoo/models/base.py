@@ -1,7 +1,6 @@
 """What every fastzoo model shares: a config, a swappable attention backend, save/load."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -10,25 +9,9 @@ import torch
 from torch import nn
 
 from fastzoo.attention import AttnRequest, get_backend
-from fastzoo.errors import did_you_mean
+from fastzoo.models.config import ModelConfig  # noqa: F401  (each model file's config base)
 
 _SLOT_LOCK = threading.Lock()
-
-
-class ModelConfig:
-    """Mixin for a model's config dataclass: built from a dict with field names checked."""
-
-    @classmethod
-    def from_dict(cls, values: dict, *, what: str = "override"):
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            k = unknown[0]
-            raise TypeError(f"unknown {what} {k!r} for {cls.__name__}.{did_you_mean(k, names)} Valid fields: {', '.join(names)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class FastzooModel(nn.Module):
@@ -132,7 +115,7 @@ def write_pretrained(path, config: dict, state: dict, weights_format: str = "fas
     from safetensors.torch import save_file
 
     from fastzoo import files
-    from fastzoo.weights import stale_shard_files
+    from fastzoo.weights import stale_shard_files, untied
 
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -148,14 +131,3 @@ def write_pretrained(path, config: dict, state: dict, weights_format: str = "fas
     for stale in stale_shard_files(path):
         stale.unlink(missing_ok=True)
     return path
-
-
-def untied(state: dict) -> dict:
-    """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
-        out[k] = v.clone() if ptr in seen else v
-        if ptr is not None:
-            seen.add(ptr)
-    return out

@@ -25,10 +25,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.errors import ConfigError
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy
-from fastzoo.models.base import FastzooModel, ModelConfig, write_pretrained
+from fastzoo.models.base import FastzooModel, write_pretrained
+from fastzoo.models.config import ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.generation import CausalLMConventions
 
 # HF ACT2FN names -> the activation module. "gelu_new" is OpenAI's tanh approximation.
@@ -43,30 +45,32 @@ ACTIVATIONS = {
 @dataclass
 class GPT2Config(ModelConfig):
     """HF ``GPT2Config`` field names and defaults: the fields that change the function, then
-    the token ids and cache default that ``generate`` reads (they change no weight)."""
+    the token ids and cache default that ``generate`` reads (they change no weight); each
+    field's kind, meaning and constraint is declared with it."""
 
-    vocab_size: int = 50257
-    n_positions: int = 1024
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    n_inner: int | None = None  # None: 4 * n_embd
-    activation_function: str = "gelu_new"
-    resid_pdrop: float = 0.1
-    embd_pdrop: float = 0.1
-    attn_pdrop: float = 0.1
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
-    scale_attn_weights: bool = True
-    scale_attn_by_inverse_layer_idx: bool = False
-    bos_token_id: int | None = 50256
-    eos_token_id: int | None = 50256
-    pad_token_id: int | None = None
-    use_cache: bool = True  # eval forwards return past_key_values unless told otherwise (HF's default)
+    vocab_size: int = weights_decide(50257, "tokens in the vocabulary", ge=1)
+    n_positions: int = weights_decide(1024, "longest sequence (learned position embeddings)", ge=1)
+    n_embd: int = weights_decide(768, "width D", ge=1)
+    n_layer: int = weights_decide(12, "transformer blocks", ge=1)
+    n_head: int = changes_function(12, "attention heads; n_embd must divide by it", ge=1)
+    n_inner: int | None = weights_decide(None, "MLP hidden width; None: 4 * n_embd", ge=1,
+                                         compare=lambda c: c.n_inner or 4 * c.n_embd)
+    activation_function: str = changes_function("gelu_new", "MLP activation (HF ACT2FN name)", choices=tuple(ACTIVATIONS))
+    resid_pdrop: float = free(0.1, "dropout after the attention and MLP projections", ge=0, le=1)
+    embd_pdrop: float = free(0.1, "dropout after the embeddings", ge=0, le=1)
+    attn_pdrop: float = free(0.1, "attention dropout", ge=0, le=1)
+    layer_norm_epsilon: float = changes_function(1e-5, "LayerNorm epsilon", gt=0)
+    initializer_range: float = free(0.02, "std of the initial weights", ge=0)
+    scale_attn_weights: bool = changes_function(True, "scale attention scores by 1/sqrt(head dim)")
+    scale_attn_by_inverse_layer_idx: bool = changes_function(False, "also scale them by 1/(layer index + 1)")
+    bos_token_id: int | None = free(50256, "beginning-of-text token id (generate)", ge=0)
+    eos_token_id: int | None = free(50256, "end-of-text token id (generate)", ge=0)
+    pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
+    use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
 
-    def __post_init__(self):
-        if self.activation_function not in ACTIVATIONS:
-            raise ValueError(f"activation_function={self.activation_function!r}: choose one of {', '.join(ACTIVATIONS)}")
+    def validate(self):
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}", fields=("n_embd", "n_head"))
 
 
 def attn_scale(cfg: GPT2Config, layer_idx: int) -> float:
@@ -83,8 +87,6 @@ class CausalSelfAttention(UsesAttention):
 
     def __init__(self, cfg: GPT2Config, layer_idx: int):
         super().__init__()
-        if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.layer_idx = layer_idx
