@@ -105,10 +105,14 @@ def _matmul_dtype(hidden, weight) -> torch.dtype:
 
 
 def chunk_rows(n_tokens: int, vocab: int, width: int) -> int:
-    """Tokens per chunk: one chunk's fp32 logits about the size of the weight (``vocab x width``),
-    rounded down to a power of two >= 64, so the matmuls stay efficient and the extra memory is
-    about one more copy of the weight's gradient."""
-    rows = max(64, 1 << (max(width, 1).bit_length() - 1))
+    """Tokens per chunk: a power of two near a sixth of the width (128 for GPT-2's 768), at least 64.
+
+    The fixed cost is the weight's fp32 gradient (vocab x width) and the hidden states'; a chunk
+    adds its fp32 logits, ``rows x vocab`` -- a sixth of the weight's gradient at 128 rows, so the
+    peak stays near torch's own chunked op (64 rows). Fewer rows stream the weight through
+    memory more often (three matmuls per chunk): measured on CPU, 128 rows run as fast as 512
+    and 64 rows twice as slow (``benchmarks/results``)."""
+    rows = max(64, 1 << (max(width // 6, 1).bit_length() - 1))
     return min(rows, max(n_tokens, 1))
 
 
