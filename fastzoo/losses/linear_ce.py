@@ -105,14 +105,13 @@ def _matmul_dtype(hidden, weight) -> torch.dtype:
 
 
 def chunk_rows(n_tokens: int, vocab: int, width: int) -> int:
-    """Tokens per chunk: a power of two near a sixth of the width (128 for GPT-2's 768), at least 64.
+    """Tokens per chunk: a power of two near a third of the width (256 for GPT-2's 768), at least 64.
 
     The fixed cost is the weight's fp32 gradient (vocab x width) and the hidden states'; a chunk
-    adds its fp32 logits, ``rows x vocab`` -- a sixth of the weight's gradient at 128 rows, so the
-    peak stays near torch's own chunked op (64 rows). Fewer rows stream the weight through
-    memory more often (three matmuls per chunk): measured on CPU, 128 rows run as fast as 512
-    and 64 rows twice as slow (``benchmarks/results``)."""
-    rows = max(64, 1 << (max(width // 6, 1).bit_length() - 1))
+    adds its fp32 logits, ``rows x vocab`` -- a third of the weight's gradient at 256 rows. Fewer
+    rows stream the weight through memory more often (three matmuls per chunk): measured on CPU
+    at 4096 x 768 -> 50257, 256 rows run as fast as 512 and 128 rows about 20% slower."""
+    rows = max(64, 1 << (max(width // 3, 1).bit_length() - 1))
     return min(rows, max(n_tokens, 1))
 
 
