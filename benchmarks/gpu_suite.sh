@@ -1,92 +1,206 @@
 #!/usr/bin/env bash
-# GPU proof in one call: install what was carried, run the GPU tests, the parity tables of every
-# attention backend, and the benchmarks' GPU mode; write everything to $OUT (or ./gpu_results)
-# and to benchmarks/results/<device>/.
+# The GPU proof in stages: each stage is one call on the GPU machine, finishes well inside
+# 8 minutes on one H100 (a step that would overrun is stopped and recorded as timed out), and
+# leaves exactly two files in OUTDIR: STAGE.tar.gz and STAGE.md (the summary, also printed).
+# Unpacked at the repository root, the archive lands in benchmarks/results/<device>/<STAGE>/.
 #
-# Written for a machine with CUDA, torch, triton, timm, transformers, safetensors, pyyaml and
-# pytest preinstalled (Python 3.12) and no network. Packages it lacks travel as wheels in .whl/,
-# prepared on a machine with network access, from the repository root:
+#   bash benchmarks/gpu_suite.sh --list                 the stages
+#   bash benchmarks/gpu_suite.sh STAGE OUTDIR           run one stage (OUTDIR: created if absent)
+#   bash benchmarks/gpu_suite.sh STAGE OUTDIR --dry-run print the stage's commands, run nothing
+#   bash benchmarks/gpu_suite.sh STAGE OUTDIR --cpu     run it on the CPU at tiny size (to try the suite)
+#   tar -xzf OUTDIR/STAGE.tar.gz                        at the repository root: the results in place
 #
+# Nothing is written outside OUTDIR: Python bytecode is off, and every cache (inductor, Triton,
+# torch extensions, matplotlib, pip) and TMPDIR point into OUTDIR while the stage runs; they are
+# removed before packing. Packages the machine lacks travel as wheels in .whl/ (see below) and
+# are installed into OUTDIR too, per stage, never into the system environment.
+#
+# Wheels, prepared on a machine with network access, from the repository root:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl xformers==0.0.35
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl xformers==0.0.35
+# flash-attn, FlashAttention-3 and Transformer Engine have no wheel small enough to carry: their
+# stages report them unavailable unless the machine has them.
 #
-# (add any other missing package the same way, one version each). flash-attn and FlashAttention-3
-# have no binary wheel on PyPI and Transformer Engine's are far larger than what can be carried,
-# so fa2/fa3/te are reported "unavailable" here unless the machine already has them.
-#
-# Usage:  bash benchmarks/gpu_suite.sh            (about 5-10 minutes on one H100/H200)
-# Stages are independent: one failing stage is recorded and the next one still runs; the exit
-# status is non-zero if any stage failed.
+# Environment: PYTHON (default python3), STAGE_BUDGET seconds for the whole stage (default 420),
+# BENCH_ARGS extra arguments for the bench stages (default: --quick with --cpu, none on GPU).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_results}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-status=0
-log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
-run_stage() {  # run_stage NAME CMD...: output to $OUT/NAME.log, status to summary.txt
-  local name=$1; shift
-  log "$name: $*"
-  local t0=$SECONDS
-  if "$@" >"$OUT/$name.log" 2>&1; then
-    log "$name: ok ($((SECONDS - t0)) s)"
-  else
-    log "$name: FAILED rc=$? ($((SECONDS - t0)) s), see $name.log"; status=1
-  fi
+
+STAGES=(
+  "env:versions, GPU, and the capability matrix as this machine sees it"
+  "tests:the test files with GPU tests (attention, third-party backends, varlen, GIoU, KV cache, explain)"
+  "parity-eager:fastzoo check vit_b16 + gpt2 with eager, bf16/fp16/fp32, kernel tables (--explain)"
+  "parity-sdpa:sdpa automatic and each pinned kernel (flash, efficient, cudnn, math)"
+  "parity-flex:flex (compiled on CUDA)"
+  "parity-nested:nested (jagged NestedTensor SDPA)"
+  "parity-varlen:varlen automatic and each impl (torch, flash, xformers, flex)"
+  "parity-fa2:FlashAttention-2 (flash-attn)"
+  "parity-fa3:FlashAttention-3 (flash_attn_interface, Hopper)"
+  "parity-te:Transformer Engine DotProductAttention"
+  "parity-xformers:xFormers memory_efficient_attention"
+  "bench-vit:ViT suite (benchmarks/run_all.py --only vit), eager rows"
+  "bench-vit-compiled:ViT suite with torch.compile rows"
+  "bench-gpt2:GPT-2 packed/padded suite (gpt2_varlen)"
+  "bench-giou:GIoU loss suite"
+  "bench-resnet:ResNet-50 suite"
+  "parity-train:300 training steps per available backend vs the reference (loss curves)"
+)
+
+usage() {
+  echo "usage: bash benchmarks/gpu_suite.sh STAGE OUTDIR [--dry-run | --cpu]   (or --list)" >&2
+  echo "stages: $(printf '%s\n' "${STAGES[@]}" | cut -d: -f1 | tr '\n' ' ')" >&2
 }
 
-# 1. carried wheels into a private site directory, never into the system environment
-if compgen -G ".whl/*.whl" >/dev/null; then
-  run_stage install "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" = "--list" ]; then
+  printf '%s\n' "${STAGES[@]}" | awk -F: '{printf "%-20s %s\n", $1, substr($0, length($1) + 2)}'
+  exit 0
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's fastzoo, without installing it
+if [ $# -lt 2 ] || [ $# -gt 3 ]; then usage; exit 2; fi
+STAGE=$1
+OUTDIR=$2
+MODE=${3:-gpu}
+case "$MODE" in gpu|--dry-run|--cpu) ;; *) echo "gpu_suite.sh: unknown option '$MODE' (--dry-run or --cpu)" >&2; usage; exit 2 ;; esac
+if ! printf '%s\n' "${STAGES[@]}" | cut -d: -f1 | grep -qx -- "$STAGE"; then
+  echo "gpu_suite.sh: unknown stage '$STAGE'" >&2; usage; exit 2
+fi
 
-# 2. what this machine is: device, library versions, and the capability matrix as seen here
-"$PY" - >"$OUT/environment.json" 2>"$OUT/environment.err" <<'EOF'
-import importlib, json, platform, torch
-info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "capability": list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None}
-for mod in ("triton", "timm", "transformers", "xformers", "flash_attn", "flash_attn_interface", "transformer_engine"):
-    try:
-        info[mod] = getattr(importlib.import_module(mod), "__version__", "installed")
-    except Exception as e:
-        info[mod] = f"unavailable ({type(e).__name__})"
-print(json.dumps(info, indent=2))
-EOF
-cat "$OUT/environment.json" | tee -a "$OUT/summary.txt"
-DEVICE_DIR=$("$PY" -c "import torch; from fastzoo.bench.harness import device_name; print(device_name('cuda' if torch.cuda.is_available() else 'cpu'))")
-RESULTS="benchmarks/results/$DEVICE_DIR"
-mkdir -p "$RESULTS"
-run_stage matrix "$PY" -m fastzoo.cli list
-
-# 3. the test suite: GPU tests run, CPU tests still pass here
-run_stage pytest "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml"
-
-# 4. parity tables: every backend, each dtype it may take, for every model with attention
-MODELS=$("$PY" -c "import fastzoo; print(' '.join(m for m in ('vit_b16', 'gpt2') if m in fastzoo.list_models()))")
-for model in $MODELS; do
-  for dtype in bf16 fp16 fp32; do
-    run_stage "check_${model}_${dtype}" "$PY" -m fastzoo.cli check "$model" --device cuda --dtype "$dtype" \
-      --attn all --json "$OUT/parity_${model}_${dtype}.json"
-  done
-  # sdpa's pinned kernels, named one by one (pinned kernels refuse rather than fall back)
-  run_stage "check_${model}_sdpa_kernels" "$PY" -m fastzoo.cli check "$model" --device cuda --dtype bf16 \
-    --attn sdpa:sdpa_backend=flash sdpa:sdpa_backend=efficient sdpa:sdpa_backend=cudnn sdpa:sdpa_backend=math \
-    --json "$OUT/parity_${model}_sdpa_kernels.json"
+OUTDIR=$(realpath -m -- "$OUTDIR")  # as the caller named it, before moving to the repository
+cd "$(dirname "$0")/.."
+REPO=$PWD
+case "$OUTDIR/" in "$REPO/"*) echo "gpu_suite.sh: OUTDIR must be outside the repository (got $OUTDIR)" >&2; exit 2 ;; esac
+mkdir -p "$OUTDIR" || { echo "gpu_suite.sh: cannot create OUTDIR '$OUTDIR'" >&2; exit 2; }
+for f in "$OUTDIR/$STAGE.tar.gz" "$OUTDIR/$STAGE.md"; do
+  [ -e "$f" ] && { echo "gpu_suite.sh: $f exists; give an empty OUTDIR or remove it" >&2; exit 2; }
 done
 
-# 5. the benchmarks' GPU mode, if this checkout has the bench harness
-if [ -f benchmarks/run_all.py ]; then
-  # --quick keeps the whole script inside one 10-minute call; BENCH_ARGS="" for the full sizes
-  run_stage bench "$PY" benchmarks/run_all.py --device cuda ${BENCH_ARGS---quick}
-else
-  log "bench: skipped (benchmarks/run_all.py is not in this checkout)"
+PY=${PYTHON:-python3}
+WORK="$OUTDIR/.$STAGE.work"  # removed before the stage ends
+rm -rf "$WORK"
+mkdir -p "$WORK/cache" "$WORK/tmp" "$WORK/results" "$WORK/logs"
+export PYTHONDONTWRITEBYTECODE=1 TMPDIR="$WORK/tmp" XDG_CACHE_HOME="$WORK/cache" PIP_CACHE_DIR="$WORK/cache/pip" \
+  TORCHINDUCTOR_CACHE_DIR="$WORK/cache/inductor" TRITON_CACHE_DIR="$WORK/cache/triton" \
+  TORCH_EXTENSIONS_DIR="$WORK/cache/torch_extensions" MPLCONFIGDIR="$WORK/cache/matplotlib" HF_HOME="$WORK/cache/hf" \
+  PYTEST_ADDOPTS="-p no:cacheprovider"
+if [ "$MODE" != "--dry-run" ] && compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl >"$WORK/logs/install.log" 2>&1 \
+    && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's fastzoo, not installed
 
-cp "$OUT"/parity_*.json "$OUT/environment.json" "$OUT/summary.txt" "$RESULTS"/ 2>/dev/null
-log "done: status $status; results in $OUT and $RESULTS"
-exit $status
+if [ "$MODE" = "--cpu" ]; then
+  DEV=cpu; SIZE=(--tiny); DTYPES_ALL="fp32"; DTYPES_HALF="fp32"; VIT=vit_s16
+  BENCH=(${BENCH_ARGS---quick})
+else
+  DEV=cuda; SIZE=(); DTYPES_ALL="bf16 fp16 fp32"; DTYPES_HALF="bf16 fp16"; VIT=vit_b16
+  BENCH=(${BENCH_ARGS-})
+fi
+if [ "$MODE" = "--dry-run" ]; then
+  DEVICE_DIR="<device>"
+else
+  DEVICE_DIR=$("$PY" -c "from fastzoo.bench.harness import device_name; print(device_name('$DEV'))" 2>"$WORK/logs/device.log") \
+    || { echo "gpu_suite.sh: cannot name the $DEV device (see below)" >&2; cat "$WORK/logs/device.log" >&2; rm -rf "$WORK"; exit 1; }
+fi
+RES="$WORK/results"
+BUDGET=${STAGE_BUDGET:-420}
+START=$SECONDS
+ROWS=()
+STATUS=0
+
+step() {  # step NAME CMD...: run with what is left of the stage's budget; log in logs/NAME.log
+  local name=$1; shift
+  if [ "$MODE" = "--dry-run" ]; then printf '%s:' "$name"; printf ' %q' "$@"; echo; return; fi
+  local left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt 15 ]; then ROWS+=("| $name | skipped: the stage's ${BUDGET} s budget is spent | 0 | |"); STATUS=1; return; fi
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$left" "$@" >"$WORK/logs/$name.log" 2>&1
+  rc=$?
+  local verdict="ok"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="timed out after ${left} s"; STATUS=1
+  elif [ $rc -ne 0 ]; then verdict="failed (rc=$rc): $(grep -m1 -E 'unavailable|Error|FAILED|error' "$WORK/logs/$name.log" | cut -c1-160 | tr '|' '/')"; STATUS=1
+  fi
+  ROWS+=("| $name | $verdict | $((SECONDS - t0)) | logs/$name.log |")
+}
+
+check() {  # check NAME DTYPES SPEC...: fastzoo check on ViT and GPT-2, with the kernel tables
+  local name=$1 dtypes=$2; shift 2
+  for model in "$VIT" gpt2; do
+    for dtype in $dtypes; do
+      step "${name}_${model}_${dtype}" "$PY" -m fastzoo.cli check "$model" "${SIZE[@]}" --device "$DEV" --dtype "$dtype" \
+        --attn "$@" --explain --allow-fallback --json "$RES/parity_${name}_${model}_${dtype}.json"
+    done
+  done
+}
+
+bench() {  # bench SUITE [ARGS...]: one suite of benchmarks/run_all.py into the stage's results
+  local suite=$1; shift
+  step "bench_$suite" "$PY" benchmarks/run_all.py --device "$DEV" --only "$suite" --out "$RES" --no-progress "${BENCH[@]}" "$@"
+}
+
+case "$STAGE" in
+  env)
+    step environment "$PY" -c "
+import importlib, json, platform, torch
+info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
+        'device': torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        'capability': list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None}
+for mod in ('triton', 'timm', 'transformers', 'xformers', 'flash_attn', 'flash_attn_interface', 'transformer_engine'):
+    try:
+        info[mod] = getattr(importlib.import_module(mod), '__version__', 'installed')
+    except Exception as e:
+        info[mod] = f'unavailable ({type(e).__name__})'
+json.dump(info, open('$RES/environment.json', 'w'), indent=2)
+print(json.dumps(info, indent=2))"
+    step matrix "$PY" -m fastzoo.cli list
+    [ "$DEV" = cuda ] && step nvidia_smi nvidia-smi
+    ;;
+  tests)
+    step pytest "$PY" -m pytest -q -rs --junitxml="$RES/pytest.xml" tests/test_attention.py tests/test_backends_thirdparty.py \
+      tests/test_varlen.py tests/test_giou.py tests/test_kv_cache_contract.py tests/test_backend_contract.py tests/test_explain.py
+    ;;
+  parity-eager) check eager "$DTYPES_ALL" eager ;;
+  parity-sdpa)
+    check sdpa "$DTYPES_ALL" sdpa
+    check sdpa_pinned "$DTYPES_HALF" sdpa:sdpa_backend=flash sdpa:sdpa_backend=efficient sdpa:sdpa_backend=cudnn \
+      sdpa:sdpa_backend=math
+    ;;
+  parity-flex) check flex "$DTYPES_ALL" flex ;;
+  parity-nested) check nested "$DTYPES_ALL" nested ;;
+  parity-varlen)
+    check varlen "$DTYPES_ALL" varlen
+    check varlen_impls "$DTYPES_HALF" varlen:impl=torch varlen:impl=flash varlen:impl=xformers varlen:impl=flex
+    ;;
+  parity-fa2) check fa2 "$DTYPES_HALF" fa2 ;;
+  parity-fa3) check fa3 "$DTYPES_HALF" fa3 ;;
+  parity-te) check te "$DTYPES_HALF" te ;;
+  parity-xformers) check xformers "$DTYPES_ALL" xformers ;;
+  bench-vit) bench vit --no-compile ;;
+  bench-vit-compiled) bench vit --compile ;;
+  bench-gpt2) bench gpt2_varlen ;;
+  bench-giou) bench giou ;;
+  bench-resnet) bench resnet50 ;;
+  parity-train) bench parity_train ;;
+esac
+
+if [ "$MODE" = "--dry-run" ]; then rm -rf "$WORK"; exit 0; fi
+
+# pack: results + logs + summary under benchmarks/results/<device>/<stage>/, then only two files remain
+DEST="$WORK/pack/benchmarks/results/$DEVICE_DIR/$STAGE"
+mkdir -p "$DEST"
+SUMMARY="$WORK/summary.md"
+{
+  echo "# gpu_suite stage \`$STAGE\` on $DEVICE_DIR ($DEV$( [ "$MODE" = "--cpu" ] && echo ', tiny sizes'))"
+  echo
+  echo "$(date -u +%Y-%m-%dT%H:%M:%SZ); $((SECONDS - START)) s; status: $([ $STATUS -eq 0 ] && echo ok || echo 'FAILED (see the rows)')"
+  echo
+  echo "| step | result | seconds | log |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+} >"$SUMMARY"
+cp -r "$RES/." "$DEST/"
+cp -r "$WORK/logs" "$DEST/logs"
+cp "$SUMMARY" "$DEST/summary.md"
+tar -czf "$OUTDIR/$STAGE.tar.gz" -C "$WORK/pack" benchmarks
+cp "$SUMMARY" "$OUTDIR/$STAGE.md"
+rm -rf "$WORK"
+cat "$OUTDIR/$STAGE.md"
+exit $STATUS

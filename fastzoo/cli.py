@@ -15,6 +15,17 @@ def cmd_list(args) -> int:
     if args.markdown:  # the README's block: declarations only, not this machine's state
         print(markdown_table(capability_matrix(), [c for c in MATRIX_COLUMNS if c != "available here"]))
         return 0
+    if args.model:  # what its config says about itself
+        from fastzoo.models.config import KINDS
+
+        entry = get_entry(args.model)
+        cls = entry.model_class.config_class
+        values = cls.from_dict(dict(entry.config), what="field in the YAML").to_dict()
+        print(f"{args.model}: {entry.description}  [peer: {entry.peer}]\n"
+              f"Config {cls.__name__}; kinds: " + "; ".join(f"{k}: {v}" for k, v in KINDS.items()) + ".")
+        rows = [{**r, "value here": repr(values[r["field"]])} for r in cls.describe()]
+        print(markdown_table(rows, ["field", "kind", "type", "value here", "constraint", "meaning"]))
+        return 0
     print("Models:")
     for name in fastzoo.list_models():
         e = get_entry(name)
@@ -49,6 +60,7 @@ def _tour_args(p) -> None:
 
 
 def _list_args(p) -> None:
+    p.add_argument("model", nargs="?", help="a model name: list its config fields (kind, type, constraint, meaning)")
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 
 
@@ -66,6 +78,10 @@ def _check_args(p) -> None:
                         "and the first layer where fastzoo and the original part")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--explain", action="store_true",
+                   help="also print, per attention layer, the kernel requested and the one the profiler saw run "
+                        "(fastzoo.explain); a requested kernel that did not run fails the check")
+    p.add_argument("--allow-fallback", action="store_true", help="with --explain: report fallbacks without failing")
 
 
 def parse_backend_spec(spec: str) -> tuple[str, dict]:
@@ -110,6 +126,8 @@ def cmd_check(args) -> int:
         rows.extend(res.rows())
         rows.extend({"backend": name, "result": f"note: {n}"} for n in res.notes)
         results.append(res.to_dict())
+        if args.explain:
+            failed |= _explain_tables(args, name, options, overrides, dtype, layer_tables)
         for form, report in res.layers.items():
             first = report.first
             verdict = ("no layer diverges" if first is None else
@@ -130,6 +148,23 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def _explain_tables(args, name, options, overrides, dtype, tables) -> bool:
+    """Append the kernel tables of one backend to ``tables``; True if a requested kernel did not run."""
+    from fastzoo.kernel_report import KernelFallbackError, explain_model
+
+    label = name + "".join(f":{k}={v}" for k, v in options.items())
+    try:
+        reports = explain_model(args.model, name, backend_options=options, device=args.device, dtype=dtype,
+                                overrides=overrides, batch=args.batch, backward=not args.no_grad,
+                                allow_fallback=args.allow_fallback)
+    except KernelFallbackError as e:
+        tables.append(f"\nKernels of {label}: FALLBACK\n{e.explanation.table()}")
+        return True
+    for form, report in reports.items():
+        tables.append(f"\nKernels of {label}{f' ({form})' if form else ''}:\n{report.table()}")
+    return False
+
+
 def _convert_args(p) -> None:
     p.add_argument("model", help="fastzoo model name (see `fastzoo list`)")
     p.add_argument("source", help="a checkpoint file or directory in any format fastzoo reads")
@@ -146,7 +181,7 @@ def cmd_convert(args) -> int:
     import fastzoo
     from fastzoo import files
     from fastzoo.errors import FastzooError
-    from fastzoo.models.base import untied
+    from fastzoo.weights import untied
 
     try:
         overrides = parse_key_values(args.set, what="--set")

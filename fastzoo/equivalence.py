@@ -7,8 +7,11 @@ Three entry points, one rule:
   and compares the outputs and every parameter gradient. With ``layers=True`` it also hooks
   every module of both models, matched by module name (fastzoo's module names are the
   checkpoint's), and names the *first diverging layer*: in forward order the first module
-  whose output differs; in backward order the first module whose gradient arriving at its
-  output still agrees but whose input or own-parameter gradients do not.
+  whose input still agrees with the original's but whose output does not; in backward order
+  the first module whose output and the gradient arriving there agree, but whose input or
+  own-parameter gradients do not. Each module's tensors are compared relative to the
+  original's scale (fp32: 1e-4); the other model's activations are compared as they are
+  made, so only one model's are held in memory.
 - :func:`check` does all of that for a registered model and one attention backend: it builds
   the original library's model (eager attention, fp32) at random init, the fastzoo model from
   it (``fastzoo.create(name, pretrained=original, attn=backend)``) and the inputs (images for
@@ -126,7 +129,7 @@ class LayerReport:
 
     @property
     def first_forward(self) -> LayerDiff | None:
-        """The first module, in forward order, whose output differs from the original's."""
+        """The first module, in forward order, whose output differs from the original's while its input agrees."""
         return next((d for d in self.layers if d.forward_diverges), None)
 
     @property
@@ -602,6 +605,14 @@ def check(
     if layers and low:
         result.notes.append("per-layer report: fp32 only (in low precision every layer differs a little)")
     return result
+
+
+def example_inputs(model, batch: int = 2, seed: int = 1) -> list[tuple[str, Inputs]]:
+    """The input forms :func:`check` feeds ``model`` (e.g. GPT-2: "padded", "packed" where its
+    backend takes them), as ``(form, Inputs)``; for ``fastzoo check --explain``."""
+    caps = model.attention_backend.capabilities
+    gen = torch.Generator().manual_seed(seed)
+    return [(form, ours) for form, ours, _ in _INPUTS[model.family](model, batch, gen, caps, [])]
 
 
 def _vit_inputs(model, batch, gen, caps, notes):

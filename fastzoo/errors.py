@@ -38,5 +38,22 @@ class BackendUnavailableError(FastzooError, RuntimeError):
     """A backend cannot serve the request: missing package, device, dtype, head dim or feature."""
 
 
+class ConfigError(FastzooError, ValueError):
+    """A model config field has a value it cannot take (a wrong type, out of range, or at odds
+    with another field). ``fields`` names the field(s), so callers decide by key, not by text."""
+
+    def __init__(self, message: str, *, fields=()):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+class UnknownFieldError(FastzooError, TypeError):
+    """A config field name the model does not have (a TypeError, as for any unknown keyword)."""
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.fields = (field,)
+
+
 class CheckpointError(FastzooError, ValueError):
     """A checkpoint cannot be read or does not fit the model. Nothing was loaded."""

@@ -37,6 +37,9 @@ _ATTENTION_OP = re.compile(
     r"|flash_attn\w*::|xformers|FlexAttention|flex_attention|varlen_attn|FusedAttn|fused_attn|nki",
     re.IGNORECASE,
 )
+# Ops that are a loss kernel: fastzoo's own ops, torch's cross-entropy family, the chunked
+# linear cross-entropy's autograd node.
+_LOSS_OP = re.compile(r"^fastzoo::|cross_entropy|nll_loss|log_softmax|LinearCrossEntropy")
 _DECOMPOSED = ("aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax_backward_data")
 _ALLOCATION = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::to", "aten::_to_copy", "aten::contiguous",
                "aten::clone", "aten::copy_", "aten::zeros", "aten::zero_", "aten::fill_", "aten::resize_"}
@@ -115,7 +118,9 @@ class Explanation:
                 cells.append(r.executed_text(backward=True))
             cells.append(r.fallback or "none")
             lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines])
+        said = [f"- {w.splitlines()[0]}" for w in self.warnings]
+        return "\n".join([f"kernels on {self.device} ({self.dtype}):", *head, *lines]
+                         + (["torch's warnings about kernels during the run:", *said] if said else []))
 
     def __str__(self) -> str:
         return self.table()
@@ -249,8 +254,10 @@ def _sdpa_math_reason(call: _Call) -> str:
         if call.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             return f"PyTorch's CPU flash kernel takes no {call.dtype}"
         return "PyTorch's dispatcher chose math (torch._fused_sdp_choice)"
-    return ("PyTorch's dispatcher chose math: see the warnings of torch.backends.cuda.can_use_flash_attention / "
-            "can_use_efficient_attention (debug=True) listed below")
+    known = "flash and cuDNN take fp16/bf16 only; " if call.dtype == torch.float32 else ""
+    return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
+            "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
+            "print each kernel's reason)")
 
 
 # -- reading the profile -----------------------------------------------------------------------------
@@ -263,11 +270,26 @@ def _descendants(evt):
 def _kernel_names(events) -> list[str]:
     """The attention/loss kernel ops among ``events`` (first seen first); the decomposed ops
     (bmm, softmax) if no kernel op ran."""
-    names = [e.name for e in events]
-    found = list(dict.fromkeys(n for n in names if _ATTENTION_OP.search(n) or n.startswith("fastzoo::")))
+    events = list(events)
+    matched = {id(e) for e in events if _is_kernel(e.name)}
+    found = list(dict.fromkeys(e.name for e in events if id(e) in matched and not _has_ancestor_in(e, matched)))
     if found:
         return found
-    return list(dict.fromkeys(n for n in names if n in _DECOMPOSED))
+    return list(dict.fromkeys(e.name for e in events if e.name in _DECOMPOSED))
+
+
+def _is_kernel(name: str) -> bool:
+    return not name.startswith("autograd::engine::") and bool(_ATTENTION_OP.search(name) or _LOSS_OP.search(name))
+
+
+def _has_ancestor_in(evt, ids) -> bool:
+    """Only the outermost kernel op is named (cross_entropy, not the log_softmax inside it)."""
+    parent = evt.cpu_parent
+    while parent is not None:
+        if id(parent) in ids:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _device_kernels(events) -> list[str]:
@@ -287,6 +309,25 @@ def _backward_events(range_events, all_events):
         if e.name.startswith("autograd::engine::evaluate_function:") and (e.sequence_nr, e.fwd_thread) in seqs:
             out.append(e)
             out.extend(_descendants(e))
+    return out
+
+
+def explain_model(model_name: str, backend: str, *, backend_options: dict | None = None, device="cpu",
+                  dtype: torch.dtype = torch.float32, overrides: dict | None = None, batch: int = 2,
+                  backward: bool = True, allow_fallback: bool = False) -> dict[str, Explanation]:
+    """:func:`explain` on ``fastzoo.create(model_name, attn=backend)`` with the inputs
+    ``fastzoo check`` uses, per input form ("" for images; "padded" / "packed" for GPT-2).
+    ``backward`` only where the backend has one on ``device``."""
+    from fastzoo.equivalence import example_inputs
+    from fastzoo.registry import create
+
+    model = create(model_name, attn=backend, attn_options=backend_options or {}, device=device, dtype=dtype,
+                   **(overrides or {})).eval()
+    backward = backward and torch.device(device).type in model.attention_backend.capabilities.backward
+    out = {}
+    for form, inputs in example_inputs(model, batch):
+        inputs = inputs.to(device, dtype)
+        out[form] = explain(model, *inputs.args, backward=backward, allow_fallback=allow_fallback, **inputs.kwargs)
     return out
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import torch
 import yaml
 
 from fastzoo.attention import backend_class
-from fastzoo.errors import CheckpointError, UnknownModelError
+from fastzoo.errors import CheckpointError, ConfigError, UnknownModelError
 from fastzoo.models.timm_api import timm_pretrained_cfg
 from fastzoo import weights
 
@@ -81,6 +80,9 @@ def create(
     are read from it unless overridden: all of them from a config.json or a live module
     (unwrapped from DDP / torch.compile), what the keys fix from a bare state dict.
     Overriding ``num_classes`` against a checkpoint gives a fresh head (with a warning).
+    Train/eval mode follows the original library: GPT-2 loaded from ``pretrained`` is in eval
+    mode (transformers' ``from_pretrained``); ViT, ResNet and the detector stay in train mode
+    (``timm.create_model`` and torchvision's constructors).
     A ``device`` this machine cannot allocate on is a ValueError before anything is built.
 
     Image classifiers carry timm's ``pretrained_cfg``: the source's own (a live timm model's,
@@ -116,6 +118,8 @@ def create(
         for note in notes:
             warnings.warn(f"{src.origin}: {note}", stacklevel=2)
         weights.load_into(model, state, src.origin, allow_missing=fresh)
+        if getattr(cls, "eval_after_pretrained", False):  # GPT-2: transformers' from_pretrained returns eval mode
+            model.eval()
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
     if features.pop("features_only", False):
@@ -139,14 +143,13 @@ def _check_device(device) -> None:
 
 @contextmanager
 def _blame_checkpoint(src, from_weights: dict, overrides: dict):
-    """Turn a ValueError about fields read from the checkpoint into a CheckpointError that
-    says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot tell)."""
+    """Turn a :class:`ConfigError` about fields read from the checkpoint into a CheckpointError
+    that says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot
+    tell). The error names its fields (``ConfigError.fields``): no message is parsed."""
     try:
         yield
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        named = list(dict.fromkeys(re.findall(r"\b([a-z_]+)=", str(e))))
+    except ConfigError as e:
+        named = list(e.fields)
         from_ckpt = [n for n in named if n in from_weights and n not in overrides]
         if src is None or not from_ckpt:
             raise

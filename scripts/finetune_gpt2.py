@@ -105,7 +105,6 @@ def build_parser():
 
 def main(argv=None) -> int:
     from fastzoo.data import pack, pad_to_longest
-    from fastzoo.losses import causal_lm_loss
 
     parser = build_parser()
     args = parse_args(parser, argv)
@@ -145,10 +144,11 @@ def main(argv=None) -> int:
         return {**b.model_inputs(), "labels": b.labels}
 
     def nll(model, batch):
-        labels = batch["labels"]
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"})
-        loss = causal_lm_loss(logits, labels, cu_seqlens=batch.get("cu_seqlens"), reduction="sum")
-        return loss, (labels[:, 1:] != -100).sum()
+        # HF's labels convention (shifted inside the model, never across a packed boundary);
+        # num_items_in_batch=1 asks for the summed loss: the loop divides by the global count.
+        # In train mode the model fuses the loss with the LM head (no logits materialised).
+        out = model(**batch, num_items_in_batch=1)
+        return out.loss, (batch["labels"][:, 1:] != -100).sum()
 
     task = Task(model=model, train_items=train_items, collate=collate, loss=nll,
                 eval_items=eval_items, eval_step=lambda m, b: {"loss": nll(m, b)},

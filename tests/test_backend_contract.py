@@ -84,7 +84,7 @@ def te_stand_in(monkeypatch):
 
         def forward(self, q, k, v, qkv_format, attn_mask_type, **kw):
             modes.append(self.training)
-            return v.flatten(-2)
+            return q.flatten(-2)  # the output has the queries' length
 
     te = types.ModuleType("transformer_engine")
     te.pytorch = types.ModuleType("transformer_engine.pytorch")
@@ -201,3 +201,163 @@ def test_capability_matrix_says_compiled_flex_on_cpu_is_refused():
 
     row = next(r for r in capability_matrix() if r["backend"] == "flex")
     assert "compiled on CPU refused" in row["verified"]
+
+
+# -- causal alignment: bottom-right with fewer queries than keys (KV cache) ----------------------
+@pytest.mark.parametrize("name,kv_cache", [("fa2", True), ("fa3", True), ("te", True), ("xformers", True),
+                                           ("nested", False), ("varlen", False), ("neuron", False)])
+def test_kv_cache_is_declared_where_the_library_has_a_bottom_right_causal(name, kv_cache):
+    assert get_backend(name).capabilities.kv_cache is kv_cache
+
+
+@pytest.mark.parametrize("name", ["nested", "varlen"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_backends_refuse_fewer_queries_than_keys(name, causal):
+    """One cu_seqlens serves queries and keys alike: unequal lengths would split the keys at
+    the queries' offsets (causal is refused by the contract, non-causal by the packing)."""
+    q = torch.randn(2, 2, 1, 8)
+    k = v = torch.randn(2, 2, 5, 8)
+    with pytest.raises(BackendUnavailableError, match=r"queries.*keys"):
+        get_backend(name)(q, k, v, AttnContext(causal=causal))
+
+
+def test_te_asks_for_its_bottom_right_causal_mask_with_a_kv_cache(te_stand_in, monkeypatch):
+    from fastzoo.attention import te
+
+    types_seen = []
+    original = te._dense_mask_type
+    monkeypatch.setattr(te, "_dense_mask_type", lambda *a: types_seen.append(original(*a)) or types_seen[-1])
+    backend = get_backend("te")
+    q, kv = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 4, 8)
+    backend.dense(q, kv, kv, causal=True, scale=None, dropout_p=0.0)
+    backend.dense(kv, kv, kv, causal=True, scale=None, dropout_p=0.0)
+    backend.dense(q, kv, kv, causal=False, scale=None, dropout_p=0.0)
+    assert types_seen == ["causal_bottom_right", "causal", "no_mask"]
+
+
+def test_xformers_gets_its_bottom_right_mask_with_a_kv_cache(monkeypatch):
+    """xFormers' documented bias classes (xformers.ops.fmha.attn_bias): LowerTriangularMask is
+    top-left; LowerTriangularFromBottomRightMask is the KV-cache form."""
+    from fastzoo.attention.xformers import causal_bias
+
+    attn_bias = types.ModuleType("xformers.ops.fmha.attn_bias")
+    attn_bias.LowerTriangularMask = type("LowerTriangularMask", (), {})
+    attn_bias.LowerTriangularFromBottomRightMask = type("LowerTriangularFromBottomRightMask", (), {})
+    fmha = types.ModuleType("xformers.ops.fmha")
+    fmha.attn_bias = attn_bias
+    for name, mod in (("xformers", types.ModuleType("xformers")), ("xformers.ops", types.ModuleType("xformers.ops")),
+                      ("xformers.ops.fmha", fmha), ("xformers.ops.fmha.attn_bias", attn_bias)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["xformers.ops"].fmha = fmha
+    assert type(causal_bias(True, 1, 6)).__name__ == "LowerTriangularFromBottomRightMask"
+    assert type(causal_bias(True, 6, 6)).__name__ == "LowerTriangularMask"
+    assert causal_bias(False, 1, 6) is None
+
+
+def test_flash_attn_before_2_1_is_refused_for_a_kv_cache(monkeypatch):
+    """flash-attn 2.0 aligned causal top-left: fastzoo refuses it rather than answer differently."""
+    from fastzoo.attention.flash import _check_bottom_right
+
+    old = types.ModuleType("flash_attn")
+    old.__version__ = "2.0.9"
+    monkeypatch.setitem(sys.modules, "flash_attn", old)
+    q, kv = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 4, 8)
+    with pytest.raises(ValueError, match="bottom-right"):
+        _check_bottom_right("flash_attn", q, kv, causal=True)
+    _check_bottom_right("flash_attn", kv, kv, causal=True)  # equal lengths: both alignments agree
+    old.__version__ = "2.6.3"
+    _check_bottom_right("flash_attn", q, kv, causal=True)
+
+
+def test_capability_matrix_has_a_row_per_pinned_kernel_and_varlen_impl():
+    from fastzoo.attention import capability_matrix
+
+    rows = {r["backend"]: r for r in capability_matrix()}
+    assert rows["sdpa (sdpa_backend=cudnn)"]["devices: dtypes"] == "cuda: bf16/fp16"
+    assert rows["varlen (impl=torch)"]["dropout"] == "no"
+    assert all(rows[f"varlen (impl={i})"]["kv cache"] == "no" for i in ("torch", "flash", "xformers", "flex", "cpu"))
+    assert "no attn_mask" in rows["sdpa (sdpa_backend=flash)"]["verified"]
+
+
+# -- on a GPU (skipped here with the reason; run by benchmarks/gpu_suite.sh tests) -------------------
+def _cuda_backend(name, **options):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; this machine has none")
+    backend = get_backend(name, **options)
+    reason = backend.unavailable_reason() if not options else None
+    if reason:
+        pytest.skip(f"{name} unavailable here: {reason}")
+    return backend
+
+
+def _within_flash_rule(out, q, k, v, ctx):
+    """flash-attn's rule: within 3x the eager model's own error in the same dtype (+ a floor)."""
+    eager = get_backend("eager")
+    ref = eager(q.float(), k.float(), v.float(), ctx)
+    peer = eager(q, k, v, ctx).float()
+    return (out.float() - ref).abs().max() <= 3 * (peer - ref).abs().max() + 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fa2", "fa3", "te", "xformers"])
+@pytest.mark.parametrize("Sq", [1, 3])
+def test_gpu_kv_cache_is_bottom_right_like_eager(name, Sq):
+    backend = _cuda_backend(name)
+    q = torch.randn(2, 4, Sq, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 9, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        out = backend(q, k, v, AttnContext(causal=True))
+    assert _within_flash_rule(out, q, k, v, AttnContext(causal=True))
+
+
+@pytest.mark.gpu
+def test_gpu_te_backward_runs_without_dropout():
+    backend = _cuda_backend("te")
+    q, k, v = (torch.randn(2, 4, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    backend(q, k, v, AttnContext(causal=True)).float().square().sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_flash_refuses_a_padding_mask_per_call():
+    backend = _cuda_backend("sdpa", sdpa_backend="flash")
+    q = torch.randn(2, 4, 8, 64, device="cuda", dtype=torch.bfloat16)
+    ctx = AttnContext(causal=True, key_padding_mask=torch.ones(2, 8, dtype=torch.bool, device="cuda"))
+    with pytest.raises(BackendUnavailableError, match="takes no attn_mask"):
+        backend(q, q, q, ctx)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_torch_impl_takes_a_custom_scale():
+    backend = _cuda_backend("varlen", impl="torch")
+    if varlen.unavailable(backend.capabilities):
+        pytest.skip(f"varlen impl='torch' unavailable here: {varlen.unavailable(backend.capabilities)}")
+    q, k, v = (torch.randn(1, 4, 20, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ctx = AttnContext(causal=True, cu_seqlens=torch.tensor([0, 7, 20], dtype=torch.int32, device="cuda"), max_seqlen=13,
+                      scale=0.05)
+    with torch.no_grad():
+        assert _within_flash_rule(backend(q, k, v, ctx), q, k, v, ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["sdpa", "flex", "eager"])
+def test_gpu_packed_offsets_on_the_cpu_with_queries_on_the_gpu(name):
+    backend = _cuda_backend(name)
+    q, k, v = (torch.randn(1, 4, 20, 64, device="cuda") for _ in range(3))
+    cu_cpu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    with torch.no_grad():
+        out = backend(q, k, v, AttnContext(causal=True, cu_seqlens=cu_cpu, max_seqlen=13))
+        ref = get_backend("eager")(q.cpu(), k.cpu(), v.cpu(), AttnContext(causal=True, cu_seqlens=cu_cpu, max_seqlen=13))
+    assert (out.cpu() - ref).abs().max() <= 1e-4  # fp32, TF32 off by default for SDPA math/flex
+
+
+@pytest.mark.gpu
+def test_gpu_explain_names_the_cuda_flash_kernel():
+    from fastzoo.kernel_report import explain
+
+    _cuda_backend("sdpa")
+    model = fastzoo.create("vit_s16", attn="sdpa", attn_options={"sdpa_backend": "flash"}, device="cuda",
+                           dtype=torch.bfloat16, **TINY["vit"]).eval()
+    report = explain(model, torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.bfloat16))
+    assert all(r.executed == ["aten::_scaled_dot_product_flash_attention"] for r in report.rows)
+    assert all(r.device_kernels for r in report.rows)  # the CUDA kernels those ops launched

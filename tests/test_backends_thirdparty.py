@@ -194,7 +194,7 @@ def test_padded_gpt2_batch_is_unpadded_by_the_model_for_library_backends(torch_k
     ids = torch.randint(0, 128, (3, 6))
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [0, 0] + [1] * 4], dtype=torch.bool)
     with torch.no_grad():
-        out, expected = ours(ids, attention_mask=mask), ref(ids, attention_mask=mask)
+        out, expected = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
     # fp32 CPU, same math in another order: DESIGN's 1e-4 is ample (observed ~1e-6).
     assert (out - expected)[mask].abs().max() <= 1e-4
     assert (out[~mask] == 0).all()

@@ -29,7 +29,7 @@ def build(**overrides):
 def ckpt(tmp_path):
     torch.manual_seed(3)
     model, opt, sched = build()
-    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    model(torch.randint(0, 64, (2, 8))).logits.sum().backward()
     opt.step()
     return save_checkpoint(tmp_path / "checkpoint-1", model, opt, sched, TrainState(1, 0, 1), WORLD)
 

@@ -210,8 +210,6 @@ def test_matcher_suite_before_and_after_agree():
 def test_gpt2_suite_packed_matches_padded():
     from fastzoo.bench import gpt2
 
-    if gpt2.needs():
-        pytest.skip(gpt2.needs())
     setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
     backends = [b for b in ("eager", "sdpa", "varlen", "nested") if b in fastzoo.list_attention(available_only=True)]
     report = run_suite(gpt2.gpt2_suite(setting, backends=backends, modes=("train",)), warmup=0, iters=1, progress=False)

@@ -133,3 +133,51 @@ def test_a_loss_passed_to_explain_is_reported_beside_the_layers():
     report = explain(model, x, backward=True, allow_fallback=True,
                      loss=lambda logits: giou_loss(logits[:, :4].sigmoid().cumsum(-1), target, reduction="sum"))
     assert [r.kind for r in report.rows] == ["attention", "attention", "loss"]
+
+
+def test_check_explain_prints_the_kernel_table(capsys):
+    from fastzoo.cli import main
+
+    rc = main(["check", "vit_s16", "--tiny", "--attn", "sdpa:sdpa_backend=math", "--explain"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Kernels of sdpa:sdpa_backend=math:" in out
+    assert f"| blocks.0-1.attn | sdpa (sdpa_backend=math): {MATH} | {MATH} |" in out
+
+
+def test_check_explain_fails_on_a_fallback_unless_allowed(capsys):
+    from fastzoo.cli import main
+
+    args = ["check", "gpt2", "--tiny", "--attn", "nested", "--no-grad", "--explain"]
+    assert main(args) == 1
+    assert "Kernels of nested: FALLBACK" in capsys.readouterr().out
+    assert main(args + ["--allow-fallback"]) == 0
+    assert "no causal kernel on CPU" in capsys.readouterr().out
+
+
+def test_readme_recipe():
+    """README "Which kernel really ran": the snippet as written (ViT-S/16, batch 2)."""
+    model = fastzoo.create("vit_s16", attn="sdpa")
+    report = fastzoo.explain(model, torch.randn(2, 3, 224, 224), backward=True)
+    assert "| blocks.0-11.attn | sdpa: a fused SDPA kernel" in str(report)
+    assert all(r.executed == [FLASH_CPU] for r in report.rows)
+
+
+@pytest.mark.parametrize("impl,forward,backward", [
+    ("fused", "_FusedLinearCrossEntropy", "_FusedLinearCrossEntropyBackward"),
+    ("reference", "aten::cross_entropy_loss", "aten::nll_loss_backward"),
+])
+def test_linear_cross_entropy_kernel_is_identified(impl, forward, backward):
+    from fastzoo.losses import linear_cross_entropy
+
+    class LMHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(50, 16))
+
+        def forward(self, hidden, target):
+            return linear_cross_entropy(hidden, self.weight, target, impl=impl)
+
+    (row,) = explain(LMHead(), torch.randn(8, 16), torch.randint(0, 50, (8,)), backward=True).rows
+    assert row.where == "linear_cross_entropy" and row.requested == f"linear_cross_entropy impl={impl}"
+    assert row.executed == [forward] and backward in row.executed_backward

@@ -69,7 +69,7 @@ def test_padded_right_logits_loss_grads_equal_hf(hf, backend):
     batch = pad_to_longest(seqs())
     ref_logits, ref_loss, ref_grads = hf_loss_and_grads(hf, batch.input_ids, batch.attention_mask, labels=batch.labels)
     m = ours(hf, backend[0], **backend[1])
-    logits = m(batch.input_ids, attention_mask=batch.attention_mask)
+    logits = m(batch.input_ids, attention_mask=batch.attention_mask).logits
     real = batch.attention_mask.bool()
     assert (logits - ref_logits)[real].abs().max() <= LOGIT_TOL  # real positions only: padding is not scored
     loss = causal_lm_loss(logits, batch.labels)
@@ -85,7 +85,7 @@ def test_packed_only_backends_unpad_once_per_forward_padding_gets_zeros(hf, name
     ids = torch.stack(seqs((7, 7, 7)))
     mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1], [1, 1, 0, 1, 0, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
-        logits = ours(hf, name)(ids, attention_mask=mask)
+        logits = ours(hf, name)(ids, attention_mask=mask).logits
         ref = hf(ids, attention_mask=mask).logits
     assert (logits - ref)[mask].abs().max() <= LOGIT_TOL
     assert (logits[~mask] == 0).all()
@@ -96,7 +96,7 @@ def test_left_padding_with_collator_positions_equals_each_sequence_alone(hf, bac
     batch = pad_to_longest(seqs(), side="left")
     m = ours(hf, backend[0], **backend[1])
     with torch.no_grad():
-        logits = m(**batch.model_inputs())
+        logits = m(**batch.model_inputs()).logits
         same_inputs = hf(**batch.model_inputs()).logits
         real = batch.attention_mask.bool()
         assert (logits - same_inputs)[real].abs().max() <= LOGIT_TOL
@@ -110,7 +110,7 @@ def test_left_padding_default_positions_follow_hf_forward(hf):
     batch = pad_to_longest(seqs(), side="left")
     m = ours(hf, "sdpa")
     with torch.no_grad():
-        logits = m(batch.input_ids, attention_mask=batch.attention_mask)
+        logits = m(batch.input_ids, attention_mask=batch.attention_mask).logits
         ref = hf(batch.input_ids, attention_mask=batch.attention_mask).logits
     assert (logits - ref)[batch.attention_mask.bool()].abs().max() <= LOGIT_TOL
 
@@ -119,7 +119,7 @@ def test_flex_padded_inference_equals_hf(hf):
     batch = pad_to_longest(seqs())
     m = ours(hf, "flex")
     with torch.no_grad():
-        diff = m(batch.input_ids, attention_mask=batch.attention_mask) - hf(batch.input_ids, attention_mask=batch.attention_mask).logits
+        diff = m(batch.input_ids, attention_mask=batch.attention_mask).logits - hf(batch.input_ids, attention_mask=batch.attention_mask).logits
     assert diff[batch.attention_mask.bool()].abs().max() <= LOGIT_TOL
 
 
@@ -133,7 +133,7 @@ def hf_each_alone(hf, sequences):
 def test_packed_logits_equal_hf_on_each_sequence_alone(hf, backend):
     m = ours(hf, backend[0], **backend[1])
     with torch.no_grad():
-        logits = m(**pack(seqs()).model_inputs())
+        logits = m(**pack(seqs()).model_inputs()).logits
     assert logits.shape == (1, 19, 128)
     assert (logits[0] - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL
 
@@ -142,7 +142,7 @@ def test_packed_logits_equal_hf_on_each_sequence_alone(hf, backend):
 def test_nested_input_equals_hf_on_each_sequence_alone(hf, backend):
     m = ours(hf, backend[0], **backend[1])
     with torch.no_grad():
-        logits = m(nested(seqs()))
+        logits = m(nested(seqs())).logits
     assert logits.is_nested and logits.shape[0] == 3
     assert (logits.values() - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL
 
@@ -155,7 +155,7 @@ def test_packed_training_step_equals_padded_training_step(hf, backend):
     results = []
     for batch in (pad_to_longest(seqs()), pack(seqs())):
         m = ours(hf, backend[0], **backend[1]).train()  # dropout is 0: train() must not change the function
-        loss = causal_lm_loss(m(**batch.model_inputs()), batch.labels)
+        loss = causal_lm_loss(m(**batch.model_inputs()).logits, batch.labels)
         loss.backward()
         results.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
     (padded_loss, padded_grads), (packed_loss, packed_grads) = results
@@ -170,7 +170,7 @@ def test_packed_training_step_equals_padded_training_step(hf, backend):
 def test_nested_training_grads_equal_hf(hf, backend):
     m = ours(hf, backend[0], **backend[1])
     ids = nested(seqs())
-    causal_lm_loss(m(ids), ids).backward()
+    causal_lm_loss(m(ids).logits, ids).backward()
     # HF's reference: every sequence alone, losses weighted by their number of targets
     hf.zero_grad()
     n_targets = sum(len(s) - 1 for s in seqs())
@@ -185,8 +185,8 @@ def test_packed_sequences_never_attend_across(hf, backend):
     a, b, c = seqs()
     a2 = (a + 7) % 128  # a different first sequence
     with torch.no_grad():
-        before = m(**pack([a, b, c]).model_inputs())[0, len(a):]
-        after = m(**pack([a2, b, c]).model_inputs())[0, len(a):]
+        before = m(**pack([a, b, c]).model_inputs()).logits[0, len(a):]
+        after = m(**pack([a2, b, c]).model_inputs()).logits[0, len(a):]
     assert torch.equal(before, after) or (before - after).abs().max() <= 1e-6  # kernels may reorder sums: float noise only
 
 
@@ -199,18 +199,20 @@ def test_padded_rows_with_all_ones_mask_stay_separate(hf, backend):
     changed = ids.clone()
     changed[0] = (changed[0] + 5) % 128
     with torch.no_grad():
-        row1 = m(ids, attention_mask=ones)[1]
-        row1_after = m(changed, attention_mask=ones)[1]
+        row1 = m(ids, attention_mask=ones).logits[1]
+        row1_after = m(changed, attention_mask=ones).logits[1]
         alone = hf(ids[1:]).logits[0]
     assert (row1 - row1_after).abs().max() <= 1e-6  # row 0 does not leak into row 1
     assert (row1 - alone).abs().max() <= LOGIT_TOL
 
 
-def test_restarting_position_ids_without_cu_seqlens_are_refused(hf):
+def test_restarting_position_ids_with_an_attention_mask_are_refused(hf):
+    """A mask says "padded batch": restarting positions there would be several sequences
+    attending to each other in one row (without a mask they are HF-flattened packing)."""
     m = ours(hf, "sdpa")
     b = pack(seqs())
     with pytest.raises(ValueError, match="cu_seqlens"):
-        m(b.input_ids, position_ids=b.position_ids)  # packed ids without their boundaries
+        m(b.input_ids, position_ids=b.position_ids, attention_mask=torch.ones_like(b.input_ids))
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -260,7 +262,7 @@ def test_inputs_without_tokens_give_empty_logits(hf, backend):
     m = ours(hf, backend[0], **backend[1])
     with torch.no_grad():
         for ids, mask in ((torch.zeros(2, 0, dtype=torch.long), None), (torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long))):
-            assert m(ids, attention_mask=mask).shape == (2, 0, 128)
+            assert m(ids, attention_mask=mask).logits.shape == (2, 0, 128)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
@@ -271,12 +273,12 @@ def test_all_padding_rows_give_logits_of_the_batch_shape(hf, backend):
     m = ours(hf, backend[0], **backend[1])
     ids = torch.stack(seqs((6, 6)))
     with torch.no_grad():
-        logits = m(ids, attention_mask=torch.zeros(2, 6, dtype=torch.long))
+        logits = m(ids, attention_mask=torch.zeros(2, 6, dtype=torch.long)).logits
         assert logits.shape == (2, 6, 128) and torch.isfinite(logits).all()
         if not m.attention_backend.capabilities.padding_mask:
             assert (logits == 0).all()
         mask = torch.tensor([[1] * 6, [0] * 6])
-        mixed = m(ids, attention_mask=mask)
+        mixed = m(ids, attention_mask=mask).logits
         assert (mixed[0] - hf(ids[:1]).logits[0]).abs().max() <= LOGIT_TOL
 
 
@@ -348,7 +350,7 @@ def test_masks_are_built_once_per_forward_not_per_layer(hf, backend, module, bui
         m(padded.input_ids, attention_mask=padded.attention_mask)
         assert len(calls) == 1  # varlen/nested: the padded batch is unpadded and runs packed
         calls.clear()
-        out = m(**packed.model_inputs())
+        out = m(**packed.model_inputs()).logits
     assert len(calls) == 1
     assert (out[0] - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL  # the shared mask is the right one
 
@@ -439,8 +441,8 @@ def test_real_size_gpt2_equals_hf_at_short_length():
     batch = pad_to_longest(sequences)
     with torch.no_grad():
         ref = hf(batch.input_ids, attention_mask=batch.attention_mask).logits
-        padded = m(batch.input_ids, attention_mask=batch.attention_mask)
-        packed = m(**pack(sequences).model_inputs())[0]
+        padded = m(batch.input_ids, attention_mask=batch.attention_mask).logits
+        packed = m(**pack(sequences).model_inputs()).logits[0]
     real = batch.attention_mask.bool()
     assert (padded - ref)[real].abs().max() <= LOGIT_TOL
     assert (packed - ref[real]).abs().max() <= LOGIT_TOL

@@ -26,7 +26,7 @@ IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
 def assert_same_function(model, hf):
     model.eval()
     with torch.no_grad():
-        assert (model(IDS) - hf(IDS).logits).abs().max() <= LOGIT_TOL
+        assert (model(IDS).logits - hf(IDS).logits).abs().max() <= LOGIT_TOL
 
 
 def assert_config_from(model):

@@ -21,6 +21,7 @@ from timm.layers import LayerNorm
 from torch import nn
 
 import fastzoo
+from fastzoo import equivalence
 from fastzoo.errors import CheckpointError
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
@@ -60,20 +61,11 @@ def timm_vit(name="vit_base_patch16_224", **kw):
     return randomize_(timm.create_model(name, pretrained=False, **kw))
 
 
-def assert_grads_match(ours, ref, rtol=GRAD_RTOL):
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    for name, p in ours.named_parameters():
-        g, g_ref = p.grad, ref_grads[name]
-        scale = g_ref.abs().max().clamp_min(1e-12)
-        err = ((g - g_ref).abs().max() / scale).item()
-        assert err <= rtol, f"grad of {name}: relative error {err:.2e} > {rtol}"
-
-
-def forward_backward(model, x):
-    model.zero_grad()
-    out = model(x)
-    out.square().mean().backward()  # a loss that touches every logit
-    return out.detach()
+def assert_equal_to_timm(ours, ref, x, grad_rtol=GRAD_RTOL):
+    """Logits and every parameter gradient against timm's, by fastzoo.equivalence's rule."""
+    logits, grads = equivalence.compare(ours, ref, (x,))[0]
+    assert logits.err <= LOGIT_TOL, f"max |logit diff| {logits.err:.2e}"
+    assert grads.err <= grad_rtol, f"grad of {grads.worst}: relative error {grads.err:.2e} > {grad_rtol}"
 
 
 @pytest.mark.parametrize("attn,opts", INFER_BACKENDS, ids=lambda v: str(v) if v else "")
@@ -91,9 +83,7 @@ def test_tiny_gradients_equal_timm(attn, opts):
     ref = timm_vit(**TINY)
     ours = fastzoo.create("vit_b16", attn=attn, attn_options=opts, pretrained=ref, **TINY)
     x = torch.randn(2, 3, 32, 32)
-    out, out_ref = forward_backward(ours, x), forward_backward(ref, x)
-    assert (out - out_ref).abs().max().item() <= LOGIT_TOL
-    assert_grads_match(ours, ref)
+    assert_equal_to_timm(ours, ref, x)
 
 
 @pytest.mark.slow
@@ -102,11 +92,10 @@ def test_vit_b16_full_size_equal_timm():
     ref = timm_vit()
     ours = fastzoo.create("vit_b16", attn="sdpa", pretrained=ref)
     x = torch.randn(2, 3, 224, 224)
-    out, out_ref = forward_backward(ours, x), forward_backward(ref, x)
-    assert (out - out_ref).abs().max().item() <= LOGIT_TOL
-    assert_grads_match(ours, ref, rtol=1e-3)  # 12 blocks of fp32 reassociation at width 768
+    assert_equal_to_timm(ours, ref, x, grad_rtol=1e-3)  # 12 blocks of fp32 reassociation at width 768
     ref.eval(), ours.eval()
     with torch.no_grad():
+        out_ref = ref(x)
         for attn in ("eager", "flex"):
             ours.set_attention(attn)
             err = (ours(x) - out_ref).abs().max().item()
@@ -142,9 +131,7 @@ def test_odd_configs_equal_timm(name):
     ours = fastzoo.create("vit_b16", pretrained=ref)  # a live timm module states its whole architecture
     h, w = ours.patch_embed.img_size
     x = torch.randn(2, 3, h, w)
-    out, out_ref = forward_backward(ours, x), forward_backward(ref, x)
-    assert (out - out_ref).abs().max().item() <= LOGIT_TOL
-    assert_grads_match(ours, ref)
+    assert_equal_to_timm(ours, ref, x)
 
 
 def test_linear_patch_embed_equals_conv():
@@ -216,9 +203,7 @@ def test_live_named_variants_need_no_overrides(name):
     ref = timm_vit(name, img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5)
     ours = fastzoo.create("vit_b16", pretrained=ref)
     x = torch.randn(2, 3, 32, 32)
-    out, out_ref = forward_backward(ours, x), forward_backward(ref, x)
-    assert (out - out_ref).abs().max().item() <= LOGIT_TOL
-    assert_grads_match(ours, ref)
+    assert_equal_to_timm(ours, ref, x)
 
 
 def test_quick_gelu_is_read_and_differs_from_gelu():

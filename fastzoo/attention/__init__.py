@@ -16,6 +16,7 @@ from fastzoo.attention.base import (
     Capabilities,
     FUNCTION_DEFAULT_CAPABILITIES,
     FunctionBackend,
+    unavailable,
 )
 from fastzoo.errors import UnknownBackendError
 
@@ -103,29 +104,36 @@ MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "pad
 
 
 def capability_matrix() -> list[dict]:
-    """One row per backend, from the backends' own declarations (README and `fastzoo list`)."""
+    """One row per backend and per variant its options pick (``sdpa_backend=``, varlen's ``impl=``),
+    from the backends' own declarations (README and `fastzoo list`)."""
     rows = []
     for name in list_attention():
         cls = backend_class(name)
-        caps = cls().capabilities  # default options; an instance may declare what this machine serves (varlen)
-        reason = cls.unavailable_reason()
-        yes = lambda flag: "yes" if flag else "no"  # noqa: E731
-        head = f"<= {caps.max_head_dim}" if caps.max_head_dim else "any"
-        if caps.head_dim_multiple > 1:
-            head += f", multiple of {caps.head_dim_multiple}"
-        rows.append({
-            "backend": name,
-            "available here": "yes" if reason is None else f"no: {reason}",
-            "devices: dtypes": caps.dtypes_text(),
-            "causal": yes(caps.causal),
-            "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
-            "varlen": yes(caps.varlen),
-            "kv cache": yes(caps.kv_cache),
-            "score_mod": yes(caps.score_mod),
-            "dropout": yes(caps.dropout),
-            "backward": "/".join(caps.backward) or "no",
-            "compile": yes(caps.compile),
-            "head dim": head,
-            "verified": caps.verified,
-        })
+        for options in ({}, *cls.variants):
+            label = name + "".join(f" ({k}={v})" for k, v in options.items())
+            rows.append(_matrix_row(label, cls(**options)))
     return rows
+
+
+def _matrix_row(label: str, backend: AttentionBackend) -> dict:
+    caps = backend.capabilities  # an instance may declare what this machine serves (varlen's automatic pick)
+    reason = unavailable(caps)
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    head = f"<= {caps.max_head_dim}" if caps.max_head_dim else "any"
+    if caps.head_dim_multiple > 1:
+        head += f", multiple of {caps.head_dim_multiple}"
+    return {
+        "backend": label,
+        "available here": "yes" if reason is None else f"no: {reason}",
+        "devices: dtypes": caps.dtypes_text(),
+        "causal": yes(caps.causal),
+        "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
+        "varlen": yes(caps.varlen),
+        "kv cache": yes(caps.kv_cache),
+        "score_mod": yes(caps.score_mod),
+        "dropout": yes(caps.dropout),
+        "backward": "/".join(caps.backward) or "no",
+        "compile": yes(caps.compile),
+        "head dim": head,
+        "verified": caps.verified,
+    }

@@ -133,6 +133,7 @@ class AttentionBackend:
     name: ClassVar[str] = "?"
     capabilities: Capabilities  # class default; an instance may narrow it from its options
     options: ClassVar[dict] = {}
+    variants: ClassVar[tuple[dict, ...]] = ()  # option sets that pick another kernel: a matrix row each
     description: ClassVar[str] = ""
     # Names of the backends this machine runs, said in every refusal. The registry
     # (fastzoo.attention) installs it: this module sits below the registry and cannot import it.

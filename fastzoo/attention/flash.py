@@ -35,6 +35,21 @@ def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
 
+FLASH_ATTN_BOTTOM_RIGHT = (2, 1)  # flash-attn 2.1 moved causal with seqlen_q != seqlen_k to bottom-right
+
+
+def _check_bottom_right(module_name: str, q_BSHD, k_BSHD, causal: bool) -> None:
+    """flash-attn 2.0 aligned causal top-left: refuse it where the two answers differ."""
+    if not causal or q_BSHD.shape[1] == k_BSHD.shape[1]:
+        return
+    import importlib
+
+    version = getattr(importlib.import_module(module_name), "__version__", "0")
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < FLASH_ATTN_BOTTOM_RIGHT:
+        raise ValueError(f"{module_name} {version} aligns causal attention with fewer queries than keys top-left; "
+                         "fastzoo's contract (KV cache) is bottom-right, as flash-attn >= 2.1 does: upgrade flash-attn")
+
+
 def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None) -> torch.Tensor:
     """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32."""
     from flash_attn import flash_attn_varlen_func
@@ -60,6 +75,7 @@ class Fa2Backend(LibraryBackend):
         backward=("cuda",),
         compile=True,  # flash-attn >= 2.6 registers its kernels as torch.library custom ops
         max_head_dim=256,
+        kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned (flash-attn >= 2.1)
         min_cuda_capability=(8, 0),
         packages=("flash_attn",),
         install="pip install flash-attn --no-build-isolation",
@@ -69,6 +85,7 @@ class Fa2Backend(LibraryBackend):
     def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
         from flash_attn import flash_attn_func
 
+        _check_bottom_right("flash_attn", q_BSHD, k_BSHD, causal)
         return flash_attn_func(q_BSHD, k_BSHD, v_BSHD, dropout_p=dropout_p, softmax_scale=scale, causal=causal)
 
     varlen = staticmethod(fa2_varlen)
@@ -86,6 +103,7 @@ class Fa3Backend(LibraryBackend):
         compile=True,  # registered as torch.library custom ops (flash_attn_3::_flash_attn_forward)
         max_head_dim=256,
         head_dim_multiple=8,  # FA3 takes head dims that are multiples of 8 only (it does not pad them, unlike fa2)
+        kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned, as in FlashAttention-2 >= 2.1
         min_cuda_capability=(9, 0),
         packages=("flash_attn_interface",),
         install="cd flash-attention/hopper && pip install --no-build-isolation .",  # source build: no PyPI wheel

@@ -8,6 +8,12 @@ share: an equal-length ``[B, S, H, D]`` call (:meth:`dense`), and a packed ``[T,
 with ``cu_seqlens`` (:meth:`varlen`) for packed batches. The kernels take no key-padding
 mask: a model unpads a padded batch into a packed one once per forward
 (:mod:`fastzoo.attention.packing`), so the backends declare ``padding_mask=False``.
+
+Causal attention with fewer queries than keys (a KV cache) is bottom-right aligned in the
+contract; each library's dense call is given its bottom-right form (flash-attn's ``causal``
+from 2.1, TE's ``causal_bottom_right``, xFormers' ``LowerTriangularFromBottomRightMask``), so
+these backends declare ``kv_cache``. A packed call shares one ``cu_seqlens`` between queries
+and keys, so it takes equal lengths only.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class LibraryBackend(AttentionBackend):
         if ctx.cu_seqlens is None:
             q_BSHD, k_BSHD, v_BSHD = (x.transpose(1, 2) for x in (q_BHSD, k_BHSD, v_BHSD))
             return self.dense(q_BSHD, k_BSHD, v_BSHD, **kw).transpose(1, 2)
+        packing.check_self_attention(self, q_BHSD, k_BHSD)
         cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         return packing.from_THD(self.varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, **kw, ctx=ctx), 1)

@@ -25,6 +25,7 @@ class NestedBackend(AttentionBackend):
     )
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        packing.check_self_attention(self, q_BHSD, k_BHSD)
         cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         if q_BHSD.device.type == "cpu" and ctx.causal:

@@ -23,6 +23,17 @@ import torch
 from fastzoo.attention.base import AttnContext
 
 
+def check_self_attention(backend, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor) -> None:
+    """Packed kernels take one ``cu_seqlens`` for queries and keys alike: as many keys as
+    queries, or the keys would be split at the queries' offsets (no KV cache here)."""
+    from fastzoo.errors import BackendUnavailableError
+
+    if q_BHSD.shape[-2] != k_BHSD.shape[-2]:
+        raise BackendUnavailableError(backend._message([
+            f"packs queries and keys with one set of offsets: it takes as many keys as queries, got "
+            f"{q_BHSD.shape[-2]} queries and {k_BHSD.shape[-2]} keys (a KV cache): use eager, sdpa or flex"]))
+
+
 def seqlens(ctx: AttnContext, q_BHSD: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``cu_seqlens`` (int32, on q's device) and ``max_seqlen`` of this call; computed by the
     first layer of a forward and reused by the others (``ctx.cached``)."""

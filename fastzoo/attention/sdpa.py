@@ -31,7 +31,8 @@ _KERNEL_CAPS = {
     None: _BASE,
     "math": _BASE,
     "flash": dataclasses.replace(
-        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0)
+        _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
+        verified="CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding / packed refused",
     ),
     "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
@@ -50,6 +51,7 @@ class SdpaBackend(AttentionBackend):
     description = "torch scaled_dot_product_attention (sdpa_backend= flash|efficient|cudnn|math)"
     capabilities = _BASE
     options = {"sdpa_backend": None}
+    variants = tuple({"sdpa_backend": k} for k in _KERNELS)
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -21,6 +21,13 @@ from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
+def _dense_mask_type(causal: bool, Sq: int, Sk: int) -> str:
+    """TE's "causal" is top-left aligned; fastzoo's causal is bottom-right when Sq < Sk (KV cache)."""
+    if not causal:
+        return "no_mask"
+    return "causal" if Sq == Sk else "causal_bottom_right"
+
+
 def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
@@ -36,6 +43,7 @@ class TeBackend(LibraryBackend):
         compile=False,  # TE wraps its attention in no_torch_dynamo: torch.compile runs it eagerly
         max_head_dim=256,
         head_dim_multiple=8,  # cuDNN fused attention's requirement
+        kv_cache=True,  # dense calls with fewer queries than keys use attn_mask_type="causal_bottom_right"
         min_cuda_capability=(8, 0),
         packages=("transformer_engine",),
         install="pip install --no-build-isolation 'transformer_engine[pytorch]'",
@@ -66,7 +74,7 @@ class TeBackend(LibraryBackend):
         B, S, H, D = q_BSHD.shape
         attn = self._module(H, D, scale, dropout_p, _needs_grad(q_BSHD, k_BSHD, v_BSHD))
         q_BSHD, k_BSHD, v_BSHD = (x.contiguous() for x in (q_BSHD, k_BSHD, v_BSHD))  # TE infers layouts from strides
-        o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
+        o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type=_dense_mask_type(causal, S, k_BSHD.shape[1]))
         return o_BSX.view(B, S, H, D)
 
     def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):

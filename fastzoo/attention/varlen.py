@@ -46,8 +46,9 @@ _CAPS = {
         _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
     ),
-    "flash": Fa2Backend.capabilities,  # the same kernels: one declaration
-    "xformers": XformersBackend.capabilities,
+    # the same kernels: one declaration, less the KV cache (one cu_seqlens for queries and keys)
+    "flash": dataclasses.replace(Fa2Backend.capabilities, kv_cache=False),
+    "xformers": dataclasses.replace(XformersBackend.capabilities, kv_cache=False),
     "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
     "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
@@ -164,6 +165,7 @@ class VarlenBackend(AttentionBackend):
     description = "packed sequences via cu_seqlens (impl= torch|flash|xformers|flex|cpu; default: best here)"
     capabilities = _BASE
     options = {"impl": None}
+    variants = tuple({"impl": k} for k in _CAPS if k)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -213,6 +215,7 @@ class VarlenBackend(AttentionBackend):
         raise BackendUnavailableError(self._message([f"no varlen kernel here fits {q.dtype} on {q.device.type}"]))
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
+        packing.check_self_attention(self, q_BHSD, k_BHSD)
         impl = self.pick(q_BHSD, ctx)
         if impl == "flex":
             if self._flex is None:

@@ -4,7 +4,8 @@ Does Not Need O(n^2) Memory"; xFormers, Lefaudeux et al. 2022).
 ``xformers.ops.memory_efficient_attention(q, k, v, attn_bias=None, p=0.0, scale=None)`` takes
 ``[B, M, H, K]`` tensors (BMHK, i.e. our BSHD) and dispatches to the best operator it has
 (CUTLASS, which also takes fp32, or FlashAttention for fp16/bf16). Masks are bias objects:
-``LowerTriangularMask()`` for causal attention, and
+``LowerTriangularMask()`` for causal attention (``LowerTriangularFromBottomRightMask()`` with
+fewer queries than keys: a KV cache), and
 ``fmha.attn_bias.BlockDiagonalMask.from_seqlens(...)`` / ``BlockDiagonalCausalMask`` for packed
 sequences (batch of one); a model unpads a padded batch into a packed one first. Building
 a block-diagonal bias reads the sequence lengths on the host: one device sync per forward
@@ -24,6 +25,15 @@ def _block_diagonal(cu_seqlens, causal: bool, device):
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the one device sync
     mask_cls = fmha.attn_bias.BlockDiagonalCausalMask if causal else fmha.attn_bias.BlockDiagonalMask
     return mask_cls.from_seqlens(seqlens, device=device)
+
+
+def causal_bias(causal: bool, Sq: int, Sk: int):
+    """``LowerTriangularMask`` is top-left aligned; fastzoo's causal is bottom-right when Sq < Sk."""
+    if not causal:
+        return None
+    from xformers.ops.fmha import attn_bias
+
+    return attn_bias.LowerTriangularMask() if Sq == Sk else attn_bias.LowerTriangularFromBottomRightMask()
 
 
 def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None) -> torch.Tensor:
@@ -49,6 +59,7 @@ class XformersBackend(LibraryBackend):
         varlen=True,
         backward=("cuda",),
         compile=False,  # not declared torch.compile-safe by xFormers for training: expect graph breaks
+        kv_cache=True,  # LowerTriangularFromBottomRightMask when there are fewer queries than keys
         min_cuda_capability=(6, 0),  # "NVIDIA GPUs with compute capability above 6.0 (P100+)"
         packages=("xformers",),
         install="pip install xformers",
@@ -56,9 +67,9 @@ class XformersBackend(LibraryBackend):
     )
 
     def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
-        from xformers.ops import LowerTriangularMask, memory_efficient_attention
+        from xformers.ops import memory_efficient_attention
 
-        bias = LowerTriangularMask() if causal else None
+        bias = causal_bias(causal, q_BSHD.shape[1], k_BSHD.shape[1])
         return memory_efficient_attention(q_BSHD, k_BSHD, v_BSHD, attn_bias=bias, p=dropout_p, scale=scale)
 
     varlen = staticmethod(xformers_varlen)

@@ -39,14 +39,6 @@ class GPT2Setting:
 
 # The issue's CPU target: a small GPT-2 on 8 sequences of 1..512 tokens.
 TARGET_SETTING = GPT2Setting("4x256, 8 seqs in [1,512]", 4, 256, 4, 8, 512)
-QUICK_SETTING = TARGET_SETTING
-
-
-def needs() -> str | None:
-    """What this checkout lacks for the fastzoo side of the suite, or None."""
-    if "gpt2" not in fastzoo.list_models():
-        return "needs the fastzoo GPT-2 model (`fastzoo.create('gpt2')`, branch gpt2) in this checkout"
-    return None
 
 
 def _hf_model(s: GPT2Setting, seed: int):

@@ -15,12 +15,6 @@ from fastzoo.bench.harness import Case, Group, Suite
 from fastzoo.bench.steps import check_mode, classification_loss, model_step
 
 
-def needs() -> str | None:
-    if "resnet50" not in fastzoo.list_models():
-        return "needs the fastzoo ResNet-50 (`fastzoo.create('resnet50')`, branch det) in this checkout"
-    return None
-
-
 class _Autocast(torch.nn.Module):
     """Runs the wrapped model under bf16 autocast (how CNNs are trained in bf16)."""
 

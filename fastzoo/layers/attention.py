@@ -25,14 +25,22 @@ class UsesAttention(nn.Module):
 
     The backend is not a submodule: it holds no weights, so switching kernels never
     touches the state dict. The layers of a model share one :class:`AttentionSlot`.
-    ``attn_dropout`` is the layer's configured attention dropout and
-    ``attn_dropout_field`` the config field that sets it: backends without dropout refuse
-    such a model at create, naming the field.
+    Attention dropout is an ``nn.Dropout`` submodule named as in the original model
+    (``attn_dropout_module``: HF's ``attn_dropout``, timm's ``attn_drop``), so the usual
+    idioms (``model.eval()``, setting every ``nn.Dropout``'s ``p``) reach it; the kernel gets
+    its ``p`` in train mode. ``attn_dropout_field`` is the config field that sets it:
+    backends without dropout refuse such a model at create, naming it.
     """
 
     slot: AttentionSlot | None = None
-    attn_dropout: float = 0.0
+    attn_dropout_module: ClassVar[str] = "attn_dropout"
     attn_dropout_field: ClassVar[str] = "attention dropout"
+
+    @property
+    def attn_dropout_p(self) -> float:
+        """The attention dropout probability the layer is configured with (its module's ``p``)."""
+        drop = getattr(self, self.attn_dropout_module, None)
+        return float(drop.p) if isinstance(drop, nn.Dropout) else 0.0
 
     @property
     def backend(self) -> AttentionBackend | None:
@@ -48,7 +56,7 @@ class UsesAttention(nn.Module):
         The shared context is never written to: a layer whose values differ from it gets a
         copy (``ctx.replace``) that keeps the forward's mask cache.
         """
-        dropout_p = self.attn_dropout if self.training else 0.0
+        dropout_p = self.attn_dropout_p if self.training else 0.0
         if scale != ctx.scale or dropout_p != ctx.dropout_p:
             ctx = ctx.replace(scale=scale, dropout_p=dropout_p)
         return self.backend(q_BHSD, k_BHSD, v_BHSD, ctx)
@@ -57,6 +65,7 @@ class UsesAttention(nn.Module):
 class Attention(UsesAttention):
     """ViT self-attention, named as timm's (``qkv``, ``proj``) so its weights load key for key."""
 
+    attn_dropout_module = "attn_drop"  # timm's name
     attn_dropout_field = "attn_drop_rate"  # timm's VisionTransformer argument
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
@@ -65,15 +74,15 @@ class Attention(UsesAttention):
             raise ValueError(f"embed_dim={dim} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.attn_dropout = attn_drop
+        self.attn_drop = nn.Dropout(attn_drop)
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x_BSC: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        B, S, C = x_BSC.shape
-        qkv_3BHSD = self.qkv(x_BSC).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+    def forward(self, x_BSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        qkv_3BHSD = self.qkv(x_BSD).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q_BHSD, k_BHSD, v_BHSD = qkv_3BHSD.unbind(0)
         o_BHSD = self.attend(q_BHSD, k_BHSD, v_BHSD, ctx)
-        x_BSC = o_BHSD.transpose(1, 2).reshape(B, S, C)
-        return self.proj_drop(self.proj(x_BSC))
+        x_BSD = o_BHSD.transpose(1, 2).reshape(B, S, D)
+        return self.proj_drop(self.proj(x_BSD))

@@ -34,5 +34,5 @@ class PatchEmbed(nn.Module):
         B, C, p = x_BCHW.shape[0], self.proj.in_channels, self.patch_size
         gh, gw = self.grid_size
         # [B, C, gh, p, gw, p] -> [B, gh, gw, C, p, p]: each patch flattened in the conv weight's (C, p, p) order
-        patches_BNK = x_BCHW.reshape(B, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * p * p)
-        return F.linear(patches_BNK, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)
+        patches_BNP = x_BCHW.reshape(B, C, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * p * p)
+        return F.linear(patches_BNP, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)

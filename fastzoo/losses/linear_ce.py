@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastzoo.kernel_ranges import kernel_range
+
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 # Measured in benchmarks/results/cpu (fwd+bwd, 4096 tokens x 768 -> 50257): the fused path is
@@ -52,8 +54,14 @@ def linear_cross_entropy(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
     hidden_ND, target_N = _check(hidden_ND, weight_VD, target_N, ignore_index)
+    asked = impl
     if impl == "auto":
         impl = AUTO_IMPL.get(hidden_ND.device.type, "fused")
+    with kernel_range("loss", "linear_cross_entropy", impl if asked == impl else f"{asked} -> {impl}"):
+        return _dispatch(hidden_ND, weight_VD, target_N, ignore_index, reduction, impl)
+
+
+def _dispatch(hidden_ND, weight_VD, target_N, ignore_index: int, reduction: str, impl: str) -> torch.Tensor:
     if impl == "reference":
         return F.cross_entropy(hidden_ND @ weight_VD.T, target_N, ignore_index=ignore_index, reduction=reduction)
     if impl == "torch":

@@ -43,8 +43,22 @@ def causal_lm_loss(
     if cu_seqlens is not None:
         if logits.shape[0] != 1:
             raise ValueError(f"cu_seqlens: a packed batch has batch size 1, got {logits.shape[0]}")
+        _check_cu_seqlens(cu_seqlens, logits.shape[1])
         starts = cu_seqlens[1:-1].long()
         targets_BS = targets_BS.clone()
         targets_BS[0, starts - 1] = ignore_index  # last token of a sequence predicts nothing
     logits_NV = logits[:, :-1].flatten(0, 1).float()
     return F.cross_entropy(logits_NV, targets_BS.flatten(), ignore_index=ignore_index, reduction=reduction)
+
+
+def _check_cu_seqlens(cu_seqlens, total: int) -> None:
+    """The offsets must describe the row: 0, strictly increasing, ending at T (one host read)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        what = type(cu_seqlens).__name__ if not isinstance(cu_seqlens, torch.Tensor) else f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] of offsets, got {what}")
+    if torch.compiler.is_compiling():
+        return
+    first, last, shortest = torch.stack([cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] - cu_seqlens[:-1]).min()]).tolist()
+    if first != 0 or last != total or shortest <= 0:
+        raise ValueError(f"cu_seqlens must go 0 < ... < T={total} strictly increasing, got {cu_seqlens.tolist()}")

@@ -1,7 +1,6 @@
 """What every fastzoo model shares: a config, a swappable attention backend, save/load."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -10,25 +9,9 @@ import torch
 from torch import nn
 
 from fastzoo.attention import AttnRequest, get_backend
-from fastzoo.errors import did_you_mean
+from fastzoo.models.config import ModelConfig  # noqa: F401  (each model file's config base)
 
 _SLOT_LOCK = threading.Lock()
-
-
-class ModelConfig:
-    """Mixin for a model's config dataclass: built from a dict with field names checked."""
-
-    @classmethod
-    def from_dict(cls, values: dict, *, what: str = "override"):
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            k = unknown[0]
-            raise TypeError(f"unknown {what} {k!r} for {cls.__name__}.{did_you_mean(k, names)} Valid fields: {', '.join(names)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class FastzooModel(nn.Module):
@@ -63,8 +46,8 @@ class FastzooModel(nn.Module):
         if dtype is None and p is not None and p.dtype != torch.float32:
             dtype = p.dtype
         layers = [m for m in self.modules() if isinstance(m, UsesAttention)]
-        most = max(layers, key=lambda m: m.attn_dropout, default=None)
-        dropout = {} if most is None else {"attn_dropout": most.attn_dropout, "attn_dropout_field": most.attn_dropout_field}
+        most = max(layers, key=lambda m: m.attn_dropout_p, default=None)
+        dropout = {} if most is None else {"attn_dropout": most.attn_dropout_p, "attn_dropout_field": most.attn_dropout_field}
         return AttnRequest(device=device, dtype=dtype, **{**dropout, **self.attention_needs()})
 
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
@@ -122,16 +105,17 @@ class FastzooModel(nn.Module):
         return write_pretrained(path, meta, self.state_dict())
 
 
-def write_pretrained(path, config: dict, state: dict) -> Path:
+def write_pretrained(path, config: dict, state: dict, weights_format: str = "fastzoo") -> Path:
     """``config.json`` + ``model.safetensors`` in directory ``path`` (other files there are
     kept, as Hugging Face's ``save_pretrained`` keeps a tokenizer's). Both are written to
     temporary files first and renamed in only once both are complete, so a failure (a full
     disk, a kill) leaves the previous pair. A shard index left by an earlier sharded save is
-    removed with its shards: readers prefer an index, which would shadow the new weights."""
+    removed with its shards: readers prefer an index, which would shadow the new weights.
+    ``weights_format`` goes in the safetensors metadata (transformers wants ``"pt"``)."""
     from safetensors.torch import save_file
 
     from fastzoo import files
-    from fastzoo.weights import stale_shard_files
+    from fastzoo.weights import stale_shard_files, untied
 
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -142,19 +126,8 @@ def write_pretrained(path, config: dict, state: dict) -> Path:
             stale.unlink(missing_ok=True)
     tensors = untied({k: v.detach().contiguous().cpu() for k, v in state.items()})
     with files.atomic_path(path / "config.json") as config_tmp, files.atomic_path(path / "model.safetensors") as weights_tmp:
-        save_file(tensors, str(weights_tmp), metadata={"format": "fastzoo"})
+        save_file(tensors, str(weights_tmp), metadata={"format": weights_format})
         config_tmp.write_text(json.dumps(config, indent=2))
     for stale in stale_shard_files(path):
         stale.unlink(missing_ok=True)
     return path
-
-
-def untied(state: dict) -> dict:
-    """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
-    seen, out = set(), {}
-    for k, v in state.items():
-        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
-        out[k] = v.clone() if ptr in seen else v
-        if ptr is not None:
-            seen.add(ptr)
-    return out

@@ -32,7 +32,7 @@ process and N processes on the same global batch compute the same loss and gradi
 
 Targets: ``model.loss(outputs, targets, labels=None)`` with ``targets`` a list of
 ``[n_i, 4]`` xyxy boxes in [0, 1] (n_i may be 0) and ``labels`` an optional list of
-``[n_i]`` int class ids (default: class 0), or a :class:`fastzoo.data.boxes.BoxTargets`
+``[n_i]`` int class ids (default: class 0), or a :class:`fastzoo.losses.boxes.BoxTargets`
 from the collator (already validated, all layouts built on the CPU).
 """
 from __future__ import annotations
@@ -44,46 +44,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastzoo.data.boxes import BoxTargets, collate_boxes
-from fastzoo.losses.giou import generalized_box_iou, giou_loss_concat, giou_loss_padded, giou_loss_per_sample
-from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.losses.boxes import GIOU_LAYOUTS, BoxTargets, collate_boxes, matched_giou_sum
+from fastzoo.losses.giou import generalized_box_iou
+from fastzoo.models.base import FastzooModel
+from fastzoo.models.config import ModelConfig, free, weights_decide
 from fastzoo.models.resnet import ResNet, ResNetConfig
 
-LOSS_MODES = ("per_sample", "concat", "padded", "kernel")
 MATCHERS = ("order", "hungarian")
 
 
 @dataclass
 class BoxDetConfig(ModelConfig):
-    num_classes: int = 1  # object classes; logits have one more (the last: no object)
-    num_queries: int = 100
-    hidden_dim: int = 256
-    # how the GIoU term runs: per_sample (a loop) | concat (gathered pairs) | padded (padded pairs,
-    # plain ops) | kernel (padded pairs through the fused op: no gather, no host sync)
-    loss: str = "kernel"
-    matcher: str = "hungarian"  # order (prediction i <-> target i) | hungarian
-    eos_coef: float = 0.1  # weight of the no-object class in the cross-entropy
-    loss_ce: float = 1.0  # loss weights (DETR's defaults)
-    loss_bbox: float = 5.0
-    loss_giou: float = 2.0
-    cost_class: float = 1.0  # matching cost weights (DETR's defaults)
-    cost_bbox: float = 5.0
-    cost_giou: float = 2.0
-    layers: tuple[int, ...] = (3, 4, 6, 3)  # the ResNet backbone (ResNetConfig's fields)
-    channels: tuple[int, ...] = (64, 128, 256, 512)
-    channels_last: bool = False
-    frozen_bn: bool = True  # backbone BatchNorm as DETR's FrozenBatchNorm2d (see the module docstring)
+    """DETR's names and defaults; each field's kind, meaning and constraint is declared with it.
+    The loss and matcher settings are free: they change training, not what the weights compute."""
 
-    def __post_init__(self):
-        self.layers, self.channels = tuple(self.layers), tuple(self.channels)
-        if self.loss not in LOSS_MODES:
-            raise ValueError(f"loss={self.loss!r}: choose one of {', '.join(LOSS_MODES)}")
-        if self.matcher not in MATCHERS:
-            raise ValueError(f"matcher={self.matcher!r}: choose one of {', '.join(MATCHERS)}")
-        if self.num_classes < 1 or self.num_queries < 1:
-            raise ValueError(f"num_classes={self.num_classes} and num_queries={self.num_queries} must be >= 1")
-        if not self.eos_coef > 0:  # else a batch without boxes has no class-loss normaliser
-            raise ValueError(f"eos_coef={self.eos_coef} must be > 0")
+    num_classes: int = weights_decide(1, "object classes; logits have one more (the last: no object)", ge=1)
+    num_queries: int = weights_decide(100, "predicted boxes per image", ge=1)
+    hidden_dim: int = weights_decide(256, "width D of the queries and the projected features", ge=1)
+    loss: str = free("kernel", "how the GIoU term runs: per_sample (a loop) | concat (gathered pairs) | padded "
+                     "(padded pairs, plain ops) | kernel (padded pairs through the fused op: no gather, no host sync)",
+                     choices=GIOU_LAYOUTS)
+    matcher: str = free("hungarian", "order (prediction i <-> target i) | hungarian", choices=MATCHERS)
+    eos_coef: float = free(0.1, "weight of the no-object class in the cross-entropy (> 0: a batch without boxes "
+                           "still has a class-loss normaliser)", gt=0)
+    loss_ce: float = free(1.0, "weight of the class loss (DETR's default)", ge=0)
+    loss_bbox: float = free(5.0, "weight of the L1 box loss", ge=0)
+    loss_giou: float = free(2.0, "weight of the GIoU loss", ge=0)
+    cost_class: float = free(1.0, "matching cost weight of the class (DETR's default)", ge=0)
+    cost_bbox: float = free(5.0, "matching cost weight of the L1 distance", ge=0)
+    cost_giou: float = free(2.0, "matching cost weight of the GIoU", ge=0)
+    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "backbone bottleneck blocks per stage (ResNetConfig)", ge=1)
+    channels: tuple[int, ...] = weights_decide((64, 128, 256, 512), "backbone 3x3 width per stage (ResNetConfig)", ge=1)
+    channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")
+    frozen_bn: bool = free(True, "backbone BatchNorm as DETR's FrozenBatchNorm2d (see the module docstring)")
+
+    def validate(self):
+        self.backbone_config()  # the backbone's fields are checked by its own config, under the same names
+
+    def backbone_config(self) -> ResNetConfig:
+        return ResNetConfig(num_classes=0, layers=self.layers, channels=self.channels,
+                            channels_last=self.channels_last, frozen_bn=self.frozen_bn)
 
 
 class MLP(nn.Module):
@@ -128,8 +128,7 @@ class BoxDetector(FastzooModel):
         super().__init__()
         self.config = cfg
         D = cfg.hidden_dim
-        self.backbone = ResNet(ResNetConfig(num_classes=0, layers=cfg.layers, channels=cfg.channels,
-                                            channels_last=cfg.channels_last, frozen_bn=cfg.frozen_bn))
+        self.backbone = ResNet(cfg.backbone_config())
         self.input_proj = nn.Conv2d(self.backbone.config.num_features, D, 1)
         self.query_embed = nn.Embedding(cfg.num_queries, D)
         self.class_embed = nn.Linear(D, cfg.num_classes + 1)
@@ -194,11 +193,11 @@ class BoxDetector(FastzooModel):
             return targets.slot  # target i of an image <-> query i
         from scipy.optimize import linear_sum_assignment
 
-        boxes_BQ4, logits_BQK = outputs["boxes"].float(), outputs["logits"].float()
+        boxes_BQ4, logits_BQC = outputs["boxes"].float(), outputs["logits"].float()
         Q, c = boxes_BQ4.shape[1], self.config
         target_BM4 = targets.padded.float()
         labels_BQM = targets.padded_labels.clamp_min(0)[:, None, :].expand(-1, Q, -1)  # padding: any class
-        cost_class = -logits_BQK.softmax(-1).gather(2, labels_BQM)
+        cost_class = -logits_BQC.softmax(-1).gather(2, labels_BQM)
         cost_bbox = torch.cdist(boxes_BQ4, target_BM4, p=1)
         cost_giou = -generalized_box_iou(boxes_BQ4, target_BM4)
         cost_BQM = (c.cost_bbox * cost_bbox + c.cost_class * cost_class + c.cost_giou * cost_giou).cpu().numpy()
@@ -209,22 +208,6 @@ class BoxDetector(FastzooModel):
             query[start + torch.as_tensor(cols, dtype=torch.long)] = torch.as_tensor(rows, dtype=torch.long)
             start += n
         return query.to(boxes_BQ4.device, non_blocking=True)
-
-    def _giou_sum(self, boxes_BQ4, matched_N4, query_N, tb: BoxTargets) -> torch.Tensor:
-        """Sum of 1 - GIoU over matched pairs, in the configured layout (all equal)."""
-        mode = self.config.loss
-        if mode == "per_sample":
-            preds = [boxes_BQ4[b, q] for b, q in enumerate(query_N.split(tb.counts))]
-            return giou_loss_per_sample(preds, tb.per_image(), reduction="sum", validate=False)
-        if mode == "concat":
-            return giou_loss_concat(matched_N4, tb.boxes, reduction="sum", validate=False)
-        # padded: each target slot's matched prediction, gathered on the device (no host sync);
-        # padded slots read query 0 and are masked out by the inverted box in tb.padded
-        B, M = tb.mask.shape
-        query_BM = torch.zeros(B, M, dtype=torch.long, device=query_N.device).index_put((tb.batch_index, tb.slot), query_N)
-        pred_BM4 = boxes_BQ4.gather(1, query_BM[..., None].expand(-1, -1, 4))
-        impl = "kernel" if mode == "kernel" else "torch"
-        return giou_loss_padded(pred_BM4, tb.padded, reduction="sum", impl=impl, validate=False)
 
     def loss_components(self, outputs: dict, targets, labels=None, *, num_images=None, num_boxes=None) -> dict[str, torch.Tensor]:
         """``{"loss", "loss_ce", "loss_bbox", "loss_giou"}``; ``loss`` is the weighted sum.
@@ -237,24 +220,24 @@ class BoxDetector(FastzooModel):
         the whole batch's loss and the shares sum to it, so N processes compute the same function
         as one (DETR all-reduces ``num_boxes`` for the same reason).
         """
-        boxes_BQ4, logits_BQK = outputs["boxes"], outputs["logits"]
+        boxes_BQ4, logits_BQC = outputs["boxes"], outputs["logits"]
         B, Q = boxes_BQ4.shape[:2]
         C = self.config.num_classes
         tb = self._targets(targets, labels, B)
         query_N = self.match(outputs, tb)
         matched_N4 = boxes_BQ4[tb.batch_index, query_N]
-        target_classes_BQ = torch.full((B, Q), C, dtype=torch.long, device=logits_BQK.device)
+        target_classes_BQ = torch.full((B, Q), C, dtype=torch.long, device=logits_BQC.device)
         target_classes_BQ[tb.batch_index, query_N] = tb.labels
-        weight = torch.ones(C + 1, device=logits_BQK.device)
+        weight = torch.ones(C + 1, device=logits_BQC.device)
         weight[C] = self.config.eos_coef
         c = self.config
         num_images = B if num_images is None else num_images
         num_boxes = tb.num_boxes if num_boxes is None else num_boxes
         ce_weight = c.eos_coef * num_images * Q + (1 - c.eos_coef) * num_boxes  # sum of the CE weights over queries
         num_boxes = num_boxes.clamp_min(1) if isinstance(num_boxes, torch.Tensor) else max(num_boxes, 1)
-        loss_ce = F.cross_entropy(logits_BQK.float().transpose(1, 2), target_classes_BQ, weight, reduction="sum") / ce_weight
+        loss_ce = F.cross_entropy(logits_BQC.float().transpose(1, 2), target_classes_BQ, weight, reduction="sum") / ce_weight
         loss_bbox = F.l1_loss(matched_N4.float(), tb.boxes.float(), reduction="sum") / num_boxes
-        loss_giou = self._giou_sum(boxes_BQ4, matched_N4, query_N, tb) / num_boxes
+        loss_giou = matched_giou_sum(self.config.loss, boxes_BQ4, matched_N4, query_N, tb) / num_boxes
         total = c.loss_ce * loss_ce + c.loss_bbox * loss_bbox + c.loss_giou * loss_giou
         return {"loss": total, "loss_ce": loss_ce, "loss_bbox": loss_bbox, "loss_giou": loss_giou}
 

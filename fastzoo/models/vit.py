@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.errors import ConfigError
 from fastzoo.layers import ACTIVATIONS, Attention, DropPath, LayerScale, Mlp, PatchEmbed
-from fastzoo.models.base import FastzooModel, ModelConfig
+from fastzoo.models.base import FastzooModel
+from fastzoo.models.config import ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
 
 torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
@@ -28,60 +30,50 @@ POOLS = ("token", "avg", "")
 
 @dataclass
 class ViTConfig(ModelConfig):
-    img_size: int | tuple[int, int] = 224
-    patch_size: int = 16
-    in_chans: int = 3
-    num_classes: int = 1000
-    global_pool: str = "token"  # "token" | "avg" | "" (no pooling: forward_head returns every token)
-    embed_dim: int = 768
-    depth: int = 12
-    num_heads: int = 12
-    mlp_ratio: float = 4.0
-    qkv_bias: bool = True
-    class_token: bool = True
-    reg_tokens: int = 0
-    no_embed_class: bool = False  # position embedding covers patch tokens only (DeiT-3)
-    pre_norm: bool = False  # LayerNorm before the blocks (CLIP)
-    fc_norm: bool | None = None  # final LayerNorm after pooling; None: timm's rule, only with avg pooling
-    init_values: float | None = None  # LayerScale init; None = no LayerScale
-    norm_eps: float = 1e-6
-    act_layer: str = "gelu"  # "gelu" | "quick_gelu" (OpenAI CLIP)
-    patch_embed: str = "conv"  # "conv" | "linear"
-    drop_rate: float = 0.0
-    pos_drop_rate: float = 0.0
-    attn_drop_rate: float = 0.0
-    proj_drop_rate: float = 0.0
-    drop_path_rate: float = 0.0
+    """timm ``VisionTransformer`` field names and defaults; each field's kind (see
+    :mod:`fastzoo.models.config`), meaning and constraint is declared with it."""
 
-    def __post_init__(self):
+    img_size: int | tuple[int, int] = weights_decide(224, "input height and width (an int: square)", ge=1)
+    patch_size: int = weights_decide(16, "side of a square patch", ge=1)
+    in_chans: int = weights_decide(3, "image channels", ge=1)
+    num_classes: int = weights_decide(1000, "classifier outputs; 0: no head, forward returns features", ge=0)
+    global_pool: str = changes_function("token", "pooling before the head; '' (none): forward_head returns every token",
+                                        choices=POOLS)
+    embed_dim: int = weights_decide(768, "token width D", ge=1)
+    depth: int = weights_decide(12, "transformer blocks", ge=1)
+    num_heads: int = changes_function(12, "attention heads; embed_dim must divide by it", ge=1)
+    mlp_ratio: float = weights_decide(4.0, "MLP hidden width / embed_dim", gt=0)
+    qkv_bias: bool = weights_decide(True, "bias in the q, k, v projection")
+    class_token: bool = weights_decide(True, "a learned class token before the patches")
+    reg_tokens: int = weights_decide(0, "register tokens (Darcet et al. 2024)", ge=0)
+    no_embed_class: bool = weights_decide(False, "position embedding covers patch tokens only (DeiT-3)")
+    pre_norm: bool = weights_decide(False, "LayerNorm before the blocks (CLIP)")
+    fc_norm: bool | None = weights_decide(None, "final LayerNorm after pooling; None: timm's rule, only with avg pooling",
+                                          compare=lambda c: c.use_fc_norm)
+    init_values: float | None = weights_decide(None, "LayerScale init; None: no LayerScale",
+                                               compare=lambda c: c.init_values is not None)  # the init is overwritten
+    norm_eps: float = changes_function(1e-6, "LayerNorm epsilon", gt=0)
+    act_layer: str = changes_function("gelu", "MLP activation (quick_gelu: OpenAI CLIP)", choices=tuple(ACTIVATIONS))
+    patch_embed: str = free("conv", "patch projection as a Conv2d or reshape + Linear: the same function",
+                            choices=("conv", "linear"))
+    drop_rate: float = free(0.0, "dropout before the head", ge=0, le=1)
+    pos_drop_rate: float = free(0.0, "dropout after the position embedding", ge=0, le=1)
+    attn_drop_rate: float = free(0.0, "attention dropout", ge=0, le=1)
+    proj_drop_rate: float = free(0.0, "dropout after the attention and MLP projections", ge=0, le=1)
+    drop_path_rate: float = free(0.0, "stochastic depth of the last block (linear from 0)", ge=0, le=1)
+
+    def validate(self):
         if isinstance(self.img_size, int):
             self.img_size = (self.img_size, self.img_size)
-        self.img_size = tuple(self.img_size)
-        for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("num_classes", "reg_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0: {'no classifier head' if name == 'num_classes' else 'none'})")
-        if len(self.img_size) != 2 or min(self.img_size) < 1:
-            raise ValueError(f"img_size={self.img_size} must be a positive int or (height, width)")
         if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
-            raise ValueError(f"img_size={self.img_size} is not divisible by patch_size={self.patch_size}")
+            raise ConfigError(f"img_size={self.img_size} is not divisible by patch_size={self.patch_size}",
+                              fields=("img_size", "patch_size"))
         if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}")
-        if self.mlp_ratio <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"mlp_ratio={self.mlp_ratio} and norm_eps={self.norm_eps} must be > 0")
-        for name in ("drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.global_pool not in POOLS:
-            raise ValueError(f"global_pool={self.global_pool!r}: choose 'token', 'avg' or '' (no pooling)")
+            raise ConfigError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}",
+                              fields=("embed_dim", "num_heads"))
         if self.global_pool == "token" and not self.class_token:
-            raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token")
-        if self.fc_norm not in (None, True, False):
-            raise ValueError(f"fc_norm={self.fc_norm!r}: choose None (timm's rule), True or False")
-        if self.act_layer not in ACTIVATIONS:
-            raise ValueError(f"act_layer={self.act_layer!r}: choose one of {', '.join(map(repr, ACTIVATIONS))}")
+            raise ConfigError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token",
+                              fields=("global_pool", "class_token"))
 
     @property
     def num_features(self) -> int:

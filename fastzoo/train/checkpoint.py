@@ -25,7 +25,7 @@ from fastzoo.errors import CheckpointError
 from fastzoo.models.base import write_pretrained
 from fastzoo.train import distributed as D
 from fastzoo.train.rng import get_rng_state, rng_state_problem, set_rng_state
-from fastzoo.weights import FREE_FIELDS, check_config, check_state_dict, read_config_json, read_file
+from fastzoo.weights import check_config, check_state_dict, read_config_json, read_file
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -141,7 +141,7 @@ def _check_architecture(path: Path, model) -> None:
     check_config(model, fields, f"--resume {path}")
     own = model.config.to_dict()
     free = [f"{k}: checkpoint {fields[k]!r}, this run {own[k]!r}"
-            for k in sorted(FREE_FIELDS.get(family, ())) if k in fields and k in own and own[k] != fields[k]]
+            for k in sorted(model.config_class.fields_of_kind("free")) if k in fields and k in own and own[k] != fields[k]]
     if free:  # training-only fields (dropout...): the user's choice, but the losses will not continue the old run's
         warnings.warn(f"--resume {path}: resuming with other training settings ({'; '.join(free)})", stacklevel=3)
 

@@ -34,20 +34,6 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
-# Config fields a model may set freely against a checkpoint: they change training or the
-# initialisation, not the function the weights compute. Every other field is compared.
-FREE_FIELDS = {
-    "vit": {"drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate", "patch_embed"},
-    "gpt2": {"resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range"},
-}
-# Fields compared through the part of their value that changes the function.
-_FUNCTION_OF = {
-    "vit": {
-        "init_values": lambda c: c.init_values is not None,  # LayerScale or not; its init value is overwritten
-        "fc_norm": lambda c: c.use_fc_norm,  # None is timm's rule: compare where the norm ends up
-    },
-    "gpt2": {"n_inner": lambda c: c.n_inner or 4 * c.n_embd},  # None: 4 * n_embd
-}
 
 
 @dataclass
@@ -433,10 +419,10 @@ def load_pretrained(model, source) -> None:
     """Load ``source`` (any form ``pretrained=`` takes) into ``model``, strictly.
 
     A source that states its architecture (config.json, a live module) must agree with
-    ``model.config`` on every field that changes the function (all but ``FREE_FIELDS``),
-    else :class:`CheckpointError` names each differing field. A bare state dict is checked
-    by its keys and shapes only. To build a model that fits a checkpoint, use
-    ``fastzoo.create(name, pretrained=source)``.
+    ``model.config`` on every field that changes the function (every field the config does
+    not declare ``free``: see :mod:`fastzoo.models.config`), else :class:`CheckpointError`
+    names each differing field. A bare state dict is checked by its keys and shapes only. To
+    build a model that fits a checkpoint, use ``fastzoo.create(name, pretrained=source)``.
     """
     src = read_source(source)
     if states_config(src):
@@ -445,24 +431,35 @@ def load_pretrained(model, source) -> None:
 
 
 def check_config(model, implied: dict, origin: str) -> None:
-    """Raise CheckpointError naming every function-changing field where ``implied`` (the
-    checkpoint's config fields) and ``model.config`` differ."""
+    """Raise CheckpointError naming every field where ``implied`` (the checkpoint's config
+    fields) and ``model.config`` differ in the function they give. The config's own
+    declarations say which fields those are: free fields (dropout, ``channels_last``, loss
+    settings) may differ, and a field is compared through the part of it that matters
+    (``ModelConfig.compared``: e.g. LayerScale or not, not its init value)."""
     try:
         ckpt = model.config_class.from_dict({**model.config.to_dict(), **implied}, what="checkpoint field")
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{origin}: its config does not describe a {type(model).__name__} ({e})") from e
-    free = FREE_FIELDS.get(model.family, set())
-    view = _FUNCTION_OF.get(model.family, {})
-    diffs = []
-    for name in implied:
-        if name in free:
-            continue
-        of = view.get(name, lambda c, n=name: getattr(c, n))
-        if of(ckpt) != of(model.config):
-            diffs.append(f"{name}: checkpoint {getattr(ckpt, name)!r} vs model {getattr(model.config, name)!r}")
+    diffs = [
+        f"{name}: checkpoint {getattr(ckpt, name)!r} vs model {getattr(model.config, name)!r}"
+        for name in implied
+        if ckpt.field_kind(name) != "free" and ckpt.compared(name) != model.config.compared(name)
+    ]
     if diffs:
         raise CheckpointError(
             f"{origin} was built with a different architecture than this {type(model).__name__}; nothing was loaded. "
             f"Differing fields ({len(diffs)}): {'; '.join(diffs)}. Build the model from the checkpoint instead: "
             f"fastzoo.create(name, pretrained=...) reads these fields from it."
         )
+
+
+# -- writing -------------------------------------------------------------------------------
+def untied(state: dict) -> dict:
+    """safetensors refuses tensors that share memory (tied weights): store a copy of each repeat."""
+    seen, out = set(), {}
+    for k, v in state.items():
+        ptr = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+        out[k] = v.clone() if ptr in seen else v
+        if ptr is not None:
+            seen.add(ptr)
+    return out

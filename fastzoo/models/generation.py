@@ -1,0 +1,194 @@
+"""What code written for a transformers causal LM calls on the model, besides its forward.
+
+:class:`CausalLMConventions` gives a fastzoo decoder transformers' ``PreTrainedModel`` API
+where HF users reach for it: ``generate`` (transformers' own ``GenerationMixin``: its
+sampler, logits processors, stopping criteria and ``DynamicCache``), ``generation_config``,
+``gradient_checkpointing_enable`` / ``disable`` / ``is_gradient_checkpointing``,
+``get_input_embeddings`` / ``set_input_embeddings`` / ``get_output_embeddings``,
+``resize_token_embeddings`` (head kept tied), ``num_parameters``, and the attributes
+``transformers.Trainer`` reads.
+
+Why not subclass ``PreTrainedModel``: a fastzoo model keeps its own config (a dataclass
+whose fields are checked where configs are made) and its own loading (any checkpoint
+format, all or nothing), and ``PreTrainedModel`` would bring a second of each. What
+``GenerationMixin`` needs from a model is narrow: a transformers config, a forward with
+HF's keywords returning HF's output, ``device``/``dtype``. :class:`_Generator` supplies
+exactly that around the fastzoo model, so ``model.generate`` *is* transformers' generate
+(same tokens, same sampling for the same seed), not a second sampler.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class _Generator(nn.Module):
+    """transformers' ``GenerationMixin`` bound to a fastzoo model (built on each ``generate``).
+
+    The model is held in a list so that it is not registered as a submodule (nothing here
+    owns weights); ``config`` is a ``transformers`` config built from the fastzoo one.
+    """
+
+    main_input_name = "input_ids"
+    _is_stateful = False
+    _supports_cache_class = True
+
+    def __init__(self, model, hf_config, generation_config):
+        super().__init__()
+        self._model = [model]
+        self.config = hf_config
+        self.generation_config = generation_config
+
+    @property
+    def forward(self):  # GenerationMixin inspects this signature (attention_mask, position_ids, logits_to_keep)
+        return self._model[0].forward
+
+    def __call__(self, *args, **kwargs):
+        return self._model[0](*args, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self._model[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._model[0].dtype
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_remote_code(cls) -> bool:  # PreTrainedModel's: code from the hub (this is not)
+        return False
+
+    def get_experts_implementation(self) -> dict:  # PreTrainedModel's: mixture-of-experts kernels (none here)
+        return {}
+
+
+def _generator_class():
+    """``_Generator`` with ``GenerationMixin`` mixed in (transformers imported on first use)."""
+    global _GENERATOR
+    if _GENERATOR is None:
+        from transformers.generation import GenerationMixin
+
+        _GENERATOR = type("FastzooGenerator", (_Generator, GenerationMixin), {})
+    return _GENERATOR
+
+
+_GENERATOR = None
+
+
+class CausalLMConventions:
+    """transformers' model API for a fastzoo decoder (mixed into the model class).
+
+    The model provides ``hf_config()`` (a ``transformers`` config of the same
+    architecture), ``transformer.wte`` (token embedding), ``lm_head`` (tied to it) and a
+    forward with HF's keywords.
+    """
+
+    supports_gradient_checkpointing = True
+    accepts_loss_kwargs = True  # transformers.Trainer passes num_items_in_batch (exact gradient accumulation)
+    main_input_name = "input_ids"
+    _gradient_checkpointing = False
+    _generation_config = None
+
+    # -- generation ------------------------------------------------------------------------
+    @property
+    def generation_config(self):
+        """transformers ``GenerationConfig``: defaults from the model config (eos/bos/pad ids)."""
+        if self._generation_config is None:
+            from transformers import GenerationConfig
+
+            self._generation_config = GenerationConfig.from_model_config(self.hf_config())
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value):
+        self._generation_config = value
+
+    def generate(self, *args, **kwargs):
+        """transformers' ``GenerationMixin.generate`` on this model (greedy, sampling, beam
+        search, top-k/top-p, eos/pad, left padding; see transformers' docs). Decoding uses
+        the KV cache when the attention backend serves it (``kv_cache`` capability), which
+        is checked before the first token: pass ``use_cache=False`` to decode without it."""
+        if kwargs.get("use_cache", self.generation_config.use_cache):
+            self.check_kv_cache()
+        gen = _generator_class()(self, self.hf_config(), self.generation_config)
+        return gen.generate(*args, **kwargs)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.wte.weight.dtype
+
+    # -- training plumbing -----------------------------------------------------------------
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """Recompute each block's activations in the backward (``torch.utils.checkpoint``,
+        non-reentrant unless ``gradient_checkpointing_kwargs`` says otherwise). As in
+        transformers, the KV cache is off while training with it."""
+        self._checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        self._gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self):
+        self._gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self._gradient_checkpointing
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.transformer.wte = value
+        self.lm_head.weight = value.weight  # the head stays tied
+        self.config.vocab_size = value.num_embeddings
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """Grow or shrink the vocabulary, keeping the LM head tied. New rows start at the
+        mean of the old embeddings (``mean_resizing``, transformers' default spirit: a new
+        token starts as an average one), else from N(0, initializer_range)."""
+        old = self.transformer.wte
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return old
+        n = old.num_embeddings if new_num_tokens is None else int(new_num_tokens)
+        if n <= 0:
+            raise ValueError(f"new_num_tokens must be positive, got {new_num_tokens}")
+        if pad_to_multiple_of is not None:
+            if int(pad_to_multiple_of) <= 0:
+                raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of}")
+            n = math.ceil(n / pad_to_multiple_of) * pad_to_multiple_of
+        new = nn.Embedding(n, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype)
+        keep = min(n, old.num_embeddings)
+        with torch.no_grad():
+            if n > keep:
+                if mean_resizing:
+                    new.weight[keep:] = old.weight.mean(0)
+                else:
+                    new.weight[keep:].normal_(std=self.config.initializer_range)
+            new.weight[:keep] = old.weight[:keep]
+        new.weight.requires_grad_(old.weight.requires_grad)
+        self.set_input_embeddings(new)
+        return new
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """Parameters counted once (the tied head is the embedding), as transformers counts."""
+        params = {id(p): p for p in self.parameters() if p.requires_grad or not only_trainable}
+        if exclude_embeddings:
+            for emb in (self.transformer.wte, self.transformer.wpe):
+                params.pop(id(emb.weight), None)
+        return sum(p.numel() for p in params.values())

@@ -1,0 +1,355 @@
+"""GPT-2 is a drop-in for transformers' GPT2LMHeadModel: the code around the model (outputs,
+labels, KV cache, generate, Trainer with HF packing, save/load, pickling, training plumbing)
+works unchanged, with HF's model on the same weights as the oracle (fp32 CPU)."""
+import copy
+import pickle
+import tempfile
+
+import pytest
+import torch
+import transformers
+
+import fastzoo
+from fastzoo.data import pack, pad_to_longest
+from fastzoo.weights.hf import GPT2 as HF_CONVERTER
+
+TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights
+LOSS_TOL = 1e-5  # a mean cross-entropy in fp32, summed in another order
+GRAD_RTOL = 1e-4  # relative to each gradient's largest entry
+
+
+def hf_model(**kw):
+    cfg = transformers.GPT2Config(**{**TINY, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                                     "bos_token_id": 5, "eos_token_id": 5, **kw})
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model()
+
+
+def ours(hf, attn="sdpa"):
+    return fastzoo.create("gpt2", attn=attn, pretrained=hf)
+
+
+def batch(lengths=(5, 9, 3), side="right"):
+    g = torch.Generator().manual_seed(2)
+    return pad_to_longest([torch.randint(0, 128, (n,), generator=g) for n in lengths], side=side)
+
+
+def grads_close(m, hf):
+    ref = HF_CONVERTER.to_fastzoo({k: p.grad for k, p in hf.named_parameters()})
+    for name, p in m.named_parameters():
+        assert (p.grad - ref[name]).abs().max() <= GRAD_RTOL * ref[name].abs().max() + 1e-7, name
+
+
+# -- part 1: call and output conventions ---------------------------------------------------------
+def test_output_is_transformers_output_with_loss_first(hf):
+    m = ours(hf)
+    b = batch()
+    out = m(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+    ref = hf(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+    assert type(out) is type(ref)  # CausalLMOutputWithCrossAttentions, transformers' own class
+    assert out[0] is out.loss and out["logits"] is out.logits
+    assert (out.loss - ref.loss).abs() <= LOSS_TOL
+    real = b.attention_mask.bool()
+    assert (out.logits - ref.logits)[real].abs().max() <= TOL
+
+
+def test_labels_loss_and_grads_equal_hf_in_train_mode_without_logits(hf):
+    """Training with labels fuses the loss with the LM head: same loss and gradients as HF,
+    and .logits is None (never something else)."""
+    m = ours(hf).train()
+    b = batch()
+    out = m(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+    hf.zero_grad()
+    ref = hf(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+    ref.loss.backward()
+    out.loss.backward()
+    assert out.logits is None and out.past_key_values is None
+    assert (out.loss - ref.loss).abs() <= LOSS_TOL
+    grads_close(m, hf)
+
+
+def test_return_dict_false_gives_hf_tuple(hf):
+    m = ours(hf)
+    ids = batch().input_ids
+    out, ref = m(ids, labels=ids, return_dict=False), hf(ids, labels=ids, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == len(ref) == 3  # loss, logits, past_key_values
+    assert (out[0] - ref[0]).abs() <= LOSS_TOL and (out[1] - ref[1]).abs().max() <= TOL
+
+
+def test_hidden_states_equal_hf(hf):
+    m = ours(hf)
+    ids = batch().input_ids
+    out, ref = m(ids, output_hidden_states=True), hf(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref.hidden_states) == TINY["n_layer"] + 1
+    for a, r in zip(out.hidden_states, ref.hidden_states):
+        assert (a - r).abs().max() <= TOL
+
+
+def test_inputs_embeds_and_token_type_ids_equal_hf(hf):
+    m = ours(hf)
+    ids = batch().input_ids
+    types = torch.randint(0, 128, ids.shape, generator=torch.Generator().manual_seed(3))
+    emb = hf.transformer.wte(ids).detach()
+    assert (m(inputs_embeds=emb).logits - hf(inputs_embeds=emb).logits).abs().max() <= TOL
+    assert (m(ids, token_type_ids=types).logits - hf(ids, token_type_ids=types).logits).abs().max() <= TOL
+
+
+def test_output_attentions_is_refused_by_name(hf):
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(hf)(batch().input_ids, output_attentions=True)
+
+
+def test_unknown_keyword_is_a_type_error(hf):
+    with pytest.raises(TypeError, match="attention_maks"):
+        ours(hf)(batch().input_ids, attention_maks=None)
+
+
+# -- part 2: KV cache and generate ---------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_past_key_values_continuation_equals_full_forward(hf, attn):
+    m = ours(hf, attn)
+    b = batch(side="left")
+    ids, mask = b.input_ids, b.attention_mask
+    pos = b.position_ids
+    first = m(ids[:, :-2], attention_mask=mask[:, :-2], position_ids=pos[:, :-2], use_cache=True)
+    step = m(ids[:, -2:], attention_mask=mask, position_ids=pos[:, -2:], past_key_values=first.past_key_values)
+    full = m(ids, attention_mask=mask, position_ids=pos).logits
+    assert (step.logits - full[:, -2:]).abs().max() <= TOL
+    assert step.past_key_values.get_seq_length() == ids.shape[1]
+
+
+GENERATE = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, temperature=0.8),
+    "top_k": dict(do_sample=True, top_k=5),
+    "top_p": dict(do_sample=True, top_p=0.7),
+    "beams": dict(num_beams=3),
+    "no_cache": dict(do_sample=False, use_cache=False),
+}
+
+
+@pytest.mark.parametrize("kind", GENERATE)
+def test_generate_equals_hf_token_for_token_left_padded(hf, kind):
+    m = ours(hf)
+    b = batch(side="left")
+    kw = dict(attention_mask=b.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
+    torch.manual_seed(7)
+    got = m.generate(b.input_ids, **kw)
+    torch.manual_seed(7)
+    want = hf.generate(b.input_ids, **kw)
+    assert torch.equal(got, want)
+
+
+def test_generate_stops_at_eos_and_pads_like_hf():
+    hf = hf_model()
+    m = ours(hf)
+    ids = batch((4, 6), side="left")
+    greedy = hf.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    eos = int(greedy[0, ids.input_ids.shape[1] + 1])  # row 0's second new token: it stops there
+    kw = dict(attention_mask=ids.attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    got, want = m.generate(ids.input_ids, **kw), hf.generate(ids.input_ids, **kw)
+    assert torch.equal(got, want)
+    assert (got[0, ids.input_ids.shape[1] + 2:] == 0).all()  # padded after eos
+
+
+def test_generate_refuses_a_backend_without_kv_cache_before_running(hf):
+    m = ours(hf, "varlen")
+    with pytest.raises(fastzoo.errors.BackendUnavailableError, match="KV cache"):
+        m.generate(batch().input_ids, max_new_tokens=2)
+    b = batch(side="left")
+    got = m.generate(b.input_ids, attention_mask=b.attention_mask, max_new_tokens=4, do_sample=False, use_cache=False, pad_token_id=0)
+    want = hf.generate(b.input_ids, attention_mask=b.attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
+# -- part 3: HF packing conventions --------------------------------------------------------------
+def _flattened(lengths=(5, 9, 3), **kw):
+    g = torch.Generator().manual_seed(4)
+    features = [{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in lengths]
+    return transformers.DataCollatorWithFlattening(return_tensors="pt", **kw)(features), features
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "varlen"])
+def test_data_collator_with_flattening_is_packed_on_every_backend(hf, attn, flash_kwargs):
+    b, features = _flattened(return_flash_attn_kwargs=flash_kwargs)
+    assert "attention_mask" not in b
+    out = ours(hf, attn)(**b)
+    start = 0
+    for f in features:  # each sequence equals HF on it alone: nothing attends across
+        n = len(f["input_ids"])
+        alone = hf(torch.tensor([f["input_ids"]])).logits[0]
+        assert (out.logits[0, start:start + n] - alone).abs().max() <= TOL
+        start += n
+    # the loss never scores a token of one sequence as the continuation of another
+    each = [hf(torch.tensor([f["input_ids"]]), labels=torch.tensor([f["input_ids"]])).loss for f in features]
+    counts = [len(f["input_ids"]) - 1 for f in features]
+    ref = sum(loss * c for loss, c in zip(each, counts)) / sum(counts)
+    assert (out.loss - ref).abs() <= LOSS_TOL
+
+
+def test_flattened_rows_of_a_batch_stay_separate(hf):
+    """[B, S] rows whose positions restart, no mask: per-sequence attention in every row."""
+    m = ours(hf)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (2, 8), generator=g)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    out = m(ids, position_ids=pos).logits
+    assert (out[0, 3:] - hf(ids[:1, 3:]).logits[0]).abs().max() <= TOL
+    assert (out[1, 6:] - hf(ids[1:, 6:]).logits[0]).abs().max() <= TOL
+
+
+def test_trainer_with_flattening_collator_matches_hf_losses(hf):
+    g = torch.Generator().manual_seed(1)
+    ds = [{"input_ids": torch.randint(0, 128, (int(n),), generator=g).tolist()} for n in torch.randint(4, 20, (12,), generator=g)]
+
+    def losses(model):
+        args = transformers.TrainingArguments(
+            output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3, logging_steps=1, report_to=[],
+            learning_rate=1e-3, seed=0, use_cpu=True, save_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=ds,
+                                       data_collator=transformers.DataCollatorWithFlattening())
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref = losses(copy.deepcopy(hf).train())
+    got = losses(ours(hf).train())
+    assert len(got) == len(ref) == 3
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4  # fp32, 3 AdamW steps apart from rounding
+
+
+# -- part 4: training plumbing -------------------------------------------------------------------
+def test_dropout_zero_idiom_makes_padded_and_packed_training_steps_equal():
+    """Attention dropout is an nn.Dropout module: setting every nn.Dropout's p to 0 turns it
+    off, and padded and packed training steps then agree in loss and gradients."""
+    hf = hf_model(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    m = fastzoo.create("gpt2", attn="sdpa", pretrained=hf).train()
+    drops = [mod for mod in m.modules() if isinstance(mod, torch.nn.Dropout)]
+    assert len(drops) == 1 + 3 * TINY["n_layer"]  # embeddings; per block: attention, residual, MLP
+    for mod in drops:
+        mod.p = 0.0
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (n,), generator=g) for n in (5, 9, 3)]
+    results = []
+    for b in (pad_to_longest(seqs), pack(seqs)):
+        mm = copy.deepcopy(m)
+        loss = mm(**b.model_inputs(), labels=b.labels).loss
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad for k, p in mm.named_parameters()}))
+    (lp, gp), (lk, gk) = results
+    assert (lp - lk).abs() <= LOSS_TOL
+    for k in gp:
+        assert (gp[k] - gk[k]).abs().max() <= GRAD_RTOL * gp[k].abs().max() + 1e-7, k
+
+
+def test_attention_dropout_reaches_the_kernel_in_train_mode(hf):
+    m = ours(hf)
+    seen = []
+    backend = m.attention_backend
+    orig = type(backend).forward
+
+    def spy(self, q, k, v, ctx):
+        seen.append(ctx.dropout_p)
+        return orig(self, q, k, v, ctx)
+
+    for mod in m.modules():
+        if type(mod).__name__ == "CausalSelfAttention":
+            mod.attn_dropout.p = 0.25
+    type(backend).forward = spy
+    try:
+        m.train()(batch().input_ids)
+        m.eval()(batch().input_ids)
+    finally:
+        type(backend).forward = orig
+    assert seen == [0.25] * TINY["n_layer"] + [0.0] * TINY["n_layer"]
+
+
+def test_gradient_checkpointing_gives_the_same_grads(hf):
+    m = ours(hf).train()
+    ids = batch().input_ids
+    m(ids, labels=ids).loss.backward()
+    ref = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad()
+    m.gradient_checkpointing_enable()
+    assert m.is_gradient_checkpointing
+    m(ids, labels=ids).loss.backward()
+    for k, p in m.named_parameters():
+        assert (p.grad - ref[k]).abs().max() <= 1e-6, k  # the same arithmetic, recomputed
+    m.gradient_checkpointing_disable()
+    assert not m.is_gradient_checkpointing
+
+
+def test_embedding_accessors_and_resize_keep_the_head_tied(hf):
+    m = ours(hf)
+    assert m.get_input_embeddings() is m.transformer.wte and m.get_output_embeddings() is m.lm_head
+    old = m.transformer.wte.weight.detach().clone()
+    m.resize_token_embeddings(133, pad_to_multiple_of=8)
+    assert m.config.vocab_size == 136 and m.lm_head.weight is m.transformer.wte.weight
+    assert torch.equal(m.transformer.wte.weight[:128], old)
+    assert m(torch.tensor([[135, 1]])).logits.shape == (1, 2, 136)
+
+
+def test_num_parameters_equals_hf(hf):
+    m = ours(hf)
+    assert m.num_parameters() == hf.num_parameters()
+    assert m.num_parameters(exclude_embeddings=True) == hf.num_parameters(exclude_embeddings=True)
+
+
+def test_pickle_and_deepcopy_compute_the_same_function(hf):
+    m = ours(hf)
+    ids = batch().input_ids
+    ref = m(ids).logits
+    for twin in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        assert torch.equal(twin(ids).logits, ref)
+        assert twin.lm_head.weight is twin.transformer.wte.weight
+
+
+# -- part 5: save / load both ways ---------------------------------------------------------------
+def test_pretrained_model_is_in_eval_mode_like_from_pretrained(hf):
+    assert not ours(hf).training
+    assert fastzoo.create("gpt2", **TINY).training  # a fresh model trains, as HF's constructor
+
+
+def test_save_pretrained_is_read_by_transformers_and_fastzoo(hf, tmp_path):
+    m = ours(hf)
+    m.save_pretrained(tmp_path)
+    loaded, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids = batch().input_ids
+    assert (loaded(ids).logits - m(ids).logits).abs().max() <= TOL
+    again = fastzoo.create("gpt2", pretrained=tmp_path)
+    assert torch.equal(again(ids).logits, m(ids).logits)
+
+
+# -- issue 14: inputs ------------------------------------------------------------------------------
+def test_packed_sequence_longer_than_n_positions_is_a_named_error(hf):
+    ids = torch.zeros(1, 70, dtype=torch.long)
+    with pytest.raises(ValueError, match="cu_seqlens.*n_positions=64"):
+        ours(hf)(ids, cu_seqlens=torch.tensor([0, 70], dtype=torch.int32))
+
+
+def test_cu_seqlens_as_a_list_is_a_named_error(hf):
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32 tensor.*list"):
+        ours(hf)(torch.zeros(1, 6, dtype=torch.long), cu_seqlens=[0, 3, 6])
+
+
+@pytest.mark.parametrize("cu", [
+    [0, 3, 6],  # a list
+    torch.tensor([0, 4, 3, 6]),  # not increasing
+    torch.tensor([1, 3, 6]),  # not starting at 0
+    torch.tensor([0, 3, 5]),  # not ending at T
+    torch.tensor([[0, 3, 6]]),  # 2-D
+    torch.tensor([0.0, 3.0, 6.0]),  # float
+])
+def test_causal_lm_loss_validates_cu_seqlens(cu):
+    from fastzoo.losses import causal_lm_loss
+
+    logits, labels = torch.zeros(1, 6, 10), torch.zeros(1, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        causal_lm_loss(logits, labels, cu_seqlens=cu)

@@ -1,0 +1,86 @@
+"""benchmarks/gpu_suite.sh: stages that each fit one call on the GPU machine.
+
+What a CPU can check: the stage list, argument errors (exit 2 with the usage), the commands
+each stage runs (--dry-run), and that a real stage, run on the CPU at tiny size (--cpu),
+leaves exactly one archive and one summary in OUTDIR, prints the summary, and writes
+nothing else anywhere in the repository.
+"""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_suite.sh"
+
+
+def suite(*args, env=None):
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})}, timeout=300)
+
+
+def stages() -> list[str]:
+    return [line.split()[0] for line in suite("--list").stdout.splitlines()]
+
+
+def test_the_stages_cover_env_tests_parity_per_backend_and_each_benchmark():
+    names = stages()
+    assert {"env", "tests", "bench-vit", "bench-gpt2", "bench-giou", "bench-resnet"} <= set(names)
+    from fastzoo.attention import list_attention
+
+    builtin = set(list_attention()) - {"neuron"}  # neuron needs Trainium, not a GPU
+    assert {f"parity-{b}" for b in builtin} <= set(names)
+
+
+@pytest.mark.parametrize("args,words", [
+    ((), "usage:"),
+    (("nope", "/tmp/x"), "unknown stage 'nope'"),
+    (("env", "/tmp/x", "--fast"), "unknown option '--fast'"),
+    (("env", ROOT / "inside"), "OUTDIR must be outside the repository"),
+])
+def test_argument_errors_exit_2_with_the_reason(args, words):
+    res = suite(*args)
+    assert res.returncode == 2 and words in res.stderr
+    assert not (ROOT / "inside").exists()
+
+
+def test_dry_run_prints_each_step_and_leaves_outdir_empty(tmp_path):
+    res = suite("parity-sdpa", tmp_path / "out", "--dry-run")
+    assert res.returncode == 0
+    lines = res.stdout.splitlines()
+    assert any(line.startswith("sdpa_pinned_gpt2_bf16:") and "sdpa:sdpa_backend=cudnn" in line for line in lines)
+    assert all("--device cuda" in line and "--explain" in line for line in lines)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def _tree_state() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT, capture_output=True, text=True).stdout
+
+
+def test_a_stage_leaves_one_archive_and_one_summary_and_writes_nothing_else(tmp_path):
+    before = _tree_state()
+    out = tmp_path / "out"
+    res = suite("parity-eager", out, "--cpu")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["parity-eager.md", "parity-eager.tar.gz"]
+    summary = (out / "parity-eager.md").read_text()
+    assert summary.strip() in res.stdout  # printed as well
+    assert "| eager_vit_s16_fp32 | ok |" in summary and "| eager_gpt2_fp32 | ok |" in summary
+    with tarfile.open(out / "parity-eager.tar.gz") as tar:
+        names = tar.getnames()
+        prefix = next(n for n in names if n.count("/") == 3 and n.endswith("/parity-eager"))
+        assert prefix.startswith("benchmarks/results/") and all(n == prefix or n.startswith(prefix + "/")
+                                                                 for n in names if n.count("/") >= 3)
+        result = json.load(tar.extractfile(f"{prefix}/parity_eager_gpt2_fp32.json"))
+    assert result["results"][0]["passed"]
+    assert _tree_state() == before  # no bytecode, cache or result file appeared in the repository
+
+
+def test_a_stage_refuses_to_overwrite_its_own_archive(tmp_path):
+    (tmp_path / "env.tar.gz").write_bytes(b"")
+    res = suite("env", tmp_path, "--dry-run")
+    assert res.returncode == 2 and "exists" in res.stderr
