@@ -28,7 +28,7 @@ from fastzoo.kernel_ranges import kernel_range
 
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
-# Measured in benchmarks/results/cpu (fwd+bwd, 4096 tokens x 768 -> 50257): the fused path is
+# Measured in benchmarks/results/cpu-2core/linear_ce.md (fwd+bwd, 4096 tokens x 768 -> 50257): the fused path is
 # faster than torch's chunked op on CPU. On CUDA torch's op is the documented fast path; not
 # measured here (no GPU was lent), so CUDA uses the fused path too until a GPU run says otherwise.
 AUTO_IMPL = {"cpu": "fused", "cuda": "fused"}
