@@ -43,6 +43,12 @@ def test_sdpa_flash_on_cuda_refuses_gpt2_at_build_naming_the_masks():
     assert any("key-padding masks" in p and "sdpa_backend='efficient'" in p for p in problems)
 
 
+def test_sdpa_flash_on_cuda_refuses_a_kv_cache_request():
+    req = AttnRequest(head_dim=64, causal=True, kv_cache=True, device="cuda", dtype=torch.bfloat16)
+    assert any("KV cache" in p for p in get_backend("sdpa", sdpa_backend="flash").problems(req))
+    assert not get_backend("sdpa").problems(req)  # automatic SDPA takes the explicit mask
+
+
 def test_sdpa_flash_on_cuda_serves_vit_and_on_cpu_serves_gpt2():
     flash = get_backend("sdpa", sdpa_backend="flash")
     vit_req = vit().attention_request(device="cuda", dtype=torch.bfloat16)
@@ -325,6 +331,8 @@ def test_gpu_sdpa_flash_refuses_a_padding_mask_per_call():
     ctx = AttnContext(causal=True, key_padding_mask=torch.ones(2, 8, dtype=torch.bool, device="cuda"))
     with pytest.raises(BackendUnavailableError, match="takes no attn_mask"):
         backend(q, q, q, ctx)
+    with pytest.raises(BackendUnavailableError, match="KV cache"):  # Sq < Sk causal: a bottom-right mask
+        backend(q[:, :, :1], q, q, AttnContext(causal=True))
 
 
 @pytest.mark.gpu

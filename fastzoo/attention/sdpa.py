@@ -63,8 +63,10 @@ class SdpaBackend(AttentionBackend):
 
     def problems(self, req):
         problems = super().problems(req)
-        if self._mask_free and req.device == "cuda" and (req.padding_mask or req.varlen):
-            takes = " and ".join(w for w, need in (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen)) if need)
+        needs = (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen),
+                 ("a bottom-right causal mask with a KV cache", req.kv_cache))
+        if self._mask_free and req.device == "cuda" and any(need for _, need in needs):
+            takes = " and ".join(w for w, need in needs if need)
             problems.append(f"sdpa_backend='flash' on CUDA (FlashAttention-2) takes no attn_mask, and this model's forward "
                             f"takes {takes}: use sdpa_backend='efficient' or None, or the fa2 / varlen backends")
         return problems
@@ -74,22 +76,18 @@ class SdpaBackend(AttentionBackend):
         """FlashAttention-2 inside SDPA on CUDA takes no ``attn_mask`` (on CPU PyTorch's flash kernel does)."""
         return self.opts["sdpa_backend"] == "flash"
 
-    def check_call(self, q, ctx):
-        super().check_call(q, ctx)
-        if self._mask_free and q.is_cuda and (ctx.key_padding_mask is not None or ctx.cu_seqlens is not None):
-            what = "a key-padding mask" if ctx.key_padding_mask is not None else "packed sequences (cu_seqlens)"
-            raise BackendUnavailableError(self._message(
-                [f"sdpa_backend='flash' on CUDA takes no attn_mask, and this call has {what}: "
-                 "use sdpa_backend='efficient' or None, or the fa2 / varlen backends"]))
-
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         B, H, Sq, _ = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
         # is_causal is top-left aligned: with a KV cache (Sq < Sk) the bottom-right mask is explicit
-        only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk
+        only_causal = bool(ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk)  # bool: Sq == Sk is symbolic under export
         attn_mask = None
         if not only_causal:  # built by the first layer of a forward, reused by the others
             attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk), lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
+        if attn_mask is not None and self._mask_free and q_BHSD.is_cuda:
+            raise BackendUnavailableError(self._message(
+                ["sdpa_backend='flash' on CUDA takes no attn_mask, and this call needs one (key padding, packed "
+                 "sequences or a KV cache's bottom-right causal mask): use sdpa_backend='efficient' or None, or fa2"]))
         kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale)
         if self.kernel is None:
             return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
