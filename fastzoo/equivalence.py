@@ -493,16 +493,15 @@ def compare(
     layers = layers and dtype == torch.float32
     ref = _run(original, original_inputs, torch.float32, device, seed=seed, grads=grads, layers=layers)
     ours = _run(model, inputs, dtype, device, seed=seed, grads=grads, layers=layers, against=ref)
-    ref_grads = _in_fastzoo_names(model, original, ref.grads) if grads else {}
-    ref_grads = {k: v for k, v in ref_grads.items() if k in ours.grads or k in dict(model.named_parameters())}
-    suffix = ""
-    comps_peer = _run(peer, original_inputs, dtype, device, seed=seed, grads=grads) if peer is not None else None
-    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, comps_peer.out_NC if comps_peer else None)]
+    own = {n for n, _ in model.named_parameters()}  # the original's extra names (an HF tied head) are not compared
+    ref_grads = {k: v for k, v in _in_fastzoo_names(model, original, ref.grads).items() if k in own} if grads else {}
+    low = _run(peer, original_inputs, dtype, device, seed=seed, grads=grads) if peer is not None else None
+    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, low.out_NC if low else None)]
     if grads:
-        peer_grads = _in_fastzoo_names(model, peer, comps_peer.grads) if comps_peer else None
-        if peer_grads is not None:
-            peer_grads = {k: v for k, v in peer_grads.items() if k in ref_grads}
-        comps.append(compare_grads("grads" + suffix, ours.grads, ref_grads, peer_grads))
+        peer_grads = None
+        if low is not None:
+            peer_grads = {k: v for k, v in _in_fastzoo_names(model, peer, low.grads).items() if k in ref_grads}
+        comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads))
     report = _layer_report(model, ours, ref, ref_grads, FP32_LAYER_RTOL) if layers else None
     return comps, report
 

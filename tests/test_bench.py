@@ -223,13 +223,8 @@ def test_gpt2_suite_packed_matches_padded():
 def test_gpt2_training_step_with_labels_matches_the_logits_loss():
     """The training-step row: ``model(..., labels=...).loss.backward()``; fastzoo's fused loss
     (padded and packed) equals HF's loss on the logits, and the gradients too."""
-    from fastzoo.bench.gpt2 import GPT2Setting, _needs_labels, gpt2_suite
-    from fastzoo.bench.harness import Unavailable
+    from fastzoo.bench.gpt2 import GPT2Setting, gpt2_suite
 
-    try:
-        _needs_labels()
-    except Unavailable as e:
-        pytest.skip(str(e))
     suite = gpt2_suite(GPT2Setting("tiny", 2, 32, 2, 3, 16, vocab_size=300), backends=["eager", "sdpa", "varlen"],
                        modes=("train",))
     suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
