@@ -353,3 +353,43 @@ def test_causal_lm_loss_validates_cu_seqlens(cu):
     logits, labels = torch.zeros(1, 6, 10), torch.zeros(1, 6, dtype=torch.long)
     with pytest.raises(ValueError, match="cu_seqlens"):
         causal_lm_loss(logits, labels, cu_seqlens=cu)
+
+
+def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
+    from fastzoo.bench import gpt2
+    from fastzoo.bench.harness import run_suite
+
+    setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
+    suite = gpt2.gpt2_suite(setting, backends=["sdpa"], modes=("eval",))
+    suite.groups = [g for g in suite.groups if "generate" in g.name]
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    rows = [r for r in report.rows if "generate" in r.group]
+    assert [r.label for r in rows] == ["HF generate, KV cache (sdpa)", "fastzoo generate, KV cache (sdpa)"]
+    assert all(r.status == "ok" and r.max_err == 0 and r.median_s > 0 for r in rows)  # same tokens, both timed
+
+
+# -- issue 13 part 3: compiler paths ---------------------------------------------------------------
+def test_export_with_dynamic_batch_and_sequence_length(hf):
+    m = ours(hf)
+    ids = batch().input_ids
+    B, S = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=TINY["n_positions"])
+    with torch.no_grad():
+        ep = torch.export.export(m, (ids,), dynamic_shapes=({0: B, 1: S},))
+        masked = torch.export.export(m, (ids,), {"attention_mask": torch.ones_like(ids)},
+                                     dynamic_shapes={"input_ids": {0: B, 1: S}, "attention_mask": {0: B, 1: S}})
+        x = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(8))
+        mask = torch.ones_like(x)
+        mask[0, :5] = 0
+        assert (ep.module()(x).logits - hf(x).logits).abs().max() <= TOL
+        got = masked.module()(x, attention_mask=mask).logits
+        assert (got - hf(x, attention_mask=mask).logits)[mask.bool()].abs().max() <= TOL
+
+
+def test_compiles_with_fullgraph(hf):
+    m = ours(hf)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="eager")  # graph capture is what is tested
+    b = batch()
+    with torch.no_grad():
+        got = compiled(b.input_ids, attention_mask=b.attention_mask).logits
+        assert (got - hf(b.input_ids, attention_mask=b.attention_mask).logits)[b.attention_mask.bool()].abs().max() <= TOL

@@ -80,7 +80,7 @@ class SdpaBackend(AttentionBackend):
         B, H, Sq, _ = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
         # is_causal is top-left aligned: with a KV cache (Sq < Sk) the bottom-right mask is explicit
-        only_causal = ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk
+        only_causal = bool(ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk)  # bool: Sq == Sk is symbolic under export
         attn_mask = None
         if not only_causal:  # built by the first layer of a forward, reused by the others
             attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk), lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))

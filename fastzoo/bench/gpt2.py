@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fastzoo
-from fastzoo.bench.harness import Case, Group, Suite
+from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.steps import check_mode, model_step
 
 
@@ -170,6 +170,8 @@ def gpt2_suite(
                                 reference=lambda m=mode: reference(m), unit="tokens/s"))
     if "train" in modes:
         groups.append(_labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, device))
+    if "eval" in modes:
+        groups.append(_generate_group(s, seqs, backends, hf_copy, fz, device))
     return Suite("gpt2_varlen", groups, config=config, dtype=dtype, device=device)
 
 
@@ -192,10 +194,7 @@ def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, de
         return _fastzoo_layout(loss_step(model, (ids.to(device),), padded_kwargs), model)
 
     def fz_case(backend, args, kwargs):
-        def build():
-            _needs_labels()
-            return loss_step(fz(backend), args, kwargs)
-        return build
+        return lambda: loss_step(fz(backend), args, kwargs)
 
     def reference():  # fp32 logits materialised, HF's loss on them: the function both sides compute
         model = fastzoo.create("gpt2", attn="eager", pretrained=hf).to(device).train()
@@ -219,14 +218,43 @@ def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, de
     return Group(f"{s.name} | train with labels", cases, reference=reference, unit="tokens/s", cpu_memory=True)
 
 
-def _needs_labels() -> None:
-    import inspect
+GENERATE_NEW_TOKENS = 32
 
-    from fastzoo.bench.harness import Unavailable
 
-    model_class = type(fastzoo.create("gpt2", n_layer=1, n_embd=8, n_head=1, vocab_size=8, n_positions=8))
-    if "labels" not in inspect.signature(model_class.forward).parameters:
-        raise Unavailable("needs fastzoo GPT-2's labels= (the HF call convention, branch gpt2) in this checkout")
+def _generate_group(s, seqs, backends, hf_copy, fz, device) -> Group:
+    """``generate`` with the KV cache, greedy, on the suite's sequences as left-padded prompts
+    (each cut to at most 64 tokens): HF's ``generate`` against fastzoo's (transformers'
+    GenerationMixin driving fastzoo's forward and cache). Throughput counts new tokens; parity
+    is the generated ids, which must be equal token for token."""
+    from fastzoo.data import pad_to_longest
+
+    prompts = pad_to_longest([x[-64:] for x in seqs], side="left")
+    ids, mask = prompts.input_ids.to(device), prompts.attention_mask.to(device)
+    kw = dict(attention_mask=mask, max_new_tokens=GENERATE_NEW_TOKENS, min_new_tokens=GENERATE_NEW_TOKENS,
+              do_sample=False, use_cache=True, pad_token_id=0)
+    items = GENERATE_NEW_TOKENS * ids.shape[0]
+
+    def step(model):
+        model.eval()
+        out = {}
+
+        def run():
+            with torch.no_grad():
+                out["ids"] = model.generate(ids, **kw)
+            return out["ids"]
+
+        return Step(run, items, outputs=lambda: {"output": (out["ids"] if "ids" in out else run()).float()})
+
+    def fz_case(backend):
+        return lambda: step(fz(backend))
+
+    cases = [Case("HF generate, KV cache (sdpa)", lambda: step(hf_copy()), peer=True)]
+    for b in backends:
+        if fastzoo.attention.backend_class(b).capabilities.kv_cache:
+            cases.append(Case(f"fastzoo generate, KV cache ({b})", fz_case(b), reference=b == "eager"))
+    reference = lambda: step(hf_copy()).outputs()  # noqa: E731  HF's tokens: every case must equal them
+    return Group(f"{s.name} | generate {GENERATE_NEW_TOKENS} tokens, greedy, left-padded prompts", cases,
+                 reference=reference, unit="new tokens/s")
 
 
 def _fastzoo_layout(step, hf_model):

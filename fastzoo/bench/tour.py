@@ -21,12 +21,12 @@ about two minutes) and ``tiny`` (seconds; what the tests run).
 from __future__ import annotations
 
 import datetime
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from fastzoo import files
 from fastzoo.bench.gpt2 import GPT2Setting
 from fastzoo.bench.giou import GIoUSetting
 from fastzoo.bench.harness import Case, Group, Report, Row, Suite, device_name, run_suite, versions
@@ -287,8 +287,8 @@ def write(result: TourResult, out_dir) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "tour.md", "json": out / "tour.json", "chart": out / "tour.png"}
-    paths["markdown"].write_text(result.to_markdown())
-    paths["json"].write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    files.write_text(paths["markdown"], result.to_markdown())
+    files.write_json(paths["json"], result.to_dict())
     result.report.plot(paths["chart"])
     return paths
 

@@ -169,6 +169,10 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
+        # imported here, not inside forward: transformers registers its output classes as
+        # pytree nodes on import, which it skips while compiling (torch.export would then fail)
+        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions  # noqa: F401
+
         self.config = cfg
         self.transformer = GPT2Model(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -230,7 +234,8 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
           mode the logits are returned with the loss, as HF does.
         - ``past_key_values`` (a transformers ``Cache``) / ``use_cache``: KV cache, padded form
           only, on a backend with the ``kv_cache`` capability. ``use_cache`` defaults to
-          ``config.use_cache`` in eval mode and to False in train mode.
+          ``config.use_cache`` in eval mode and to False in train mode and under
+          ``torch.compile`` / ``torch.export`` (pass it to have a cache there).
         - ``output_attentions=True`` is refused: the attention kernels return no weights.
         """
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -271,8 +276,9 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
 
     def _cache(self, past_key_values, use_cache, labels):
         """The KV cache this call fills (None: no cache)."""
-        if use_cache is None:
-            use_cache = past_key_values is not None or (self.config.use_cache and not self.training)
+        if use_cache is None:  # HF's default in eval mode; none in training and while compiling / exporting
+            use_cache = past_key_values is not None or (
+                self.config.use_cache and not self.training and not torch.compiler.is_compiling())
             if use_cache and past_key_values is None and not self.attention_backend.capabilities.kv_cache:
                 use_cache = False  # a default, not a request: a backend without a cache just returns none
         if not use_cache:
