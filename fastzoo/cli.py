@@ -1,10 +1,20 @@
 """Command line: ``fastzoo tour | list | bench | check | convert``."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from fastzoo.text import DTYPES, markdown_table, parse_dtype, parse_key_values
+from fastzoo.errors import FastzooError
+from fastzoo.text import (
+    DTYPES,
+    USER_ERRORS,
+    ArgumentParser,
+    error_line,
+    markdown_table,
+    parse_dtype,
+    parse_key_values,
+    positive_int,
+    show_traceback,
+)
 
 
 def cmd_list(args) -> int:
@@ -76,7 +86,7 @@ def _check_args(p) -> None:
     p.add_argument("--layers", action="store_true",
                    help="also print the per-layer table (fp32): each module's output and gradient error, "
                         "and the first layer where fastzoo and the original part")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=positive_int, default=2)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--explain", action="store_true",
                    help="also print, per attention layer, the kernel requested and the one the profiler saw run "
@@ -92,18 +102,24 @@ def parse_backend_spec(spec: str) -> tuple[str, dict]:
 
 def cmd_check(args) -> int:
     """``fastzoo check MODEL --attn ...``: :func:`fastzoo.equivalence.check` per backend, as a table."""
-    import json
-
     import torch
 
-    from fastzoo import equivalence
-    from fastzoo.attention import list_attention
+    from fastzoo import equivalence, files
+    from fastzoo.attention import get_backend, list_attention
     from fastzoo.errors import BackendUnavailableError
 
+    from fastzoo.registry import check_device, get_entry
+
+    # Arguments are checked before the first comparison: a bad one is one error, not one table row per backend.
+    get_entry(args.model)
+    tiny = equivalence.tiny_overrides(args.model)  # also refuses a model without attention
+    check_device(args.device, what="--device")
     dtype = parse_dtype(args.dtype)
     everything = args.attn == ["all"]
     specs = [(n, {}) for n in list_attention()] if everything else [parse_backend_spec(s) for s in args.attn]
-    overrides = equivalence.tiny_overrides(args.model) if args.tiny else None
+    for name, options in specs:
+        get_backend(name, **options)  # unknown backend names and options
+    overrides = tiny if args.tiny else None
     rows, results, layer_tables, failed = [], [], [], False
     for name, options in specs:
         try:
@@ -142,9 +158,8 @@ def cmd_check(args) -> int:
     for table in layer_tables:
         print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "tiny": args.tiny, "device": args.device, "dtype": args.dtype,
-                       "torch": torch.__version__, "results": results}, f, indent=2)
+        files.write_json(args.json, {"model": args.model, "tiny": args.tiny, "device": args.device,
+                                     "dtype": args.dtype, "torch": torch.__version__, "results": results})
     return 1 if failed else 0
 
 
@@ -180,24 +195,19 @@ def cmd_convert(args) -> int:
 
     import fastzoo
     from fastzoo import files
-    from fastzoo.errors import FastzooError
     from fastzoo.weights import untied
 
-    try:
-        overrides = parse_key_values(args.set, what="--set")
-        model = fastzoo.create(args.model, pretrained=args.source, **overrides)
-        # Written atomically (fastzoo.files): converting in place, over the source, is safe
-        # (the source was read whole above) and a failure leaves the old file.
-        if args.to == "fastzoo":
-            model.save_pretrained(args.output)
-        else:
-            state = fastzoo.export_state_dict(model, args.to)
-            tensors = untied({k: v.detach().contiguous() for k, v in state.items()})
-            with files.atomic_path(args.output) as tmp:
-                save_file(tensors, str(tmp))
-    except (FastzooError, ValueError, TypeError, OSError) as e:
-        print(f"fastzoo convert: {e}", file=sys.stderr)
-        return 2
+    overrides = parse_key_values(args.set, what="--set")
+    model = fastzoo.create(args.model, pretrained=args.source, **overrides)
+    # Written atomically (fastzoo.files): converting in place, over the source, is safe
+    # (the source was read whole above) and a failure leaves the old file.
+    if args.to == "fastzoo":
+        model.save_pretrained(args.output)
+    else:
+        state = fastzoo.export_state_dict(model, args.to)
+        tensors = untied({k: v.detach().contiguous() for k, v in state.items()})
+        with files.atomic_path(args.output) as tmp:
+            save_file(tensors, str(tmp))
     print(f"wrote {args.output} ({args.to} format, {sum(p.numel() for p in model.parameters()):,} parameters)")
     return 0
 
@@ -212,7 +222,10 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastzoo", description=__doc__)
+    """Run a command. A bad argument, a bad input file or the environment refusing (no such
+    device, a full disk) is one line on stderr, ``fastzoo CMD: error: ...``, and exit status 2;
+    ``FASTZOO_TRACEBACK=1`` shows the traceback instead."""
+    parser = ArgumentParser(prog="fastzoo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (fn, help_, add_args) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)
@@ -220,7 +233,13 @@ def main(argv=None) -> int:
             add_args(p)
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (FastzooError, *USER_ERRORS) as e:
+        if show_traceback():
+            raise
+        print(error_line(f"fastzoo {args.command}", e), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

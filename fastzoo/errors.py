@@ -38,6 +38,11 @@ class BackendUnavailableError(FastzooError, RuntimeError):
     """A backend cannot serve the request: missing package, device, dtype, head dim or feature."""
 
 
+class UsageError(FastzooError, ValueError):
+    """Bad command-line arguments or unreadable user data: the command line reports it in one
+    line and exits with status 2."""
+
+
 class ConfigError(FastzooError, ValueError):
     """A model config field has a value it cannot take (a wrong type, out of range, or at odds
     with another field). ``fields`` names the field(s), so callers decide by key, not by text."""

@@ -94,7 +94,7 @@ def create(
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
     backend_class(attn)  # an unknown backend name fails before anything is built
     if device is not None:
-        _check_device(device)
+        check_device(device)
     cls = entry.model_class
     src = weights.read_source(pretrained) if pretrained is not None else None
     values = dict(entry.config)
@@ -131,13 +131,13 @@ def create(
     return model
 
 
-def _check_device(device) -> None:
-    """A device this machine has, or a ValueError naming ``device`` (not a driver error from ``.to``)."""
+def check_device(device, *, what: str = "device") -> None:
+    """A device this machine has, or a ValueError naming ``what`` (not a driver error from ``.to``)."""
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError, ValueError) as e:  # torch raises each, per device type and build
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"device={str(device)!r} is not available on this machine ({first}); use device='cpu' "
+        raise ValueError(f"{what}={str(device)!r} is not available on this machine ({first}); use {what}='cpu' "
                          f"or a device torch can allocate on") from e
 
 

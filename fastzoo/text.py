@@ -3,7 +3,9 @@ names, and markdown tables. The bottom floor of the house: it imports nothing of
 so every layer (attention, the training scripts, the bench, the CLI) can use it."""
 from __future__ import annotations
 
+import argparse
 import ast
+import os
 
 import torch
 
@@ -60,3 +62,52 @@ def markdown_table(rows: list[dict], columns=None) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# -- command lines ---------------------------------------------------------------------------
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, with a usage error reported as one line (``prog: error: ...``, exit
+    status 2) instead of the usage block and the error; sub-commands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a batch size, a number of steps or timed runs)."""
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (warm-up steps)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def error_line(prog: str, error: BaseException) -> str:
+    """The one line a command prints for a user error: ``prog: error: <first line of the message>``."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{prog}: error: {lines[0] if lines else type(error).__name__}"
+
+
+# Errors a command line reports in one line (exit status 2), beside fastzoo's own
+# (FastzooError): the environment's (a missing file, a full disk) and the ValueError /
+# TypeError with which configs and arguments are refused. FASTZOO_TRACEBACK=1 shows the
+# traceback instead, for bug reports.
+USER_ERRORS = (ValueError, TypeError, OSError)
+
+
+def show_traceback() -> bool:
+    return os.environ.get("FASTZOO_TRACEBACK", "") not in ("", "0")

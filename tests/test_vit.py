@@ -246,7 +246,6 @@ REFUSED = {
     "global_pool='map'": dict(global_pool="map"),
     "global_pool='max'": dict(global_pool="max"),
     "global_pool='avgmax'": dict(global_pool="avgmax"),
-    "global_pool=''": dict(global_pool=""),
     "dynamic_img_size": dict(dynamic_img_size=True),
     "act_layer=GELUTanh": dict(act_layer="gelu_tanh"),
     "norm_layer other than LayerNorm": dict(norm_layer="rmsnorm"),
@@ -265,6 +264,15 @@ def test_timm_options_fastzoo_lacks_are_refused_by_name(what):
     ref = timm.create_model("vit_base_patch16_224", pretrained=False, **TINY, **REFUSED[what])
     with pytest.raises(CheckpointError, match="does not implement.*" + re.escape(what)):
         fastzoo.create("vit_b16", pretrained=ref)
+
+
+def test_live_timm_model_without_pooling_loads_and_returns_every_token():
+    ref = timm_vit(**{**TINY, "num_classes": 0, "global_pool": ""}).eval()
+    ours = fastzoo.create("vit_b16", pretrained=ref).eval()
+    assert ours.config.global_pool == ""
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (ours(x) - ref(x)).abs().max().item() <= LOGIT_TOL  # [B, S, D]: no pooling, no head
 
 
 def test_residual_post_norm_block_is_refused():

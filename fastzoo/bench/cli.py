@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import warnings
 
 import torch
 
-from fastzoo.text import DTYPES, parse_key_values
+from fastzoo.errors import UsageError
+from fastzoo.text import DTYPES, non_negative_int, parse_key_values, positive_int
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -30,12 +30,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--batch-size", type=int, help="images per step (ViT, ResNet) or sequences (GPT-2)")
+    p.add_argument("--batch-size", type=positive_int, help="images per step (ViT, ResNet) or sequences (GPT-2)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="batch 2, 1 warm-up + 3 timed runs: minutes on a 2-core CPU")
-    p.add_argument("--warmup", type=int, help="untimed steps first (default 3; quick 1)")
-    p.add_argument("--iters", type=int, help="timed steps; the median is reported (default 10; quick 3)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (on a shared CPU, 1 avoids thread thrashing)")
+    p.add_argument("--warmup", type=non_negative_int, help="untimed steps first (default 3; quick 1)")
+    p.add_argument("--iters", type=positive_int, help="timed steps; the median is reported (default 10; quick 3)")
+    p.add_argument("--threads", type=positive_int, help="torch.set_num_threads (on a shared CPU, 1 avoids thread thrashing)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change the model config (original field names: depth, embed_dim, img_size... / n_layer, n_embd...)")
     p.add_argument("--json", help="write the results as JSON")
@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", help="write the results as a markdown section")
     p.add_argument("--parity-train", action="store_true",
                    help="fine-tune a small model of this family with every backend from one initialisation; compare accuracy")
-    p.add_argument("--steps", type=int, help="--parity-train steps (default 300; quick 100)")
+    p.add_argument("--steps", type=positive_int, help="--parity-train steps (default 300; quick 100)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -51,8 +51,28 @@ def _replace(setting, overrides: dict):
     names = {f.name for f in dataclasses.fields(setting)}
     unknown = sorted(set(overrides) - names)
     if unknown:
-        raise ValueError(f"--set {unknown[0]}: not a field of this suite's config; fields: {', '.join(sorted(names - {'name'}))}")
+        raise UsageError(f"--set {unknown[0]}: not a field of this suite's config; fields: {', '.join(sorted(names - {'name'}))}")
+    for key, value in overrides.items():
+        _check_like(key, value, getattr(setting, key))
     return dataclasses.replace(setting, **overrides) if overrides else setting
+
+
+def _check_like(key: str, value, current) -> None:
+    """``--set key=value`` must have the kind of the value it replaces (a number for a number,
+    positive sizes), else a UsageError naming it, not a TypeError deep in the suite."""
+    if current is None or isinstance(current, bool):
+        ok = current is None or isinstance(value, bool)
+    elif isinstance(current, (int, float)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (isinstance(current, float) or
+                                                                                  isinstance(value, int))
+        if ok and isinstance(current, int) and current > 0 and value <= 0:
+            raise UsageError(f"--set {key}={value!r}: must be positive")
+    elif isinstance(current, (tuple, list)):
+        ok = isinstance(value, (tuple, list)) and all(type(v) is type(c) for v, c in zip(value, current))
+    else:
+        ok = isinstance(value, type(current))
+    if not ok:
+        raise UsageError(f"--set {key}={value!r}: {key} takes a value like {current!r} ({type(current).__name__})")
 
 
 def _backends(spec: str) -> list[str]:
@@ -97,8 +117,16 @@ def build_suite(args, device: torch.device, dtype: torch.dtype):
         return gpt2_suite(setting, backends=_backends(args.attn), modes=modes, compile_modes=compile_modes,
                           device=device, dtype=dtype)
     if family == "resnet":
+        import inspect
+
         from fastzoo.bench.resnet import resnet_suite
 
+        free = {n: p.default for n, p in inspect.signature(resnet_suite).parameters.items() if n in ("img_size", "seed")}
+        unknown = sorted(set(overrides) - set(free))
+        if unknown:
+            raise UsageError(f"--set {unknown[0]}: the ResNet suite takes --set {' / '.join(free)} only")
+        for key, value in overrides.items():
+            _check_like(key, value, free[key])
         return resnet_suite(modes=modes, compile_modes=compile_modes, bf16=(dtype == torch.bfloat16,),
                             batch_size=args.batch_size or (2 if args.quick else 8), device=device, **overrides)
     if family == "giou":
@@ -120,7 +148,10 @@ def build_suite(args, device: torch.device, dtype: torch.dtype):
 
 
 def cmd_bench(args) -> int:
+    from fastzoo.registry import check_device
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_device(device, what="--device")
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,9 +169,9 @@ def cmd_bench(args) -> int:
     if args.json:
         report.write_json(args.json)
     if args.markdown:
-        from pathlib import Path
+        from fastzoo import files
 
-        Path(args.markdown).write_text(report.to_markdown(f"fastzoo bench {args.model}"))
+        files.write_text(args.markdown, report.to_markdown(f"fastzoo bench {args.model}"))
     if args.plot and not report.skipped:
         report.plot(args.plot)
     return 0 if report.ok else 1
@@ -150,8 +181,7 @@ def _parity_train(args, device, dtype) -> int:
     from fastzoo.bench.train_parity import train_parity
 
     if _family(args.model) != "vit":
-        print(f"--parity-train is implemented for the ViT family; {args.model!r} is not a ViT", file=sys.stderr)
-        return 2
+        raise UsageError(f"--parity-train is implemented for the ViT family; {args.model!r} is not a ViT")
     steps = args.steps or (100 if args.quick else 300)
     report = train_parity(_backends(args.attn), steps=steps, device=device, dtype=dtype, progress=not args.no_progress)
     print(report.to_markdown())

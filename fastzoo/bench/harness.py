@@ -20,7 +20,6 @@ user would pick instead). For each case the harness
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from fastzoo import files
 from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.text import dtype_name, markdown_table
@@ -170,8 +170,7 @@ class Report:
     def write_json(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+        return files.write_json(path, self.to_dict())
 
     @property
     def ok(self) -> bool:
@@ -225,11 +224,9 @@ class Report:
             ax.tick_params(labelsize=8)
         fig.suptitle(f"{self.suite} on {self.device} ({self.dtype}); speed-up vs peer (grey)", fontsize=10)
         fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        files.save_figure(fig, path, dpi=110)
         plt.close(fig)
-        return path
+        return Path(path)
 
 
 def _fmt_time(s: float) -> str:

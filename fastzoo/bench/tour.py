@@ -21,12 +21,12 @@ about two minutes) and ``tiny`` (seconds; what the tests run).
 from __future__ import annotations
 
 import datetime
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from fastzoo import files
 from fastzoo.bench.gpt2 import GPT2Setting
 from fastzoo.bench.giou import GIoUSetting
 from fastzoo.bench.harness import Case, Group, Report, Row, Suite, device_name, run_suite, versions
@@ -118,7 +118,7 @@ def _vit(size: TourSize, device, dtype) -> Entry:
     s, ref = suite(dtype), suite(torch.float32)
     keep = {original} | {f"fastzoo {b}" for b in backends}
     groups = [_against_original(replace(g, cases=[c for c in g.cases if c.label in keep]), rg, original)
-              for g, rg in zip(s.groups, ref.groups)]
+              for g, rg in zip(s.groups, ref.groups) if any(c.label == original for c in rg.cases)]
     paths = {f"fastzoo {b}": f'fastzoo.create("vit_b16", attn="{b}", pretrained=timm_model)' for b in backends}
     return Entry("vit", original, replace(s, groups=groups), paths, groups[0].name)
 
@@ -148,9 +148,8 @@ def _gpt2(size: TourSize, device, dtype) -> Entry:
             paths[f"fastzoo padded to longest ({b})"] = (f'fastzoo.create("gpt2", attn="{b}") on '
                                                         'fastzoo.data.pad_to_longest(seqs)')
     keep = {original, *paths}
-    # the suite's other settings (the fused-loss and generation groups) time other things
-    pairs = [(g, rg) for g, rg in zip(s.groups, ref.groups) if any(c.label == original for c in g.cases)]
-    groups = [_against_original(replace(g, cases=[c for c in g.cases if c.label in keep]), rg, original) for g, rg in pairs]
+    groups = [_against_original(replace(g, cases=[c for c in g.cases if c.label in keep]), rg, original)
+              for g, rg in zip(s.groups, ref.groups) if any(c.label == original for c in rg.cases)]
     return Entry("gpt2", original, replace(s, groups=groups), paths, groups[0].name)
 
 
@@ -288,8 +287,8 @@ def write(result: TourResult, out_dir) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "tour.md", "json": out / "tour.json", "chart": out / "tour.png"}
-    paths["markdown"].write_text(result.to_markdown())
-    paths["json"].write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    files.write_text(paths["markdown"], result.to_markdown())
+    files.write_json(paths["json"], result.to_dict())
     result.report.plot(paths["chart"])
     return paths
 

@@ -28,7 +28,7 @@ from fastzoo.kernel_ranges import kernel_range
 
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
-# Measured in benchmarks/results/cpu (fwd+bwd, 4096 tokens x 768 -> 50257): the fused path is
+# Measured in benchmarks/results/cpu-2core/linear_ce.md (fwd+bwd, 4096 tokens x 768 -> 50257): the fused path is
 # faster than torch's chunked op on CPU. On CUDA torch's op is the documented fast path; not
 # measured here (no GPU was lent), so CUDA uses the fused path too until a GPU run says otherwise.
 AUTO_IMPL = {"cpu": "fused", "cuda": "fused"}
@@ -113,10 +113,13 @@ def _matmul_dtype(hidden, weight) -> torch.dtype:
 
 
 def chunk_rows(n_tokens: int, vocab: int, width: int) -> int:
-    """Tokens per chunk: one chunk's fp32 logits about the size of the weight (``vocab x width``),
-    rounded down to a power of two >= 64, so the matmuls stay efficient and the extra memory is
-    about one more copy of the weight's gradient."""
-    rows = max(64, 1 << (max(width, 1).bit_length() - 1))
+    """Tokens per chunk: a power of two near a third of the width (256 for GPT-2's 768), at least 64.
+
+    The fixed cost is the weight's fp32 gradient (vocab x width) and the hidden states'; a chunk
+    adds its fp32 logits, ``rows x vocab`` -- a third of the weight's gradient at 256 rows. Fewer
+    rows stream the weight through memory more often (three matmuls per chunk): measured on CPU
+    at 4096 x 768 -> 50257, 256 rows run as fast as 512 and 128 rows about 20% slower."""
+    rows = max(64, 1 << (max(width // 3, 1).bit_length() - 1))
     return min(rows, max(n_tokens, 1))
 
 

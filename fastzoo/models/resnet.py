@@ -116,6 +116,7 @@ class ResNet(TimmModelAPI, FastzooModel):
             inplanes = planes * EXPANSION
             self.feature_info.append(dict(num_chs=inplanes, reduction=4 * 2**i, module=f"layer{i + 1}"))
         self.num_stages = len(cfg.layers)
+        self.inplanes = inplanes  # torchvision's attribute: its FPN helper (_resnet_fpn_extractor) sizes from it
         self.avgpool = nn.AdaptiveAvgPool2d(1) if cfg.global_pool else nn.Identity()
         self.fc = nn.Linear(cfg.num_features, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
         self._init_weights()

@@ -203,6 +203,12 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
             out = list(zip(out, prefix))
         return out if intermediates_only else (self.norm(x_BSD), out)
 
+    def get_intermediate_layers(self, images_BCHW, n=1, reshape: bool = False, return_prefix_tokens: bool = False,
+                                norm: bool = False):
+        """DINO's name for :meth:`forward_intermediates` (timm keeps it): the last ``n`` blocks' tokens."""
+        return self.forward_intermediates(images_BCHW, n, return_prefix_tokens=return_prefix_tokens, norm=norm,
+                                          output_fmt="NCHW" if reshape else "NLC", intermediates_only=True)
+
     def forward_head(self, x_BSD: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         pool = self.config.global_pool
         if pool == "token":

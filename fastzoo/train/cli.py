@@ -8,12 +8,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from fastzoo.errors import FastzooError
-from fastzoo.text import parse_key_values
+from fastzoo.errors import FastzooError, UsageError
+from fastzoo.text import USER_ERRORS, ArgumentParser, error_line, non_negative_int, parse_key_values, positive_int, show_traceback
 
-
-class UsageError(FastzooError, ValueError):
-    """Bad arguments or unreadable data: reported in one line, exit status 2."""
+__all__ = ["UsageError", "create_model", "parse_args", "positive_int", "run_main", "train_parser"]
 
 
 class _KeyValue(argparse.Action):
@@ -29,15 +27,8 @@ class _KeyValue(argparse.Action):
         setattr(namespace, self.dest, out)
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def train_parser(description: str, model_default: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", type=Path, default=None,
                    help="a YAML run file (configs/*.yaml): its fields are this script's options, named as below "
                         "with underscores (batch_size, model_kwargs...); flags given here override them")
@@ -53,7 +44,7 @@ def train_parser(description: str, model_default: str) -> argparse.ArgumentParse
     g.add_argument("--batch-size", "-b", type=positive_int, default=32, help="global batch, split across processes")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--weight-decay", type=float, default=0.05)
-    g.add_argument("--warmup-steps", type=int, default=0)
+    g.add_argument("--warmup-steps", type=non_negative_int, default=0)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
     g.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast dtype")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -63,11 +54,11 @@ def train_parser(description: str, model_default: str) -> argparse.ArgumentParse
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--workers", "-j", type=int, default=2, help="data loader worker processes")
+    g.add_argument("--workers", "-j", type=non_negative_int, default=2, help="data loader worker processes")
     g.add_argument("--output-dir", type=Path, default=None, help="default: runs/<model>")
     g.add_argument("--log-interval", type=positive_int, default=10, help="steps between printed (synchronised) metrics")
-    g.add_argument("--ckpt-interval", type=int, default=0, help="steps between checkpoints; 0: each epoch and at the end")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoint-<step> dirs kept; 0 keeps all")
+    g.add_argument("--ckpt-interval", type=non_negative_int, default=0, help="steps between checkpoints; 0: each epoch and at the end")
+    g.add_argument("--keep-checkpoints", type=non_negative_int, default=2, help="newest checkpoint-<step> dirs kept; 0 keeps all")
     g.add_argument("--resume", type=Path, default=None, help="checkpoint directory to continue from")
     g.add_argument("--nan-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="check loss and gradients every step (one tiny host sync per step); on a non-finite "
@@ -75,7 +66,7 @@ def train_parser(description: str, model_default: str) -> argparse.ArgumentParse
     g.add_argument("--replay", type=Path, default=None,
                    help="re-run the step captured in this nan_step<K> directory and compare bit for bit; "
                         "the captured run's arguments are the defaults, arguments given here override them")
-    g.add_argument("--debug-nan-at-step", type=int, default=None, metavar="K",
+    g.add_argument("--debug-nan-at-step", type=positive_int, default=None, metavar="K",
                    help="testing aid: add +inf to the loss of step K (1-based) to exercise the NaN capture")
     return p
 
@@ -179,8 +170,10 @@ def run_main(main, argv=None) -> None:
     prog = Path(sys.argv[0]).name
     try:
         code = main(argv)
-    except (FastzooError, OSError) as e:  # a user error, or the environment's (missing file, full disk...)
-        print(f"{prog}: error: {e}", file=sys.stderr)
+    except (FastzooError, *USER_ERRORS) as e:  # see fastzoo.text.USER_ERRORS
+        if show_traceback():
+            raise
+        print(error_line(prog, e), file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130

@@ -1,0 +1,110 @@
+"""Bad input to the models' forwards and the detector's loss: a ValueError naming the
+argument, and nothing changed (weights, and buffers such as BatchNorm running statistics:
+models are in train mode, where a forward that got half-way would have updated them).
+
+GPT-2's packed-input contract (cu_seqlens, n_positions of packed sequences) is covered by
+its own tests; here are the inputs every GPT-2 call shares.
+"""
+import re
+
+import pytest
+import torch
+
+import fastzoo
+
+VIT = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+GPT2 = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+DET = dict(layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=16, num_queries=3, num_classes=4)
+
+
+def state(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_refused(model, call, needle):
+    before = state(model)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        call()
+    after = model.state_dict()
+    changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
+    assert not changed, f"a refused call changed {changed[:4]}"
+
+
+IMAGES = {
+    "uint8": (lambda: torch.randint(0, 255, (2, 3, 16, 16), dtype=torch.uint8), "images are torch.uint8"),
+    "int64": (lambda: torch.randint(0, 255, (2, 3, 16, 16)), "images are torch.int64"),
+    "bool": (lambda: torch.ones(2, 3, 16, 16, dtype=torch.bool), "images are torch.bool"),
+    "complex": (lambda: torch.randn(2, 3, 16, 16, dtype=torch.complex64), "images are torch.complex64"),
+    "grey": (lambda: torch.randn(2, 1, 16, 16), "images have 1 channels"),
+    "channels last (NHWC)": (lambda: torch.randn(2, 16, 16, 3), "images have 16 channels"),
+    "a video": (lambda: torch.randn(1, 2, 3, 16, 16), "images must be [B, C, H, W]"),
+    "one image without a batch": (lambda: torch.randn(3, 16, 16), "images must be [B, C, H, W]"),
+    "another size": (lambda: torch.randn(2, 3, 48, 48), "images are 48x48"),
+}
+
+
+IMAGE_MODELS = {
+    "vit": lambda: fastzoo.create("vit_s16", **VIT),
+    "resnet": lambda: fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=3),
+}
+
+
+# a ResNet takes any image size (global average pooling)
+@pytest.mark.parametrize("family,case", [(f, c) for f in IMAGE_MODELS for c in IMAGES
+                                         if not (f == "resnet" and c == "another size")])
+def test_bad_images_are_named_before_anything_runs(family, case):
+    model = IMAGE_MODELS[family]().train()  # train mode: BatchNorm statistics would move if a layer ran
+    make, needle = IMAGES[case]
+    assert_refused(model, lambda: model(make()), needle)
+
+
+def test_vit_empty_batch_gives_empty_logits():
+    out = fastzoo.create("vit_s16", **VIT)(torch.randn(0, 3, 16, 16))
+    assert out.shape == (0, 3)
+
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+GPT2_BAD = {
+    "ids past the vocabulary": (dict(input_ids=IDS + 64), "input_ids must lie in [0, 64)"),
+    "negative ids": (dict(input_ids=IDS - 64), "input_ids must lie in [0, 64)"),
+    "float ids": (dict(input_ids=IDS.float()), "input_ids must be an integer tensor"),
+    "bool ids": (dict(input_ids=IDS > 3), "input_ids must be an integer tensor"),
+    "1-d ids": (dict(input_ids=IDS[0]), "input_ids must be [B, S]"),
+    "3-d ids": (dict(input_ids=IDS[None]), "input_ids must be [B, S]"),
+    "longer than n_positions": (dict(input_ids=torch.zeros(1, 17, dtype=torch.long)), "n_positions=16"),
+    "mask of another shape": (dict(input_ids=IDS, attention_mask=torch.ones(2, 7)), "attention_mask must be [2, 8]"),
+    "mask of 2s": (dict(input_ids=IDS, attention_mask=torch.full((2, 8), 2)), "attention_mask must hold 0/1"),
+    "positions past n_positions": (dict(input_ids=IDS, position_ids=torch.arange(8)[None] + 10),
+                                   "position_ids must lie in [0, 16)"),
+    "positions of another shape": (dict(input_ids=IDS, position_ids=torch.arange(7)[None]), "position_ids must be"),
+    "max_seqlen without cu_seqlens": (dict(input_ids=IDS, max_seqlen=8), "max_seqlen goes with cu_seqlens"),
+}
+
+
+@pytest.mark.parametrize("case", list(GPT2_BAD))
+def test_gpt2_bad_inputs_are_named(case):
+    model = fastzoo.create("gpt2", attn="eager", **GPT2).train()
+    kwargs, needle = GPT2_BAD[case]
+    assert_refused(model, lambda: model(**kwargs), needle)
+
+
+BOX = torch.tensor([[0.1, 0.1, 0.5, 0.5]])
+DET_BAD = {
+    "a NaN box": (lambda: ([BOX * float("nan"), BOX], [torch.tensor([1]), torch.tensor([2])]), "boxes[0]: box 0 is not finite"),
+    "an inverted box": (lambda: ([BOX[:, [2, 3, 0, 1]], BOX], [torch.tensor([1]), torch.tensor([2])]), "x2 < x1"),
+    "3 coordinates": (lambda: ([BOX[:, :3], BOX], [torch.tensor([1]), torch.tensor([2])]), "boxes[0] must be an [n, 4] tensor"),
+    "a class past num_classes": (lambda: ([BOX, BOX], [torch.tensor([9]), torch.tensor([2])]), "labels must be class ids in [0, 4)"),
+    "a negative class": (lambda: ([BOX, BOX], [torch.tensor([-1]), torch.tensor([2])]), "labels must be class ids in [0, 4)"),
+    "more labels than boxes": (lambda: ([BOX, BOX], [torch.tensor([1, 2]), torch.tensor([2])]), "labels[0] must be an integer tensor"),
+    "float labels": (lambda: ([BOX, BOX], [torch.tensor([1.0]), torch.tensor([2.0])]), "labels[0] must be an integer tensor"),
+    "targets for one image of two": (lambda: ([BOX], [torch.tensor([1])]), "targets has 1 images but the outputs have 2"),
+    "pixel coordinates": (lambda: ([BOX * 32, BOX], [torch.tensor([1]), torch.tensor([2])]), "normalised to [0, 1]"),
+}
+
+
+@pytest.mark.parametrize("case", list(DET_BAD))
+def test_detector_bad_targets_are_named(case):
+    model = fastzoo.create("boxdet_r50", **DET).train()
+    outputs = model(torch.randn(2, 3, 32, 32))
+    targets, labels = DET_BAD[case][0]()
+    assert_refused(model, lambda: model.loss(outputs, targets, labels), DET_BAD[case][1])
