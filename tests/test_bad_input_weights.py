@@ -113,7 +113,7 @@ def test_gpt2_lm_head_differing_from_the_embedding_is_refused_naming_both_keys()
     model = fastzoo.create("gpt2", **GPT2)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["transformer.wte.weight"] = torch.randn_like(state["transformer.wte.weight"])
-    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    state["lm_head.weight"] = torch.randn_like(state["transformer.wte.weight"])
     before = snapshot(model)
     with pytest.raises(CheckpointError, match="lm_head.weight differs from transformer.wte.weight"):
         fastzoo.load_pretrained(model, state)

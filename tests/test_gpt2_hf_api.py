@@ -224,6 +224,42 @@ def test_trainer_with_flattening_collator_matches_hf_losses(hf):
     assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4  # fp32, 3 AdamW steps apart from rounding
 
 
+def test_trainer_saves_checkpoints_and_resumes_to_the_same_weights(hf, tmp_path):
+    """Trainer's own checkpoint saves (a model that is not a PreTrainedModel: its state dict goes
+    to safetensors) work with the tied head, and resuming from one ends at the uninterrupted run's
+    weights."""
+    g = torch.Generator().manual_seed(3)
+    ds = [{"input_ids": torch.randint(0, 128, (int(n),), generator=g).tolist()} for n in torch.randint(4, 20, (16,), generator=g)]
+
+    def run(model, out, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=4, max_steps=4, save_steps=2, report_to=[],
+            learning_rate=1e-3, seed=0, use_cpu=True, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=ds,
+                                       data_collator=transformers.DataCollatorWithFlattening())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer.model
+
+    full = run(ours(hf).train(), tmp_path / "full")
+    assert (tmp_path / "full" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed = run(ours(hf).train(), tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.lm_head.weight is resumed.transformer.wte.weight  # still tied after loading
+    for (k, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters()):
+        assert (a - b).abs().max() <= 1e-6, k  # fp32: the same 2 AdamW steps after the same state
+
+
+def test_state_dict_stores_the_tied_head_once(hf):
+    """As HF's files: one key for the tied tensor, so safetensors (Trainer's checkpoints) can
+    store it; loading such a state dict ties the head to the loaded embedding."""
+    m = ours(hf)
+    state = m.state_dict()
+    assert "lm_head.weight" not in state and "transformer.wte.weight" in state
+    fresh = fastzoo.create("gpt2", **TINY)
+    fresh.load_state_dict(state)  # strict: no missing key
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(fresh.lm_head.weight, m.transformer.wte.weight)
+
+
 # -- part 4: training plumbing -------------------------------------------------------------------
 def test_dropout_zero_idiom_makes_padded_and_packed_training_steps_equal():
     """Attention dropout is an nn.Dropout module: setting every nn.Dropout's p to 0 turns it

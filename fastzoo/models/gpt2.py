@@ -177,6 +177,11 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         self.transformer = GPT2Model(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in every GPT-2 checkpoint
+        # the tied head is stored once (as HF's save_pretrained does): a state dict with two keys
+        # for one tensor is refused by safetensors, which is how transformers.Trainer saves
+        # checkpoints of a model that is not a PreTrainedModel
+        self.register_state_dict_post_hook(_drop_tied_head)
+        self.register_load_state_dict_pre_hook(_fill_tied_head)
         self._init_weights()
 
     def _init_weights(self):
@@ -366,6 +371,20 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         path = write_pretrained(path, cfg, HF.from_fastzoo(state, self.config), weights_format="pt")
         self.generation_config.save_pretrained(path)
         return path
+
+
+def _drop_tied_head(module, state_dict, prefix, local_metadata) -> None:
+    if module.lm_head.weight is module.transformer.wte.weight:
+        state_dict.pop(prefix + "lm_head.weight", None)
+
+
+def _fill_tied_head(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Accept a state dict with the tied head stored once. Where both names are given, the token
+    embedding defines the one tensor (torch's distributed state-dict loader adds the model's
+    current head beside a new embedding); ``fastzoo.load_pretrained`` refuses a checkpoint whose
+    two values differ before anything is loaded."""
+    if prefix + "transformer.wte.weight" in state_dict:
+        state_dict[prefix + "lm_head.weight"] = state_dict[prefix + "transformer.wte.weight"]
 
 
 def _flash_kwargs(kwargs: dict, cu_seqlens, max_seqlen):

@@ -309,19 +309,27 @@ def export_state_dict(model, format: str) -> dict:
     """The model's weights in ``format`` (e.g. "timm", "hf", "torchvision"), ready for that library."""
     for conv in converters(model.family):
         if conv.format == format:
-            return conv.from_fastzoo(model.state_dict(), model.config)
+            return conv.from_fastzoo(model_state(model), model.config)
     names = ", ".join(c.format for c in converters(model.family))
     raise ValueError(f"format={format!r}: {model.family} models export to {names}")
 
 
 # -- loading ----------------------------------------------------------------------------
+def model_state(model: nn.Module) -> dict:
+    """The model's state dict with every tied alias too (GPT-2's ``state_dict()`` stores its tied
+    head once, as HF's files do; converters and checks see both names of the one tensor)."""
+    own = model.state_dict()
+    params = model.named_parameters(remove_duplicate=False)
+    return {**own, **{k: p.detach() for k, p in params if k not in own}}
+
+
 def check_state_dict(model: nn.Module, state: dict, origin: str, allow_missing=()) -> None:
     """Raise CheckpointError naming every key that would not load faithfully: missing,
     unexpected, mis-shaped, of another kind of value (integers, bools or complex numbers for
     float weights...), without data (meta), not a dense tensor (sparse, quantized, nested),
     or a tied weight given two different values. A key tied to one that is present (GPT-2's
     ``lm_head.weight``, one tensor with ``transformer.wte.weight``) may be absent."""
-    own = model.state_dict()
+    own = model_state(model)
     tied = _tied_keys(own)
     missing = [k for k in own if k not in state and k not in allow_missing and not any(t in state for t in tied.get(k, ()))]
     unexpected = [k for k in state if k not in own]
@@ -409,7 +417,7 @@ def _names(keys: list[str], limit: int = 12) -> str:
 
 def load_into(model: nn.Module, state: dict, origin: str, allow_missing=()) -> None:
     check_state_dict(model, state, origin, allow_missing)
-    own = model.state_dict()
+    own = model_state(model)
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v)
