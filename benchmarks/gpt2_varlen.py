@@ -15,20 +15,21 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import fastzoo  # noqa: E402
 from _common import compile_modes, dtype_for, parser, save, setup, timing  # noqa: E402
 from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.gpt2 import QUICK_SETTING, TARGET_SETTING, GPT2Setting, gpt2_suite  # noqa: E402
+from fastzoo.bench.gpt2 import TARGET_SETTING, GPT2Setting, gpt2_suite  # noqa: E402
 
 # On GPU: the articles' scale, a GPT-2 small on 32 sequences up to 1024 tokens.
 GPU_SETTING = GPT2Setting("GPT-2 small, 32 seqs in [1,1024]", 12, 768, 12, 32, 1024)
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):
-    setting = GPU_SETTING if device.type == "cuda" and not quick else (QUICK_SETTING if quick else TARGET_SETTING)
+    setting = GPU_SETTING if device.type == "cuda" and not quick else TARGET_SETTING
     backends = fastzoo.list_attention(available_only=True)
     if quick and device.type == "cpu":  # minutes on 2 cores: fp32 needs no eager case (the reference is
         backends = [b for b in backends if b not in ("eager", "flex")]  # separate), uncompiled flex is unfused
     suite = gpt2_suite(setting, backends=backends,
                        compile_modes=compile_modes(quick, device, compile), device=device, dtype=dtype_for(device))
-    return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "gpt2_varlen")
+    return save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
+                out, "gpt2_varlen")
 
 
 if __name__ == "__main__":
