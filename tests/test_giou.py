@@ -516,3 +516,18 @@ def test_triton_padded_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_triton_kernel_module_without_triton_names_the_package(monkeypatch):
+    """The Triton GIoU module is imported only for CUDA tensors; on a machine without Triton it
+    says what is missing and what to use instead, not a bare ModuleNotFoundError."""
+    import importlib
+    import sys
+
+    from fastzoo.errors import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    monkeypatch.delitem(sys.modules, "fastzoo.losses.kernels.triton_giou", raising=False)
+    with pytest.raises(BackendUnavailableError, match="needs Triton.*impl=\"torch\""):
+        importlib.import_module("fastzoo.losses.kernels.triton_giou")

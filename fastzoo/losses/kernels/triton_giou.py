@@ -23,10 +23,20 @@ interpreter (``TRITON_INTERPRET=1``) against torchvision.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from fastzoo.errors import BackendUnavailableError
 from fastzoo.losses.kernels import compute_dtype
+
+# Triton is imported by this module alone, and this module only by giou_op's CUDA kernels (never
+# by ``import fastzoo``). It stays at module level here because ``@triton.jit`` functions find
+# the helpers they call (load_box, div, ...) among their module's globals, not in a closure.
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # a CUDA tensor reached the fused GIoU op on a machine without Triton
+    raise BackendUnavailableError(
+        "the fused GIoU kernel on CUDA needs Triton, which is not installed: `pip install triton`, "
+        "or use giou_loss(..., impl=\"torch\")") from e
 
 BLOCK = 256
 NONE, SUM, MEAN = 0, 1, 2  # reduction codes of the masked op
