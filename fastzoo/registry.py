@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -84,6 +84,8 @@ def create(
     mode (transformers' ``from_pretrained``); ViT, ResNet and the detector stay in train mode
     (``timm.create_model`` and torchvision's constructors).
     A ``device`` this machine cannot allocate on is a ValueError before anything is built.
+    ``device="meta"`` (or building inside ``with torch.device("meta"):``) allocates nothing:
+    the big-model idiom, ``model.to_empty(device=...)`` then ``fastzoo.load_pretrained``.
 
     Image classifiers carry timm's ``pretrained_cfg``: the source's own (a live timm model's,
     a ``save_pretrained`` directory's) else timm's default for the variant (the YAML's
@@ -95,6 +97,10 @@ def create(
     backend_class(attn)  # an unknown backend name fails before anything is built
     if device is not None:
         check_device(device)
+    on_meta = torch.device(device).type == "meta" if device is not None else False
+    if on_meta and pretrained is not None:
+        raise ValueError("device='meta' builds a model without storage, so there is nothing to load pretrained= into: "
+                         "call model.to_empty(device=...) and then fastzoo.load_pretrained(model, source)")
     cls = entry.model_class
     src = weights.read_source(pretrained) if pretrained is not None else None
     values = dict(entry.config)
@@ -103,7 +109,8 @@ def create(
     values.update(overrides)
     with _blame_checkpoint(src, from_weights, overrides):  # sizes read from a checkpoint that do not fit the rest
         cfg = cls.config_class.from_dict(values)
-        model = cls(cfg)
+        with torch.device("meta") if on_meta else nullcontext():  # meta: no storage is ever allocated
+            model = cls(cfg)
     implied = {**entry.config, **{k: v for k, v in overrides.items() if k not in from_weights}, **from_weights}
     changed = _overridden_fields(cls.config_class, implied, cfg, overrides) if src else set()
 

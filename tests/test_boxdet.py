@@ -334,3 +334,53 @@ def test_issue_snippet_after_a_bare_import_fastzoo(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok []", proc.stdout
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (each a device sync on a GPU):
+    ``_local_scalar_dense`` (``bool()``, ``int()``, ``.item()``) and ``nonzero`` (data-sized output)."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loss", ["per_sample", "concat", "padded", "kernel"])
+@pytest.mark.parametrize("matcher", ["order", "hungarian"])
+def test_loss_on_a_list_of_targets_reads_the_device_once(loss, matcher):
+    """Boxes finite and upright, normalised (not pixels), labels in range: one reduction, one
+    host read for the batch (the Hungarian matcher's cost copy is a `.cpu()`, not counted: it
+    is the matcher's one transfer). A collated BoxTargets (checked on the CPU) needs none. The
+    loss equals the collated path's."""
+    torch.manual_seed(0)
+    det = tiny(num_classes=3, loss=loss, matcher=matcher)
+    out = det(torch.rand(2, 3, 64, 64))
+    targets = [torch.tensor([[0.1, 0.1, 0.5, 0.5]]), torch.tensor([[0.2, 0.2, 0.4, 0.9], [0.0, 0.0, 1.0, 1.0]])]
+    labels = [torch.tensor([1]), torch.tensor([0, 2])]
+    with _HostReads() as reads:
+        from_list = det.loss(out, targets, labels)
+    assert reads.count == 1
+    collated = collate_boxes(targets, labels, num_classes=3)
+    with _HostReads() as reads:
+        from_collated = det.loss(out, collated)
+    assert reads.count == 0
+    assert torch.equal(from_list, from_collated)
+
+
+@pytest.mark.parametrize("targets, labels, match", [
+    ([torch.tensor([[0.1, 0.1, float("nan"), 0.5]])], None, r"boxes\[0\]: box 0 is not finite"),
+    ([torch.tensor([[0.5, 0.1, 0.1, 0.5]])], None, r"boxes\[0\]: box 0 has x2 < x1"),
+    ([torch.tensor([[10.0, 10.0, 50.0, 50.0]])], None, r"boxes reach 50.*normalised to \[0, 1\]"),
+    ([torch.tensor([[0.1, 0.1, 0.5, 0.5]])], [torch.tensor([3])], r"labels must be class ids in \[0, 3\)"),
+])
+def test_each_check_of_the_one_read_still_names_its_problem(targets, labels, match):
+    det = tiny(num_classes=3, num_queries=2)
+    out = det(torch.rand(1, 3, 64, 64))
+    with pytest.raises(ValueError, match=match):
+        det.loss(out, targets, labels)

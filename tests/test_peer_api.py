@@ -337,12 +337,14 @@ def test_vit_create_feature_extractor_equals_timm_blocks():
 
 
 def test_resnet_graph_nodes_are_torchvisions():
-    """get_graph_node_names: torchvision's node names, plus the input check (one opaque node)."""
+    """get_graph_node_names: torchvision's node names, plus the input check (one opaque node) and
+    the stem weight it compares the images' device and dtype with (read when the graph runs, so
+    a traced module converted with .to() checks against its new dtype)."""
     tv = tv_resnet()
     m = fastzoo.create("resnet50", pretrained=tv)
     for ours, theirs in zip(get_graph_node_names(m), get_graph_node_names(tv)):
-        assert ours[0] != "x" and ours[1] == "check_images"
-        assert ours[2:] == theirs[1:]
+        assert ours[0] != "x" and ours[1:3] == ["conv1_weight", "check_images"]
+        assert ours[3:] == theirs[1:]
 
 
 def test_resnet_fx_extractor_checks_and_keeps_validating():

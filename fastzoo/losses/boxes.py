@@ -75,12 +75,15 @@ torch.serialization.add_safe_globals([BoxTargets])
 
 def collate_boxes(
     boxes: Sequence[Tensor], labels: Sequence[Tensor] | None = None, *, pad_to: int | None = None, validate: bool = True,
-    num_classes: int | None = None,
+    num_classes: int | None = None, normalized: bool = False,
 ) -> BoxTargets:
     """All three layouts of per-image boxes ``[n_i, 4]`` (xyxy) and optional labels ``[n_i]``
     (default: class 0). ``pad_to`` fixes M (static shapes, e.g. for torch.compile).
     ``num_classes``: check that every label is in [0, num_classes) (recorded as ``checked_classes``).
-    Built on the boxes' device (the CPU in a DataLoader worker)."""
+    ``normalized``: check that the boxes are normalised to [0, 1], not in pixels (noisy
+    annotations pass 1 a little: a coordinate beyond 2 is refused).
+    Built on the boxes' device (the CPU in a DataLoader worker). The value checks run as one
+    reduction read once by the host: one device sync for the batch, whichever are asked."""
     if len(boxes) == 0:
         raise ValueError("boxes is empty: need one [n_i, 4] tensor per image (n_i may be 0)")
     for i, b in enumerate(boxes):
@@ -90,11 +93,6 @@ def collate_boxes(
     counts = tuple(b.shape[0] for b in boxes)
     B, dtype, device = len(boxes), boxes[0].dtype, boxes[0].device
     cat = torch.cat([b.to(dtype) for b in boxes])
-    if validate:  # once for the whole batch: one host sync at most
-        bad = first_bad_box(cat)
-        if bad is not None:
-            i = next(i for i in range(B) if bad < sum(counts[: i + 1]))
-            check_boxes(boxes[i], f"boxes[{i}]")
     if labels is None:
         labels = [torch.zeros(n, dtype=torch.long, device=device) for n in counts]
     if len(labels) != B:
@@ -106,8 +104,7 @@ def collate_boxes(
     if M < max(counts):
         raise ValueError(f"pad_to={pad_to} is less than the largest box count in the batch ({max(counts)})")
     cat_labels = torch.cat([lab.long() for lab in labels])
-    if num_classes is not None and cat_labels.numel() and bool(((cat_labels < 0) | (cat_labels >= num_classes)).any()):
-        raise ValueError(f"labels must be class ids in [0, {num_classes}), got values {cat_labels.unique().tolist()}")
+    _check_values(boxes, counts, cat, cat_labels, validate=validate, num_classes=num_classes, normalized=normalized)
     counts_t = torch.tensor(counts, dtype=torch.long, device=device)
     batch_index = torch.repeat_interleave(torch.arange(B, device=device), counts_t)
     starts = torch.cumsum(counts_t, 0) - counts_t
@@ -119,6 +116,35 @@ def collate_boxes(
     padded_labels[batch_index, slot] = cat_labels
     mask[batch_index, slot] = True
     return BoxTargets(counts, cat, cat_labels, batch_index, slot, padded, padded_labels, mask, num_classes)
+
+
+_BAD_BOX, _PIXELS, _BAD_LABEL = 1, 2, 4  # bits of the one number _check_values reads
+
+
+def _check_values(boxes, counts, cat: Tensor, cat_labels: Tensor, *, validate: bool, num_classes: int | None,
+                  normalized: bool) -> None:
+    """The value checks :func:`collate_boxes` was asked for, as one number on the boxes' device
+    (a bit per failed check) read once; the error path then looks closer (more reads, once)."""
+    flags = []
+    if cat.numel() and validate:
+        b = cat.detach()
+        flags.append(((~torch.isfinite(b).all(-1) | (b[:, 2] < b[:, 0]) | (b[:, 3] < b[:, 1])).any(), _BAD_BOX))
+    if cat.numel() and normalized:
+        flags.append(((cat.detach().abs() > 2).any(), _PIXELS))
+    if cat_labels.numel() and num_classes is not None:
+        flags.append((((cat_labels < 0) | (cat_labels >= num_classes)).any(), _BAD_LABEL))
+    if not flags:
+        return
+    code = int(sum(flag.long() * bit for flag, bit in flags))  # the one host read
+    if code & _BAD_BOX:
+        bad = first_bad_box(cat)
+        i = next(i for i in range(len(counts)) if bad < sum(counts[: i + 1]))
+        check_boxes(boxes[i], f"boxes[{i}]")
+    if code & _PIXELS:
+        raise ValueError(f"boxes reach {cat.abs().max().item():g}, but they must be normalised to [0, 1]: divide x by "
+                         f"the image width and y by its height")
+    if code & _BAD_LABEL:
+        raise ValueError(f"labels must be class ids in [0, {num_classes}), got values {cat_labels.unique().tolist()}")
 
 
 # How the GIoU term over matched pairs runs (a detector's ``loss`` field); all give the same sum.

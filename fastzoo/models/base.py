@@ -31,7 +31,8 @@ class FastzooModel(nn.Module):
         return {}
 
     def attention_request(self, device: str | None = None, dtype: torch.dtype | None = None) -> AttnRequest:
-        """What the model needs; device/dtype are those given, else the parameters' when not the default cpu/fp32.
+        """What the model needs; device/dtype are those given, else the parameters' when not the default cpu/fp32
+        (a meta device says nothing: the model gets its real device later, with ``to_empty``).
 
         Whether a backward will be asked is not known here (a fresh model is in train mode
         even for inference), so backends check that per call, before running. The attention
@@ -43,6 +44,8 @@ class FastzooModel(nn.Module):
         p = next(self.parameters(), None)
         if device is None and p is not None and p.device.type != "cpu":
             device = p.device.type
+        if device == "meta":  # built without storage (big-model init): the real device comes with to_empty()
+            device = None
         if dtype is None and p is not None and p.dtype != torch.float32:
             dtype = p.dtype
         layers = [m for m in self.modules() if isinstance(m, UsesAttention)]

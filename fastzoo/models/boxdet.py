@@ -166,10 +166,8 @@ class BoxDetector(FastzooModel):
                 raise ValueError("labels= goes with a list of box tensors; BoxTargets already carries its labels")
             tb = targets
         elif isinstance(targets, (list, tuple)):
-            tb = collate_boxes(list(targets), labels)  # validates the values: one host sync
-            if tb.num_boxes and bool((tb.boxes.detach().abs() > 2).any()):  # noisy annotations pass 1 a little; pixels far
-                raise ValueError(f"targets: boxes reach {tb.boxes.abs().max().item():g}, but the detector predicts boxes "
-                                 f"normalised to [0, 1]: divide x by the image width and y by its height")
+            # boxes, their [0, 1] scale (not pixels) and the labels: checked in one host read
+            tb = collate_boxes(list(targets), labels, num_classes=self.config.num_classes, normalized=True)
         else:
             raise ValueError(f"targets must be a list of [n_i, 4] tensors or a BoxTargets, not {type(targets).__name__}")
         if len(tb) != B:

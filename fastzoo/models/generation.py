@@ -157,6 +157,17 @@ class CausalLMConventions:
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
+    def tie_weights(self) -> None:
+        """The LM head is the token embedding again (transformers' name)."""
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def _apply(self, fn, recurse=True):
+        # torch converts a parameter it cannot swap in place (meta -> a device: ``to_empty``, the
+        # big-model init) into a new Parameter per module, which unties the head: tie it again
+        out = super()._apply(fn, recurse)
+        self.tie_weights()
+        return out
+
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
         """Grow or shrink the vocabulary, keeping the LM head tied. New rows start at the

@@ -106,7 +106,9 @@ class ResNet(TimmModelAPI, FastzooModel):
         self.bn1 = nn.BatchNorm2d(stem)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
-        # timm's feature_info (its stem activation is named act1; here it is torchvision's relu)
+        # timm's feature_info: its channels and reductions, and module names of this model (timm's
+        # stem activation is act1, here torchvision's relu): timm's hook / fx feature wrappers and
+        # any code that hooks model.get_submodule(info.module_name()) find the module computing it
         self.feature_info = [dict(num_chs=stem, reduction=2, module="relu")]
         inplanes = stem
         for i, (n, planes) in enumerate(zip(cfg.layers, cfg.channels)):
@@ -150,15 +152,16 @@ class ResNet(TimmModelAPI, FastzooModel):
                     nn.init.zeros_(m.bn3.weight)
 
     def _stem(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        images_BCHW = check_images(images_BCHW, self.config.in_chans)
+        images_BCHW = check_images(images_BCHW, self.config.in_chans, weight=self.conv1.weight)
         if self.config.channels_last:
             images_BCHW = images_BCHW.contiguous(memory_format=torch.channels_last)
         return self.relu(self.bn1(self.conv1(images_BCHW)))
 
     def _stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        if not self.grad_checkpointing:
-            return getattr(self, f"layer{i + 1}")(x)
-        for block in getattr(self, f"layer{i + 1}"):  # timm's checkpoint_seq(flatten=True): one block at a time
+        stage = getattr(self, f"layer{i + 1}")
+        if not self.grad_checkpointing or not isinstance(stage, nn.Sequential):  # an Identity: pruned
+            return stage(x)
+        for block in stage:  # timm's checkpoint_seq(flatten=True): one block at a time
             x = self._run_block(block, x)
         return x
 
@@ -193,6 +196,18 @@ class ResNet(TimmModelAPI, FastzooModel):
             if i + 1 in taken:
                 out.append(x)
         return out if intermediates_only else (x, out)
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """timm's: the stages after the last of ``indices`` (as :meth:`forward_intermediates` reads
+        them) become identities, and with ``prune_head`` the pooling and ``fc`` too. Returns the
+        kept indices. ``prune_norm`` does nothing: a ResNet has no final norm."""
+        taken, last = take_indices(self.num_stages + 1, indices)
+        for i in range(last, self.num_stages):
+            setattr(self, f"layer{i + 1}", nn.Identity())
+        if prune_head:
+            self.reset_classifier(0, "")
+        return taken
 
     def forward_head(self, x_BCHW: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = self.avgpool(x_BCHW)

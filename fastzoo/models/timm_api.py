@@ -20,14 +20,24 @@ import torch
 _SOURCE_FIELDS = ("url", "file", "state_dict", "hf_hub_id", "hf_hub_filename", "source", "custom_load")
 
 
-def check_images(images_BCHW: torch.Tensor, in_chans: int, img_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """``images_BCHW`` unchanged, or a ValueError naming what is wrong with it."""
+def check_images(images_BCHW: torch.Tensor, in_chans: int, img_size: tuple[int, int] | None = None,
+                 weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``images_BCHW`` unchanged, or a ValueError naming what is wrong with it. ``weight``: the
+    first layer's, whose device and dtype the images must have (any floating dtype under
+    autocast, which casts both to its own)."""
     if images_BCHW.ndim != 4:
         raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images_BCHW.shape)}")
     if images_BCHW.shape[1] != in_chans:
         raise ValueError(f"images have {images_BCHW.shape[1]} channels, the model was built for in_chans={in_chans}")
     if not images_BCHW.is_floating_point():
         raise ValueError(f"images are {images_BCHW.dtype}: convert them to a floating dtype (and normalise) first")
+    if weight is not None and images_BCHW.device != weight.device:
+        raise ValueError(f"images are on {images_BCHW.device} but the model is on {weight.device}: "
+                         f"move one of them (images.to({str(weight.device)!r}) or model.to(...))")
+    if weight is not None and images_BCHW.dtype != weight.dtype and not torch.is_autocast_enabled(images_BCHW.device.type):
+        raise ValueError(f"images are {images_BCHW.dtype} but the model's weights are {weight.dtype}: convert the images "
+                         f"(images.to({weight.dtype})) or the model (model.to({images_BCHW.dtype})), or run under "
+                         f"torch.autocast")
     if img_size is not None and tuple(images_BCHW.shape[2:]) != tuple(img_size):
         H, W = images_BCHW.shape[2:]
         raise ValueError(f"images are {H}x{W}, the model was built for img_size={tuple(img_size)}")
@@ -129,11 +139,13 @@ class TimmModelAPI:
 
     def as_features(self, out_indices=None, feature_cls: str | None = None, **kwargs):
         """timm's ``features_only=True`` result around this model: the list of feature maps at
-        ``out_indices`` (indices into ``feature_info``), from timm's own wrapper class."""
-        from timm.models import _features
+        ``out_indices`` (indices into ``feature_info``), from timm's own wrapper class
+        (``feature_cls``: timm's names; 'hook' and 'fx' find the modules ``feature_info`` names)."""
+        from timm.models import _features, _features_fx
         from timm.models._builder import pretrained_cfg_for_features
 
-        kinds = {"list": _features.FeatureListNet, "getter": _features.FeatureGetterNet, "dict": _features.FeatureDictNet}
+        kinds = {"list": _features.FeatureListNet, "getter": _features.FeatureGetterNet, "dict": _features.FeatureDictNet,
+                 "hook": _features.FeatureHookNet, "fx": _features_fx.FeatureGraphNet}
         kind = feature_cls or self.timm_feature_cls
         if kind not in kinds:
             raise ValueError(f"feature_cls={kind!r}: choose one of {', '.join(map(repr, kinds))}")

@@ -125,7 +125,7 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
         self.pos_embed = nn.Parameter(torch.randn(1, pos_len, D) * 0.02)
         self.pos_drop = nn.Dropout(cfg.pos_drop_rate)
         self.norm_pre = nn.LayerNorm(D, eps=cfg.norm_eps) if cfg.pre_norm else nn.Identity()
-        rates = torch.linspace(0, cfg.drop_path_rate, cfg.depth).tolist()
+        rates = torch.linspace(0, cfg.drop_path_rate, cfg.depth, device="cpu").tolist()  # cpu: also under torch.device("meta")
         self.blocks = nn.ModuleList([Block(cfg, r) for r in rates])
         reduction = cfg.patch_size  # timm's feature_info: one entry per block
         self.feature_info = [dict(module=f"blocks.{i}", num_chs=D, reduction=reduction) for i in range(cfg.depth)]
@@ -158,7 +158,7 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
 
     def _embed(self, images_BCHW: torch.Tensor) -> tuple[torch.Tensor, AttnContext]:
         """Patch tokens with prefix tokens and position embedding, and the forward's attention context."""
-        images_BCHW = check_images(images_BCHW, self.config.in_chans, self.patch_embed.img_size)
+        images_BCHW = check_images(images_BCHW, self.config.in_chans, self.patch_embed.img_size, self.pos_embed)
         x_BSD = self.norm_pre(self.pos_drop(self._pos_embed(self.patch_embed(images_BCHW))))
         return x_BSD, AttnContext(grid_size=self.patch_embed.grid_size, num_prefix_tokens=self.num_prefix_tokens)
 
@@ -202,6 +202,21 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
         if return_prefix_tokens and P:
             out = list(zip(out, prefix))
         return out if intermediates_only else (self.norm(x_BSD), out)
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> list[int]:
+        """timm's: drop the blocks after the last of ``indices`` (as :meth:`forward_intermediates`
+        reads them), the final norm if ``prune_norm``, the pooling, ``fc_norm`` and head if
+        ``prune_head``. Returns the kept indices. ``config.depth`` follows the blocks."""
+        taken, last = take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: last + 1]
+        self.config.depth = len(self.blocks)
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.fc_norm = nn.Identity()
+            self.reset_classifier(0, "")
+        return taken
 
     def get_intermediate_layers(self, images_BCHW, n=1, reshape: bool = False, return_prefix_tokens: bool = False,
                                 norm: bool = False):

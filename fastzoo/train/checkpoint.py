@@ -58,11 +58,17 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(path, model, optimizer, scheduler, state: TrainState, world: D.World) -> Path:
     """Write a checkpoint at ``path``, replaced atomically (``files.atomic_dir``): a kill or a
-    full disk leaves the previous version. Every process must call this."""
+    full disk leaves the previous version. Every process must call this.
+
+    Process 0 writes; then it tells every process whether the write worked (in place of a
+    bare barrier), so a failed write (a full disk) stops every process at once with the same
+    :class:`CheckpointError`, instead of leaving the others at a barrier until the
+    process-group timeout (30 minutes)."""
     path = Path(path)
     weights = D.full_model_state(model)
     optim = D.full_optimizer_state(model, optimizer)
     rngs = D.all_gather_object(get_rng_state())
+    error = None
     if world.is_main:
         try:
             with files.atomic_dir(path) as tmp:
@@ -70,9 +76,17 @@ def save_checkpoint(path, model, optimizer, scheduler, state: TrainState, world:
                 torch.save({**asdict(state), "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
                             "world_size": world.size}, tmp / STATE_FILE)
         except OSError as e:
-            raise CheckpointError(f"{path}: could not write the checkpoint ({e}); nothing was replaced, "
-                                  f"earlier checkpoints are intact") from e
-    D.barrier()
+            error = CheckpointError(f"{path}: could not write the checkpoint ({e}); nothing was replaced, "
+                                    f"earlier checkpoints are intact")
+            error.__cause__ = e
+        except Exception as e:  # not the disk's fault: process 0 raises it as it is, the others are told
+            error = e
+    told = D.broadcast_from_main(None if error is None else (isinstance(error, CheckpointError), str(error)))
+    if error is not None:
+        raise error
+    if told is not None:
+        ours, message = told
+        raise CheckpointError(message if ours else f"{path}: process 0 failed writing the checkpoint ({message})")
     return path
 
 

@@ -110,6 +110,15 @@ def all_gather_object(obj) -> list:
     return [obj]
 
 
+def broadcast_from_main(obj):
+    """Process 0's ``obj`` on every process (a barrier that carries a value); ``obj`` when alone."""
+    if dist.is_available() and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fastzoo import files
+from fastzoo.errors import CheckpointError
 from fastzoo.train import distributed as D
 from fastzoo.train import nan_guard
 from fastzoo.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
@@ -265,9 +266,18 @@ class Trainer:
                 "loss": float(loss.detach()), "count_global": float(count_global), "world_size": world.size,
                 "rank": world.rank, "args": args_to_json(self.args)}
         grads = nan_guard.grads_of(self.raw) if not world.distributed else None
-        nan_guard.write_capture(path, model=self.raw, weights=weights, batch=batch, rng_state=rng, loss=loss,
-                                grads=grads, meta=meta)
-        D.barrier()
+        try:
+            nan_guard.write_capture(path, model=self.raw, weights=weights, batch=batch, rng_state=rng, loss=loss,
+                                    grads=grads, meta=meta)
+            failed = None
+        except OSError as e:
+            failed = f"rank {world.rank}: {e}"
+        # every process learns whether every write worked (in place of a bare barrier): one failed
+        # write stops them all with the same error instead of leaving the others at the barrier
+        failures = [f for f in D.all_gather_object(failed) if f]
+        if failures:
+            raise CheckpointError(f"{root}: could not write the NaN capture ({'; '.join(failures)}); stopped before "
+                                  f"the update at step {step}")
         if world.is_main:
             script = Path(sys.argv[0]).as_posix()
             print(f"non-finite loss or gradient at step {step} (loss {float(loss.detach())}); stopped before the update.\n"
