@@ -30,7 +30,7 @@ from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy
 from fastzoo.models.base import FastzooModel, write_pretrained
-from fastzoo.models.config import ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.generation import CausalLMConventions, layer_cache
 
 # HF ACT2FN names -> the activation module. "gelu_new" is OpenAI's tanh approximation.
@@ -51,7 +51,7 @@ class GPT2Config(ModelConfig):
     vocab_size: int = weights_decide(50257, "tokens in the vocabulary", ge=1)
     n_positions: int = weights_decide(1024, "longest sequence (learned position embeddings)", ge=1)
     n_embd: int = weights_decide(768, "width D", ge=1)
-    n_layer: int = weights_decide(12, "transformer blocks", ge=1)
+    n_layer: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
     n_head: int = changes_function(12, "attention heads; n_embd must divide by it", ge=1)
     n_inner: int | None = weights_decide(None, "MLP hidden width; None: 4 * n_embd", ge=1,
                                          compare=lambda c: c.n_inner or 4 * c.n_embd)
