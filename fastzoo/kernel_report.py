@@ -430,7 +430,8 @@ def _loss_row(parsed, evt, all_events, backward) -> KernelRow:
                     device_kernels=_device_kernels(inside), calls=1)
     if fused:  # the op's Python (vectorised) body shows its arithmetic ops; a compiled kernel only allocates
         op = next(e for e in inside if e.name == fused[0])
-        arithmetic = {d.name for d in _descendants(op)} - _ALLOCATION
+        # fastzoo's own ops inside it (the padded op's giou_valid_rows) are kernels too; their bodies are not
+        arithmetic = {d.name for d in _descendants(op) if not d.name.startswith("fastzoo::")} - _ALLOCATION
         compiled = bool(row.device_kernels) or not arithmetic
         row.executed = [f"{fused[0]} ({'compiled kernel' if compiled else 'vectorised closed form'})"] + [
             n for n in ran if n != fused[0]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ def create(
     values.update(overrides)
     with _blame_checkpoint(src, from_weights, overrides):  # sizes read from a checkpoint that do not fit the rest
         cfg = cls.config_class.from_dict(values)
+        if not on_meta:
+            check_fits(cls, cfg, device, dtype)
         with torch.device("meta") if on_meta else nullcontext():  # meta: no storage is ever allocated
             model = cls(cfg)
     implied = {**entry.config, **{k: v for k, v in overrides.items() if k not in from_weights}, **from_weights}
@@ -136,6 +139,41 @@ def create(
     if features:
         raise ValueError(f"{', '.join(features)} go with features_only=True")
     return model
+
+
+def check_fits(cls, cfg, device=None, dtype: torch.dtype | None = None) -> None:
+    """A config whose weights alone exceed the memory of the device they go to is a
+    :class:`ConfigError` naming its size fields, before anything is allocated (else a huge
+    value means an allocator error deep inside, or the kernel killing the process). The model
+    is built on the meta device to count them: its own arithmetic, no formula to keep in step."""
+    sizes = [f.name for f in dataclasses.fields(cfg) if cfg.field_kind(f.name) == "weights"]
+    given = ", ".join(f"{n}={getattr(cfg, n)!r}" for n in sizes)
+    try:
+        with torch.device("meta"):
+            probe = cls(cfg)
+    except (RuntimeError, TypeError, OverflowError) as e:  # a tensor size past int64: torch's errors for it vary
+        raise ConfigError(f"{cls.__name__} with {given}: a tensor of this size cannot exist ({str(e).splitlines()[0]}); "
+                          f"check these sizes", fields=tuple(sizes)) from e
+    tensors = {id(t): t for t in (*probe.parameters(), *probe.buffers())}.values()
+    need = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+               for t in tensors)
+    have = _memory_of(torch.device(device) if device is not None else torch.device("cpu"))
+    if have is not None and need > have:
+        raise ConfigError(f"{cls.__name__} with {given}: its weights "
+                          f"alone need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of this machine's "
+                          f"{device or 'cpu'}; check these sizes", fields=tuple(sizes))
+
+
+def _memory_of(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes, where torch or the OS can tell."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+    except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):  # per platform and build
+        return None
+    return None
 
 
 def check_device(device, *, what: str = "device") -> None:

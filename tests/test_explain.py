@@ -121,6 +121,27 @@ def test_giou_fused_kernel_is_identified_forward_and_backward():
     assert (row.fallback is None) == compiled  # a C++ kernel that could not be built is a fallback, named
 
 
+@pytest.mark.parametrize("mask_form", [True, False], ids=["mask", "from-target"])
+def test_giou_padded_kernel_is_identified_in_both_forms(mask_form):
+    """The from-target form reads validity through its own op (fastzoo::giou_valid_rows) inside the
+    padded op: still the compiled kernel, not mistaken for the vectorised fallback."""
+    from fastzoo.losses import giou_loss_padded
+    from fastzoo.losses.giou import PAD_BOX
+    from fastzoo.losses.kernels import giou_op
+
+    pred, target = boxes()
+    target = torch.cat([target, torch.tensor([PAD_BOX])])[None]
+    pred = torch.cat([pred.detach(), torch.rand(1, 4)])[None].requires_grad_()
+    mask = torch.tensor([[True, True, False]]) if mask_form else None
+    report = explain(torch.nn.Identity(), pred, backward=True, allow_fallback=True,
+                     loss=lambda p: giou_loss_padded(p, target, mask, impl="kernel"))
+    (row,) = report.rows
+    compiled = giou_op.kernel_path("cpu") == "cpu-cpp"
+    assert row.executed[0] == f"fastzoo::giou_loss_masked ({'compiled kernel' if compiled else 'vectorised closed form'})"
+    assert row.executed_backward == ["fastzoo::giou_loss_masked_bwd"]
+    assert (row.fallback is None) == compiled
+
+
 def test_giou_torch_impl_runs_no_fused_op_and_is_no_fallback():
     (row,) = explain(BoxLoss("torch"), *boxes()).rows
     assert row.requested == "giou_loss impl=torch"

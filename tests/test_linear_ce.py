@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.losses import linear_cross_entropy
-from fastzoo.losses.linear_ce import chunk_rows
+from fastzoo.losses.linear_ce import logits_block
 
-N, D, V = 300, 32, 1000  # chunk_rows(300, 1000, 32) = 64 rows: 5 chunks, the last one partial
+N, D, V = 300, 32, 1000  # logits_block(300, 1000, 32) = (64, 512): 5 x 2 blocks, the last of each partial
 IMPLS = ["fused", "torch", "reference", "auto"]
 
 
@@ -31,8 +31,14 @@ def value_and_grads(fn, h, w, t, reduction, seed=1):
 REF = lambda h, w, t, r: F.cross_entropy(h @ w.T, t, reduction=r)  # noqa: E731
 
 
-def test_case_spans_several_chunks_with_an_all_ignored_one():
-    assert chunk_rows(N, V, D) == 64 and N % 64 != 0
+def test_case_spans_several_blocks_with_an_all_ignored_one():
+    assert logits_block(N, V, D) == (64, 512) and N % 64 and V % 512
+
+
+def test_block_holds_no_more_than_the_hidden_states_at_gpt2_size():
+    """The memory rule at the benchmark's size: one [4096, 512] fp32 block (8 MiB) beside the grads."""
+    rows, cols = logits_block(4096, 50257, 768)
+    assert (rows, cols) == (4096, 512) and rows * cols <= 4096 * 768
 
 
 @pytest.mark.parametrize("impl", IMPLS)

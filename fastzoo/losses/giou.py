@@ -22,7 +22,7 @@ Two implementations behind one function, :func:`giou_loss` (``impl=``):
   use; if the build fails, the same closed form in vectorised torch ops, with a warning).
   Registered through ``torch.library``, so it traces under ``torch.compile(fullgraph=True)``.
   ``kernel_path(device)`` says which one a device gets ("triton", "cpu-cpp" or
-  "cpu-vectorised"), and ``last_impl`` records which path the last call took.
+  "cpu-vectorised"); ``fastzoo.explain`` says which one a call actually ran (from the profiler).
 
 Variable box counts (all four give the same number for the same matched pairs):
 
@@ -52,7 +52,6 @@ from fastzoo.kernel_ranges import kernel_range
 REDUCTIONS = ("none", "mean", "sum")
 PAD_BOX = (0.0, 0.0, -1.0, -1.0)  # an inverted box: marks a padded slot of a padded target
 IMPLS = ("auto", "torch", "kernel")
-last_impl: str | None = None  # the path the last giou_loss call took: "torch" | "cpu-cpp" | "cpu-vectorised" | "triton" | "nki" | "xla-vectorised"
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -173,21 +172,18 @@ def giou_loss(
     fused op: Triton on CUDA, C++ on CPU) or "auto" (= "kernel"; every device
     fastzoo runs on has one). Matches ``torchvision.ops.generalized_box_iou_loss``.
     """
-    global last_impl
     _check_options(reduction, impl)
     pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     _check_pair(pred, target)
     if impl != "torch":
         op = _giou_op()
-        path = op.kernel_path(pred.device.type)  # before the value checks, so that they run in C++ too
+        op.kernel_path(pred.device.type)  # builds the C++ kernel before the value checks, so that they run in C++ too
     if validate:
         check_boxes(pred, "pred")
         check_boxes(target, "target")
     if impl == "torch":
-        last_impl = "torch"
         with kernel_range("loss", "giou_loss", impl):
             return _reduce(giou_loss_reference(pred, target, eps), reduction)
-    last_impl = path
     with kernel_range("loss", "giou_loss", impl):  # for fastzoo.explain; a no-op otherwise
         return _reduce(op.fused_giou_loss(pred, target, eps), reduction)
 
@@ -244,7 +240,6 @@ def giou_loss_padded(
     the same in plain ops. pred and target may differ in dtype (bf16 predictions from an
     autocast region, fp32 targets); the loss is fp32 (fp64 if either is fp64).
     """
-    global last_impl
     _check_options(reduction, impl)
     pred, target = _upcast_integer(pred, "pred"), _upcast_integer(target, "target")
     check_boxes(pred, "pred", values=False)
@@ -259,16 +254,14 @@ def giou_loss_padded(
                          f"{getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
     if impl != "torch":
         op = _giou_op()
-        path = op.kernel_path(pred.device.type)
+        op.kernel_path(pred.device.type)  # builds the C++ kernel on first use
     if validate:  # the real pairs only: one gather and a host sync (skip with validate=False)
         valid = mask if mask is not None else ~_giou_op().padding_rows(target)
         check_boxes(pred[valid], "pred")
         check_boxes(target[valid], "target")
     if impl == "torch":
-        last_impl = "torch"
         with kernel_range("loss", "giou_loss_padded", impl):
             return _padded_torch(pred, target, mask, reduction, eps)
-    last_impl = path
     with kernel_range("loss", "giou_loss_padded", impl):  # for fastzoo.explain; a no-op otherwise
         return op.giou_loss_masked(pred, target, mask, float(eps), op.REDUCTION_CODES[reduction])
 

@@ -3,16 +3,20 @@ materialising the ``[tokens, vocab]`` logits (the LM head of GPT-2: vocab 50257)
 
 The fused path follows Liger-Kernel's fused linear cross-entropy and Apple's Cut
 Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"):
-tokens are processed in chunks; for each chunk the logits are computed, turned into the
-softmax in place, and the gradients of ``hidden`` and of ``weight`` are accumulated right
-there, in the forward. The backward then only scales those saved gradients by the upstream
-gradient, so the peak holds one chunk of logits and the weight's gradient instead of the
-logits, their log-softmax and their gradient.
+the logits are computed one ``[rows, cols]`` block at a time (tokens x vocabulary), never all
+at once. A first pass keeps each token's running ``logsumexp`` (online softmax); a second pass
+recomputes each block, turns it into ``softmax - onehot(target)`` in place and adds it into the
+gradients of ``hidden`` and ``weight`` right there, in the forward. The backward then only
+scales those saved gradients by the upstream gradient. The peak is the two gradients (which
+any path returns) plus one block no larger than ``hidden``; the second pass costs a fourth
+matmul, but with the vocabulary as its outer loop each block of the weight's gradient is
+written once instead of read and rewritten per token chunk, and that is what a CPU is short of
+(benchmarks/results/cpu-2core/linear_ce.md: faster than one pass with token chunks).
 
 ``impl`` (all three compute the same function; tests compare them in value and gradient):
 
 - ``"reference"``: the logits materialised, ``F.cross_entropy`` on them;
-- ``"fused"``: the chunked autograd.Function below;
+- ``"fused"``: the blocked two-pass autograd.Function below;
 - ``"torch"``: torch's own chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``;
 - ``"auto"``: the fastest on the device (:data:`AUTO_IMPL`, from ``benchmarks/results``).
 
@@ -112,66 +116,107 @@ def _matmul_dtype(hidden, weight) -> torch.dtype:
     return hidden.dtype
 
 
-def chunk_rows(n_tokens: int, vocab: int, width: int) -> int:
-    """Tokens per chunk: a power of two near a third of the width (256 for GPT-2's 768), at least 64.
-
-    The fixed cost is the weight's fp32 gradient (vocab x width) and the hidden states'; a chunk
-    adds its fp32 logits, ``rows x vocab`` -- a third of the weight's gradient at 256 rows. Fewer
-    rows stream the weight through memory more often (three matmuls per chunk): measured on CPU
-    at 4096 x 768 -> 50257, 256 rows run as fast as 512 and 128 rows about 20% slower."""
-    rows = max(64, 1 << (max(width // 3, 1).bit_length() - 1))
-    return min(rows, max(n_tokens, 1))
+VOCAB_BLOCK = 512  # vocabulary columns per logits block: see logits_block
 
 
-def _chunk_pass(h_ND, w_VD, target_N, valid_N, row_scale_N, want_h: bool, want_w: bool, compute_loss: bool):
-    """One pass over token chunks: per-token loss (if ``compute_loss``) and the gradients of the
-    sum over tokens of ``row_scale_N * loss`` with respect to h and w (if wanted)."""
+def logits_block(n_tokens: int, vocab: int, width: int) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of the one logits block the fused path holds at a time.
+
+    The block holds at most as many elements as the hidden states (``n_tokens x width``, torch's
+    "aspect ratio" rule), so the peak is the two gradients plus at most one more hidden-sized
+    tensor: 8 MiB at 4096 x 768 -> 50257 (``[4096, 512]``) next to the weight's 147 MiB gradient.
+    Columns: 512, as measured on CPU (benchmarks/results/cpu-2core/linear_ce.md: 256 and 1024 are
+    no faster); rows: a power of two, at least 64, filling the budget."""
+    cols = min(VOCAB_BLOCK, vocab)
+    rows = max(64, 1 << (max(n_tokens * width // cols, 1).bit_length() - 1))
+    return min(rows, max(n_tokens, 1)), cols
+
+
+def _spans(n: int, step: int):
+    return [(s, min(s + step, n)) for s in range(0, n, step)]
+
+
+class _Block:
+    """The one logits buffer, reused by every block (a fresh one each time would be page-faulted in
+    anew), as contiguous ``[rows, cols]`` views (``out=`` wants contiguous); when the matmuls run
+    below fp32, a second one holds the block in fp32 for the softmax."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, acc: torch.dtype, device):
+        self.flat = torch.empty(numel, dtype=dtype, device=device)
+        self.flat_acc = torch.empty(numel, dtype=acc, device=device) if acc != dtype else None
+
+    def mm(self, rows: int, cols: int) -> torch.Tensor:
+        return self.flat[: rows * cols].view(rows, cols)
+
+    def acc(self, block: torch.Tensor) -> torch.Tensor:
+        if self.flat_acc is None:
+            return block
+        return self.flat_acc[: block.numel()].view(block.shape).copy_(block)
+
+
+def _logsumexp_pass(h_ND, w_VD, safe_t_N, rows: int, cols: int, acc: torch.dtype):
+    """Per token: ``logsumexp`` of its logits and the logit of its target, one block at a time
+    (a running max and sum of exponentials, as in online softmax)."""
+    n, v = h_ND.shape[0], w_VD.shape[0]
+    buf = _Block(min(rows, n) * cols, h_ND.dtype, acc, h_ND.device)
+    lse_N = torch.empty(n, dtype=acc, device=h_ND.device)
+    picked_N = torch.zeros(n, dtype=acc, device=h_ND.device)
+    for s, e in _spans(n, rows):
+        t_c = safe_t_N[s:e]
+        m_c = torch.full((e - s,), float("-inf"), dtype=acc, device=h_ND.device)
+        z_c = torch.zeros(e - s, dtype=acc, device=h_ND.device)
+        for a, b in _spans(v, cols):
+            logits = buf.acc(torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a)))
+            in_block = (t_c >= a) & (t_c < b)
+            picked = logits.gather(1, (t_c - a).clamp(0, b - a - 1)[:, None]).squeeze(1)
+            picked_N[s:e] += torch.where(in_block, picked, 0.0)
+            m_new = torch.maximum(m_c, logits.amax(1))
+            z_c = z_c * (m_c - m_new).exp() + logits.sub_(m_new[:, None]).exp_().sum(1)
+            m_c = m_new
+        lse_N[s:e] = m_c + z_c.log()
+    return lse_N, picked_N
+
+
+def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool, rows: int, cols: int,
+               acc: torch.dtype):
+    """Gradients of ``sum_i scale_N[i] * loss_i`` with respect to h and w, one logits block at a time:
+    ``d loss / d logits = softmax - onehot(target)``, the softmax read from the saved ``lse_N``. The
+    vocabulary is the outer loop, so each block of the weight's gradient is written once, whole."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
-    step = chunk_rows(n, v, d)
-    acc = torch.promote_types(h_ND.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
     low = h_ND.dtype != acc
-    loss_N = torch.zeros(n, dtype=acc, device=h_ND.device) if compute_loss else None
-    grad_h = torch.empty(n, d, dtype=h_ND.dtype, device=h_ND.device) if want_h else None
-    grad_w = torch.zeros(v, d, dtype=acc, device=h_ND.device) if want_w else None  # accumulated over chunks
-    # one chunk's logits, reused by every chunk (a fresh [C, V] each time would be page-faulted in anew)
-    buf = torch.empty(min(step, n), v, dtype=h_ND.dtype, device=h_ND.device)
-    buf_acc = torch.empty(min(step, n), v, dtype=acc, device=h_ND.device) if low else buf
-    for s in range(0, n, step):
-        e = min(s + step, n)
-        h_c = h_ND[s:e]
-        logits = torch.mm(h_c, w_VD.T, out=buf[: e - s])  # [C, V] in the matmul dtype
-        logits = buf_acc[: e - s].copy_(logits) if low else logits
-        t_c = target_N[s:e]
-        safe_t = torch.where(valid_N[s:e], t_c, 0)[:, None]
-        if compute_loss:
-            picked = logits.gather(1, safe_t).squeeze(1)
-        # softmax in place: logits -> exp(logits - max) -> / sum
-        m = logits.amax(1, keepdim=True)
-        logits.sub_(m).exp_()
-        z = logits.sum(1, keepdim=True)
-        if compute_loss:
-            lse = m.squeeze(1) + z.squeeze(1).log()
-            loss_N[s:e] = torch.where(valid_N[s:e], lse - picked, 0.0)
-        if not (want_h or want_w):
-            continue
-        # d loss / d logits = softmax - onehot(target), scaled per token (0 where ignored)
-        logits.mul_(row_scale_N[s:e, None] / z)
-        logits.scatter_add_(1, safe_t, -row_scale_N[s:e, None])
-        g_CV = buf[: e - s].copy_(logits) if low else logits
-        if want_h:
-            torch.mm(g_CV, w_VD, out=grad_h[s:e])
-        if want_w:
-            if low:
-                grad_w.add_(g_CV.T @ h_c)
-            else:
-                grad_w.addmm_(g_CV.T, h_c)
-    return loss_N, grad_h, grad_w
+    buf = _Block(min(rows, n) * cols, h_ND.dtype, acc, h_ND.device)
+    # accumulated over vocabulary blocks: in fp32 when the matmuls run in a lower precision
+    grad_h = torch.zeros(n, d, dtype=acc, device=h_ND.device) if want_h else None
+    grad_w = torch.empty(v, d, dtype=acc, device=h_ND.device) if want_w else None
+    for a, b in _spans(v, cols):
+        for s, e in _spans(n, rows):
+            t_c = safe_t_N[s:e]
+            logits = torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a))
+            g = buf.acc(logits)
+            g.sub_(lse_N[s:e, None]).exp_().mul_(scale_N[s:e, None])  # softmax, scaled per token
+            in_block = (t_c >= a) & (t_c < b)
+            g.scatter_add_(1, (t_c - a).clamp(0, b - a - 1)[:, None], -(scale_N[s:e] * in_block)[:, None])
+            g = logits.copy_(g) if low else g  # the matmuls' dtype
+            if want_h:
+                if low:
+                    grad_h[s:e].add_(g @ w_VD[a:b])
+                else:
+                    grad_h[s:e].addmm_(g, w_VD[a:b])
+            if want_w:
+                if low:
+                    grad_w[a:b].add_(g.T @ h_ND[s:e]) if s else grad_w[a:b].copy_(g.T @ h_ND[s:e])
+                elif s:
+                    grad_w[a:b].addmm_(g.T, h_ND[s:e])
+                else:
+                    torch.mm(g.T, h_ND[s:e], out=grad_w[a:b])
+    return grad_h, grad_w
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Chunked loss with the gradients computed in the forward ("mean"/"sum"); for "none" the
-    backward needs the per-token upstream gradient, so it recomputes the chunks."""
+    """Two passes over logits blocks: the ``logsumexp`` of each token's logits, then (for "mean" and
+    "sum", still in the forward) the gradients. For "none" the backward needs the per-token
+    upstream gradient, so the forward saves ``logsumexp`` and the backward runs the second pass."""
 
     @staticmethod
     def forward(ctx, h_ND, w_VD, target_N, ignore_index, reduction, dtype):
@@ -182,29 +227,35 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, h, w, target_N, ignore_index, reduction, h_dtype, w_dtype):
         valid_N = target_N != ignore_index
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.reduction, ctx.h_dtype, ctx.w_dtype = reduction, h_dtype, w_dtype
+        safe_t_N = torch.where(valid_N, target_N, 0)
+        acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
+        rows, cols = logits_block(h.shape[0], w.shape[0], h.shape[1])
+        ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block = reduction, h_dtype, w_dtype, (rows, cols, acc)
+        lse_N, picked_N = _logsumexp_pass(h, w, safe_t_N, rows, cols, acc)
+        loss_N = torch.where(valid_N, lse_N - picked_N, 0.0)
         if reduction == "none":
-            loss_N, _, _ = _chunk_pass(h, w, target_N, valid_N, None, False, False, True)
-            ctx.save_for_backward(h, w, target_N, valid_N)
+            ctx.save_for_backward(h, w, safe_t_N, valid_N, lse_N)
             return loss_N
         n_valid = valid_N.sum()
         # "mean": each counted token weighs 1/n_valid (no host sync; all ignored -> grads 0, loss nan)
-        row_scale = valid_N.float() / n_valid.clamp_min(1) if reduction == "mean" else valid_N.float()
-        loss_N, grad_h, grad_w = _chunk_pass(h, w, target_N, valid_N, row_scale, want_h, want_w, True)
+        scale_N = valid_N.to(acc) / n_valid.clamp_min(1) if reduction == "mean" else valid_N.to(acc)
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = grad_w = None
+        if want_h or want_w:
+            grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, want_h, want_w, rows, cols, acc)
         total = loss_N.sum()
-        loss = total / n_valid if reduction == "mean" else total
         ctx.save_for_backward(grad_h, grad_w)
         ctx.consumed = False
-        return loss
+        return total / n_valid if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.reduction == "none":
-            h, w, target_N, valid_N = ctx.saved_tensors
-            row_scale = grad_out.float() * valid_N
-            _, grad_h, grad_w = _chunk_pass(h, w, target_N, valid_N, row_scale, ctx.needs_input_grad[0],
-                                            ctx.needs_input_grad[1], False)
+            h, w, safe_t_N, valid_N, lse_N = ctx.saved_tensors
+            rows, cols, acc = ctx.block
+            scale_N = grad_out.to(acc) * valid_N
+            grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, ctx.needs_input_grad[0],
+                                        ctx.needs_input_grad[1], rows, cols, acc)
         else:
             if ctx.consumed:
                 raise RuntimeError("linear_cross_entropy (fused): backward through the graph a second time is not "
@@ -212,8 +263,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                    "use impl='reference' for retain_graph=True")
             ctx.consumed = True
             grad_h, grad_w = ctx.saved_tensors
-            g = grad_out.float()
-            grad_h = grad_h.mul_(g.to(grad_h.dtype)) if grad_h is not None else None
+            g = grad_out.to(grad_w.dtype if grad_w is not None else grad_h.dtype)
+            grad_h = grad_h.mul_(g) if grad_h is not None else None
             grad_w = grad_w.mul_(g) if grad_w is not None else None
         grad_h = grad_h.to(ctx.h_dtype) if grad_h is not None else None
         grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None

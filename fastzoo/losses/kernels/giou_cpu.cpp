@@ -5,6 +5,7 @@
 //   giou_loss_masked / _masked_bwd       padded [..., 4] pairs, validity from a mask or from the
 //                                        target (an inverted box marks padding), the masked
 //                                        sum / mean fused in, no gather and no host sync;
+//   giou_valid_rows                      which slots of a padded target are real pairs;
 //   first_bad_box                        the box check of fastzoo.losses.giou in one pass.
 //
 // The math is giou_op.py's closed form, element by element, in torchvision's op order. pred and
@@ -22,7 +23,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 
 namespace {
@@ -167,17 +171,55 @@ void check_masked(const at::Tensor& pred, const at::Tensor& target, const std::o
   }
 }
 
-// Whether row i is a real pair: mask[i] if given, else the target is not an inverted box.
-template <typename A, typename T>
-inline bool row_valid(const bool* m, const T* t, int64_t i) {
-  return m ? m[i] : !Box<A>::load(t + 4 * i).inverted();
+// Which rows are real pairs when no mask is given: the target is not an inverted box. One
+// branch-free pass over the target (the compiler vectorises it) into a bool [...] mask, so that
+// both directions then read 1 byte per slot instead of a 16-byte box.
+at::Tensor valid_from_target(const at::Tensor& target_in) {
+  const at::Tensor target = target_in.contiguous();
+  const int64_t n = target.numel() / 4;
+  at::Tensor valid = at::empty(target.sizes().slice(0, target.dim() - 1), target.options().dtype(at::kBool));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "giou valid_from_target", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* t = target.const_data_ptr<scalar_t>();
+    bool* v = valid.mutable_data_ptr<bool>();
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {  // Box::inverted, negated: NaN is not padding
+        const acc_t x1 = t[4 * i], y1 = t[4 * i + 1], x2 = t[4 * i + 2], y2 = t[4 * i + 3];
+        v[i] = !(x2 < x1) & !(y2 < y1);
+      }
+    });
+  });
+  return valid;
+}
+
+// Calls f(i) for every i in [begin, end) with m[i] set, eight slots at a time: padded batches are
+// mostly padding (a few real boxes among hundreds of slots), and a zero word skips eight of them.
+template <typename F>
+inline void for_each_valid(const bool* m, int64_t begin, int64_t end, F&& f) {
+  int64_t i = begin;
+  for (; i < end && (i & 7); ++i)
+    if (m[i]) f(i);
+  for (; i + 8 <= end; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, m + i, 8);
+    if (!word) continue;
+    for (int64_t k = i; k < i + 8; ++k)
+      if (m[k]) f(k);
+  }
+  for (; i < end; ++i)
+    if (m[i]) f(i);
+}
+
+// The mask the loops read: the given one, or the target's (valid_from_target).
+at::Tensor valid_rows(const at::Tensor& target, const std::optional<at::Tensor>& mask) {
+  return mask.has_value() ? mask->contiguous() : valid_from_target(target);
 }
 
 at::Tensor giou_loss_masked_cpu(const at::Tensor& pred_in, const at::Tensor& target_in,
                                 const std::optional<at::Tensor>& mask_in, double eps, int64_t reduction) {
   check_masked(pred_in, target_in, mask_in, reduction);
   const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
-  const std::optional<at::Tensor> mask = mask_in.has_value() ? std::optional<at::Tensor>(mask_in->contiguous()) : std::nullopt;
+  const at::Tensor valid = valid_rows(target, mask_in);
   const int64_t n = pred.numel() / 4;
   const auto ct = compute_type(pred, target);
   at::Tensor out = reduction == kNone ? at::empty(pred.sizes().slice(0, pred.dim() - 1), pred.options().dtype(ct))
@@ -185,13 +227,15 @@ at::Tensor giou_loss_masked_cpu(const at::Tensor& pred_in, const at::Tensor& tar
   dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
     const P* p = pred.const_data_ptr<P>();
     const T* t = target.const_data_ptr<T>();
-    const bool* m = mask.has_value() ? mask->const_data_ptr<bool>() : nullptr;
+    const bool* m = valid.const_data_ptr<bool>();
     const A e = static_cast<A>(eps);
     if (reduction == kNone) {
       A* o = out.mutable_data_ptr<A>();
       at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          o[i] = row_valid<A>(m, t, i) ? giou_loss_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), e) : A(0);
+        std::fill(o + begin, o + end, A(0));
+        for_each_valid(m, begin, end, [&](int64_t i) {
+          o[i] = giou_loss_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), e);
+        });
       });
       return;
     }
@@ -200,11 +244,10 @@ at::Tensor giou_loss_masked_cpu(const at::Tensor& pred_in, const at::Tensor& tar
     const SumCount total = at::parallel_reduce(
         0, n, kGrain, SumCount{0.0, 0},
         [&](int64_t begin, int64_t end, SumCount acc) {
-          for (int64_t i = begin; i < end; ++i) {
-            if (!row_valid<A>(m, t, i)) continue;
+          for_each_valid(m, begin, end, [&](int64_t i) {
             acc.first += static_cast<double>(giou_loss_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), e));
             acc.second += 1;
-          }
+          });
           return acc;
         },
         [](SumCount a, SumCount b) { return SumCount{a.first + b.first, a.second + b.second}; });
@@ -223,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& gr
                                                             int64_t reduction, bool need_pred, bool need_target) {
   check_masked(pred_in, target_in, mask_in, reduction);
   const at::Tensor pred = pred_in.contiguous(), target = target_in.contiguous();
-  const std::optional<at::Tensor> mask = mask_in.has_value() ? std::optional<at::Tensor>(mask_in->contiguous()) : std::nullopt;
+  const at::Tensor valid = valid_rows(target, mask_in);
   const int64_t n = pred.numel() / 4;
   const at::Tensor grad = grad_in.to(compute_type(pred, target)).contiguous();
   TORCH_CHECK(grad.numel() == (reduction == kNone ? n : 1), "giou_loss_masked_bwd: grad has ", grad.numel(), " elements");
@@ -233,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& gr
   dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
     const P* p = pred.const_data_ptr<P>();
     const T* t = target.const_data_ptr<T>();
-    const bool* m = mask.has_value() ? mask->const_data_ptr<bool>() : nullptr;
+    const bool* m = valid.const_data_ptr<bool>();
     const A* go = grad.const_data_ptr<A>();
     P* gp = need_pred ? grad_pred.mutable_data_ptr<P>() : nullptr;
     T* gt = need_target ? grad_target.mutable_data_ptr<T>() : nullptr;
@@ -243,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& gr
       const int64_t count = at::parallel_reduce(
           0, n, kGrain, int64_t(0),
           [&](int64_t begin, int64_t end, int64_t c) {
-            for (int64_t i = begin; i < end; ++i) c += row_valid<A>(m, t, i);
+            for_each_valid(m, begin, end, [&](int64_t) { ++c; });
             return c;
           },
           std::plus<int64_t>());
@@ -251,12 +294,11 @@ std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& gr
     }
     at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
       A ga[4], gb[4];
-      for (int64_t i = begin; i < end; ++i) {
-        if (!row_valid<A>(m, t, i)) continue;  // padding, whatever it holds: no gradient
+      for_each_valid(m, begin, end, [&](int64_t i) {  // padding, whatever it holds: no gradient
         giou_grad_one(Box<A>::load(p + 4 * i), Box<A>::load(t + 4 * i), reduction == kNone ? go[i] : scale, e, ga, gb);
         if (gp) for (int k = 0; k < 4; ++k) gp[4 * i + k] = static_cast<P>(ga[k]);
         if (gt) for (int k = 0; k < 4; ++k) gt[4 * i + k] = static_cast<T>(gb[k]);
-      }
+      });
     });
   });
   return {grad_pred, grad_target};
@@ -292,18 +334,20 @@ class GiouMaskedFunction : public torch::autograd::Function<GiouMaskedFunction> 
                             const std::optional<at::Tensor>& mask, double eps, int64_t reduction) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastzoo::giou_loss_masked", "").typed<decltype(giou_loss_masked_cpu)>();
-    ctx->save_for_backward({pred, target, mask.has_value() ? *mask : at::Tensor()});
+    // validity from the target: read the boxes once here, both directions then read the mask
+    static auto valid_op = c10::Dispatcher::singleton().findSchemaOrThrow("fastzoo::giou_valid_rows", "").typed<decltype(valid_from_target)>();
+    const at::Tensor valid = mask.has_value() ? *mask : valid_op.call(target);  // an op: fake tensors trace it
+    ctx->save_for_backward({pred, target, valid});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["reduction"] = reduction;
-    return op.call(pred, target, mask, eps, reduction);
+    return op.call(pred, target, valid, eps, reduction);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fastzoo::giou_loss_masked_bwd", "").typed<decltype(giou_loss_masked_bwd_cpu)>();
     const auto saved = ctx->get_saved_variables();
-    const std::optional<at::Tensor> mask = saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-    auto [grad_pred, grad_target] = op.call(grads[0], saved[0], saved[1], mask, ctx->saved_data["eps"].toDouble(),
+    auto [grad_pred, grad_target] = op.call(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["eps"].toDouble(),
                                             ctx->saved_data["reduction"].toInt(), ctx->needs_input_grad(0),
                                             ctx->needs_input_grad(1));
     return {ctx->needs_input_grad(0) ? grad_pred : at::Tensor(), ctx->needs_input_grad(1) ? grad_target : at::Tensor(),
@@ -350,6 +394,7 @@ TORCH_LIBRARY_IMPL(fastzoo, CPU, m) {
   m.impl("giou_loss_masked", giou_loss_masked_cpu);
   m.impl("giou_loss_masked_bwd", giou_loss_masked_bwd_cpu);
   m.impl("first_bad_box", first_bad_box_cpu);
+  m.impl("giou_valid_rows", valid_from_target);
 }
 
 TORCH_LIBRARY_IMPL(fastzoo, AutogradCPU, m) {

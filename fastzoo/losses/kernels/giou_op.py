@@ -236,6 +236,19 @@ def padding_rows(target: Tensor) -> Tensor:
     return (target[..., 2] < target[..., 0]) | (target[..., 3] < target[..., 1])
 
 
+@torch.library.custom_op("fastzoo::giou_valid_rows", mutates_args=())
+def giou_valid_rows(target: Tensor) -> Tensor:
+    """[...] bool: the rows of a padded target [..., 4] that are real pairs (``~padding_rows``). The
+    C++ kernel's autograd reads the boxes once through this op and hands the mask to both
+    directions, which then read one byte per slot instead of a box."""
+    return ~padding_rows(target)
+
+
+@giou_valid_rows.register_fake
+def _(target):
+    return target.new_empty(target.shape[:-1], dtype=torch.bool)
+
+
 def _valid_rows(target: Tensor, mask: Tensor | None) -> Tensor:
     return mask if mask is not None else ~padding_rows(target)
 
