@@ -111,7 +111,10 @@ def test_unknown_keyword_is_a_type_error(hf):
 
 
 # -- part 2: KV cache and generate ---------------------------------------------------------------
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+CACHED = ["sdpa", "eager", "varlen", "nested"]  # varlen / nested: packed kernels, keys with their own offsets
+
+
+@pytest.mark.parametrize("attn", CACHED)
 def test_past_key_values_continuation_equals_full_forward(hf, attn):
     m = ours(hf, attn)
     b = batch(side="left")
@@ -134,9 +137,45 @@ GENERATE = {
 }
 
 
+@pytest.mark.parametrize("attn", ["varlen", "nested"])
+def test_each_cached_decoding_step_gives_the_full_forwards_logits(hf, attn):
+    """Prefill a left-padded batch, then feed one token per row at a time through the cache:
+    every step's logits are the full forward's at that position (HF's model as the oracle)."""
+    m = ours(hf, attn)
+    b = batch(side="left")
+    ids, mask = b.input_ids, b.attention_mask
+    steps = torch.randint(0, 128, (ids.shape[0], 4), generator=torch.Generator().manual_seed(9))
+    full_ids = torch.cat([ids, steps], 1)
+    full_mask = torch.cat([mask, torch.ones_like(steps)], 1)
+    full_pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+    want = hf(full_ids, attention_mask=full_mask, position_ids=full_pos).logits
+    out = m(ids, attention_mask=mask, position_ids=full_pos[:, :ids.shape[1]], use_cache=True)
+    for t in range(steps.shape[1]):
+        end = ids.shape[1] + t + 1
+        out = m(steps[:, t:t + 1], attention_mask=full_mask[:, :end], position_ids=full_pos[:, end - 1:end],
+                past_key_values=out.past_key_values)
+        assert (out.logits[:, 0] - want[:, end - 1]).abs().max() <= TOL, f"step {t}"
+    assert out.past_key_values.get_seq_length() == full_ids.shape[1]
+
+
+def test_issue_snippet_generates_hf_tokens_on_packed_backends(hf, tmp_path):
+    """The issue's own lines, verbatim but for the directory: generate with the (default) KV cache
+    on attn="varlen" and "nested" equals HF's generate token for token, left padding included."""
+    hf_dir = str(tmp_path / "hf_dir")
+    hf.save_pretrained(hf_dir)
+    b = batch(side="left")
+    input_ids, mask = b.input_ids, b.attention_mask
+    want = hf.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    for attn in ("varlen", "nested"):
+        m = fastzoo.create("gpt2", attn=attn, pretrained=hf_dir)
+        got = m.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=False)   # == HF token for token, left padding too
+        assert torch.equal(got, want), attn
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "varlen", "nested"])
 @pytest.mark.parametrize("kind", GENERATE)
-def test_generate_equals_hf_token_for_token_left_padded(hf, kind):
-    m = ours(hf)
+def test_generate_equals_hf_token_for_token_left_padded(hf, kind, attn):
+    m = ours(hf, attn)
     b = batch(side="left")
     kw = dict(attention_mask=b.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
     torch.manual_seed(7)
@@ -146,9 +185,10 @@ def test_generate_equals_hf_token_for_token_left_padded(hf, kind):
     assert torch.equal(got, want)
 
 
-def test_generate_stops_at_eos_and_pads_like_hf():
+@pytest.mark.parametrize("attn", ["sdpa", "varlen", "nested"])
+def test_generate_stops_at_eos_and_pads_like_hf(attn):
     hf = hf_model()
-    m = ours(hf)
+    m = ours(hf, attn)
     ids = batch((4, 6), side="left")
     greedy = hf.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     eos = int(greedy[0, ids.input_ids.shape[1] + 1])  # row 0's second new token: it stops there
@@ -158,8 +198,16 @@ def test_generate_stops_at_eos_and_pads_like_hf():
     assert (got[0, ids.input_ids.shape[1] + 2:] == 0).all()  # padded after eos
 
 
-def test_generate_refuses_a_backend_without_kv_cache_before_running(hf):
-    m = ours(hf, "varlen")
+def test_generate_refuses_a_backend_without_kv_cache_before_running(hf, monkeypatch):
+    import fastzoo.attention as registry
+    from fastzoo.attention import Capabilities, get_backend, register_attention
+    from fastzoo.attention.base import FLOATS
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the test's backend goes away after it
+    eager = get_backend("eager")
+    register_attention("no_kv_cache_test", lambda q, k, v, ctx: eager(q, k, v, ctx),
+                       capabilities=Capabilities(devices={"cpu": FLOATS}, causal=True, padding_mask=True))
+    m = ours(hf, "no_kv_cache_test")
     with pytest.raises(fastzoo.errors.BackendUnavailableError, match="KV cache"):
         m.generate(batch().input_ids, max_new_tokens=2)
     b = batch(side="left")

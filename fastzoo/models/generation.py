@@ -23,6 +23,45 @@ import math
 import torch
 from torch import nn
 
+from fastzoo.attention import packing
+
+
+def layer_cache(cache, seqs):
+    """What the attention layers update: ``cache`` itself for a padded batch, else a view that
+    keeps it in transformers' padded layout for the unpadded (packed) tokens (:class:`UnpaddedCache`)."""
+    if cache is None or seqs.form == "padded":
+        return cache
+    if seqs.form != "unpadded":
+        raise ValueError(f"past_key_values / use_cache: a {seqs.form} batch takes no KV cache (sequences have no rows "
+                         "to cache); pass use_cache=False, or give a padded batch with attention_mask")
+    return UnpaddedCache(cache, seqs.unpadded, seqs.keys)
+
+
+class UnpaddedCache:
+    """A transformers ``Cache`` seen from layers that run on unpadded tokens (a packed-only
+    backend, ``varlen`` / ``nested``, given a padded batch).
+
+    The cache keeps transformers' padded layout ``[B, H, past + S, hd]``, so ``DynamicCache``,
+    beam search's ``reorder_cache`` and anything else written for HF's cache work unchanged:
+    :meth:`update` scatters the new tokens' keys and values into their rows (zeros at padding,
+    which the mask hides), appends them, and gathers the real keys of every row back into
+    the packed layout the kernel reads with ``ctx.cu_seqlens_k`` (transformers' FlashAttention
+    path gathers from its padded cache the same way). Prefill (nothing cached before) returns
+    the new keys as they are: they are already every key.
+    """
+
+    def __init__(self, cache, queries, keys):
+        self.cache, self.queries, self.keys = cache, queries, keys  # keys: packing.Unpadded or None (prefill)
+
+    def update(self, k_1HTD: torch.Tensor, v_1HTD: torch.Tensor, layer_idx: int):
+        padded = [packing.repad(x[0].transpose(0, 1), self.queries).transpose(1, 2) for x in (k_1HTD, v_1HTD)]
+        k_BHKD, v_BHKD = self.cache.update(*padded, layer_idx)
+        if self.keys is None:
+            return k_1HTD, v_1HTD
+        B, H, K, D = k_BHKD.shape
+        return [x.transpose(1, 2).reshape(B * K, H, D).index_select(0, self.keys.indices).transpose(0, 1)[None]
+                for x in (k_BHKD, v_BHKD)]
+
 
 class _Generator(nn.Module):
     """transformers' ``GenerationMixin`` bound to a fastzoo model (built on each ``generate``).

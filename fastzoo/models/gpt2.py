@@ -31,7 +31,7 @@ from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
-from fastzoo.models.generation import CausalLMConventions
+from fastzoo.models.generation import CausalLMConventions, layer_cache
 
 # HF ACT2FN names -> the activation module. "gelu_new" is OpenAI's tanh approximation.
 ACTIVATIONS = {
@@ -237,8 +237,10 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
           In train mode the loss is computed from the hidden states without materialising the
           logits (``fastzoo.losses.linear_cross_entropy``) and ``logits`` is ``None``; in eval
           mode the logits are returned with the loss, as HF does.
-        - ``past_key_values`` (a transformers ``Cache``) / ``use_cache``: KV cache, padded form
-          only, on a backend with the ``kv_cache`` capability. ``use_cache`` defaults to
+        - ``past_key_values`` (a transformers ``Cache``) / ``use_cache``: KV cache of a padded
+          batch (kept in HF's padded layout, also for packed-only backends, which unpad the new
+          tokens and read the cached keys with their own offsets), on a backend with the
+          ``kv_cache`` capability. ``use_cache`` defaults to
           ``config.use_cache`` in eval mode and to False in train mode and under
           ``torch.compile`` / ``torch.export`` (pass it to have a cache there).
         - ``output_attentions=True`` is refused: the attention kernels return no weights.
@@ -259,13 +261,10 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
             n_positions=self.config.n_positions, vocab_size=self.config.vocab_size,
             backend=self.attention_backend.capabilities, attn=self._attn_ctx_args(),
         )
-        if cache is not None and seqs.form != "padded":
-            if use_cache is None and past_key_values is None:  # the default, not a request: packed forms return none
-                cache = None
-            else:
-                    raise ValueError(f"past_key_values / use_cache: a {seqs.form} batch takes no KV cache; pass use_cache=False")
+        if cache is not None and seqs.form not in ("padded", "unpadded") and use_cache is None and past_key_values is None:
+            cache = None  # the default, not a request: packed forms return no cache
         types = None if token_type_ids is None else seqs.to_layers(token_type_ids)
-        hidden = self.transformer(seqs.tokens, seqs.positions, seqs.ctx, cache, types)
+        hidden = self.transformer(seqs.tokens, seqs.positions, seqs.ctx, layer_cache(cache, seqs), types)
         loss = logits = None
         if labels is not None:
             loss, logits = self._loss(hidden[-1], seqs, labels, num_items_in_batch, logits_to_keep)
