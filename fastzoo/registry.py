@@ -155,13 +155,16 @@ def check_fits(cls, cfg, device=None, dtype: torch.dtype | None = None) -> None:
         raise ConfigError(f"{cls.__name__} with {given}: a tensor of this size cannot exist ({str(e).splitlines()[0]}); "
                           f"check these sizes", fields=tuple(sizes)) from e
     tensors = {id(t): t for t in (*probe.parameters(), *probe.buffers())}.values()
-    need = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
-               for t in tensors)
-    have = _memory_of(torch.device(device) if device is not None else torch.device("cpu"))
-    if have is not None and need > have:
-        raise ConfigError(f"{cls.__name__} with {given}: its weights "
-                          f"alone need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of this machine's "
-                          f"{device or 'cpu'}; check these sizes", fields=tuple(sizes))
+    built = sum(t.numel() * t.element_size() for t in tensors)  # as built: on the CPU, in the config's dtypes
+    moved = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+                for t in tensors)  # then moved to device / dtype
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    for where, need in ((torch.device("cpu"), built), (target, moved)):
+        have = _memory_of(where)
+        if have is not None and need > have:
+            raise ConfigError(f"{cls.__name__} with {given}: its weights alone need {need / 2**30:.1f} GiB on "
+                              f"{where}, more than the {have / 2**30:.1f} GiB this machine's {where.type} has; "
+                              f"check these sizes", fields=tuple(sizes))
 
 
 def _memory_of(device: torch.device) -> int | None:

@@ -91,6 +91,39 @@ def test_hidden_states_equal_hf(hf):
         assert (a - r).abs().max() <= TOL
 
 
+def test_config_output_hidden_states_is_the_default_like_hf():
+    """HF's own test_hidden_states_output sets config.output_hidden_states=True and calls the
+    model without the keyword: the config's value is the default."""
+    ref_model = hf_model(output_hidden_states=True)
+    m = ours(ref_model)
+    assert m.config.output_hidden_states
+    ids = batch().input_ids
+    out, ref = m(ids), ref_model(ids)
+    assert len(out.hidden_states) == len(ref.hidden_states) == TINY["n_layer"] + 1
+    for a, r in zip(out.hidden_states, ref.hidden_states):
+        assert (a - r).abs().max() <= TOL
+    assert m(ids, output_hidden_states=False).hidden_states is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_position_equals_hf_with_holes_in_the_mask(hf, attn):
+    """A mask with holes (HF's tests draw random masks) and right padding: HF's value at every
+    position, padding ones included (a padding query sees the real keys before it). HF's own
+    test_left_padding_compatibility reads the last position, which its random mask may pad."""
+    m = ours(hf, attn)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 128, (3, 7), generator=g)
+    mask = torch.tensor([[1, 0, 0, 1, 0, 0, 0], [1, 1, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0, 0]])
+    assert (m(ids, attention_mask=mask).logits - hf(ids, attention_mask=mask).logits).abs().max() <= TOL
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what HF's test passes
+    left = torch.cat([torch.zeros(3, 4, dtype=ids.dtype), ids], 1), torch.cat([torch.zeros(3, 4, dtype=mask.dtype), mask], 1)
+    left_pos = (left[1].cumsum(-1) - 1).masked_fill(left[1] == 0, 1)
+    unpadded = m(ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+    padded = m(left[0], attention_mask=left[1], position_ids=left_pos).logits[:, -1]
+    assert (unpadded - padded).abs().max() <= 1e-5
+    assert (padded - hf(left[0], attention_mask=left[1], position_ids=left_pos).logits[:, -1]).abs().max() <= TOL
+
+
 def test_inputs_embeds_and_token_type_ids_equal_hf(hf):
     m = ours(hf)
     ids = batch().input_ids
@@ -367,6 +400,49 @@ def test_gradient_checkpointing_gives_the_same_grads(hf):
         assert (p.grad - ref[k]).abs().max() <= 1e-6, k  # the same arithmetic, recomputed
     m.gradient_checkpointing_disable()
     assert not m.is_gradient_checkpointing
+
+
+def test_enable_input_require_grads_gives_frozen_embeddings_hfs_gradients(hf):
+    """PEFT's idiom: embeddings frozen, gradient checkpointing on, enable_input_require_grads:
+    the blocks get HF's gradients in the same set-up (without it, reentrant checkpointing
+    would give them none); disable removes the hook; the model still pickles."""
+    import copy as _copy
+
+    ref_model = _copy.deepcopy(hf).train()
+    m = ours(hf).train()
+    ids = batch().input_ids
+    for model in (m, ref_model):
+        model.get_input_embeddings().weight.requires_grad_(False)
+        model.transformer.wpe.weight.requires_grad_(False)
+        model.gradient_checkpointing_enable({"use_reentrant": True})
+        model.enable_input_require_grads()
+    ref_model(ids, labels=ids).loss.backward()
+    m(ids, labels=ids).loss.backward()
+    ref = HF_CONVERTER.to_fastzoo({k: p.grad for k, p in ref_model.named_parameters() if p.grad is not None})
+    block_grads = {k: p.grad for k, p in m.named_parameters() if k.startswith("transformer.h.")}
+    assert block_grads and all(g is not None for g in block_grads.values())
+    for k, g in block_grads.items():
+        assert (g - ref[k]).abs().max() <= GRAD_RTOL * ref[k].abs().max() + 1e-7, k
+    pickle.loads(pickle.dumps(m))
+    m.disable_input_require_grads()
+    assert not m.get_input_embeddings()._forward_hooks
+    m.zero_grad(set_to_none=True)
+    m(ids, labels=ids).loss.backward()  # without the hook: reentrant checkpointing gives the blocks nothing
+    assert all(p.grad is None for k, p in m.named_parameters() if k.startswith("transformer.h."))
+
+
+def test_prepare_inputs_for_generation_is_transformers_and_generate_from_embeddings_equals_hf(hf):
+    """HF's generation tests read prepare_inputs_for_generation's signature (inputs_embeds) and
+    generate from inputs_embeds; model.config answers what they read of a config."""
+    m = ours(hf)
+    import inspect
+
+    assert "inputs_embeds" in inspect.signature(m.prepare_inputs_for_generation).parameters
+    assert m.config.is_encoder_decoder is False and m.config.get_text_config() is m.config
+    ids = batch(lengths=(4, 4)).input_ids
+    emb = hf.transformer.wte(ids).detach()
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(inputs_embeds=emb, **kw), hf.generate(inputs_embeds=emb, **kw))
 
 
 def test_embedding_accessors_and_resize_keep_the_head_tied(hf):

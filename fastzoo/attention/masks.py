@@ -110,13 +110,16 @@ def causal_from(offset: int) -> MaskMod:
 
 
 def padding(key_padding_mask: torch.Tensor, offset: int = 0) -> MaskMod:
-    """Real queries see real keys only. A padding query sees every key: its output is
-    never used, and this keeps its softmax row non-empty (no NaN leaking into gradients).
+    """Every query sees real keys only, as in transformers (a padding query after a real
+    token gets HF's value, e.g. a right-padded row's last position). A padding query with no
+    real token at or before it (left padding) sees every key: this keeps its softmax row
+    non-empty (no NaN leaking into gradients); its output is never used.
     The mask covers the keys; query ``i`` is key position ``i + offset`` (KV cache)."""
     valid_BS = key_padding_mask
+    first_real_B = torch.where(valid_BS.any(1), valid_BS.int().argmax(1), valid_BS.shape[1])
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return valid_BS[b, kv_idx] | ~valid_BS[b, q_idx + offset]
+        return valid_BS[b, kv_idx] | (q_idx + offset < first_real_B[b])
 
     return mask_mod
 

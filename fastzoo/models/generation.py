@@ -5,6 +5,7 @@ where HF users reach for it: ``generate`` (transformers' own ``GenerationMixin``
 sampler, logits processors, stopping criteria and ``DynamicCache``), ``generation_config``,
 ``gradient_checkpointing_enable`` / ``disable`` / ``is_gradient_checkpointing``,
 ``get_input_embeddings`` / ``set_input_embeddings`` / ``get_output_embeddings``,
+``enable_input_require_grads`` / ``disable_input_require_grads``, ``prepare_inputs_for_generation``,
 ``resize_token_embeddings`` (head kept tied), ``num_parameters``, and the attributes
 ``transformers.Trainer`` reads.
 
@@ -120,6 +121,10 @@ def _generator_class():
 _GENERATOR = None
 
 
+def _output_requires_grad(module, args, output):  # a module-level function: the model stays picklable
+    output.requires_grad_(True)
+
+
 class CausalLMConventions:
     """transformers' model API for a fastzoo decoder (mixed into the model class).
 
@@ -155,8 +160,16 @@ class CausalLMConventions:
         is checked before the first token: pass ``use_cache=False`` to decode without it."""
         if kwargs.get("use_cache", self.generation_config.use_cache):
             self.check_kv_cache()
-        gen = _generator_class()(self, self.hf_config(), self.generation_config)
-        return gen.generate(*args, **kwargs)
+        return self._generator().generate(*args, **kwargs)
+
+    @property
+    def prepare_inputs_for_generation(self):
+        """transformers' ``GenerationMixin.prepare_inputs_for_generation`` for this model (what
+        ``generate`` feeds the forward at each step; its signature is transformers')."""
+        return self._generator().prepare_inputs_for_generation
+
+    def _generator(self):
+        return _generator_class()(self, self.hf_config(), self.generation_config)
 
     @classmethod
     def can_generate(cls) -> bool:
@@ -184,6 +197,17 @@ class CausalLMConventions:
     @property
     def is_gradient_checkpointing(self) -> bool:
         return self._gradient_checkpointing
+
+    def enable_input_require_grads(self):
+        """transformers' (PEFT calls it with gradient checkpointing): the token embeddings'
+        output requires grad, so frozen embeddings still give the blocks a gradient path."""
+        self.disable_input_require_grads()
+        self._require_grads_hook = self.get_input_embeddings().register_forward_hook(_output_requires_grad)
+
+    def disable_input_require_grads(self):
+        hook = self.__dict__.pop("_require_grads_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte

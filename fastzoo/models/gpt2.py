@@ -67,6 +67,14 @@ class GPT2Config(ModelConfig):
     eos_token_id: int | None = free(50256, "end-of-text token id (generate)", ge=0)
     pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
     use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
+    output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+
+    # what code written for transformers reads of any model's config (not fields: fixed here)
+    is_encoder_decoder = False
+
+    def get_text_config(self, decoder=None, encoder=None) -> "GPT2Config":
+        """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
+        return self
 
     def validate(self):
         if self.n_embd % self.n_head:
@@ -254,6 +262,8 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         kwargs.pop("encoder_attention_mask", None)
         if kwargs:
             raise TypeError(f"GPT2LMHeadModel.forward() got unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+        if output_hidden_states is None:  # HF: the config's default
+            output_hidden_states = self.config.output_hidden_states
         cache = self._cache(past_key_values, use_cache, labels)
         seqs = read_sequences(
             input_ids, inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
