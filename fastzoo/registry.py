@@ -117,6 +117,8 @@ def create(
     values = dict(entry.config)
     from_weights = weights.config_from_source(cls.family, src) if src is not None else {}
     values.update(from_weights)
+    if src is not None and src.config_origin:  # a config.json: its names are checked as fields of that file
+        cls.config_class.check_names(from_weights, what="field", where=src.config_origin)
     values.update(overrides)
     with _blame_checkpoint(src, from_weights, overrides):  # sizes read from a checkpoint that do not fit the rest
         cfg = cls.config_class.from_dict(values)
@@ -214,7 +216,7 @@ def check_device(device, *, what: str = "device") -> None:
 @contextmanager
 def _blame_checkpoint(src, from_weights: dict, overrides: dict):
     """Turn a :class:`ConfigError` about fields read from the checkpoint into a CheckpointError
-    that says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot
+    naming the file they came from (its config.json when it has one) and which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot
     tell). The error names its fields (``ConfigError.fields``): no message is parsed."""
     try:
         yield
@@ -227,7 +229,7 @@ def _blame_checkpoint(src, from_weights: dict, overrides: dict):
         read = ", ".join(f"{n}={from_weights[n]!r}" for n in from_ckpt)
         hint = (f"pass {', '.join(f'{n}=' for n in to_pass)} to fastzoo.create() with the checkpoint's value"
                 if to_pass else "the checkpoint's own config is inconsistent")
-        raise CheckpointError(f"{src.origin}: the checkpoint has {read}, which does not fit the rest of the config "
+        raise CheckpointError(f"{src.config_origin or src.origin}: the checkpoint has {read}, which does not fit the rest of the config "
                               f"({e}); {hint}") from e
 
 

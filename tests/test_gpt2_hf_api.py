@@ -558,11 +558,12 @@ def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
     from fastzoo.bench.harness import run_suite
 
     setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
-    suite = gpt2.gpt2_suite(setting, backends=["sdpa"], modes=("eval",))
+    suite = gpt2.gpt2_suite(setting, backends=["sdpa", "varlen", "nested"], modes=("eval",))
     suite.groups = [g for g in suite.groups if "generate" in g.name]
     report = run_suite(suite, warmup=0, iters=1, progress=False)
     rows = [r for r in report.rows if "generate" in r.group]
-    assert [r.label for r in rows] == ["HF generate, KV cache (sdpa)", "fastzoo generate, KV cache (sdpa)"]
+    assert [r.label for r in rows] == ["HF generate, KV cache (sdpa)"] + [
+        f"fastzoo generate, KV cache ({b})" for b in ("sdpa", "varlen", "nested")]
     assert all(r.status == "ok" and r.max_err == 0 and r.median_s > 0 for r in rows)  # same tokens, both timed
 
 
