@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -106,9 +107,13 @@ def create(
     values = dict(entry.config)
     from_weights = weights.config_from_source(cls.family, src) if src is not None else {}
     values.update(from_weights)
+    if src is not None and src.config_origin:  # a config.json: its names are checked as fields of that file
+        cls.config_class.check_names(from_weights, what="field", where=src.config_origin)
     values.update(overrides)
     with _blame_checkpoint(src, from_weights, overrides):  # sizes read from a checkpoint that do not fit the rest
         cfg = cls.config_class.from_dict(values)
+        if not on_meta:
+            check_fits(cls, cfg, device, dtype)
         with torch.device("meta") if on_meta else nullcontext():  # meta: no storage is ever allocated
             model = cls(cfg)
     implied = {**entry.config, **{k: v for k, v in overrides.items() if k not in from_weights}, **from_weights}
@@ -138,6 +143,44 @@ def create(
     return model
 
 
+def check_fits(cls, cfg, device=None, dtype: torch.dtype | None = None) -> None:
+    """A config whose weights alone exceed the memory of the device they go to is a
+    :class:`ConfigError` naming its size fields, before anything is allocated (else a huge
+    value means an allocator error deep inside, or the kernel killing the process). The model
+    is built on the meta device to count them: its own arithmetic, no formula to keep in step."""
+    sizes = [f.name for f in dataclasses.fields(cfg) if cfg.field_kind(f.name) == "weights"]
+    given = ", ".join(f"{n}={getattr(cfg, n)!r}" for n in sizes)
+    try:
+        with torch.device("meta"):
+            probe = cls(cfg)
+    except (RuntimeError, TypeError, OverflowError) as e:  # a tensor size past int64: torch's errors for it vary
+        raise ConfigError(f"{cls.__name__} with {given}: a tensor of this size cannot exist ({str(e).splitlines()[0]}); "
+                          f"check these sizes", fields=tuple(sizes)) from e
+    tensors = {id(t): t for t in (*probe.parameters(), *probe.buffers())}.values()
+    built = sum(t.numel() * t.element_size() for t in tensors)  # as built: on the CPU, in the config's dtypes
+    moved = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+                for t in tensors)  # then moved to device / dtype
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    for where, need in ((torch.device("cpu"), built), (target, moved)):
+        have = _memory_of(where)
+        if have is not None and need > have:
+            raise ConfigError(f"{cls.__name__} with {given}: its weights alone need {need / 2**30:.1f} GiB on "
+                              f"{where}, more than the {have / 2**30:.1f} GiB this machine's {where.type} has; "
+                              f"check these sizes", fields=tuple(sizes))
+
+
+def _memory_of(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes, where torch or the OS can tell."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+    except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):  # per platform and build
+        return None
+    return None
+
+
 def check_device(device, *, what: str = "device") -> None:
     """A device this machine has, or a ValueError naming ``what`` (not a driver error from ``.to``)."""
     try:
@@ -151,7 +194,7 @@ def check_device(device, *, what: str = "device") -> None:
 @contextmanager
 def _blame_checkpoint(src, from_weights: dict, overrides: dict):
     """Turn a :class:`ConfigError` about fields read from the checkpoint into a CheckpointError
-    that says which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot
+    naming the file they came from (its config.json when it has one) and which other field to pass (e.g. GPT-2's ``n_head``, which a state dict cannot
     tell). The error names its fields (``ConfigError.fields``): no message is parsed."""
     try:
         yield
@@ -164,7 +207,7 @@ def _blame_checkpoint(src, from_weights: dict, overrides: dict):
         read = ", ".join(f"{n}={from_weights[n]!r}" for n in from_ckpt)
         hint = (f"pass {', '.join(f'{n}=' for n in to_pass)} to fastzoo.create() with the checkpoint's value"
                 if to_pass else "the checkpoint's own config is inconsistent")
-        raise CheckpointError(f"{src.origin}: the checkpoint has {read}, which does not fit the rest of the config "
+        raise CheckpointError(f"{src.config_origin or src.origin}: the checkpoint has {read}, which does not fit the rest of the config "
                               f"({e}); {hint}") from e
 
 

@@ -40,12 +40,17 @@ def loop_reference(q, k, v, allowed_SS_per_batch, score_fn=None):
 
 def test_eager_matches_loop_with_padding_and_causal():
     q, k, v = qkv(S=7)
-    valid = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    q, k, v = (t.repeat(2, 1, 1, 1)[:4] for t in (q, k, v))
+    valid = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1, 0]],
+                         dtype=torch.bool)
     ctx = AttnContext(causal=True, key_padding_mask=valid)
     out = get_backend("eager")(q, k, v, ctx)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
-    # padding queries see every key their causal row allows: their outputs are unused, but finite
-    allowed = [causal & (valid[b][None, :] | ~valid[b][:, None]) for b in range(2)]
+    # every query sees the real keys its causal row allows, padding queries too (transformers'
+    # values at padding positions); a padding query before the first real token (left padding)
+    # sees every key of its row instead: its output is unused, but finite
+    before_first_real = torch.arange(7)[None, :] < valid.int().argmax(1)[:, None]
+    allowed = [causal & (valid[b][None, :] | before_first_real[b][:, None]) for b in range(4)]
     ref = loop_reference(q, k, v, allowed)
     assert (out - ref).abs().max() <= TOL
 

@@ -211,20 +211,9 @@ def test_capability_matrix_says_compiled_flex_on_cpu_is_refused():
 
 # -- causal alignment: bottom-right with fewer queries than keys (KV cache) ----------------------
 @pytest.mark.parametrize("name,kv_cache", [("fa2", True), ("fa3", True), ("te", True), ("xformers", True),
-                                           ("nested", False), ("varlen", False), ("neuron", False)])
+                                           ("nested", True), ("varlen", True), ("neuron", False)])
 def test_kv_cache_is_declared_where_the_library_has_a_bottom_right_causal(name, kv_cache):
     assert get_backend(name).capabilities.kv_cache is kv_cache
-
-
-@pytest.mark.parametrize("name", ["nested", "varlen"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_packed_backends_refuse_fewer_queries_than_keys(name, causal):
-    """One cu_seqlens serves queries and keys alike: unequal lengths would split the keys at
-    the queries' offsets (causal is refused by the contract, non-causal by the packing)."""
-    q = torch.randn(2, 2, 1, 8)
-    k = v = torch.randn(2, 2, 5, 8)
-    with pytest.raises(BackendUnavailableError, match=r"queries.*keys"):
-        get_backend(name)(q, k, v, AttnContext(causal=causal))
 
 
 def test_te_asks_for_its_bottom_right_causal_mask_with_a_kv_cache(te_stand_in, monkeypatch):
@@ -281,7 +270,8 @@ def test_capability_matrix_has_a_row_per_pinned_kernel_and_varlen_impl():
     rows = {r["backend"]: r for r in capability_matrix()}
     assert rows["sdpa (sdpa_backend=cudnn)"]["devices: dtypes"] == "cuda: bf16/fp16"
     assert rows["varlen (impl=torch)"]["dropout"] == "no"
-    assert all(rows[f"varlen (impl={i})"]["kv cache"] == "no" for i in ("torch", "flash", "xformers", "flex", "cpu"))
+    # every varlen kernel takes the keys' own offsets (cu_seqlens_k), causal bottom-right per sequence
+    assert all(rows[f"varlen (impl={i})"]["kv cache"] == "yes" for i in ("torch", "flash", "xformers", "flex", "cpu"))
     assert "no attn_mask" in rows["sdpa (sdpa_backend=flash)"]["verified"]
 
 

@@ -91,6 +91,39 @@ def test_hidden_states_equal_hf(hf):
         assert (a - r).abs().max() <= TOL
 
 
+def test_config_output_hidden_states_is_the_default_like_hf():
+    """HF's own test_hidden_states_output sets config.output_hidden_states=True and calls the
+    model without the keyword: the config's value is the default."""
+    ref_model = hf_model(output_hidden_states=True)
+    m = ours(ref_model)
+    assert m.config.output_hidden_states
+    ids = batch().input_ids
+    out, ref = m(ids), ref_model(ids)
+    assert len(out.hidden_states) == len(ref.hidden_states) == TINY["n_layer"] + 1
+    for a, r in zip(out.hidden_states, ref.hidden_states):
+        assert (a - r).abs().max() <= TOL
+    assert m(ids, output_hidden_states=False).hidden_states is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_position_equals_hf_with_holes_in_the_mask(hf, attn):
+    """A mask with holes (HF's tests draw random masks) and right padding: HF's value at every
+    position, padding ones included (a padding query sees the real keys before it). HF's own
+    test_left_padding_compatibility reads the last position, which its random mask may pad."""
+    m = ours(hf, attn)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 128, (3, 7), generator=g)
+    mask = torch.tensor([[1, 0, 0, 1, 0, 0, 0], [1, 1, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0, 0]])
+    assert (m(ids, attention_mask=mask).logits - hf(ids, attention_mask=mask).logits).abs().max() <= TOL
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # what HF's test passes
+    left = torch.cat([torch.zeros(3, 4, dtype=ids.dtype), ids], 1), torch.cat([torch.zeros(3, 4, dtype=mask.dtype), mask], 1)
+    left_pos = (left[1].cumsum(-1) - 1).masked_fill(left[1] == 0, 1)
+    unpadded = m(ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+    padded = m(left[0], attention_mask=left[1], position_ids=left_pos).logits[:, -1]
+    assert (unpadded - padded).abs().max() <= 1e-5
+    assert (padded - hf(left[0], attention_mask=left[1], position_ids=left_pos).logits[:, -1]).abs().max() <= TOL
+
+
 def test_inputs_embeds_and_token_type_ids_equal_hf(hf):
     m = ours(hf)
     ids = batch().input_ids
@@ -111,7 +144,10 @@ def test_unknown_keyword_is_a_type_error(hf):
 
 
 # -- part 2: KV cache and generate ---------------------------------------------------------------
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+CACHED = ["sdpa", "eager", "varlen", "nested"]  # varlen / nested: packed kernels, keys with their own offsets
+
+
+@pytest.mark.parametrize("attn", CACHED)
 def test_past_key_values_continuation_equals_full_forward(hf, attn):
     m = ours(hf, attn)
     b = batch(side="left")
@@ -134,9 +170,45 @@ GENERATE = {
 }
 
 
+@pytest.mark.parametrize("attn", ["varlen", "nested"])
+def test_each_cached_decoding_step_gives_the_full_forwards_logits(hf, attn):
+    """Prefill a left-padded batch, then feed one token per row at a time through the cache:
+    every step's logits are the full forward's at that position (HF's model as the oracle)."""
+    m = ours(hf, attn)
+    b = batch(side="left")
+    ids, mask = b.input_ids, b.attention_mask
+    steps = torch.randint(0, 128, (ids.shape[0], 4), generator=torch.Generator().manual_seed(9))
+    full_ids = torch.cat([ids, steps], 1)
+    full_mask = torch.cat([mask, torch.ones_like(steps)], 1)
+    full_pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+    want = hf(full_ids, attention_mask=full_mask, position_ids=full_pos).logits
+    out = m(ids, attention_mask=mask, position_ids=full_pos[:, :ids.shape[1]], use_cache=True)
+    for t in range(steps.shape[1]):
+        end = ids.shape[1] + t + 1
+        out = m(steps[:, t:t + 1], attention_mask=full_mask[:, :end], position_ids=full_pos[:, end - 1:end],
+                past_key_values=out.past_key_values)
+        assert (out.logits[:, 0] - want[:, end - 1]).abs().max() <= TOL, f"step {t}"
+    assert out.past_key_values.get_seq_length() == full_ids.shape[1]
+
+
+def test_issue_snippet_generates_hf_tokens_on_packed_backends(hf, tmp_path):
+    """The issue's own lines, verbatim but for the directory: generate with the (default) KV cache
+    on attn="varlen" and "nested" equals HF's generate token for token, left padding included."""
+    hf_dir = str(tmp_path / "hf_dir")
+    hf.save_pretrained(hf_dir)
+    b = batch(side="left")
+    input_ids, mask = b.input_ids, b.attention_mask
+    want = hf.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    for attn in ("varlen", "nested"):
+        m = fastzoo.create("gpt2", attn=attn, pretrained=hf_dir)
+        got = m.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=False)   # == HF token for token, left padding too
+        assert torch.equal(got, want), attn
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "varlen", "nested"])
 @pytest.mark.parametrize("kind", GENERATE)
-def test_generate_equals_hf_token_for_token_left_padded(hf, kind):
-    m = ours(hf)
+def test_generate_equals_hf_token_for_token_left_padded(hf, kind, attn):
+    m = ours(hf, attn)
     b = batch(side="left")
     kw = dict(attention_mask=b.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
     torch.manual_seed(7)
@@ -146,9 +218,10 @@ def test_generate_equals_hf_token_for_token_left_padded(hf, kind):
     assert torch.equal(got, want)
 
 
-def test_generate_stops_at_eos_and_pads_like_hf():
+@pytest.mark.parametrize("attn", ["sdpa", "varlen", "nested"])
+def test_generate_stops_at_eos_and_pads_like_hf(attn):
     hf = hf_model()
-    m = ours(hf)
+    m = ours(hf, attn)
     ids = batch((4, 6), side="left")
     greedy = hf.generate(ids.input_ids, attention_mask=ids.attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     eos = int(greedy[0, ids.input_ids.shape[1] + 1])  # row 0's second new token: it stops there
@@ -158,8 +231,16 @@ def test_generate_stops_at_eos_and_pads_like_hf():
     assert (got[0, ids.input_ids.shape[1] + 2:] == 0).all()  # padded after eos
 
 
-def test_generate_refuses_a_backend_without_kv_cache_before_running(hf):
-    m = ours(hf, "varlen")
+def test_generate_refuses_a_backend_without_kv_cache_before_running(hf, monkeypatch):
+    import fastzoo.attention as registry
+    from fastzoo.attention import Capabilities, get_backend, register_attention
+    from fastzoo.attention.base import FLOATS
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the test's backend goes away after it
+    eager = get_backend("eager")
+    register_attention("no_kv_cache_test", lambda q, k, v, ctx: eager(q, k, v, ctx),
+                       capabilities=Capabilities(devices={"cpu": FLOATS}, causal=True, padding_mask=True))
+    m = ours(hf, "no_kv_cache_test")
     with pytest.raises(fastzoo.errors.BackendUnavailableError, match="KV cache"):
         m.generate(batch().input_ids, max_new_tokens=2)
     b = batch(side="left")
@@ -321,6 +402,49 @@ def test_gradient_checkpointing_gives_the_same_grads(hf):
     assert not m.is_gradient_checkpointing
 
 
+def test_enable_input_require_grads_gives_frozen_embeddings_hfs_gradients(hf):
+    """PEFT's idiom: embeddings frozen, gradient checkpointing on, enable_input_require_grads:
+    the blocks get HF's gradients in the same set-up (without it, reentrant checkpointing
+    would give them none); disable removes the hook; the model still pickles."""
+    import copy as _copy
+
+    ref_model = _copy.deepcopy(hf).train()
+    m = ours(hf).train()
+    ids = batch().input_ids
+    for model in (m, ref_model):
+        model.get_input_embeddings().weight.requires_grad_(False)
+        model.transformer.wpe.weight.requires_grad_(False)
+        model.gradient_checkpointing_enable({"use_reentrant": True})
+        model.enable_input_require_grads()
+    ref_model(ids, labels=ids).loss.backward()
+    m(ids, labels=ids).loss.backward()
+    ref = HF_CONVERTER.to_fastzoo({k: p.grad for k, p in ref_model.named_parameters() if p.grad is not None})
+    block_grads = {k: p.grad for k, p in m.named_parameters() if k.startswith("transformer.h.")}
+    assert block_grads and all(g is not None for g in block_grads.values())
+    for k, g in block_grads.items():
+        assert (g - ref[k]).abs().max() <= GRAD_RTOL * ref[k].abs().max() + 1e-7, k
+    pickle.loads(pickle.dumps(m))
+    m.disable_input_require_grads()
+    assert not m.get_input_embeddings()._forward_hooks
+    m.zero_grad(set_to_none=True)
+    m(ids, labels=ids).loss.backward()  # without the hook: reentrant checkpointing gives the blocks nothing
+    assert all(p.grad is None for k, p in m.named_parameters() if k.startswith("transformer.h."))
+
+
+def test_prepare_inputs_for_generation_is_transformers_and_generate_from_embeddings_equals_hf(hf):
+    """HF's generation tests read prepare_inputs_for_generation's signature (inputs_embeds) and
+    generate from inputs_embeds; model.config answers what they read of a config."""
+    m = ours(hf)
+    import inspect
+
+    assert "inputs_embeds" in inspect.signature(m.prepare_inputs_for_generation).parameters
+    assert m.config.is_encoder_decoder is False and m.config.get_text_config() is m.config
+    ids = batch(lengths=(4, 4)).input_ids
+    emb = hf.transformer.wte(ids).detach()
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(inputs_embeds=emb, **kw), hf.generate(inputs_embeds=emb, **kw))
+
+
 def test_embedding_accessors_and_resize_keep_the_head_tied(hf):
     m = ours(hf)
     assert m.get_input_embeddings() is m.transformer.wte and m.get_output_embeddings() is m.lm_head
@@ -396,11 +520,12 @@ def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
     from fastzoo.bench.harness import run_suite
 
     setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
-    suite = gpt2.gpt2_suite(setting, backends=["sdpa"], modes=("eval",))
+    suite = gpt2.gpt2_suite(setting, backends=["sdpa", "varlen", "nested"], modes=("eval",))
     suite.groups = [g for g in suite.groups if "generate" in g.name]
     report = run_suite(suite, warmup=0, iters=1, progress=False)
     rows = [r for r in report.rows if "generate" in r.group]
-    assert [r.label for r in rows] == ["HF generate, KV cache (sdpa)", "fastzoo generate, KV cache (sdpa)"]
+    assert [r.label for r in rows] == ["HF generate, KV cache (sdpa)"] + [
+        f"fastzoo generate, KV cache ({b})" for b in ("sdpa", "varlen", "nested")]
     assert all(r.status == "ok" and r.max_err == 0 and r.median_s > 0 for r in rows)  # same tokens, both timed
 
 

@@ -12,6 +12,16 @@ sees keys ``j <= i + Sk - Sq`` (the queries are the last ``Sq`` positions). With
 would let the first new token see nothing of the cache). A key-padding mask then covers
 all ``Sk`` keys.
 
+Packed sequences with a KV cache carry the keys' own offsets: ``ctx.cu_seqlens`` (and
+``max_seqlen``) splits the ``Tq`` queries, ``ctx.cu_seqlens_k`` (and ``max_seqlen_k``) the
+``Tk`` keys into the same number of sequences, with ``Sq_n <= Sk_n`` for each; causal is
+then bottom-right aligned per sequence (query ``i`` of sequence ``n`` sees that sequence's
+keys ``j <= i + Sk_n - Sq_n``), the same rule as above, one sequence at a time, as
+FlashAttention's ``flash_attn_varlen_func(cu_seqlens_q, cu_seqlens_k, ...)`` does. Without
+``cu_seqlens_k`` queries and keys share ``cu_seqlens`` (self-attention: ``Tq == Tk``). A
+backend serves packed keys with their own offsets if it declares both ``varlen`` and
+``kv_cache``.
+
 Each backend declares :class:`Capabilities`. Models state what they need as an
 :class:`AttnRequest`; :meth:`AttentionBackend.check` compares the two when a model is
 built or its backend is switched, so that an impossible request fails before the first
@@ -73,8 +83,10 @@ class AttnContext:
 
     causal: bool = False  # bottom-right aligned when there are fewer queries than keys (KV cache)
     key_padding_mask: torch.Tensor | None = None  # [B, Sk] bool over the keys, True = real token
-    cu_seqlens: torch.Tensor | None = None  # [N+1] int32 offsets of packed sequences along S
+    cu_seqlens: torch.Tensor | None = None  # [N+1] int32 offsets of packed sequences along S (the queries')
     max_seqlen: int | None = None
+    cu_seqlens_k: torch.Tensor | None = None  # [N+1] offsets of the keys' sequences (KV cache); None: cu_seqlens
+    max_seqlen_k: int | None = None
     scale: float | None = None  # None: 1/sqrt(head_dim)
     dropout_p: float = 0.0
     grid_size: tuple[int, int] | None = None  # ViT patch grid (rows, cols), for 2-D masks
@@ -186,7 +198,7 @@ class AttentionBackend:
             problems.append("takes no packed sequences (cu_seqlens), which this model needs")
         if req.kv_cache and not caps.kv_cache:
             problems.append("cannot attend with a KV cache (causal with fewer queries than keys), which generation needs: "
-                            "pass use_cache=False, or pick a backend with kv_cache (eager, sdpa)")
+                            "pass use_cache=False, or pick a backend with kv_cache (eager, sdpa, varlen, nested)")
         if req.attn_dropout > 0 and not caps.dropout:
             problems.append(
                 f"has no attention dropout, and this model is configured with {req.attn_dropout_field}={req.attn_dropout:g}: "
@@ -219,6 +231,9 @@ class AttentionBackend:
             raise BackendUnavailableError(self._message(["takes no key-padding mask"]))
         if ctx.cu_seqlens is not None and not caps.varlen:
             raise BackendUnavailableError(self._message(["takes no packed sequences (cu_seqlens)"]))
+        if ctx.cu_seqlens_k is not None and not (caps.varlen and caps.kv_cache):
+            raise BackendUnavailableError(self._message([
+                "takes no separate key offsets (cu_seqlens_k: packed sequences with a KV cache)"]))
         if ctx.dropout_p > 0 and not caps.dropout:
             raise BackendUnavailableError(self._message(
                 [f"has no attention dropout (got dropout_p={ctx.dropout_p:g}): set the model's attention dropout to 0"]))
@@ -229,6 +244,13 @@ class AttentionBackend:
             return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
         self.check_call(q_BHSD, ctx)
         Sq, Sk = q_BHSD.shape[-2], k_BHSD.shape[-2]
+        if ctx.cu_seqlens_k is not None and ctx.cu_seqlens is None:
+            raise ValueError("cu_seqlens_k: the keys' offsets go with the queries' cu_seqlens; give both")
+        if ctx.cu_seqlens is not None and ctx.cu_seqlens_k is None and Sq != Sk:
+            raise ValueError(f"cu_seqlens: {Sq} packed queries and {Sk} keys share one set of offsets only when the "
+                             "counts are equal; give the keys' own offsets as cu_seqlens_k (a KV cache)")
+        if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
+            ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk))
         if ctx.causal and Sq != Sk and not self.capabilities.kv_cache:
             raise BackendUnavailableError(self._message([
                 f"cannot attend with a KV cache ({Sq} queries, {Sk} keys, causal): pass use_cache=False, "
@@ -247,6 +269,23 @@ class AttentionBackend:
 
 
 _INSTANCE_IDS = itertools.count()
+
+
+def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> None:
+    """Refuse key offsets (``ctx.cu_seqlens_k``) that do not fit the keys, naming the argument:
+    as many sequences as the queries' offsets, from 0 to ``total_k``, each with at least as
+    many keys as queries. One host read; :meth:`AttentionBackend.__call__` runs it once per
+    forward, before any kernel reads past a sequence's end."""
+    if cu_seqlens_k.ndim != 1 or cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise ValueError(f"cu_seqlens_k must be [N+1] like cu_seqlens ({cu_seqlens_q.numel()} offsets), "
+                         f"got shape {tuple(cu_seqlens_k.shape)}")
+    cu_k, cu_q = cu_seqlens_k.long().cpu(), cu_seqlens_q.long().cpu()
+    len_k, len_q = cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1]
+    if int(cu_k[0]) != 0 or int(cu_k[-1]) != total_k:
+        raise ValueError(f"cu_seqlens_k must run from 0 to the number of keys ({total_k}), got {cu_k.tolist()}")
+    if bool((len_k < len_q).any()):
+        raise ValueError(f"cu_seqlens_k: each sequence needs at least as many keys as queries (the queries are "
+                         f"its last positions), got key lengths {len_k.tolist()} for query lengths {len_q.tolist()}")
 
 
 def unavailable(caps: Capabilities) -> str | None:

@@ -40,7 +40,12 @@ FLASH_ATTN_BOTTOM_RIGHT = (2, 1)  # flash-attn 2.1 moved causal with seqlen_q !=
 
 def _check_bottom_right(module_name: str, q_BSHD, k_BSHD, causal: bool) -> None:
     """flash-attn 2.0 aligned causal top-left: refuse it where the two answers differ."""
-    if not causal or q_BSHD.shape[1] == k_BSHD.shape[1]:
+    if q_BSHD.shape[1] != k_BSHD.shape[1]:
+        _check_bottom_right_version(module_name, causal)
+
+
+def _check_bottom_right_version(module_name: str, causal: bool) -> None:
+    if not causal:
         return
     import importlib
 
@@ -50,12 +55,18 @@ def _check_bottom_right(module_name: str, q_BSHD, k_BSHD, causal: bool) -> None:
                          "fastzoo's contract (KV cache) is bottom-right, as flash-attn >= 2.1 does: upgrade flash-attn")
 
 
-def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None) -> torch.Tensor:
-    """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32."""
+def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
+               cu_seqlens_k=None, max_seqlen_k=None) -> torch.Tensor:
+    """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 (the
+    keys' own ``cu_seqlens_k`` with a KV cache: causal is then bottom-right per sequence)."""
     from flash_attn import flash_attn_varlen_func
 
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    else:
+        _check_bottom_right_version("flash_attn", causal)
     return flash_attn_varlen_func(
-        q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=scale, causal=causal,
     )
 
@@ -116,9 +127,12 @@ class Fa3Backend(LibraryBackend):
 
         return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal))
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
+               cu_seqlens_k=None, max_seqlen_k=None):
         _no_dropout(dropout_p)
         from flash_attn_interface import flash_attn_varlen_func
 
-        return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        if cu_seqlens_k is None:
+            cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+        return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
                                            softmax_scale=scale, causal=causal))

@@ -12,8 +12,10 @@ mask: a model unpads a padded batch into a packed one once per forward
 Causal attention with fewer queries than keys (a KV cache) is bottom-right aligned in the
 contract; each library's dense call is given its bottom-right form (flash-attn's ``causal``
 from 2.1, TE's ``causal_bottom_right``, xFormers' ``LowerTriangularFromBottomRightMask``), so
-these backends declare ``kv_cache``. A packed call shares one ``cu_seqlens`` between queries
-and keys, so it takes equal lengths only.
+these backends declare ``kv_cache``. A packed call with a KV cache gives the keys their own
+offsets (``ctx.cu_seqlens_k``), passed to each library's varlen entry point (flash-attn's
+``cu_seqlens_k``, TE's ``cu_seqlens_kv`` with ``padding_causal_bottom_right``, xFormers'
+``BlockDiagonalCausalFromBottomRightMask``).
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ class LibraryBackend(AttentionBackend):
         """Equal-length batch in the ``[B, S, H, D]`` layout these libraries share."""
         raise NotImplementedError
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal, scale, dropout_p, ctx=None):
-        """Packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 offsets. ``ctx`` is
-        the call's context: metadata built from ``cu_seqlens`` goes in ``ctx.cached``, once per forward."""
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal, scale, dropout_p, ctx=None,
+               cu_seqlens_k=None, max_seqlen_k=None):
+        """Packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 offsets (the keys' own
+        ``cu_seqlens_k`` / ``max_seqlen_k`` with a KV cache, else None). ``ctx`` is the call's
+        context: metadata built from the offsets goes in ``ctx.cached``, once per forward."""
         raise NotImplementedError
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
@@ -38,7 +42,6 @@ class LibraryBackend(AttentionBackend):
         if ctx.cu_seqlens is None:
             q_BSHD, k_BSHD, v_BSHD = (x.transpose(1, 2) for x in (q_BHSD, k_BHSD, v_BHSD))
             return self.dense(q_BSHD, k_BSHD, v_BSHD, **kw).transpose(1, 2)
-        packing.check_self_attention(self, q_BHSD, k_BHSD)
-        cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
-        return packing.from_THD(self.varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, **kw, ctx=ctx), 1)
+        seqlens = packing.seqlens(ctx, q_BHSD, k_BHSD).kwargs()
+        return packing.from_THD(self.varlen(q_THD, k_THD, v_THD, **seqlens, **kw, ctx=ctx), 1)

@@ -80,6 +80,23 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.where(t < cu[-1], ids, -1)
 
 
+def document_causal(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                    causal: bool, device=None) -> MaskMod:
+    """Packed queries and keys with their own offsets (a KV cache): a query sees the keys of
+    its own sequence only and, if ``causal``, bottom-right aligned per sequence: query ``i`` of
+    sequence ``n`` is key position ``i + (cu_k[n+1] - cu_q[n+1])``, the queries being the
+    last positions of their sequence."""
+    cu_q, cu_k = (c if device is None else c.to(device) for c in (cu_seqlens_q, cu_seqlens_k))
+    doc_q, doc_k = document_ids(cu_q, total_q), document_ids(cu_k, total_k)
+    shift_q = (cu_k[1:] - cu_q[1:]).long()[doc_q.clamp(min=0)]  # the key index of query q is q + shift_q[q]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc_q[q_idx] == doc_k[kv_idx]
+        return same & (kv_idx <= q_idx + shift_q[q_idx]) if causal else same
+
+    return mask_mod
+
+
 def causal_from(offset: int) -> MaskMod:
     """Causal, bottom-right aligned: query ``i`` is position ``i + offset`` among the keys
     (``offset = Sk - Sq``: the keys a KV cache holds before the queries)."""
@@ -93,13 +110,16 @@ def causal_from(offset: int) -> MaskMod:
 
 
 def padding(key_padding_mask: torch.Tensor, offset: int = 0) -> MaskMod:
-    """Real queries see real keys only. A padding query sees every key: its output is
-    never used, and this keeps its softmax row non-empty (no NaN leaking into gradients).
+    """Every query sees real keys only, as in transformers (a padding query after a real
+    token gets HF's value, e.g. a right-padded row's last position). A padding query with no
+    real token at or before it (left padding) sees every key: this keeps its softmax row
+    non-empty (no NaN leaking into gradients); its output is never used.
     The mask covers the keys; query ``i`` is key position ``i + offset`` (KV cache)."""
     valid_BS = key_padding_mask
+    first_real_B = torch.where(valid_BS.any(1), valid_BS.int().argmax(1), valid_BS.shape[1])
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return valid_BS[b, kv_idx] | ~valid_BS[b, q_idx + offset]
+        return valid_BS[b, kv_idx] | (q_idx + offset < first_real_B[b])
 
     return mask_mod
 
@@ -167,11 +187,16 @@ def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = Non
     evaluated on ``device`` (q's device: the offsets and the padding mask are moved there).
 
     With fewer queries than keys (``total_k``, a KV cache) the queries are the last
-    ``total_q`` positions: causal is bottom-right aligned (see ``fastzoo.attention.base``).
+    ``total_q`` positions: causal is bottom-right aligned (see ``fastzoo.attention.base``),
+    per packed sequence when the keys have their own offsets (``ctx.cu_seqlens_k``).
     """
     offset = 0 if total_k is None else total_k - total_q
+    if ctx.cu_seqlens_k is not None:  # packed with a KV cache: the keys have their own offsets
+        if ctx.key_padding_mask is not None:
+            raise ValueError("cu_seqlens_k: packed sequences take no key-padding mask")
+        return and_masks(document_causal(ctx.cu_seqlens, ctx.cu_seqlens_k, total_q, total_k, ctx.causal, device), extra)
     if ctx.cu_seqlens is not None and offset:  # this order: under FX tracing offset is a Proxy, not a bool
-        raise ValueError("cu_seqlens: packed sequences take no KV cache (fewer queries than keys)")
+        raise ValueError("cu_seqlens: fewer packed queries than keys (a KV cache) needs the keys' offsets, cu_seqlens_k")
     kpm = ctx.key_padding_mask
     return and_masks(
         causal_from(offset) if ctx.causal else None,

@@ -6,6 +6,13 @@ memory-efficient attention on CUDA, its math kernel on CPU. PyTorch's jagged SDP
 causal kernel on CPU (the math path refuses ``is_causal``), so causal calls on CPU run
 :func:`fastzoo.attention.varlen.packed_sdpa`, the same exact dense SDPA as varlen's cpu
 path. A plain ``[B, S]`` call without ``cu_seqlens`` is treated as B sequences of S tokens.
+
+With a KV cache the keys have their own offsets (``ctx.cu_seqlens_k``) and become their own
+jagged tensor. SDPA's ``is_causal`` is top-left aligned, so causal attention with fewer
+queries than keys goes to jagged SDPA only where alignment cannot matter: one query per
+sequence (``max_seqlen == 1``, the decoding step: the last position sees every key of its
+sequence, no mask). Otherwise (a chunk of several new tokens per sequence) it runs
+:func:`~fastzoo.attention.varlen.packed_sdpa` with explicit bottom-right masks.
 """
 from __future__ import annotations
 
@@ -21,27 +28,29 @@ class NestedBackend(AttentionBackend):
     name = "nested"
     description = "jagged NestedTensor through SDPA (packed sequences)"
     capabilities = Capabilities(
-        devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32 (torch 2.14.1)"
+        devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
+        verified="CPU fp32 (torch 2.14.1); CUDA jagged path not verified on hardware",
     )
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
-        packing.check_self_attention(self, q_BHSD, k_BHSD)
-        cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
+        seqlens = packing.seqlens(ctx, q_BHSD, k_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
-        if q_BHSD.device.type == "cpu" and ctx.causal:
-            o_THD = packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,
-                                causal=True, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx)
+        cached = seqlens.cu_k is not seqlens.cu_q
+        # jagged SDPA: non-causal, or causal over equal lengths (not on CPU), or one query per sequence
+        jagged = not ctx.causal or (not cached and q_BHSD.device.type != "cpu") or (cached and seqlens.max_q == 1)
+        if not jagged:
+            o_THD = packed_sdpa(q_THD, k_THD, v_THD, **seqlens.kwargs(), causal=True, scale=ctx.scale,
+                                dropout_p=ctx.dropout_p, ctx=ctx)
         else:
-            offsets = cu_seqlens.long()
-
-            def jagged_NHjD(x_THD):
+            def jagged_NHjD(x_THD, offsets, max_seqlen):
                 # the jagged kernels need the values contiguous (a [1, T, H, D] view may not be)
                 return torch.nested.nested_tensor_from_jagged(
-                    x_THD.contiguous(), offsets=offsets, max_seqlen=max_seqlen).transpose(1, 2)
+                    x_THD.contiguous(), offsets=offsets.long(), max_seqlen=max_seqlen).transpose(1, 2)
 
+            k_args = (seqlens.cu_k, seqlens.max_k)
             o_NHjD = F.scaled_dot_product_attention(
-                jagged_NHjD(q_THD), jagged_NHjD(k_THD), jagged_NHjD(v_THD),
-                dropout_p=ctx.dropout_p, is_causal=ctx.causal, scale=ctx.scale,
+                jagged_NHjD(q_THD, seqlens.cu_q, seqlens.max_q), jagged_NHjD(k_THD, *k_args), jagged_NHjD(v_THD, *k_args),
+                dropout_p=ctx.dropout_p, is_causal=ctx.causal and not cached, scale=ctx.scale,
             )
             o_THD = o_NHjD.transpose(1, 2).values()
         return packing.from_THD(o_THD, q_BHSD.shape[0])

@@ -4,7 +4,8 @@ Varlen kernels (FlashAttention, xFormers, Transformer Engine, ``varlen``, ``nest
 ``[T, H, D]`` tokens and int32 ``cu_seqlens`` offsets, not the contract's ``[B, H, S, D]``
 and not a key-padding mask:
 
-- :func:`seqlens` gives a call's ``cu_seqlens``/``max_seqlen``: the context's packed
+- :func:`seqlens` gives a call's offsets (:class:`Seqlens`: the queries' ``cu_seqlens`` /
+  ``max_seqlen`` and the keys', which differ with a KV cache): the context's packed
   sequences, or a plain ``[B, S]`` batch read as B sequences of S tokens;
 - :func:`to_THD` / :func:`from_THD` move between the contract's layout and the kernels';
 - :func:`unpad` gathers the real tokens of a padded batch (any ``[B, S, ...]`` tensors; any
@@ -23,32 +24,50 @@ import torch
 from fastzoo.attention.base import AttnContext
 
 
-def check_self_attention(backend, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor) -> None:
-    """Packed kernels take one ``cu_seqlens`` for queries and keys alike: as many keys as
-    queries, or the keys would be split at the queries' offsets (no KV cache here)."""
-    from fastzoo.errors import BackendUnavailableError
+@dataclass(frozen=True)
+class Seqlens:
+    """The offsets a varlen kernel takes (``flash_attn_varlen_func``'s four arguments): the
+    queries' and the keys' int32 ``[N+1]`` offsets and longest sequences. Self-attention
+    shares one set (``cu_k is cu_q``); with a KV cache the keys have their own."""
 
-    if q_BHSD.shape[-2] != k_BHSD.shape[-2]:
-        raise BackendUnavailableError(backend._message([
-            f"packs queries and keys with one set of offsets: it takes as many keys as queries, got "
-            f"{q_BHSD.shape[-2]} queries and {k_BHSD.shape[-2]} keys (a KV cache): use eager, sdpa or flex"]))
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def kwargs(self) -> dict:
+        """The varlen kernels' keywords: ``cu_seqlens``, ``max_seqlen`` and the keys' own
+        ``cu_seqlens_k``, ``max_seqlen_k`` (None for self-attention)."""
+        own = self.cu_k is not self.cu_q
+        return dict(cu_seqlens=self.cu_q, max_seqlen=self.max_q,
+                    cu_seqlens_k=self.cu_k if own else None, max_seqlen_k=self.max_k if own else None)
 
 
-def seqlens(ctx: AttnContext, q_BHSD: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``cu_seqlens`` (int32, on q's device) and ``max_seqlen`` of this call; computed by the
-    first layer of a forward and reused by the others (``ctx.cached``)."""
-    B, _, S, _ = q_BHSD.shape
-    return ctx.cached(("seqlens", B, S, q_BHSD.device), lambda: _seqlens(ctx, B, S, q_BHSD.device))
+def seqlens(ctx: AttnContext, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor) -> Seqlens:
+    """The offsets of this call; computed by the first layer of a forward and reused by the
+    others (``ctx.cached``)."""
+    B, _, Sq, _ = q_BHSD.shape
+    Sk = k_BHSD.shape[-2]
+    return ctx.cached(("seqlens", B, Sq, Sk, q_BHSD.device), lambda: _seqlens(ctx, B, Sq, Sk, q_BHSD.device))
 
 
-def _seqlens(ctx: AttnContext, B: int, S: int, device) -> tuple[torch.Tensor, int]:
-    if ctx.cu_seqlens is None:  # a plain batch: B sequences of S tokens
-        return torch.arange(B + 1, dtype=torch.int32, device=device) * S, S
+def _seqlens(ctx: AttnContext, B: int, Sq: int, Sk: int, device) -> Seqlens:
+    if ctx.cu_seqlens is None:  # a plain batch: B sequences of Sq queries and Sk keys each
+        cu_q = torch.arange(B + 1, dtype=torch.int32, device=device) * Sq
+        return Seqlens(cu_q, cu_q if Sk == Sq else torch.arange(B + 1, dtype=torch.int32, device=device) * Sk, Sq, Sk)
     if B != 1:
         raise ValueError(f"cu_seqlens: packed sequences come as one row [1, H, T, D], got batch size {B}")
-    cu_seqlens = ctx.cu_seqlens.to(device=device, dtype=torch.int32)
-    if ctx.max_seqlen is not None:  # as given by the data pipeline; else read it (one device sync)
-        return cu_seqlens, int(ctx.max_seqlen)
+    cu_q, max_q = _offsets(ctx.cu_seqlens, ctx.max_seqlen, device)
+    if ctx.cu_seqlens_k is None:
+        return Seqlens(cu_q, cu_q, max_q, max_q)
+    cu_k, max_k = _offsets(ctx.cu_seqlens_k, ctx.max_seqlen_k, device)
+    return Seqlens(cu_q, cu_k, max_q, max_k)
+
+
+def _offsets(cu_seqlens: torch.Tensor, max_seqlen: int | None, device) -> tuple[torch.Tensor, int]:
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+    if max_seqlen is not None:  # as given by the data pipeline; else read it (one device sync)
+        return cu_seqlens, int(max_seqlen)
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 

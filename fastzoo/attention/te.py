@@ -77,12 +77,18 @@ class TeBackend(LibraryBackend):
         o_BSX = attn(q_BSHD, k_BSHD, v_BSHD, qkv_format="bshd", attn_mask_type=_dense_mask_type(causal, S, k_BSHD.shape[1]))
         return o_BSX.view(B, S, H, D)
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
+               cu_seqlens_k=None, max_seqlen_k=None):
         T, H, D = q_THD.shape
         attn = self._module(H, D, scale, dropout_p, _needs_grad(q_THD, k_THD, v_THD))
         q_THD, k_THD, v_THD = (x.contiguous() for x in (q_THD, k_THD, v_THD))
+        mask_type = "padding_causal" if causal else "padding"
+        if cu_seqlens_k is None:
+            cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+        elif causal:  # a KV cache: TE's "padding_causal" is top-left, its bottom-right form is named
+            mask_type = "padding_causal_bottom_right"
         o_TX = attn(
-            q_THD, k_THD, v_THD, qkv_format="thd", attn_mask_type="padding_causal" if causal else "padding",
-            cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+            q_THD, k_THD, v_THD, qkv_format="thd", attn_mask_type=mask_type,
+            cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens_k, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen_k,
         )
         return o_TX.view(T, H, D)

@@ -38,17 +38,20 @@ from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
 
 _BASE = Capabilities(
-    devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, verified="CPU fp32: cpu impl (torch 2.14.1)"
+    devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
+    verified="CPU fp32: cpu impl (torch 2.14.1)",
 )
 _CAPS = {
     None: _BASE,  # an instance with impl=None declares _auto_capabilities(): what this machine's impls serve
     "torch": dataclasses.replace(
         _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
+        # kv_cache: causal runs aten's FlashAttention-2 kernel (never cuDNN: torch routes window_size != (-1, -1)
+        # away from it), which aligns causal bottom-right per sequence when cu_seq_k holds more keys
     ),
-    # the same kernels: one declaration, less the KV cache (one cu_seqlens for queries and keys)
-    "flash": dataclasses.replace(Fa2Backend.capabilities, kv_cache=False),
-    "xformers": dataclasses.replace(XformersBackend.capabilities, kv_cache=False),
+    # the same kernels as the fa2 / xformers backends: one declaration
+    "flash": Fa2Backend.capabilities,
+    "xformers": XformersBackend.capabilities,
     "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
     "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
@@ -76,6 +79,7 @@ def _auto_capabilities() -> Capabilities:
         _BASE,
         devices=devices,
         dropout=any(c.dropout for c in caps),
+        kv_cache=any(c.kv_cache for c in caps),
         backward=tuple(dev for dev, impls in present.items() if any(dev in _CAPS[i].backward for i in impls)),
         compile=all(c.compile for c in caps),
         max_head_dim=None if None in heads else max(heads),
@@ -84,37 +88,53 @@ def _auto_capabilities() -> Capabilities:
     )
 
 
-def _slots(cu_seqlens, T: int, L: int, causal: bool):
-    """Where each packed token goes in ``[N, L]`` slots, and the key mask (non-causal only)."""
-    N = cu_seqlens.numel() - 1
+def _slots(cu_seqlens, T: int, L: int):
+    """Where each packed token goes in ``[N, L]`` slots, and each sequence's length."""
     doc_T = document_ids(cu_seqlens, T)
     slot_T = doc_T * L + torch.arange(T, device=cu_seqlens.device) - cu_seqlens.long()[doc_T]
-    attn_mask = None
-    if not causal:
-        lengths_N = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        attn_mask = (torch.arange(L, device=cu_seqlens.device) < lengths_N[:, None]).view(N, 1, 1, L)
-    return slot_T, attn_mask
+    return slot_T, (cu_seqlens[1:] - cu_seqlens[:-1]).long()
 
 
-def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0, ctx=None):
+def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0, ctx=None,
+                cu_seqlens_k=None, max_seqlen_k=None):
     """Exact varlen attention with dense SDPA, the CPU kernel.
+
+    ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' offsets when they differ from the queries'
+    (a KV cache; causal is then bottom-right aligned per sequence, see
+    ``fastzoo.attention.base``); None: the queries'.
 
     Eager: one SDPA call per sequence, costing sum(len^2) (on CPU reading the offsets costs
     no device sync). While compiling, the per-sequence loop cannot be traced into one graph,
     so the sequences are scattered into ``[N, max_seqlen]`` slots for one SDPA call
-    (N * max_seqlen^2): causal needs no mask there, since a real query at position i sees
-    keys 0..i of its own slot, which are all real; padding queries are dropped.
+    (N * max_seqlen^2) with a mask of each sequence's keys; padding queries are dropped.
     """
+    kv = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if torch.compiler.is_compiling():
-        return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal=causal, scale=scale, dropout_p=dropout_p, ctx=ctx)
-    build = lambda: sequence_bounds(cu_seqlens)  # noqa: E731
-    bounds = build() if ctx is None else ctx.cached(("packed_sdpa_bounds", cu_seqlens.data_ptr()), build)
+        return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *kv, causal=causal, scale=scale,
+                          dropout_p=dropout_p, ctx=ctx)
+    def build():
+        bounds_q = sequence_bounds(cu_seqlens)
+        return bounds_q, bounds_q if kv[0] is cu_seqlens else sequence_bounds(kv[0])
+
+    key = ("packed_sdpa_bounds", cu_seqlens.data_ptr(), kv[0].data_ptr())
+    bounds_q, bounds_k = build() if ctx is None else ctx.cached(key, build)
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_HLD, k_HLD, v_HLD = (x[start:end].transpose(0, 1) for x in (q_THD, k_THD, v_THD))
-        o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, dropout_p=dropout_p, is_causal=causal, scale=scale)
+    for qs, qe, ks, ke in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
+        q_HLD = q_THD[qs:qe].transpose(0, 1)
+        k_HLD, v_HLD = (x[ks:ke].transpose(0, 1) for x in (k_THD, v_THD))
+        Lq, Lk = qe - qs, ke - ks
+        # SDPA's is_causal is top-left: with fewer queries than keys the bottom-right mask is explicit
+        # (one query, the last position, sees every key: no mask)
+        mask = None if not causal or Lq == Lk or Lq == 1 else _bottom_right(Lq, Lk, q_THD.device)
+        o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, attn_mask=mask, dropout_p=dropout_p,
+                                               is_causal=causal and Lq == Lk, scale=scale)
         outs.append(o_HLD.transpose(0, 1))
     return torch.cat(outs) if outs else q_THD.new_zeros(q_THD.shape[:-1] + v_THD.shape[-1:])
+
+
+def _bottom_right(Lq: int, Lk: int, device) -> torch.Tensor:
+    """``[Lq, Lk]`` bool: query i (key position i + Lk - Lq) sees keys j <= i + Lk - Lq."""
+    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril(Lk - Lq)
 
 
 def sequence_bounds(cu_seqlens) -> list[int]:
@@ -122,20 +142,31 @@ def sequence_bounds(cu_seqlens) -> list[int]:
     return cu_seqlens.tolist()
 
 
-def _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale, dropout_p, ctx):
-    T, H, D = q_THD.shape
-    N, L = cu_seqlens.numel() - 1, int(max_seqlen)
-    build = lambda: _slots(cu_seqlens, T, L, causal)  # noqa: E731
-    slot_T, attn_mask = build() if ctx is None else ctx.cached(("packed_sdpa_slots", T, L, causal), build)
+def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causal: bool, scale, dropout_p, ctx):
+    Tq, H, _ = q_THD.shape
+    Tk = k_THD.shape[0]
+    N, Lq, Lk = cu_q.numel() - 1, int(max_q), int(max_k)
 
-    def to_slots(x_THD):
+    def build():
+        slot_q, len_q = _slots(cu_q, Tq, Lq)
+        slot_k, len_k = (slot_q, len_q) if cu_k is cu_q else _slots(cu_k, Tk, Lk)
+        # key j of sequence n is real below len_k[n]; causal: query i is key position i + len_k - len_q
+        i, j = torch.arange(Lq, device=cu_q.device)[:, None], torch.arange(Lk, device=cu_q.device)[None, :]
+        allowed = j < len_k.view(N, 1, 1)
+        if causal:
+            allowed = allowed & (j <= i + (len_k - len_q).view(N, 1, 1))
+        return slot_q, slot_k, allowed.view(N, 1, Lq, Lk)
+
+    slot_q, slot_k, allowed = build() if ctx is None else ctx.cached(("packed_sdpa_slots", Tq, Tk, Lq, Lk, causal), build)
+
+    def to_slots(x_THD, slot_T, L):
         return x_THD.new_zeros(N * L, H, x_THD.shape[-1]).index_copy(0, slot_T, x_THD).view(N, L, H, -1).transpose(1, 2)
 
     o_NHLD = F.scaled_dot_product_attention(
-        to_slots(q_THD), to_slots(k_THD), to_slots(v_THD),
-        attn_mask=attn_mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+        to_slots(q_THD, slot_q, Lq), to_slots(k_THD, slot_k, Lk), to_slots(v_THD, slot_k, Lk),
+        attn_mask=allowed.to(q_THD.device), dropout_p=dropout_p, scale=scale,
     )
-    return o_NHLD.transpose(1, 2).reshape(N * L, H, -1)[slot_T]
+    return o_NHLD.transpose(1, 2).reshape(N * Lq, H, -1)[slot_q]
 
 
 TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
@@ -144,10 +175,12 @@ TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version_
 VARLEN_TAKES_SCALE = TORCH_VERSION >= (2, 11)
 
 
-def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
+def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
+                  cu_seqlens_k=None, max_seqlen_k=None):
     from torch.nn.attention.varlen import varlen_attn
 
-    args = (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    kv = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
+    args = (cu_seqlens, kv[0], max_seqlen, kv[1])
     if VARLEN_TAKES_SCALE:
         return varlen_attn(q_THD, k_THD, v_THD, *args, scale=scale, window_size=(-1, 0) if causal else (-1, -1))
     if scale is not None:  # 2.10 applies 1/sqrt(D): fold the ratio into q (exact up to one rounding)
@@ -155,8 +188,9 @@ def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale,
     return varlen_attn(q_THD, k_THD, v_THD, *args, is_causal=causal)
 
 
-# [T, H, D] kernels with one signature (``ctx``: the call's context, for per-forward caches);
-# flash and xformers import their library inside the call
+# [T, H, D] kernels with one signature (``ctx``: the call's context, for per-forward caches;
+# ``cu_seqlens_k``/``max_seqlen_k``: the keys' offsets, None for self-attention); flash and
+# xformers import their library inside the call
 _KERNELS = {"torch": _torch_varlen, "flash": fa2_varlen, "xformers": xformers_varlen, "cpu": packed_sdpa}
 
 
@@ -201,6 +235,7 @@ class VarlenBackend(AttentionBackend):
             and q.dtype in caps.devices.get(dev, ())
             and (caps.max_head_dim is None or q.shape[-1] <= caps.max_head_dim)
             and (ctx.dropout_p == 0 or caps.dropout)
+            and (ctx.cu_seqlens_k is None or caps.kv_cache)
             and (dev in caps.backward or not (torch.is_grad_enabled() and q.requires_grad))
         )
 
@@ -215,7 +250,6 @@ class VarlenBackend(AttentionBackend):
         raise BackendUnavailableError(self._message([f"no varlen kernel here fits {q.dtype} on {q.device.type}"]))
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
-        packing.check_self_attention(self, q_BHSD, k_BHSD)
         impl = self.pick(q_BHSD, ctx)
         if impl == "flex":
             if self._flex is None:
@@ -223,8 +257,7 @@ class VarlenBackend(AttentionBackend):
 
                 self._flex = FlexBackend()
             return self._flex(q_BHSD, k_BHSD, v_BHSD, ctx)  # with flex's own per-call checks
-        cu_seqlens, max_seqlen = packing.seqlens(ctx, q_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
-        o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, cu_seqlens, max_seqlen,
+        o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, **packing.seqlens(ctx, q_BHSD, k_BHSD).kwargs(),
                                causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx)
         return packing.from_THD(o_THD, q_BHSD.shape[0])

@@ -6,8 +6,9 @@ Does Not Need O(n^2) Memory"; xFormers, Lefaudeux et al. 2022).
 (CUTLASS, which also takes fp32, or FlashAttention for fp16/bf16). Masks are bias objects:
 ``LowerTriangularMask()`` for causal attention (``LowerTriangularFromBottomRightMask()`` with
 fewer queries than keys: a KV cache), and
-``fmha.attn_bias.BlockDiagonalMask.from_seqlens(...)`` / ``BlockDiagonalCausalMask`` for packed
-sequences (batch of one); a model unpads a padded batch into a packed one first. Building
+``fmha.attn_bias.BlockDiagonalMask.from_seqlens(q_seqlen, kv_seqlen)`` / ``BlockDiagonalCausalMask``
+for packed sequences (batch of one; ``BlockDiagonalCausalFromBottomRightMask`` when the keys
+have their own lengths, a KV cache); a model unpads a padded batch into a packed one first. Building
 a block-diagonal bias reads the sequence lengths on the host: one device sync per forward
 (the bias is kept in the forward's ``AttnContext`` for the other layers).
 """
@@ -19,12 +20,18 @@ from fastzoo.attention.base import FLOATS, Capabilities
 from fastzoo.attention.library import LibraryBackend
 
 
-def _block_diagonal(cu_seqlens, causal: bool, device):
+def _block_diagonal(cu_seqlens, causal: bool, device, cu_seqlens_k=None):
     from xformers.ops import fmha
 
-    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the one device sync
-    mask_cls = fmha.attn_bias.BlockDiagonalCausalMask if causal else fmha.attn_bias.BlockDiagonalMask
-    return mask_cls.from_seqlens(seqlens, device=device)
+    if cu_seqlens_k is None:
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # the one device sync
+        mask_cls = fmha.attn_bias.BlockDiagonalCausalMask if causal else fmha.attn_bias.BlockDiagonalMask
+        return mask_cls.from_seqlens(seqlens, device=device)
+    # a KV cache: the keys have their own lengths, causal bottom-right in each block
+    lengths = torch.stack([cu_seqlens[1:] - cu_seqlens[:-1], (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(cu_seqlens.device)])
+    q_lens, k_lens = lengths.tolist()  # the one device sync
+    mask_cls = fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask if causal else fmha.attn_bias.BlockDiagonalMask
+    return mask_cls.from_seqlens(q_lens, k_lens, device=device)
 
 
 def causal_bias(causal: bool, Sq: int, Sk: int):
@@ -36,14 +43,17 @@ def causal_bias(causal: bool, Sq: int, Sk: int):
     return attn_bias.LowerTriangularMask() if Sq == Sk else attn_bias.LowerTriangularFromBottomRightMask()
 
 
-def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None) -> torch.Tensor:
+def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
+                    cu_seqlens_k=None, max_seqlen_k=None) -> torch.Tensor:
     """Packed sequences through a block-diagonal bias: ``[T, H, D]`` in and out. ``max_seqlen``
-    is unused (the bias reads the lengths); it keeps the varlen kernels' common signature.
+    and ``max_seqlen_k`` are unused (the bias reads the lengths); they keep the varlen kernels'
+    common signature. ``cu_seqlens_k``: the keys' own offsets (a KV cache).
     With ``ctx`` the bias (and its host read of the lengths) is built once per forward."""
     from xformers.ops import memory_efficient_attention
 
-    build = lambda: _block_diagonal(cu_seqlens, causal, q_THD.device)  # noqa: E731
-    bias = build() if ctx is None else ctx.cached(("xformers_block_diagonal", causal, q_THD.device), build)
+    build = lambda: _block_diagonal(cu_seqlens, causal, q_THD.device, cu_seqlens_k)  # noqa: E731
+    key = ("xformers_block_diagonal", causal, q_THD.device, cu_seqlens_k is None)
+    bias = build() if ctx is None else ctx.cached(key, build)
     o_1THD = memory_efficient_attention(
         q_THD.unsqueeze(0), k_THD.unsqueeze(0), v_THD.unsqueeze(0), attn_bias=bias, p=dropout_p, scale=scale
     )

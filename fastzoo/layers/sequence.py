@@ -23,6 +23,12 @@ returns :class:`Sequences`: what the layers run on (tokens, positions, the
 no padding mask is unpadded here, once per forward, so everything between the attention
 layers skips the padding too. :meth:`Sequences.next_token_targets` shifts ``labels`` the
 same way, never across a sequence boundary.
+
+With a KV cache the cache keeps transformers' padded layout (``[B, H, past + S, D]``, what
+``DynamicCache``, beam search's reordering and HF's tools expect). For a packed-only
+backend the new tokens are unpadded as above, and the keys are the real tokens of the
+cached + new mask (:attr:`Sequences.keys`): the context then carries the keys' own offsets
+(``cu_seqlens_k``), each sequence's new tokens being the last of its keys.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ class Sequences:
     form: str  # "padded" | "packed" | "unpadded" | "flattened" | "nested"
     boundaries: torch.Tensor | None = None  # int32 offsets of the sequences over the flattened input tokens
     unpadded: packing.Unpadded | None = None
+    keys: packing.Unpadded | None = None  # "unpadded" with a KV cache: where the real keys are in [B, past + S]
     offsets: torch.Tensor | None = None  # nested input: its offsets
 
     def to_layers(self, t_BS: torch.Tensor) -> torch.Tensor:
@@ -109,7 +116,7 @@ def read_sequences(
 ) -> Sequences:
     """Check a decoder's inputs and read them into :class:`Sequences`.
 
-    ``past_length``: tokens already in a KV cache (padded form only; positions continue
+    ``past_length``: tokens already in a KV cache (padded forms only; positions continue
     from there and the mask covers them too). ``backend``: the attention backend's
     capabilities (a padded batch is unpadded for packed-only backends). ``attn``: what
     every layer's context shares (``scale``, ``dropout_p``).
@@ -144,13 +151,17 @@ def read_sequences(
         _check_length(S + past_length, n_positions, past_length)
     mask_BK = None if attention_mask is None else attention_mask.bool()
     mask_BS = None if mask_BK is None else mask_BK[:, past_length:]
-    unpad = mask_BS is not None and not backend.padding_mask and backend.varlen and not past_length
+    unpad = mask_BS is not None and not backend.padding_mask and backend.varlen
+    # with a KV cache, the keys of the rows that have new tokens (a row with none has no query)
+    keys_BK = None
+    if unpad and past_length:
+        keys_BK = mask_BK & mask_BS.any(dim=1, keepdim=True)
     # HF-flattened rows: positions restarting with no mask (and no cache) are packed sequences
     maybe_flat = not packed and mask_BK is None and position_ids is not None and not past_length and S > 1
     read = {}
     if not torch.compiler.is_compiling():  # values: one fused device computation, one host read
         read = _check_values(input_ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_seqlen, unpad,
-                             maybe_flat, B, S, n_positions=n_positions, vocab_size=vocab_size)
+                             maybe_flat, B, S, n_positions=n_positions, vocab_size=vocab_size, keys_BK=keys_BK)
     if x.numel() == 0 or B * S == 0:  # no tokens: nothing to attend over
         pos = torch.zeros(1, S, dtype=torch.long, device=x.device)
         return Sequences(x, pos, AttnContext(causal=True, **attn), (B, S), "padded")
@@ -168,8 +179,13 @@ def read_sequences(
     if unpad:
         sizes = (read["tokens"], read["rows"], read["longest_row"]) if read else None
         info, (tokens, pos) = packing.unpad(mask_BS, x, position_ids.expand(B, S), sizes=sizes)
+        keys = None
+        if keys_BK is not None:
+            key_sizes = (read["key_tokens"], read["rows"], read["longest_key_row"]) if read else None
+            keys, _ = packing.unpad(keys_BK, sizes=key_sizes)
+            attn = {**attn, "cu_seqlens_k": keys.cu_seqlens, "max_seqlen_k": keys.max_seqlen}
         ctx = AttnContext(causal=True, cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen, **attn)
-        return Sequences(tokens[None], pos[None], ctx, (B, S), "unpadded", unpadded=info)
+        return Sequences(tokens[None], pos[None], ctx, (B, S), "unpadded", unpadded=info, keys=keys)
     ctx = AttnContext(causal=True, key_padding_mask=mask_BK, **attn)
     return Sequences(x, position_ids, ctx, (B, S), "padded")
 
@@ -211,7 +227,7 @@ def _read_nested(ids, attention_mask, position_ids, cu_seqlens, max_seqlen, past
 
 # -- checks (clear errors before any kernel sees bad indices) ----------------------------------
 def _check_values(ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_seqlen, unpad, maybe_flat, B, S,
-                  *, n_positions, vocab_size) -> dict:
+                  *, n_positions, vocab_size, keys_BK=None) -> dict:
     """Every value check of a forward as one device computation and one host read; raises
     ValueError naming the argument. Returns the numbers read (sizes the forward needs)."""
     stats = {}
@@ -237,6 +253,8 @@ def _check_values(ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_se
         stats.update(cu_first=cu[0], cu_last=cu[-1], shortest_sequence=lengths.min(), longest_sequence=lengths.max())
     if unpad and mask_BS.numel():
         stats.update(zip(("tokens", "rows", "longest_row"), packing.mask_sizes(mask_BS)))
+        if keys_BK is not None:  # the same rows: a row with a new token has that key
+            stats.update(zip(("key_tokens", "key_rows", "longest_key_row"), packing.mask_sizes(keys_BK)))
     if not stats:
         return {}
     device = next(iter(stats.values())).device

@@ -47,7 +47,7 @@ from torch import nn
 from fastzoo.losses.boxes import GIOU_LAYOUTS, BoxTargets, collate_boxes, matched_giou_sum
 from fastzoo.losses.giou import generalized_box_iou
 from fastzoo.models.base import FastzooModel
-from fastzoo.models.config import ModelConfig, free, weights_decide
+from fastzoo.models.config import MAX_BLOCKS, ModelConfig, free, weights_decide
 from fastzoo.models.resnet import ResNet, ResNetConfig
 
 MATCHERS = ("order", "hungarian")
@@ -60,7 +60,8 @@ class BoxDetConfig(ModelConfig):
 
     num_classes: int = weights_decide(1, "object classes; logits have one more (the last: no object)", ge=1)
     num_queries: int = weights_decide(100, "predicted boxes per image", ge=1)
-    hidden_dim: int = weights_decide(256, "width D of the queries and the projected features", ge=1)
+    hidden_dim: int = weights_decide(256, "width D of the queries and the projected features (>= 4: the sine "
+                                     "position embedding has a sin and cos of y and x per frequency)", ge=4)
     loss: str = free("kernel", "how the GIoU term runs: per_sample (a loop) | concat (gathered pairs) | padded "
                      "(padded pairs, plain ops) | kernel (padded pairs through the fused op: no gather, no host sync)",
                      choices=GIOU_LAYOUTS)
@@ -73,7 +74,8 @@ class BoxDetConfig(ModelConfig):
     cost_class: float = free(1.0, "matching cost weight of the class (DETR's default)", ge=0)
     cost_bbox: float = free(5.0, "matching cost weight of the L1 distance", ge=0)
     cost_giou: float = free(2.0, "matching cost weight of the GIoU", ge=0)
-    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "backbone bottleneck blocks per stage (ResNetConfig)", ge=1)
+    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "backbone bottleneck blocks per stage (ResNetConfig)", ge=1,
+                                             le=MAX_BLOCKS)
     channels: tuple[int, ...] = weights_decide((64, 128, 256, 512), "backbone 3x3 width per stage (ResNetConfig)", ge=1)
     channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")
     frozen_bn: bool = free(True, "backbone BatchNorm as DETR's FrozenBatchNorm2d (see the module docstring)")

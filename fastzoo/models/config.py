@@ -11,7 +11,7 @@ A model's config is a dataclass whose every field says, where it is declared, wh
 
 Each declaration also carries the field's meaning and its constraint (``ge``/``gt``/``le``/
 ``choices``), and the annotation gives its type. :class:`ModelConfig` checks every field
-against its type and constraint exactly once, when a config is made (from overrides, a
+against its type and constraint (and every float for being finite) exactly once, when a config is made (from overrides, a
 YAML, a config.json or a checkpoint), and raises :class:`~fastzoo.errors.ConfigError`
 naming the field; a subclass adds the checks that tie fields together in ``validate``.
 Code that compares configs (``fastzoo.weights``) reads the declarations, not tables of
@@ -20,12 +20,16 @@ its own.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 
 from fastzoo.errors import ConfigError, UnknownFieldError, did_you_mean
 
 WEIGHTS, FUNCTION, FREE = "weights", "function", "free"
+# the most repeated blocks a depth field may ask for (GPT-3 has 96, the deepest ResNets ~200 per
+# stage): each is a Python module built before any size check could run (``registry.create``)
+MAX_BLOCKS = 1024
 KINDS = {
     WEIGHTS: "the checkpoint's tensors fix it",
     FUNCTION: "changes the function; a checkpoint cannot show it",
@@ -63,13 +67,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, values: dict, *, what: str = "override"):
         """The config from ``values`` (field names checked; every value checked by ``__post_init__``)."""
+        cls.check_names(values, what=what)
+        return cls(**values)
+
+    @classmethod
+    def check_names(cls, values, *, what: str = "override", where: str = "") -> None:
+        """UnknownFieldError for the first name in ``values`` that is not a field
+        (``where``: the file the names were read from, said first in the message)."""
         names = [f.name for f in dataclasses.fields(cls)]
         for k in values:
             if k not in names:
                 raise UnknownFieldError(
-                    f"unknown {what} {k!r} for {cls.__name__}.{did_you_mean(k, names)} Valid fields: {', '.join(names)}",
-                    field=k)
-        return cls(**values)
+                    f"{where + ': ' if where else ''}unknown {what} {k!r} for {cls.__name__}."
+                    f"{did_you_mean(k, names)} Valid fields: {', '.join(names)}", field=k)
 
     def __post_init__(self):
         hints = _hints(type(self))
@@ -203,6 +213,8 @@ def _checked(cls, f: dataclasses.Field, tp, value):
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(map(repr, meta['choices']))} [{where}]",
                           fields=(f.name,))
+    if not all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, float)):
+        raise ConfigError(f"{f.name}={value!r}: must be a finite number [{where}]", fields=(f.name,))
     if not _check_range(value, meta):
         raise ConfigError(f"{f.name}={value!r}: must be {_constraint_text(meta)} [{where}]", fields=(f.name,))
     return value

@@ -5,6 +5,7 @@ where HF users reach for it: ``generate`` (transformers' own ``GenerationMixin``
 sampler, logits processors, stopping criteria and ``DynamicCache``), ``generation_config``,
 ``gradient_checkpointing_enable`` / ``disable`` / ``is_gradient_checkpointing``,
 ``get_input_embeddings`` / ``set_input_embeddings`` / ``get_output_embeddings``,
+``enable_input_require_grads`` / ``disable_input_require_grads``, ``prepare_inputs_for_generation``,
 ``resize_token_embeddings`` (head kept tied), ``num_parameters``, and the attributes
 ``transformers.Trainer`` reads.
 
@@ -22,6 +23,45 @@ import math
 
 import torch
 from torch import nn
+
+from fastzoo.attention import packing
+
+
+def layer_cache(cache, seqs):
+    """What the attention layers update: ``cache`` itself for a padded batch, else a view that
+    keeps it in transformers' padded layout for the unpadded (packed) tokens (:class:`UnpaddedCache`)."""
+    if cache is None or seqs.form == "padded":
+        return cache
+    if seqs.form != "unpadded":
+        raise ValueError(f"past_key_values / use_cache: a {seqs.form} batch takes no KV cache (sequences have no rows "
+                         "to cache); pass use_cache=False, or give a padded batch with attention_mask")
+    return UnpaddedCache(cache, seqs.unpadded, seqs.keys)
+
+
+class UnpaddedCache:
+    """A transformers ``Cache`` seen from layers that run on unpadded tokens (a packed-only
+    backend, ``varlen`` / ``nested``, given a padded batch).
+
+    The cache keeps transformers' padded layout ``[B, H, past + S, hd]``, so ``DynamicCache``,
+    beam search's ``reorder_cache`` and anything else written for HF's cache work unchanged:
+    :meth:`update` scatters the new tokens' keys and values into their rows (zeros at padding,
+    which the mask hides), appends them, and gathers the real keys of every row back into
+    the packed layout the kernel reads with ``ctx.cu_seqlens_k`` (transformers' FlashAttention
+    path gathers from its padded cache the same way). Prefill (nothing cached before) returns
+    the new keys as they are: they are already every key.
+    """
+
+    def __init__(self, cache, queries, keys):
+        self.cache, self.queries, self.keys = cache, queries, keys  # keys: packing.Unpadded or None (prefill)
+
+    def update(self, k_1HTD: torch.Tensor, v_1HTD: torch.Tensor, layer_idx: int):
+        padded = [packing.repad(x[0].transpose(0, 1), self.queries).transpose(1, 2) for x in (k_1HTD, v_1HTD)]
+        k_BHKD, v_BHKD = self.cache.update(*padded, layer_idx)
+        if self.keys is None:
+            return k_1HTD, v_1HTD
+        B, H, K, D = k_BHKD.shape
+        return [x.transpose(1, 2).reshape(B * K, H, D).index_select(0, self.keys.indices).transpose(0, 1)[None]
+                for x in (k_BHKD, v_BHKD)]
 
 
 class _Generator(nn.Module):
@@ -81,6 +121,10 @@ def _generator_class():
 _GENERATOR = None
 
 
+def _output_requires_grad(module, args, output):  # a module-level function: the model stays picklable
+    output.requires_grad_(True)
+
+
 class CausalLMConventions:
     """transformers' model API for a fastzoo decoder (mixed into the model class).
 
@@ -116,8 +160,16 @@ class CausalLMConventions:
         is checked before the first token: pass ``use_cache=False`` to decode without it."""
         if kwargs.get("use_cache", self.generation_config.use_cache):
             self.check_kv_cache()
-        gen = _generator_class()(self, self.hf_config(), self.generation_config)
-        return gen.generate(*args, **kwargs)
+        return self._generator().generate(*args, **kwargs)
+
+    @property
+    def prepare_inputs_for_generation(self):
+        """transformers' ``GenerationMixin.prepare_inputs_for_generation`` for this model (what
+        ``generate`` feeds the forward at each step; its signature is transformers')."""
+        return self._generator().prepare_inputs_for_generation
+
+    def _generator(self):
+        return _generator_class()(self, self.hf_config(), self.generation_config)
 
     @classmethod
     def can_generate(cls) -> bool:
@@ -145,6 +197,17 @@ class CausalLMConventions:
     @property
     def is_gradient_checkpointing(self) -> bool:
         return self._gradient_checkpointing
+
+    def enable_input_require_grads(self):
+        """transformers' (PEFT calls it with gradient checkpointing): the token embeddings'
+        output requires grad, so frozen embeddings still give the blocks a gradient path."""
+        self.disable_input_require_grads()
+        self._require_grads_hook = self.get_input_embeddings().register_forward_hook(_output_requires_grad)
+
+    def disable_input_require_grads(self):
+        hook = self.__dict__.pop("_require_grads_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte

@@ -30,8 +30,8 @@ from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy
 from fastzoo.models.base import FastzooModel, write_pretrained
-from fastzoo.models.config import ModelConfig, changes_function, free, weights_decide
-from fastzoo.models.generation import CausalLMConventions
+from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.generation import CausalLMConventions, layer_cache
 
 # HF ACT2FN names -> the activation module. "gelu_new" is OpenAI's tanh approximation.
 ACTIVATIONS = {
@@ -51,7 +51,7 @@ class GPT2Config(ModelConfig):
     vocab_size: int = weights_decide(50257, "tokens in the vocabulary", ge=1)
     n_positions: int = weights_decide(1024, "longest sequence (learned position embeddings)", ge=1)
     n_embd: int = weights_decide(768, "width D", ge=1)
-    n_layer: int = weights_decide(12, "transformer blocks", ge=1)
+    n_layer: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
     n_head: int = changes_function(12, "attention heads; n_embd must divide by it", ge=1)
     n_inner: int | None = weights_decide(None, "MLP hidden width; None: 4 * n_embd", ge=1,
                                          compare=lambda c: c.n_inner or 4 * c.n_embd)
@@ -67,6 +67,14 @@ class GPT2Config(ModelConfig):
     eos_token_id: int | None = free(50256, "end-of-text token id (generate)", ge=0)
     pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
     use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
+    output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+
+    # what code written for transformers reads of any model's config (not fields: fixed here)
+    is_encoder_decoder = False
+
+    def get_text_config(self, decoder=None, encoder=None) -> "GPT2Config":
+        """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
+        return self
 
     def validate(self):
         if self.n_embd % self.n_head:
@@ -237,8 +245,10 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
           In train mode the loss is computed from the hidden states without materialising the
           logits (``fastzoo.losses.linear_cross_entropy``) and ``logits`` is ``None``; in eval
           mode the logits are returned with the loss, as HF does.
-        - ``past_key_values`` (a transformers ``Cache``) / ``use_cache``: KV cache, padded form
-          only, on a backend with the ``kv_cache`` capability. ``use_cache`` defaults to
+        - ``past_key_values`` (a transformers ``Cache``) / ``use_cache``: KV cache of a padded
+          batch (kept in HF's padded layout, also for packed-only backends, which unpad the new
+          tokens and read the cached keys with their own offsets), on a backend with the
+          ``kv_cache`` capability. ``use_cache`` defaults to
           ``config.use_cache`` in eval mode and to False in train mode and under
           ``torch.compile`` / ``torch.export`` (pass it to have a cache there).
         - ``output_attentions=True`` is refused: the attention kernels return no weights.
@@ -252,6 +262,8 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         kwargs.pop("encoder_attention_mask", None)
         if kwargs:
             raise TypeError(f"GPT2LMHeadModel.forward() got unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+        if output_hidden_states is None:  # HF: the config's default
+            output_hidden_states = self.config.output_hidden_states
         cache = self._cache(past_key_values, use_cache, labels)
         seqs = read_sequences(
             input_ids, inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
@@ -259,13 +271,10 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
             n_positions=self.config.n_positions, vocab_size=self.config.vocab_size,
             backend=self.attention_backend.capabilities, attn=self._attn_ctx_args(),
         )
-        if cache is not None and seqs.form != "padded":
-            if use_cache is None and past_key_values is None:  # the default, not a request: packed forms return none
-                cache = None
-            else:
-                    raise ValueError(f"past_key_values / use_cache: a {seqs.form} batch takes no KV cache; pass use_cache=False")
+        if cache is not None and seqs.form not in ("padded", "unpadded") and use_cache is None and past_key_values is None:
+            cache = None  # the default, not a request: packed forms return no cache
         types = None if token_type_ids is None else seqs.to_layers(token_type_ids)
-        hidden = self.transformer(seqs.tokens, seqs.positions, seqs.ctx, cache, types)
+        hidden = self.transformer(seqs.tokens, seqs.positions, seqs.ctx, layer_cache(cache, seqs), types)
         loss = logits = None
         if labels is not None:
             loss, logits = self._loss(hidden[-1], seqs, labels, num_items_in_batch, logits_to_keep)

@@ -29,7 +29,7 @@ from torch import nn
 
 from fastzoo.errors import ConfigError
 from fastzoo.models.base import FastzooModel
-from fastzoo.models.config import ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
 
 torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
@@ -45,7 +45,7 @@ class ResNetConfig(ModelConfig):
                                       ge=0)
     global_pool: str = changes_function("avg", "pooling before fc: 'avg', or '' (none: forward_head returns the "
                                         "feature map; needs num_classes=0)", choices=("avg", ""))
-    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "bottleneck blocks per stage (ResNet-50)", ge=1)
+    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "bottleneck blocks per stage (ResNet-50)", ge=1, le=MAX_BLOCKS)
     channels: tuple[int, ...] = weights_decide((64, 128, 256, 512), "3x3 width per stage (timm's name); out = 4x", ge=1)
     in_chans: int = weights_decide(3, "image channels", ge=1)
     channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")

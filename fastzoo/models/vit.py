@@ -19,7 +19,7 @@ from fastzoo.attention.base import AttnContext
 from fastzoo.errors import ConfigError
 from fastzoo.layers import ACTIVATIONS, Attention, DropPath, LayerScale, Mlp, PatchEmbed
 from fastzoo.models.base import FastzooModel
-from fastzoo.models.config import ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
 
 torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
@@ -40,7 +40,7 @@ class ViTConfig(ModelConfig):
     global_pool: str = changes_function("token", "pooling before the head; '' (none): forward_head returns every token",
                                         choices=POOLS)
     embed_dim: int = weights_decide(768, "token width D", ge=1)
-    depth: int = weights_decide(12, "transformer blocks", ge=1)
+    depth: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
     num_heads: int = changes_function(12, "attention heads; embed_dim must divide by it", ge=1)
     mlp_ratio: float = weights_decide(4.0, "MLP hidden width / embed_dim", gt=0)
     qkv_bias: bool = weights_decide(True, "bias in the q, k, v projection")
@@ -68,6 +68,10 @@ class ViTConfig(ModelConfig):
         if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
             raise ConfigError(f"img_size={self.img_size} is not divisible by patch_size={self.patch_size}",
                               fields=("img_size", "patch_size"))
+        if int(self.embed_dim * self.mlp_ratio) < 1:
+            raise ConfigError(f"mlp_ratio={self.mlp_ratio} gives an MLP of int({self.embed_dim} * {self.mlp_ratio}) = 0 "
+                              f"hidden units; the hidden width embed_dim * mlp_ratio must be at least 1",
+                              fields=("mlp_ratio", "embed_dim"))
         if self.embed_dim % self.num_heads:
             raise ConfigError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}",
                               fields=("embed_dim", "num_heads"))

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from fastzoo.errors import FastzooError, UsageError
-from fastzoo.text import USER_ERRORS, ArgumentParser, error_line, non_negative_int, parse_key_values, positive_int, show_traceback
+from fastzoo.text import (
+    USER_ERRORS, ArgumentParser, error_line, non_negative_float, non_negative_int, parse_key_values, positive_int, show_traceback,
+)
 
 __all__ = ["UsageError", "create_model", "parse_args", "positive_int", "run_main", "train_parser"]
 
@@ -42,10 +44,10 @@ def train_parser(description: str, model_default: str) -> argparse.ArgumentParse
     g.add_argument("--epochs", type=positive_int, default=1)
     g.add_argument("--steps", type=positive_int, default=None, help="optimizer steps in total (overrides --epochs)")
     g.add_argument("--batch-size", "-b", type=positive_int, default=32, help="global batch, split across processes")
-    g.add_argument("--lr", type=float, default=1e-4)
-    g.add_argument("--weight-decay", type=float, default=0.05)
+    g.add_argument("--lr", type=non_negative_float, default=1e-4)
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.05)
     g.add_argument("--warmup-steps", type=non_negative_int, default=0)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm; 0 disables clipping")
+    g.add_argument("--clip-grad", type=non_negative_float, default=1.0, help="max gradient norm; 0 disables clipping")
     g.add_argument("--amp", choices=["none", "bf16"], default="none", help="autocast dtype")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP (under torchrun)")
@@ -110,9 +112,15 @@ def read_run_config(parser: argparse.ArgumentParser, path: Path, argv: list[str]
 
 def _typed(action: argparse.Action, value, path, key):
     def one(v):
-        if isinstance(v, str) and action.type is not None and callable(action.type):
-            try:
-                v = action.type(v)
+        if v is None:  # YAML null: the option's own "not given", where it has one
+            if action.default is not None:
+                raise UsageError(f"--config {path}: {key}: needs a value (default {action.default!r}), got null")
+            return v
+        if action.type is not None and callable(action.type):
+            if isinstance(v, (bool, list, dict)) and action.type is not str:  # YAML typed it: never a number or a path
+                raise UsageError(f"--config {path}: {key}: expected what --{key.replace('_', '-')} takes, got {v!r}")
+            try:  # every value through the option's type, as on the command line (a YAML 0 or -1 too)
+                v = action.type(v if isinstance(v, str) else str(v))
             except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
                 raise UsageError(f"--config {path}: {key}: {e}") from e
         if action.choices is not None and v not in action.choices:
@@ -128,7 +136,10 @@ def _typed(action: argparse.Action, value, path, key):
             raise UsageError(f"--config {path}: {key}: expected true or false, got {value!r}")
         return value
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        return [one(v) for v in (value if isinstance(value, list) else [value])]
+        values = value if isinstance(value, list) else [value]
+        if isinstance(action.nargs, int) and len(values) != action.nargs:
+            raise UsageError(f"--config {path}: {key}: expected {action.nargs} values, got {value!r}")
+        return [one(v) for v in values]
     return one(value)
 
 

@@ -24,6 +24,7 @@ _FIELDS = {
     "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
     "bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": None, "use_cache": True,
+    "output_hidden_states": False,
 }
 # HF fields that change the function and that fastzoo does not implement: value HF defaults to.
 _UNSUPPORTED = {"reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True}

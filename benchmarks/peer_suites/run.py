@@ -1,0 +1,206 @@
+"""Run a peer library's own model tests against fastzoo, as a new user would, and classify
+every failure.
+
+    python benchmarks/peer_suites/run.py hf-gpt2 --checkout ~/src/transformers
+    python benchmarks/peer_suites/run.py timm --checkout ~/src/pytorch-image-models
+
+``--checkout`` is a checkout (or unpacked sdist) of the peer whose tests match the installed
+version: transformers' ``tests/models/gpt2/test_modeling_gpt2.py`` with what it imports, or
+timm's ``tests/test_models.py``. Nothing is downloaded and nothing of the peer's code is kept
+here. Each suite runs twice in fresh pytest processes: on the peer's own model (the baseline:
+what fails there is the suite against this library version, not fastzoo) and with the swap
+plugin (``swap_hf_gpt2.py`` / ``swap_timm.py``: the model classes replaced by fastzoo's, test
+bodies untouched). Every test that does not pass with the swap gets a verdict:
+
+- ``refused on purpose``: fastzoo declines it by design (the reason is its documented refusal);
+- ``not applicable``: the test is about a class or feature fastzoo does not provide at all;
+- ``fails on the original too``: the baseline fails or skips it the same way;
+- ``real gap``: fastzoo should pass and does not;
+- ``unclassified``: none of the above is known (a new failure: look at it).
+
+Writes ``<suite>.json`` (every test: outcome, first error line, verdict) and ``<suite>.md``
+under ``--out`` (default ``benchmarks/results/cpu-2core/peer_suites``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu-2core" / "peer_suites"
+
+REFUSED, NOT_APPLICABLE, ORIGINAL_TOO, REAL_GAP, UNCLASSIFIED = (
+    "refused on purpose", "not applicable", "fails on the original too", "real gap", "unclassified")
+
+
+# -- suites ------------------------------------------------------------------------------------
+# Verdicts for the tests that do not pass with the swap, by test name (parameter suffix
+# stripped) -> (verdict, reason). Read from the recorded runs; a test not listed here whose
+# failure is not explained by the rules in `classify` comes out "unclassified".
+HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {}
+
+TIMM_VERDICTS: dict[str, tuple[str, str]] = {}
+
+SUITES = {
+    "hf-gpt2": {
+        "title": "transformers' tests/models/gpt2/test_modeling_gpt2.py against fastzoo's GPT-2",
+        "target": "tests/models/gpt2/test_modeling_gpt2.py",
+        "plugin": "swap_hf_gpt2",
+        # the checkout's root conftest registers transformers' CI-only plugins (xdist network
+        # logging) and TF32 flags; nothing in it selects or changes a model test
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_GPT2_VERDICTS,
+    },
+    "timm": {
+        "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
+        "target": "tests/test_models.py",
+        "plugin": "swap_timm",
+        "pytest_args": [],
+        "verdicts": TIMM_VERDICTS,
+    },
+}
+
+
+def run_pytest(suite: dict, checkout: Path, swap: bool, extra: list[str], log: Path) -> tuple[dict, float]:
+    """One pytest process in the checkout; returns {"tests": {nodeid: {outcome, message}},
+    "deselected": n} and seconds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "record.json"
+        env = {**os.environ, "PEER_SUITE_RECORD": str(record), "PEER_SUITE_SWAP": "1" if swap else "0"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), str(ROOT), env.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "record",
+               *suite["pytest_args"], "-p", suite["plugin"], suite["target"], *extra]
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            subprocess.run(cmd, cwd=checkout, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
+        seconds = time.perf_counter() - start
+        if not record.exists():
+            raise SystemExit(f"pytest wrote no results (see {log}): is --checkout a checkout with {suite['target']}?")
+        return json.loads(record.read_text()), seconds
+
+
+def test_name(nodeid: str) -> str:
+    """``...::Class::test_foo_3_fp32`` / ``test_foo[vit]`` -> ``test_foo`` (parameters stripped)."""
+    name = nodeid.split("::")[-1].split("[")[0]
+    return re.sub(r"(_\d+(_[a-z0-9]+)*)$", "", name)
+
+
+def classify(nodeid: str, result: dict, baseline: dict | None, verdicts: dict) -> tuple[str, str] | None:
+    if result["outcome"] in ("passed", "skipped"):
+        return None
+    message = result["message"]
+    if "NotProvidedByFastzoo" in message:
+        return NOT_APPLICABLE, message.split("NotProvidedByFastzoo:", 1)[-1].strip()
+    if baseline is not None and baseline.get(nodeid, {}).get("outcome") in ("failed", "error"):
+        return ORIGINAL_TOO, baseline[nodeid]["message"]
+    for key in (nodeid.split("::")[-1], test_name(nodeid)):
+        if key in verdicts:
+            return verdicts[key]
+    return UNCLASSIFIED, message
+
+
+def counts(results: dict) -> dict:
+    out = {"tests": len(results), "passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for r in results.values():
+        out[r["outcome"]] += 1
+    return out
+
+
+def versions() -> dict:
+    import torch
+
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "timm", "torchvision"):
+        try:
+            v[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return v
+
+
+def write(out: Path, key: str, suite: dict, results: dict, baseline: dict | None, deselected: int,
+          seconds: dict, load: str, source: str) -> None:
+    tests = {}
+    for nodeid, r in sorted(results.items()):
+        verdict = classify(nodeid, r, baseline, suite["verdicts"])
+        tests[nodeid] = {**r, **({"verdict": verdict[0], "reason": verdict[1]} if verdict else {}),
+                         **({"baseline": baseline[nodeid]["outcome"]} if baseline and nodeid in baseline else {})}
+    by_verdict: dict[str, int] = {}
+    for t in tests.values():
+        if "verdict" in t:
+            by_verdict[t["verdict"]] = by_verdict.get(t["verdict"], 0) + 1
+    summary = {"suite": suite["title"], "source": source, "versions": versions(), "load": load,
+               "seconds": {k: round(v, 1) for k, v in seconds.items()}, "deselected": deselected, "fastzoo": counts(results), "verdicts": by_verdict,
+               "original": counts(baseline) if baseline is not None else None}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{key}.json").write_text(json.dumps({"summary": summary, "tests": tests}, indent=1) + "\n")
+
+    c, b = summary["fastzoo"], summary["original"]
+    lines = [f"# {suite['title']}", "",
+             f"Produced by `python benchmarks/peer_suites/run.py {key} --checkout <checkout>`; tests from: {source}.",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()) + f". Load before the run: {load}.",
+             f"Deselected (not about a model fastzoo has): {deselected} tests.",
+             "", "| run | tests | passed | failed | errors | skipped |", "|---|---|---|---|---|---|",
+             f"| fastzoo swapped in | {c['tests']} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} |"]
+    if b:
+        lines.append(f"| the original's own model (baseline) | {b['tests']} | {b['passed']} | {b['failed']} | {b['error']} | {b['skipped']} |")
+    lines += ["", "Not passing with fastzoo, by verdict: "
+              + (", ".join(f"{k}: {v}" for k, v in sorted(by_verdict.items())) or "none") + ".", ""]
+    for verdict in (REAL_GAP, UNCLASSIFIED, REFUSED, NOT_APPLICABLE, ORIGINAL_TOO):
+        rows = [(n, t) for n, t in tests.items() if t.get("verdict") == verdict]
+        if not rows:
+            continue
+        lines += [f"## {verdict} ({len(rows)})", "", "| test | outcome | reason |", "|---|---|---|"]
+        for nodeid, t in rows:
+            reason = t["reason"].replace("|", "\\|")[:300]
+            lines.append(f"| `{nodeid.split('::', 1)[-1]}` | {t['outcome']} | {reason} |")
+        lines.append("")
+    skipped = [(n, t) for n, t in tests.items() if t["outcome"] == "skipped"]
+    if skipped:
+        lines += [f"## skipped with the swap ({len(skipped)})", "", "| test | reason |", "|---|---|"]
+        lines += [f"| `{n.split('::', 1)[-1]}` | {t['message'].replace('|', '/')[:200]} |" for n, t in skipped]
+        lines.append("")
+    (out / f"{key}.md").write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=sorted(SUITES))
+    p.add_argument("--checkout", type=Path, required=True, help="the peer's checkout (its tests/ folder inside)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--source", default="", help="where the checkout's tests came from (a line in the results)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run on the peer's own model")
+    p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k forward")
+    args = p.parse_args(argv)
+    suite = SUITES[args.suite]
+    if not (args.checkout / suite["target"]).is_file():
+        p.error(f"--checkout: {args.checkout / suite['target']} does not exist")
+    load = " ".join(os.getloadavg().__repr__().strip("()").split())
+    args.out.mkdir(parents=True, exist_ok=True)
+    seconds = {}
+    baseline = None
+    with tempfile.TemporaryDirectory() as logs:
+        if not args.no_baseline:
+            base, seconds["original"] = run_pytest(suite, args.checkout, False, args.pytest_args, Path(logs) / "base.log")
+            baseline = base["tests"]
+        swapped, seconds["fastzoo"] = run_pytest(suite, args.checkout, True, args.pytest_args, Path(logs) / "swap.log")
+    results = swapped["tests"]
+    write(args.out, args.suite, suite, results, baseline, swapped["deselected"], seconds, load,
+          args.source or str(args.checkout))
+    c = counts(results)
+    print(f"{args.suite}: {c['tests']} tests, {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
+          f"{c['skipped']} skipped -> {args.out / (args.suite + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
