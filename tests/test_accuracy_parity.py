@@ -4,6 +4,7 @@ within the file's tolerance, plus the run files' refusals. The full runs' result
 in benchmarks/results/<device>/accuracy/."""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -109,3 +110,44 @@ def test_kernel_arm_rounds_differently_but_computes_the_same_function():
     assert 0 < kernel.diff["same_weights_grad"] <= cfg.tolerance.same_weights_grad  # not bit-equal: rounding
     assert kernel.status == ("drifts" if kernel.diff["eval_loss"] > 1e-12 else "ok")
     assert report.agree
+
+
+def test_rounding_control_arm_is_reported_and_not_judged():
+    # the same arm twice is bit-identical; a nudged copy drifts, is labelled a control, and does not
+    # make the run disagree even under a zero tolerance
+    arms = "arms=[{name: a, attn: sdpa}, {name: a again, attn: sdpa}, {name: nudged, attn: sdpa, nudge: 1.0e-4}]"
+    cfg = load_config(ROOT / "configs" / "accuracy_digits_vit.yaml", [*SHORT, arms, "tolerance.train_loss=0"])
+    rep = run(cfg, progress=False)
+    _, same, nudged = rep.arms
+    assert same.status == "ok" and same.diff["train_loss"] == 0.0
+    assert nudged.status == "control" and nudged.diff["train_loss"] > 0.0
+    assert rep.agree and "control" in rep.to_markdown()
+
+
+def test_cosine_schedule_with_warmup():
+    from fastzoo.bench.accuracy import Optim, _scheduler
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = _scheduler(opt, Optim(batch_size=1, lr=1.0, schedule="cosine", warmup_steps=2), steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
+
+
+@pytest.mark.parametrize("assignment, needle", [
+    ("optim.schedule=linear", "schedule: 'linear' is not one of constant, cosine"),
+    ("optim.warmup_steps=5000", "warmup_steps: must be >= 0 and below steps"),
+    ("arms=[{name: a, nudge: 0.5}]", "nudge must be in [0, 0.01)"),
+])
+def test_bad_schedule_and_nudge_are_refused_by_name(assignment, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "accuracy_digits_vit.yaml", [assignment])
+    assert needle in str(e.value)
+
+
+def test_set_reads_a_number_without_a_dot_as_a_number():
+    assert load_config(ROOT / "configs" / "accuracy_digits_vit.yaml", ["optim.lr=2e-3"]).optim.lr == 0.002

@@ -5,14 +5,15 @@ import torch
 import transformers
 
 import fastzoo
+from fastzoo import equivalence
 from fastzoo.data import nested, pack, pad_to_longest
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.losses import causal_lm_loss
 from fastzoo.weights.hf import GPT2 as HF_CONVERTER
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-LOGIT_TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights
-GRAD_RTOL = 1e-4  # gradients: relative to the largest entry of each tensor (magnitudes vary by layer)
+LOGIT_TOL = equivalence.FP32_OUT_ATOL  # DESIGN.md: fp32 CPU, same weights (1e-4)
+GRAD_RTOL = equivalence.FP32_GRAD_RTOL  # gradients: relative to each tensor's scale (1e-4; fastzoo.equivalence's rule)
 
 # every backend that trains on CPU (flex has no CPU backward: inference tests below)
 TRAIN_BACKENDS = [
@@ -51,9 +52,24 @@ def hf_grads(hf):
 
 
 def assert_grads_close(model, ref: dict):
-    for name, p in model.named_parameters():
-        diff = (p.grad - ref[name]).abs().max()
-        assert diff <= GRAD_RTOL * ref[name].abs().max() + 1e-7, f"{name}: max abs diff {diff:.3g}"
+    """Every parameter gradient against ``ref`` (fastzoo names), by fastzoo.equivalence's rule."""
+    grads = {n: p.grad for n, p in model.named_parameters()}  # the tied head is the embedding: named once
+    c = equivalence.compare_grads("grads", grads, {n: g for n, g in ref.items() if n in grads})
+    assert c.err <= GRAD_RTOL, f"grad of {c.worst}: relative error {c.err:.2e}"
+
+
+def assert_logits_close(logits, ref, name="logits"):
+    """Logits against the reference's, by fastzoo.equivalence's rule (fp32: within 1e-4)."""
+    c = equivalence.compare_outputs(name, logits, ref)
+    assert c.err <= LOGIT_TOL, f"{name}: max |logit diff| {c.err:.2e}"
+
+
+def assert_equal_to_hf(m, hf, inputs, original_inputs=None):
+    """Logits and every parameter gradient against HF's model on the same weights
+    (fastzoo.equivalence.compare: the rows ``keep`` selects, gradients of a fixed projection)."""
+    logits, grads = equivalence.compare(m, hf, inputs, original_inputs=original_inputs)[0]
+    assert logits.err <= LOGIT_TOL, f"max |logit diff| {logits.err:.2e}"
+    assert grads.err <= GRAD_RTOL, f"grad of {grads.worst}: relative error {grads.err:.2e}"
 
 
 def hf_loss_and_grads(hf, input_ids, attention_mask=None, position_ids=None, labels=None):
@@ -69,13 +85,13 @@ def test_padded_right_logits_loss_grads_equal_hf(hf, backend):
     batch = pad_to_longest(seqs())
     ref_logits, ref_loss, ref_grads = hf_loss_and_grads(hf, batch.input_ids, batch.attention_mask, labels=batch.labels)
     m = ours(hf, backend[0], **backend[1])
-    logits = m(batch.input_ids, attention_mask=batch.attention_mask).logits
-    real = batch.attention_mask.bool()
-    assert (logits - ref_logits)[real].abs().max() <= LOGIT_TOL  # real positions only: padding is not scored
-    loss = causal_lm_loss(logits, batch.labels)
+    real = batch.attention_mask.bool()  # real positions only: padding is not scored
+    assert_equal_to_hf(m, hf, equivalence.Inputs((batch.input_ids,), {"attention_mask": batch.attention_mask}, keep=real))
+    m.zero_grad()
+    loss = causal_lm_loss(m(batch.input_ids, attention_mask=batch.attention_mask).logits, batch.labels)
     assert (loss - ref_loss).abs() <= 1e-5  # mean CE of O(5): fp32 rounding
     loss.backward()
-    assert_grads_close(m, ref_grads)
+    assert_grads_close(m, ref_grads)  # the loss's gradients too
 
 
 @pytest.mark.parametrize("name", ["varlen", "nested"])
@@ -87,7 +103,7 @@ def test_packed_only_backends_unpad_once_per_forward_padding_gets_zeros(hf, name
     with torch.no_grad():
         logits = ours(hf, name)(ids, attention_mask=mask).logits
         ref = hf(ids, attention_mask=mask).logits
-    assert (logits - ref)[mask].abs().max() <= LOGIT_TOL
+    assert_logits_close(logits[mask], ref[mask])
     assert (logits[~mask] == 0).all()
 
 
@@ -99,10 +115,9 @@ def test_left_padding_with_collator_positions_equals_each_sequence_alone(hf, bac
         logits = m(**batch.model_inputs()).logits
         same_inputs = hf(**batch.model_inputs()).logits
         real = batch.attention_mask.bool()
-        assert (logits - same_inputs)[real].abs().max() <= LOGIT_TOL
+        assert_logits_close(logits[real], same_inputs[real])
         for i, s in enumerate(seqs()):
-            alone = hf(s[None]).logits[0]
-            assert (logits[i, -len(s):] - alone).abs().max() <= LOGIT_TOL
+            assert_logits_close(logits[i, -len(s):], hf(s[None]).logits[0], f"row {i}")
 
 
 def test_left_padding_default_positions_follow_hf_forward(hf):
@@ -112,15 +127,17 @@ def test_left_padding_default_positions_follow_hf_forward(hf):
     with torch.no_grad():
         logits = m(batch.input_ids, attention_mask=batch.attention_mask).logits
         ref = hf(batch.input_ids, attention_mask=batch.attention_mask).logits
-    assert (logits - ref)[batch.attention_mask.bool()].abs().max() <= LOGIT_TOL
+    real = batch.attention_mask.bool()
+    assert_logits_close(logits[real], ref[real])
 
 
 def test_flex_padded_inference_equals_hf(hf):
     batch = pad_to_longest(seqs())
     m = ours(hf, "flex")
+    real = batch.attention_mask.bool()
     with torch.no_grad():
-        diff = m(batch.input_ids, attention_mask=batch.attention_mask).logits - hf(batch.input_ids, attention_mask=batch.attention_mask).logits
-    assert diff[batch.attention_mask.bool()].abs().max() <= LOGIT_TOL
+        logits, ref = (model(batch.input_ids, attention_mask=batch.attention_mask).logits for model in (m, hf))
+    assert_logits_close(logits[real], ref[real])
 
 
 # -- packed and nested -----------------------------------------------------------------------
@@ -135,7 +152,7 @@ def test_packed_logits_equal_hf_on_each_sequence_alone(hf, backend):
     with torch.no_grad():
         logits = m(**pack(seqs()).model_inputs()).logits
     assert logits.shape == (1, 19, 128)
-    assert (logits[0] - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL
+    assert_logits_close(logits[0], hf_each_alone(hf, seqs()))
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
@@ -144,7 +161,7 @@ def test_nested_input_equals_hf_on_each_sequence_alone(hf, backend):
     with torch.no_grad():
         logits = m(nested(seqs())).logits
     assert logits.is_nested and logits.shape[0] == 3
-    assert (logits.values() - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL
+    assert_logits_close(logits.values(), hf_each_alone(hf, seqs()))
 
 
 @pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
@@ -160,10 +177,9 @@ def test_packed_training_step_equals_padded_training_step(hf, backend):
         results.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
     (padded_loss, padded_grads), (packed_loss, packed_grads) = results
     assert (packed_loss - padded_loss).abs() <= 1e-5 and (packed_loss - ref_loss).abs() <= 1e-5  # fp32 rounding of a mean CE
-    for k, g in padded_grads.items():
-        scale = g.abs().max()
-        assert (packed_grads[k] - g).abs().max() <= GRAD_RTOL * scale + 1e-7, k
-        assert (g - ref_grads[k]).abs().max() <= GRAD_RTOL * ref_grads[k].abs().max() + 1e-7, k
+    for got, want in ((packed_grads, padded_grads), (padded_grads, ref_grads)):
+        c = equivalence.compare_grads("grads", got, {k: g for k, g in want.items() if k in got})  # HF's tied head: once
+        assert c.err <= GRAD_RTOL, f"grad of {c.worst}: relative error {c.err:.2e}"
 
 
 @pytest.mark.parametrize("backend", [("nested", {}), ("varlen", {}), ("sdpa", {})], ids=IDS)
@@ -203,7 +219,7 @@ def test_padded_rows_with_all_ones_mask_stay_separate(hf, backend):
         row1_after = m(changed, attention_mask=ones).logits[1]
         alone = hf(ids[1:]).logits[0]
     assert (row1 - row1_after).abs().max() <= 1e-6  # row 0 does not leak into row 1
-    assert (row1 - alone).abs().max() <= LOGIT_TOL
+    assert_logits_close(row1, alone)
 
 
 def test_restarting_position_ids_with_an_attention_mask_are_refused(hf):
@@ -279,7 +295,7 @@ def test_all_padding_rows_give_logits_of_the_batch_shape(hf, backend):
             assert (logits == 0).all()
         mask = torch.tensor([[1] * 6, [0] * 6])
         mixed = m(ids, attention_mask=mask).logits
-        assert (mixed[0] - hf(ids[:1]).logits[0]).abs().max() <= LOGIT_TOL
+        assert_logits_close(mixed[0], hf(ids[:1]).logits[0])
 
 
 # -- cost of a forward: host reads, mask builds, graphs ----------------------------------------------
@@ -352,14 +368,17 @@ def test_masks_are_built_once_per_forward_not_per_layer(hf, backend, module, bui
         calls.clear()
         out = m(**packed.model_inputs()).logits
     assert len(calls) == 1
-    assert (out[0] - hf_each_alone(hf, seqs())).abs().max() <= LOGIT_TOL  # the shared mask is the right one
+    assert_logits_close(out[0], hf_each_alone(hf, seqs()))  # the shared mask is the right one
 
 
-def test_layers_do_not_write_to_the_shared_context():
+def test_layers_do_not_write_to_the_shared_context(monkeypatch):
     """scale_attn_by_inverse_layer_idx gives each layer its own scale: it reaches the backend
     per layer while the context the model built (and its mask cache) stays shared and unchanged."""
+    import fastzoo.attention as registry
     from fastzoo.attention import Capabilities
     from fastzoo.attention.base import FLOATS
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the spy leaves the registry after the test
 
     seen = []
 
@@ -444,5 +463,5 @@ def test_real_size_gpt2_equals_hf_at_short_length():
         padded = m(batch.input_ids, attention_mask=batch.attention_mask).logits
         packed = m(**pack(sequences).model_inputs()).logits[0]
     real = batch.attention_mask.bool()
-    assert (padded - ref)[real].abs().max() <= LOGIT_TOL
-    assert (packed - ref[real]).abs().max() <= LOGIT_TOL
+    assert_logits_close(padded[real], ref[real])
+    assert_logits_close(packed, ref[real])

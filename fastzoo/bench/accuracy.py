@@ -47,6 +47,7 @@ from fastzoo.errors import BackendUnavailableError, FastzooError
 TASKS = ("digits", "digits_canvas", "pydoc_text")
 GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
 LAYOUTS = ("padded", "packed", "nested")
+SCHEDULES = ("constant", "cosine")
 
 
 class ConfigError(FastzooError, ValueError):
@@ -62,6 +63,10 @@ class Arm:
     layout: str | None = None  # GPT-2 input: padded | packed | nested
     loss: str | None = None  # box detector GIoU mode: per_sample | concat | padded | kernel
     model_kwargs: dict = field(default_factory=dict)  # extra fastzoo.create overrides for this arm
+    # A rounding control: this arm's initial weights times (1 + nudge * random sign), e.g. 1e-7 (about
+    # one fp32 ulp). It shows how far two runs drift from a rounding-size difference alone; reported,
+    # never judged against the tolerance.
+    nudge: float = 0.0
 
 
 @dataclass
@@ -83,6 +88,8 @@ class Optim:
     lr: float
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
+    schedule: str = "constant"  # constant | cosine (lr from `lr` down to 0 at the last step, after warmup)
+    warmup_steps: int = 0  # linear warm-up from 0 to `lr`
 
 
 @dataclass
@@ -161,7 +168,13 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
         raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(TASKS)}")
     if cfg.steps < 1 or cfg.eval_every < 1:
         raise ConfigError(f"{where}: steps and eval_every must be >= 1")
+    if cfg.optim.schedule not in SCHEDULES:
+        raise ConfigError(f"{where}.optim.schedule: {cfg.optim.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not 0 <= cfg.optim.warmup_steps < cfg.steps:
+        raise ConfigError(f"{where}.optim.warmup_steps: must be >= 0 and below steps ({cfg.steps}), got {cfg.optim.warmup_steps}")
     for a in cfg.arms:
+        if not 0 <= a.nudge < 1e-2:
+            raise ConfigError(f"{where}: arm {a.name!r}: nudge must be in [0, 0.01) (a rounding-size perturbation), got {a.nudge}")
         if a.layout is not None and a.layout not in LAYOUTS:
             raise ConfigError(f"{where}: arm {a.name!r}: layout {a.layout!r} is not one of {', '.join(LAYOUTS)}")
         if a.loss is not None and a.loss not in GIOU_MODES:
@@ -182,7 +195,13 @@ def set_field(raw: dict, assignment: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {assignment!r}: {p} is not a section")
-    node[leaf] = yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string; a number was meant
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    node[leaf] = value
 
 
 def load_config(path, assignments=()) -> RunConfig:
@@ -202,7 +221,7 @@ def load_config(path, assignments=()) -> RunConfig:
 @dataclass
 class ArmResult:
     name: str
-    status: str = "ok"  # ok | unavailable | disagrees
+    status: str = "ok"  # ok | drifts | disagrees | unavailable | control (a rounding control arm, not judged)
     note: str = ""
     train_loss: list = field(default_factory=list)
     eval_steps: list = field(default_factory=list)
@@ -256,7 +275,7 @@ class AccuracyReport:
         notes = "".join(f"\n- {a.name}: {a.status}: {a.note}" for a in self.arms if a.status in ("drifts", "disagrees"))
         return (f"### {c['name']}: {c['description']}\n\n"
                 f"Device **{self.device}**, fp32, {c['steps']} steps, batch {c['optim']['batch_size']}, "
-                f"AdamW lr {c['optim']['lr']}, seed {c['seed']}; every arm from the same weights and batches. "
+                f"AdamW lr {c['optim']['lr']}{_schedule(c['optim'])}, seed {c['seed']}; every arm from the same weights and batches. "
                 f"Tolerance vs the first arm (max over the run): train loss {tol['train_loss']}, held-out loss "
                 f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}. "
                 f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n{notes}\n")
@@ -294,6 +313,11 @@ class AccuracyReport:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _schedule(o: dict) -> str:
+    warm = f", {o['warmup_steps']} warm-up steps" if o.get("warmup_steps") else ""
+    return (" cosine-decayed to 0" if o.get("schedule") == "cosine" else "") + warm
 
 
 def _d(diff: dict, key: str) -> str:
@@ -342,14 +366,38 @@ def _models(cfg: RunConfig, device):
             else:
                 m = fastzoo.create(cfg.model, **{**cfg.overrides, **({"loss": arm.loss} if arm.loss else {}), **arm.model_kwargs})
                 m.load_state_dict(init.state_dict())
+            if arm.nudge:
+                _nudge(m, arm.nudge, cfg.seed)
             out.append(m.to(device))
         except BackendUnavailableError as e:
             out.append(str(e).split(". Available on this machine")[0])
     return out
 
 
+@torch.no_grad()
+def _nudge(model, rel: float, seed: int) -> None:
+    """Multiply every float parameter by 1 +- ``rel`` (random signs, seeded): a rounding-size change."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for p in model.parameters():
+        if p.is_floating_point():
+            sign = torch.randint(0, 2, p.shape, generator=g).to(p.dtype) * 2 - 1
+            p.mul_(1 + rel * sign)
+
+
 def _optimizer(model, o: Optim):
     return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
+
+
+def _scheduler(opt, o: Optim, steps: int):
+    """Linear warm-up over ``o.warmup_steps``, then constant or a cosine decay to 0 at ``steps``."""
+    def factor(i):  # i = optimizer steps taken so far
+        if i < o.warmup_steps:
+            return (i + 1) / o.warmup_steps
+        if o.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (i - o.warmup_steps) / (steps - o.warmup_steps)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def _batches(n: int, batch_size: int, steps: int, seed: int):
@@ -540,6 +588,7 @@ def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | 
     """Train ``model`` on ``batches``; with a ``snapshots`` list (the first arm), append (step
     index, a copy of the model) before step 1 and every ``eval_every`` steps."""
     opt = _optimizer(model, cfg.optim)
+    sched = _scheduler(opt, cfg.optim, len(batches))
     for step, idx in enumerate(batches, 1):
         if snapshots is not None and (step - 1) % cfg.eval_every == 0:
             snapshots.append((step - 1, copy.deepcopy(model)))
@@ -548,6 +597,7 @@ def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sched.step()
         r.train_loss.append(loss.item())
         if step % cfg.eval_every == 0 or step == len(batches):
             model.eval()
@@ -632,15 +682,18 @@ def _grad_err(grads: dict, ref: dict) -> float:
 
 
 def _compare(cfg: RunConfig, results: list[ArmResult]) -> None:
-    ran = [r for r in results if r.status == "ok"]
+    ran = [(a, r) for a, r in zip(cfg.arms, results) if r.status == "ok"]
     if not ran:
         return
-    ref, tol = ran[0], cfg.tolerance
-    for r in ran[1:]:
+    ref, tol = ran[0][1], cfg.tolerance
+    for arm, r in ran[1:]:
         r.diff = {key: max(abs(a - b) for a, b in zip(getattr(r, key), getattr(ref, key)))
                   for key in ("train_loss", "eval_loss", "eval_metric")}
         r.first_over = next((i for i, (a, b) in enumerate(zip(r.train_loss, ref.train_loss), 1)
                              if not abs(a - b) <= tol.train_loss), None)
+        if arm.nudge:
+            r.status, r.note = "control", f"initial weights x (1 +- {arm.nudge:g}): the drift rounding alone causes"
+            continue
         over = [f"{k} {r.diff[k]:.2g} > {getattr(tol, k)}" for k in r.diff if not r.diff[k] <= getattr(tol, k)]
         sw_over, checked = [], False
         if r.same_weights:

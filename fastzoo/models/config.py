@@ -67,13 +67,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, values: dict, *, what: str = "override"):
         """The config from ``values`` (field names checked; every value checked by ``__post_init__``)."""
+        cls.check_names(values, what=what)
+        return cls(**values)
+
+    @classmethod
+    def check_names(cls, values, *, what: str = "override", where: str = "") -> None:
+        """UnknownFieldError for the first name in ``values`` that is not a field
+        (``where``: the file the names were read from, said first in the message)."""
         names = [f.name for f in dataclasses.fields(cls)]
         for k in values:
             if k not in names:
                 raise UnknownFieldError(
-                    f"unknown {what} {k!r} for {cls.__name__}.{did_you_mean(k, names)} Valid fields: {', '.join(names)}",
-                    field=k)
-        return cls(**values)
+                    f"{where + ': ' if where else ''}unknown {what} {k!r} for {cls.__name__}."
+                    f"{did_you_mean(k, names)} Valid fields: {', '.join(names)}", field=k)
 
     def __post_init__(self):
         hints = _hints(type(self))

@@ -42,6 +42,7 @@ class Source:
     origin: str  # said in every error about this source
     config: dict | None = None  # config.json of a save_pretrained directory
     module: nn.Module | None = None  # the live module, when one was given
+    config_origin: str | None = None  # that config.json's path, said in errors about its fields
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -126,13 +127,15 @@ def read_file(path: Path) -> dict:
 
 def _read_dir(path: Path) -> Source:
     config = read_config_json(path / "config.json") if (path / "config.json").is_file() else None
+    config_origin = str(path / "config.json") if config is not None else None
     for index_name in INDEX_FILES:
         if (path / index_name).is_file():
-            return Source(_clean(_read_shards(path, path / index_name), str(path)), str(path), config)
+            return Source(_clean(_read_shards(path, path / index_name), str(path)), str(path), config, config_origin=config_origin)
     for name in WEIGHT_FILES:
         if (path / name).is_file():
             file = _inside(path, name, "weights file")
-            return Source(_clean(read_file(file), str(path / name)), str(path / name), config)
+            return Source(_clean(read_file(file), str(path / name)), str(path / name), config,
+                          config_origin=config_origin)
     raise CheckpointError(f"{path}: no weights found (looked for {', '.join(INDEX_FILES + WEIGHT_FILES)})")
 
 
@@ -279,7 +282,7 @@ def config_from_source(family: str, src: Source) -> dict:
     that states its architecture, what the keys fix from a bare state dict."""
     if _is_fastzoo(src.config):
         if src.config.get("family", family) != family:
-            raise CheckpointError(f"{src.origin}: a {src.config['family']} checkpoint, not a {family} one")
+            raise CheckpointError(f"{src.config_origin or src.origin}: a {src.config['family']} checkpoint, not a {family} one")
         return {k: v for k, v in src.config.items() if k not in ("fastzoo_model", "family") + TIMM_HUB_KEYS}
     conv = find_converter(family, src)
     if src.config and hasattr(conv, "config_from_json"):
