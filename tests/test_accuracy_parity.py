@@ -38,7 +38,7 @@ def test_short_run_curves_agree_within_the_files_tolerance(path):
     for a in ran:
         assert len(a.train_loss) == 3 and a.eval_steps == [3]
         assert all(torch.isfinite(torch.tensor(a.train_loss)))
-    for a in ran[1:]:
+    for a in [a for a in ran[1:] if a.status != "control"]:  # a rounding control arm is reported, not judged
         for key in ("same_weights_loss", "same_weights_grad"):  # from the first arm's weights at step 0
             assert a.same_weights["steps"] == [0] and a.diff[key] <= getattr(cfg.tolerance, key), f"{a.name}: {key} {a.diff[key]}"
         for key in ("train_loss", "eval_loss", "eval_metric"):
