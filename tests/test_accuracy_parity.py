@@ -17,7 +17,7 @@ from fastzoo.bench.accuracy import ConfigError, load_config, run
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = sorted((ROOT / "configs").glob("accuracy_*.yaml"))
-SHORT = ["steps=3", "eval_every=3", "data.n_train=16", "data.n_test=8", "optim.batch_size=8"]
+SHORT = ["steps=3", "eval_every=3", "data.n_train=16", "data.n_test=8", "optim.batch_size=8", "optim.warmup_steps=0"]
 
 
 @pytest.fixture(autouse=True)
