@@ -21,6 +21,7 @@ import yaml
 from fastzoo.attention import backend_class
 from fastzoo.errors import CheckpointError, ConfigError, UnknownModelError
 from fastzoo.models.timm_api import timm_pretrained_cfg
+from fastzoo.text import DTYPES
 from fastzoo import weights
 
 
@@ -85,6 +86,8 @@ def create(
     mode (transformers' ``from_pretrained``); ViT, ResNet and the detector stay in train mode
     (``timm.create_model`` and torchvision's constructors).
     A ``device`` this machine cannot allocate on is a ValueError before anything is built.
+    ``dtype`` is a torch dtype or its name (``"bfloat16"``, ``"bf16"``; ``"auto"``: the
+    checkpoint's own, as transformers' ``from_pretrained``).
     ``device="meta"`` (or building inside ``with torch.device("meta"):``) allocates nothing:
     the big-model idiom, ``model.to_empty(device=...)`` then ``fastzoo.load_pretrained``.
 
@@ -94,16 +97,23 @@ def create(
     feature wrapper around the model, as ``timm.create_model(..., features_only=True)``.
     """
     entry = get_entry(name)
+    dtype = _dtype_arg(dtype)
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
     backend_class(attn)  # an unknown backend name fails before anything is built
     if device is not None:
         check_device(device)
     on_meta = torch.device(device).type == "meta" if device is not None else False
+    if pretrained is not None and torch.get_default_device().type == "meta":
+        raise ValueError("pretrained= inside a torch.device('meta') context: the model would be built without storage, "
+                         "so there is nothing to load into; create it outside the context (or build on meta, "
+                         "model.to_empty(device=...), then fastzoo.load_pretrained(model, source))")
     if on_meta and pretrained is not None:
         raise ValueError("device='meta' builds a model without storage, so there is nothing to load pretrained= into: "
                          "call model.to_empty(device=...) and then fastzoo.load_pretrained(model, source)")
     cls = entry.model_class
     src = weights.read_source(pretrained) if pretrained is not None else None
+    if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)
+        dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
     values = dict(entry.config)
     from_weights = weights.config_from_source(cls.family, src) if src is not None else {}
     values.update(from_weights)
@@ -179,6 +189,18 @@ def _memory_of(device: torch.device) -> int | None:
     except (ValueError, OSError, AttributeError, RuntimeError, AssertionError):  # per platform and build
         return None
     return None
+
+
+def _dtype_arg(dtype):
+    """A torch dtype, or its name as torch / transformers / fastzoo spell it (``"float16"``,
+    ``"bf16"``; ``"auto"``: the checkpoint's), or a ValueError naming the argument."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    named = DTYPES.get(dtype, getattr(torch, dtype, None)) if isinstance(dtype, str) else None
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    raise ValueError(f"dtype={dtype!r}: give a floating torch dtype or its name (float32, bfloat16, float16, "
+                     f"{', '.join(DTYPES)}, or 'auto' for the checkpoint's)")
 
 
 def check_device(device, *, what: str = "device") -> None:

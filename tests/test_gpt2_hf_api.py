@@ -74,6 +74,21 @@ def test_labels_loss_and_grads_equal_hf_in_train_mode_without_logits(hf):
     grads_close(m, hf)
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_shift_labels_are_used_as_given_like_hf(hf, train):
+    """transformers' shift_labels (context parallel shifts before sharding): the loss uses them
+    as given, equal to HF's on the same weights, in eval mode and with the fused train loss."""
+    m = ours(hf).train(train)
+    b = batch()
+    shifted = torch.roll(b.labels, -3, dims=1)  # any aligned targets, not labels shifted by one
+    shifted[:, -1] = -100
+    out = m(b.input_ids, attention_mask=b.attention_mask, labels=b.labels, shift_labels=shifted)
+    ref = hf(b.input_ids, attention_mask=b.attention_mask, labels=b.labels, shift_labels=shifted)
+    assert (out.loss - ref.loss).abs() <= LOSS_TOL
+    plain = m(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+    assert (out.loss - plain.loss).abs() > 1e-3
+
+
 def test_return_dict_false_gives_hf_tuple(hf):
     m = ours(hf)
     ids = batch().input_ids
@@ -189,6 +204,16 @@ def test_each_cached_decoding_step_gives_the_full_forwards_logits(hf, attn):
                 past_key_values=out.past_key_values)
         assert (out.logits[:, 0] - want[:, end - 1]).abs().max() <= TOL, f"step {t}"
     assert out.past_key_values.get_seq_length() == full_ids.shape[1]
+
+
+@pytest.mark.parametrize("attn", ["varlen", "nested"])
+def test_cached_continuation_without_attention_mask_on_packed_backends(hf, attn):
+    """No mask: the packed kernels read the batch as B sequences of S new queries and past + S keys."""
+    m = ours(hf, attn)
+    ids = batch((9, 9, 9)).input_ids
+    first = m(ids[:, :6], use_cache=True)
+    step = m(ids[:, 6:], past_key_values=first.past_key_values)
+    assert (step.logits - hf(ids).logits[:, 6:]).abs().max() <= TOL
 
 
 def test_issue_snippet_generates_hf_tokens_on_packed_backends(hf, tmp_path):
@@ -474,6 +499,29 @@ def test_pickle_and_deepcopy_compute_the_same_function(hf):
 def test_pretrained_model_is_in_eval_mode_like_from_pretrained(hf):
     assert not ours(hf).training
     assert fastzoo.create("gpt2", **TINY).training  # a fresh model trains, as HF's constructor
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16", torch.bfloat16, "auto"])
+def test_dtype_by_name_and_auto_like_from_pretrained(hf, tmp_path, dtype):
+    """HF's test_bc_torch_dtype loads with dtype names and "auto" (the checkpoint's dtype)."""
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(tmp_path)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, dtype="bfloat16" if dtype == "bf16" else dtype)
+    m = fastzoo.create("gpt2", pretrained=tmp_path, dtype=dtype)
+    assert {p.dtype for p in m.parameters()} == {p.dtype for p in ref.parameters()} == {torch.bfloat16}
+    ids = batch().input_ids
+    assert (m(ids).logits.float() - ref(ids).logits.float()).abs().max() <= 0.05  # bf16 arithmetic, both sides
+    with pytest.raises(ValueError, match="dtype="):
+        fastzoo.create("gpt2", dtype="float13", **TINY)
+    assert next(fastzoo.create("gpt2", dtype="auto", **TINY).parameters()).dtype == torch.float32  # nothing to follow
+
+
+def test_pretrained_inside_a_meta_device_context_is_a_named_error(hf, tmp_path):
+    ours(hf).save_pretrained(tmp_path)
+    with torch.device("meta"), pytest.raises(ValueError, match="pretrained= inside a torch.device"):
+        fastzoo.create("gpt2", pretrained=tmp_path)
+    m = ours(hf)
+    m.resize_token_embeddings(140)
+    assert m.vocab_size == m.config.vocab_size == 140
 
 
 def test_save_pretrained_is_read_by_transformers_and_fastzoo(hf, tmp_path):

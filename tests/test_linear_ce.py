@@ -53,6 +53,23 @@ def test_value_and_grads_match_cross_entropy_of_the_logits(impl, reduction):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)
 
 
+ONE_PASS = 256 * V * 4  # room for 256 tokens x the vocabulary in fp32: the one-pass path
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_one_pass_budget_matches_cross_entropy_of_the_logits(reduction):
+    """block_bytes with room for 256 x V takes one pass over token chunks ("none" keeps two)."""
+    from fastzoo.losses.linear_ce import one_pass_rows
+
+    assert one_pass_rows(N, V, torch.float32, ONE_PASS) == 256 and one_pass_rows(N, V, torch.float32, ONE_PASS - 1) is None
+    h, w, t = case()
+    ref = value_and_grads(REF, h, w, t, reduction)
+    out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl="fused", block_bytes=ONE_PASS),
+                          h, w, t, reduction)
+    for name, a, b in zip(("loss", "grad hidden", "grad weight"), out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)  # fp32, as above
+
+
 def test_custom_ignore_index_and_leading_dims():
     h, w, t = case(ignore=False)
     t[5:40] = 7  # class 7 is a real class for the reference too, but ignored here
@@ -65,11 +82,11 @@ def test_custom_ignore_index_and_leading_dims():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32
 
 
-@pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_all_targets_ignored_gives_nan_mean_and_zero_grads_like_cross_entropy(impl):
+@pytest.mark.parametrize("impl, block_bytes", [("fused", None), ("fused", ONE_PASS), ("reference", None)])
+def test_all_targets_ignored_gives_nan_mean_and_zero_grads_like_cross_entropy(impl, block_bytes):
     h, w, _ = case()
     t = torch.full((N,), -100)
-    loss = linear_cross_entropy(h, w, t, impl=impl)
+    loss = linear_cross_entropy(h, w, t, impl=impl, block_bytes=block_bytes)
     gh, gw = torch.autograd.grad(loss, (h, w))
     assert torch.isnan(loss)
     assert gh.abs().max() == 0 and gw.abs().max() == 0
@@ -100,15 +117,16 @@ def test_frozen_weight_and_no_grad():
     torch.testing.assert_close(loss, REF(h, w, t, "mean").detach(), rtol=1e-6, atol=1e-6)  # fp32
 
 
+@pytest.mark.parametrize("block_bytes", [None, ONE_PASS], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_autocast_matches_the_reference_under_autocast(dtype):
+def test_autocast_matches_the_reference_under_autocast(dtype, block_bytes):
     """The issue-14 rule: every loss path runs under autocast and matches fp32 within the dtype's
     tolerance. The matmuls run in the low dtype (as the reference's), softmax in fp32."""
     h, w, t = case()
     fp32 = value_and_grads(REF, h, w, t, "mean")
     with torch.autocast("cpu", dtype=dtype):
         ref = value_and_grads(REF, h, w, t, "mean")
-        out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], impl="fused"), h, w, t, "mean")
+        out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], impl="fused", block_bytes=block_bytes), h, w, t, "mean")
     for name, a, b, f in zip(("loss", "grad hidden", "grad weight"), out, ref, fp32):
         assert a.dtype == b.dtype == f.dtype == torch.float32, name
         # flash-attn's rule: no further from fp32 than 3x the reference's own low-precision error (+ floor)
@@ -135,6 +153,7 @@ def test_second_backward_is_refused_not_wrong():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(impl="liger"), "impl="),
+    (dict(block_bytes=0), "block_bytes="),
     (dict(reduction="avg"), "reduction="),
     (dict(target_N=torch.zeros(N)), "target_N must hold integer"),
     (dict(target_N=torch.zeros(N + 1, dtype=torch.long)), "target_N must have shape"),

@@ -3,14 +3,15 @@ every failure.
 
     python benchmarks/peer_suites/run.py hf-gpt2 --checkout ~/src/transformers
     python benchmarks/peer_suites/run.py timm --checkout ~/src/pytorch-image-models
+    python benchmarks/peer_suites/run.py torchvision --checkout ~/src/vision
 
 ``--checkout`` is a checkout (or unpacked sdist) of the peer whose tests match the installed
-version: transformers' ``tests/models/gpt2/test_modeling_gpt2.py`` with what it imports, or
-timm's ``tests/test_models.py``. Nothing is downloaded and nothing of the peer's code is kept
+version: transformers' ``tests/models/gpt2/test_modeling_gpt2.py`` with what it imports,
+timm's ``tests/test_models.py`` or torchvision's ``test/test_backbone_utils.py``. Nothing is downloaded and nothing of the peer's code is kept
 here. Each suite runs twice in fresh pytest processes: on the peer's own model (the baseline:
 what fails there is the suite against this library version, not fastzoo) and with the swap
-plugin (``swap_hf_gpt2.py`` / ``swap_timm.py``: the model classes replaced by fastzoo's, test
-bodies untouched). Every test that does not pass with the swap gets a verdict:
+plugin (``swap_hf_gpt2.py`` / ``swap_timm.py`` / ``swap_torchvision.py``: the models replaced by
+fastzoo's, test bodies untouched). Every test that does not pass with the swap gets a verdict:
 
 - ``refused on purpose``: fastzoo declines it by design (the reason is its documented refusal);
 - ``not applicable``: the test is about a class or feature fastzoo does not provide at all;
@@ -46,9 +47,71 @@ REFUSED, NOT_APPLICABLE, ORIGINAL_TOO, REAL_GAP, UNCLASSIFIED = (
 # Verdicts for the tests that do not pass with the swap, by test name (parameter suffix
 # stripped) -> (verdict, reason). Read from the recorded runs; a test not listed here whose
 # failure is not explained by the rules in `classify` comes out "unclassified".
-HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {}
+_ATTENTIONS = (REFUSED, "output_attentions: fastzoo's attention kernels return no weights; refused by name "
+                         "(GPT2LMHeadModel.forward)")
+_LOADING = (REFUSED, "transformers' loading options / loading info (output_loading_info, from_pretrained(None, "
+                     "state_dict=)): fastzoo loads with create(pretrained=...), all or nothing, so there is no "
+                     "partial-load report")
+_HF_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (GradientCheckpointingLayer modules, "
+                                 "_keep_in_fp32_modules, init_weights/post_init, base_model): fastzoo's GPT-2 is not a "
+                                 "PreTrainedModel by design (models/generation.py says why); the behaviour behind them "
+                                 "is tested in tests/test_gpt2_hf_api.py")
+HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {
+    "test_attention_outputs": _ATTENTIONS,
+    "test_model_outputs_equivalence": _ATTENTIONS,
+    "test_retain_grad_hidden_states_attentions": _ATTENTIONS,
+    "test_greedy_generate_dict_outputs": _ATTENTIONS,
+    "test_greedy_generate_dict_outputs_use_cache": _ATTENTIONS,
+    "test_sample_generate_dict_output": _ATTENTIONS,
+    "test_beam_search_generate_dict_output": _ATTENTIONS,
+    "test_beam_search_generate_dict_outputs_use_cache": _ATTENTIONS,
+    "test_beam_sample_generate_dict_output": _ATTENTIONS,
+    "test_can_use_safetensors": _LOADING,
+    "test_load_save_without_tied_weights": _LOADING,
+    "test_from_pretrained_no_checkpoint": _LOADING,
+    "test_model_weights_reload_no_missing_tied_weights": (
+        REFUSED, "the test writes a safetensors file of foreign keys and expects a partial load; fastzoo refuses a "
+                 "checkpoint it cannot read whole (all-or-nothing loading)"),
+    "test_cannot_load_with_meta_device_context_manager": (
+        REFUSED, "pretrained= inside a torch.device('meta') context is refused with fastzoo's own ValueError naming "
+                 "it; the test expects transformers' RuntimeError text"),
+    "test_gpt2_scale_attn_by_inverse_layer_idx": (
+        REFUSED, "labels in train mode: the loss is fused with the LM head and .logits is None (documented in "
+                 "GPT2LMHeadModel.forward); the test reads .logits.shape of a training forward"),
+    "test_gpt2_reorder_and_upcast_attn": (
+        REFUSED, "as test_gpt2_scale_attn_by_inverse_layer_idx: fused train-mode loss, .logits is None (the test's "
+                 "config does not actually set reorder_and_upcast_attn: its prepare_config_and_inputs returns the "
+                 "config built before the flag)"),
+    "test_gpt2_sdpa_matches_eager_with_scaling_configs": (
+        REFUSED, "model.set_attn_implementation: transformers' switch; fastzoo's is model.set_attention(name)"),
+    "test_inherits_generation_mixin": (
+        REFUSED, "the class is not a GenerationMixin subclass: generate is transformers' GenerationMixin bound to "
+                 "the model on each call (models/generation.py), by design"),
+    "test_gradient_checkpointing_backward_compatibility": (
+        REFUSED, "legacy config.gradient_checkpointing=True at construction; fastzoo takes "
+                 "gradient_checkpointing_enable()"),
+    "test_gradient_checkpointing_enable_disable": _HF_INTERNALS,
+    "test_training_gradient_checkpointing": _HF_INTERNALS,
+    "test_training_gradient_checkpointing_use_reentrant_false": _HF_INTERNALS,
+    "test_training_gradient_checkpointing_use_reentrant_true": _HF_INTERNALS,
+    "test_keep_in_fp32_modules": _HF_INTERNALS,
+    "test_keep_in_fp32_modules_exist": _HF_INTERNALS,
+    "test_all_tensors_are_parameter_or_buffer": _HF_INTERNALS,
+    "test_init_weights_can_init_buffers": _HF_INTERNALS,
+    "test_resize_embeddings_untied_no_reinit_on_post_init": _HF_INTERNALS,
+    "test_model_base_model_prefix": (NOT_APPLICABLE, "model.base_model is transformers' GPT2Model, which fastzoo does "
+                                                     "not provide"),
+}
 
-TIMM_VERDICTS: dict[str, tuple[str, str]] = {}
+TIMM_VERDICTS: dict[str, tuple[str, str]] = {
+    "test_model_forward_torchscript": (
+        REFUSED, "torch.jit.script: TorchScript is deprecated in PyTorch and fastzoo's swappable attention "
+                 "backends are plain Python objects (tests/test_peer_api.py)"),
+    "test_model_forward_fx_torchscript": (
+        REFUSED, "torch.jit.script of the FX feature extractor: TorchScript, as test_model_forward_torchscript"),
+    "test_jit_forward_backward": (
+        REFUSED, "torch.jit.script of the feature extractor: TorchScript, as timm's torchscript tests"),
+}
 
 SUITES = {
     "hf-gpt2": {
@@ -64,6 +127,13 @@ SUITES = {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
         "target": "tests/test_models.py",
         "plugin": "swap_timm",
+        "pytest_args": [],
+        "verdicts": TIMM_VERDICTS,
+    },
+    "torchvision": {
+        "title": "torchvision's test/test_backbone_utils.py (feature extraction, FPN backbone) against fastzoo's resnet50",
+        "target": "test/test_backbone_utils.py",
+        "plugin": "swap_torchvision",
         "pytest_args": [],
         "verdicts": TIMM_VERDICTS,
     },
@@ -98,10 +168,10 @@ def classify(nodeid: str, result: dict, baseline: dict | None, verdicts: dict) -
     if result["outcome"] in ("passed", "skipped"):
         return None
     message = result["message"]
-    if "NotProvidedByFastzoo" in message:
-        return NOT_APPLICABLE, message.split("NotProvidedByFastzoo:", 1)[-1].strip()
     if baseline is not None and baseline.get(nodeid, {}).get("outcome") in ("failed", "error"):
         return ORIGINAL_TOO, baseline[nodeid]["message"]
+    if "NotProvidedByFastzoo" in message:
+        return NOT_APPLICABLE, message.split("NotProvidedByFastzoo:", 1)[-1].strip()
     for key in (nodeid.split("::")[-1], test_name(nodeid)):
         if key in verdicts:
             return verdicts[key]

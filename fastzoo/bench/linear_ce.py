@@ -3,8 +3,10 @@ GPT-2's vocabulary (50257) and width (768), 4096 tokens, 10% of them ignored (-1
 
 Cases: the reference (the logits materialised, ``F.cross_entropy`` on them: what GPT-2 and
 Hugging Face do; the peer), torch's chunked ``F.linear_cross_entropy`` with
-``LinearCrossEntropyOptions()``, and ``fastzoo.losses.linear_cross_entropy`` (fused: chunked,
-gradients computed in the forward). Each step computes the gradients of the hidden states and
+``LinearCrossEntropyOptions()``, and ``fastzoo.losses.linear_cross_entropy`` (fused, gradients
+computed in the forward): by default two passes over logits blocks no larger than the hidden
+states (peak at or below torch's op), and with ``block_bytes`` room for one [256, vocab] chunk,
+one pass (faster, that much more memory). Each step computes the gradients of the hidden states and
 of the weight. Parity: the loss and both gradients against the reference in fp32. Peak memory
 on CPU is what the step's tensors hold at most (``harness.cpu_peak_bytes``).
 """
@@ -69,6 +71,8 @@ def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", 
             lambda h, w: linear_cross_entropy(h, w, target, impl="torch"))),
         Case("fastzoo linear_cross_entropy (fused)", lambda: loss_step(
             lambda h, w: linear_cross_entropy(h, w, target, impl="fused"))),
+        Case("fastzoo linear_cross_entropy (fused, one pass: block_bytes=64 MiB)", lambda: loss_step(
+            lambda h, w: linear_cross_entropy(h, w, target, impl="fused", block_bytes=64 * 2**20))),
     ]
     config = {"batch": s.describe(), "step": "forward + backward of the mean loss (grads of hidden and weight)",
               "peer": "F.cross_entropy on the materialised logits",

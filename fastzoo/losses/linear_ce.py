@@ -8,15 +8,17 @@ at once. A first pass keeps each token's running ``logsumexp`` (online softmax);
 recomputes each block, turns it into ``softmax - onehot(target)`` in place and adds it into the
 gradients of ``hidden`` and ``weight`` right there, in the forward. The backward then only
 scales those saved gradients by the upstream gradient. The peak is the two gradients (which
-any path returns) plus one block no larger than ``hidden``; the second pass costs a fourth
-matmul, but with the vocabulary as its outer loop each block of the weight's gradient is
-written once instead of read and rewritten per token chunk, and that is what a CPU is short of
-(benchmarks/results/cpu-2core/linear_ce.md: faster than one pass with token chunks).
+any path returns) plus one block no larger than ``hidden`` (at or below torch's chunked op).
+The price is a fourth matmul: with ``block_bytes`` room for a ``[256, vocab]`` chunk the loss
+takes one pass over token chunks instead (Liger-Kernel's order: three matmuls, the weight's
+gradient read and rewritten per chunk), faster on a CPU for that chunk's memory
+(benchmarks/results/cpu-2core/linear_ce.md has both: at 4096 x 768 -> 50257 under load, two
+passes 167 MiB at 0.54x the logits path's speed, one pass 208 MiB at 1.00x).
 
 ``impl`` (all three compute the same function; tests compare them in value and gradient):
 
 - ``"reference"``: the logits materialised, ``F.cross_entropy`` on them;
-- ``"fused"``: the blocked two-pass autograd.Function below;
+- ``"fused"``: the blocked autograd.Function below (two passes, or one with ``block_bytes``);
 - ``"torch"``: torch's own chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``;
 - ``"auto"``: the fastest on the device (:data:`AUTO_IMPL`, from ``benchmarks/results``).
 
@@ -46,26 +48,36 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     impl: str = "auto",
+    block_bytes: int | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden_ND @ weight_VD.T, target_N, ignore_index=..., reduction=...)``.
 
     ``hidden_ND`` may carry leading dimensions (``[..., D]`` with ``target`` ``[...]``); they are
     flattened. ``reduction="mean"`` averages over the targets that are not ``ignore_index`` (all
     ignored: nan, as ``F.cross_entropy``); ``"none"`` returns one loss per token (0 where ignored).
+
+    ``block_bytes`` (fused path): the most the one logits block may hold. Default: as much as
+    ``hidden_ND`` (torch's rule), which keeps the peak at or below torch's chunked op: two passes
+    over ``[rows, 512]`` blocks (:func:`logits_block`). A budget with room for
+    :data:`ONE_PASS_ROWS` tokens x the whole vocabulary (in the accumulation dtype) takes one pass
+    over token chunks instead ("mean" / "sum"): three matmuls instead of four, faster on a CPU,
+    for that much more memory (benchmarks/results/cpu-2core/linear_ce.md has both).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
+    if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1):
+        raise ValueError(f"block_bytes={block_bytes!r}: a positive number of bytes, or None for the default")
     hidden_ND, target_N = _check(hidden_ND, weight_VD, target_N, ignore_index)
     asked = impl
     if impl == "auto":
         impl = AUTO_IMPL.get(hidden_ND.device.type, "fused")
     with kernel_range("loss", "linear_cross_entropy", impl if asked == impl else f"{asked} -> {impl}"):
-        return _dispatch(hidden_ND, weight_VD, target_N, ignore_index, reduction, impl)
+        return _dispatch(hidden_ND, weight_VD, target_N, ignore_index, reduction, impl, block_bytes)
 
 
-def _dispatch(hidden_ND, weight_VD, target_N, ignore_index: int, reduction: str, impl: str) -> torch.Tensor:
+def _dispatch(hidden_ND, weight_VD, target_N, ignore_index: int, reduction: str, impl: str, block_bytes) -> torch.Tensor:
     if impl == "reference":
         return F.cross_entropy(hidden_ND @ weight_VD.T, target_N, ignore_index=ignore_index, reduction=reduction)
     if impl == "torch":
@@ -74,7 +86,7 @@ def _dispatch(hidden_ND, weight_VD, target_N, ignore_index: int, reduction: str,
         return F.linear_cross_entropy(hidden_ND, weight_VD, target_N, ignore_index=ignore_index, reduction=reduction,
                                       options=LinearCrossEntropyOptions())
     dtype = _matmul_dtype(hidden_ND, weight_VD)
-    loss = _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, target_N, ignore_index, reduction, dtype)
+    loss = _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, target_N, ignore_index, reduction, dtype, block_bytes)
     return loss if torch.is_autocast_enabled(hidden_ND.device.type) else loss.to(dtype)
 
 
@@ -130,6 +142,47 @@ def logits_block(n_tokens: int, vocab: int, width: int) -> tuple[int, int]:
     cols = min(VOCAB_BLOCK, vocab)
     rows = max(64, 1 << (max(n_tokens * width // cols, 1).bit_length() - 1))
     return min(rows, max(n_tokens, 1)), cols
+
+
+ONE_PASS_ROWS = 256  # tokens per chunk of the one-pass path: fewer re-read the weight too often
+
+
+def one_pass_rows(n_tokens: int, vocab: int, acc: torch.dtype, block_bytes: int | None) -> int | None:
+    """Token rows per chunk if ``block_bytes`` holds :data:`ONE_PASS_ROWS` x ``vocab`` logits (in
+    ``acc``), else None (two passes)."""
+    if block_bytes is None or block_bytes < ONE_PASS_ROWS * vocab * torch.empty(0, dtype=acc).element_size():
+        return None
+    return min(ONE_PASS_ROWS, max(n_tokens, 1))
+
+
+def _one_pass(h_ND, w_VD, safe_t_N, valid_N, scale_N, want_h: bool, want_w: bool, rows: int, acc: torch.dtype):
+    """Per-token loss and the gradients of ``sum_i scale_N[i] * loss_i`` in one pass over token
+    chunks: each chunk's ``[rows, V]`` logits turn into ``softmax - onehot`` in place and feed
+    both gradients at once (Liger-Kernel's order); the weight's gradient is read and rewritten
+    per chunk."""
+    n, d = h_ND.shape
+    v = w_VD.shape[0]
+    low = h_ND.dtype != acc
+    buf = _Block(min(rows, n) * v, h_ND.dtype, acc, h_ND.device)
+    loss_N = torch.zeros(n, dtype=acc, device=h_ND.device)
+    grad_h = torch.empty(n, d, dtype=h_ND.dtype, device=h_ND.device) if want_h else None
+    grad_w = torch.zeros(v, d, dtype=acc, device=h_ND.device) if want_w else None
+    for s, e in _spans(n, rows):
+        h_c, t_c = h_ND[s:e], safe_t_N[s:e, None]
+        logits_mm = torch.mm(h_c, w_VD.T, out=buf.mm(e - s, v))
+        logits = buf.acc(logits_mm)
+        picked = logits.gather(1, t_c).squeeze(1)
+        m = logits.amax(1, keepdim=True)
+        z = logits.sub_(m).exp_().sum(1, keepdim=True)
+        loss_N[s:e] = torch.where(valid_N[s:e], m.squeeze(1) + z.squeeze(1).log() - picked, 0.0)
+        logits.mul_(scale_N[s:e, None] / z)
+        logits.scatter_add_(1, t_c, -scale_N[s:e, None])
+        g = logits_mm.copy_(logits) if low else logits
+        if want_h:
+            torch.mm(g, w_VD, out=grad_h[s:e])
+        if want_w:
+            grad_w.add_(g.T @ h_c) if low else grad_w.addmm_(g.T, h_c)
+    return loss_N, grad_h, grad_w
 
 
 def _spans(n: int, step: int):
@@ -219,20 +272,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     upstream gradient, so the forward saves ``logsumexp`` and the backward runs the second pass."""
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, target_N, ignore_index, reduction, dtype):
+    def forward(ctx, h_ND, w_VD, target_N, ignore_index, reduction, dtype, block_bytes):
         with torch.autocast(h_ND.device.type, enabled=False):  # dtypes are explicit below
             return _FusedLinearCrossEntropy._forward(ctx, h_ND.to(dtype), w_VD.to(dtype), target_N, ignore_index,
-                                                     reduction, h_ND.dtype, w_VD.dtype)
+                                                     reduction, h_ND.dtype, w_VD.dtype, block_bytes)
 
     @staticmethod
-    def _forward(ctx, h, w, target_N, ignore_index, reduction, h_dtype, w_dtype):
+    def _forward(ctx, h, w, target_N, ignore_index, reduction, h_dtype, w_dtype, block_bytes):
         valid_N = target_N != ignore_index
         safe_t_N = torch.where(valid_N, target_N, 0)
         acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
         rows, cols = logits_block(h.shape[0], w.shape[0], h.shape[1])
         ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block = reduction, h_dtype, w_dtype, (rows, cols, acc)
-        lse_N, picked_N = _logsumexp_pass(h, w, safe_t_N, rows, cols, acc)
-        loss_N = torch.where(valid_N, lse_N - picked_N, 0.0)
+        one_pass = one_pass_rows(h.shape[0], w.shape[0], acc, block_bytes) if reduction != "none" else None
+        if one_pass is None:
+            lse_N, picked_N = _logsumexp_pass(h, w, safe_t_N, rows, cols, acc)
+            loss_N = torch.where(valid_N, lse_N - picked_N, 0.0)
         if reduction == "none":
             ctx.save_for_backward(h, w, safe_t_N, valid_N, lse_N)
             return loss_N
@@ -241,7 +296,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         scale_N = valid_N.to(acc) / n_valid.clamp_min(1) if reduction == "mean" else valid_N.to(acc)
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = grad_w = None
-        if want_h or want_w:
+        if one_pass is not None:
+            loss_N, grad_h, grad_w = _one_pass(h, w, safe_t_N, valid_N, scale_N, want_h, want_w, one_pass, acc)
+        elif want_h or want_w:
             grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, want_h, want_w, rows, cols, acc)
         total = loss_N.sum()
         ctx.save_for_backward(grad_h, grad_w)
@@ -268,4 +325,4 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = grad_w.mul_(g) if grad_w is not None else None
         grad_h = grad_h.to(ctx.h_dtype) if grad_h is not None else None
         grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None

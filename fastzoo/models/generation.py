@@ -259,6 +259,11 @@ class CausalLMConventions:
         self.set_input_embeddings(new)
         return new
 
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary's size (transformers sets ``model.vocab_size`` when it resizes)."""
+        return self.config.vocab_size
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """Parameters counted once (the tied head is the embedding), as transformers counts."""
         params = {id(p): p for p in self.parameters() if p.requires_grad or not only_trainable}

@@ -240,7 +240,7 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
           ``cu_seq_lens_q``/``max_length_q``, or ``position_ids`` restarting per sequence with no
           mask (``DataCollatorWithFlattening``); a jagged NestedTensor of ids. No attention
           crosses a sequence boundary and neither does the ``labels`` shift.
-        - ``labels``: shifted inside, -100 ignored; loss averaged over the scored tokens, or
+        - ``labels``: shifted inside, -100 ignored (``shift_labels``: already shifted, used as given); loss averaged over the scored tokens, or
           summed and divided by ``num_items_in_batch`` when given (transformers' Trainer).
           In train mode the loss is computed from the hidden states without materialising the
           logits (``fastzoo.losses.linear_cross_entropy``) and ``logits`` is ``None``; in eval
@@ -254,6 +254,7 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         - ``output_attentions=True`` is refused: the attention kernels return no weights.
         """
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
         cu_seqlens, max_seqlen = _flash_kwargs(kwargs, cu_seqlens, max_seqlen)
         for name, value in (("output_attentions", output_attentions), ("encoder_hidden_states", kwargs.pop("encoder_hidden_states", None))):
             if value:
@@ -276,8 +277,8 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         types = None if token_type_ids is None else seqs.to_layers(token_type_ids)
         hidden = self.transformer(seqs.tokens, seqs.positions, seqs.ctx, layer_cache(cache, seqs), types)
         loss = logits = None
-        if labels is not None:
-            loss, logits = self._loss(hidden[-1], seqs, labels, num_items_in_batch, logits_to_keep)
+        if labels is not None or shift_labels is not None:
+            loss, logits = self._loss(hidden[-1], seqs, labels, num_items_in_batch, logits_to_keep, shift_labels)
         else:
             logits = self._logits(hidden[-1], seqs, logits_to_keep)
         from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
@@ -328,11 +329,16 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return self.lm_head(h[:, keep])
 
-    def _loss(self, h, seqs, labels, num_items_in_batch, logits_to_keep):
-        """Next-token loss over the layers' layout (never across a sequence boundary)."""
+    def _loss(self, h, seqs, labels, num_items_in_batch, logits_to_keep, shift_labels=None):
+        """Next-token loss over the layers' layout (never across a sequence boundary).
+        ``shift_labels``: targets already aligned with the positions (transformers' loss keyword;
+        context-parallel training shifts before sharding), used as given instead of ``labels``."""
         if logits_to_keep:
             raise ValueError("logits_to_keep: the loss needs the logits of every position; leave it 0 with labels")
-        targets_N = seqs.next_token_targets(labels)
+        if shift_labels is not None:
+            targets_N = seqs.to_layers(shift_labels).reshape(-1).long()
+        else:
+            targets_N = seqs.next_token_targets(labels)
         reduction = "mean" if num_items_in_batch is None else "sum"
         h_ND = h.reshape(-1, h.shape[-1])
         logits = None

@@ -1,0 +1,72 @@
+"""benchmarks/peer_suites: the runner that runs the peers' own tests against fastzoo needs a
+checkout of the peer (not available in CI); here its pieces are checked without one: the
+command line, the verdict rules, and that each swap builds the fastzoo model a user would get
+from the same arguments (values compared with the peer's model on the same weights)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import fastzoo
+
+SUITES = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_suites"
+sys.path.insert(0, str(SUITES))
+
+import run  # noqa: E402
+import swap_hf_gpt2  # noqa: E402
+import swap_timm  # noqa: E402
+
+
+def test_help_runs_and_a_missing_checkout_is_one_line_exit_2(tmp_path):
+    assert subprocess.run([sys.executable, str(SUITES / "run.py"), "--help"], capture_output=True).returncode == 0
+    bad = subprocess.run([sys.executable, str(SUITES / "run.py"), "timm", "--checkout", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--checkout" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_verdicts_baseline_first_then_refusal_then_table_else_unclassified():
+    table = {"test_a": (run.REFUSED, "why")}
+    failed = {"outcome": "failed", "message": "x"}
+    assert run.classify("t.py::C::test_ok", {"outcome": "passed", "message": ""}, None, table) is None
+    assert run.classify("t.py::C::test_b", failed, {"t.py::C::test_b": {"outcome": "failed", "message": "m"}}, table) \
+        == (run.ORIGINAL_TOO, "m")
+    refused = {"outcome": "failed", "message": "swap.NotProvidedByFastzoo: no GPT2Model"}
+    assert run.classify("t.py::C::test_b", refused, {}, table) == (run.NOT_APPLICABLE, "no GPT2Model")
+    assert run.classify("t.py::C::test_a_3_fp32", failed, {}, table) == (run.REFUSED, "why")  # parameters stripped
+    assert run.classify("t.py::test_a[1-resnet50]", failed, {}, table) == (run.REFUSED, "why")
+    assert run.classify("t.py::C::test_c", failed, {}, table) == (run.UNCLASSIFIED, "x")
+
+
+def test_hf_swap_builds_fastzoo_gpt2_computing_hfs_function():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    m = swap_hf_gpt2.FastzooGPT2LMHeadModel(cfg)
+    assert isinstance(m, fastzoo.models.gpt2.GPT2LMHeadModel) and m.config.n_embd == 32 and m.config.vocab_size == 50
+    m.load_state_dict(fastzoo.create("gpt2", pretrained=hf).state_dict())
+    ids = torch.randint(0, 50, (2, 7))
+    assert (m.eval()(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+    assert swap_hf_gpt2.FastzooGPT2LMHeadModel.__name__ == "GPT2LMHeadModel"
+    assert swap_hf_gpt2.FastzooGPT2LMHeadModel.can_generate()  # class look-ups are fastzoo's class's
+    with pytest.raises(swap_hf_gpt2.NotProvidedByFastzoo, match="add_cross_attention"):
+        swap_hf_gpt2.FastzooGPT2LMHeadModel(transformers.GPT2Config(add_cross_attention=True))
+
+
+def test_timm_swap_builds_fastzoo_with_timms_keywords():
+    import timm
+
+    m = swap_timm.fastzoo_create_model("resnet50.a1_in1k", pretrained=False, num_classes=3)
+    assert isinstance(m, fastzoo.models.resnet.ResNet) and m.num_classes == 3
+    ref = timm.create_model("resnet50", pretrained=False, num_classes=3).eval()
+    fastzoo.load_pretrained(m, ref)
+    m.eval()
+    x = torch.randn(1, 3, 64, 64)
+    assert (m(x) - ref(x)).abs().max() <= 1e-4
+    with pytest.raises(swap_timm.NotProvidedByFastzoo, match="pretrained=True"):
+        swap_timm.fastzoo_create_model("resnet50", pretrained=True)
+    with pytest.raises(swap_timm.NotProvidedByFastzoo, match="no convnext"):
+        swap_timm.fastzoo_create_model("convnext_tiny")
