@@ -2,6 +2,7 @@
 (smaller data where it is generated), checking that every arm's curves agree with the first arm's
 within the file's tolerance, plus the run files' refusals. The full runs' results are committed
 in benchmarks/results/<device>/accuracy/."""
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from fastzoo.bench.accuracy import ConfigError, load_config, run
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = sorted((ROOT / "configs").glob("accuracy_*.yaml"))
-SHORT = ["steps=3", "eval_every=3", "data.n_train=16", "data.n_test=8", "optim.batch_size=8"]
+SHORT = ["steps=3", "eval_every=3", "data.n_train=16", "data.n_test=8", "optim.batch_size=8", "optim.warmup_steps=0"]
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,9 @@ def test_short_run_curves_agree_within_the_files_tolerance(path):
     for a in ran:
         assert len(a.train_loss) == 3 and a.eval_steps == [3]
         assert all(torch.isfinite(torch.tensor(a.train_loss)))
-    for a in ran[1:]:
+    for a in [a for a in ran[1:] if a.status != "control"]:  # a rounding control arm is reported, not judged
+        for key in ("same_weights_loss", "same_weights_grad"):  # from the first arm's weights at step 0
+            assert a.same_weights["steps"] == [0] and a.diff[key] <= getattr(cfg.tolerance, key), f"{a.name}: {key} {a.diff[key]}"
         for key in ("train_loss", "eval_loss", "eval_metric"):
             assert a.diff[key] <= getattr(cfg.tolerance, key), f"{a.name}: {key} differs by {a.diff[key]}"
             # the diff is what it says: the max over the run of the absolute difference
@@ -76,6 +79,37 @@ def test_cli_flags_override_and_a_bad_field_is_one_line_exit_2(tmp_path):
     assert data["config"]["steps"] == 2 and data["config"]["optim"]["batch_size"] == 4  # flags won over the file
     assert [len(a["train_loss"]) for a in data["arms"]] == [2, 2] and data["agree"]
     assert (tmp_path / "accuracy_digits_resnet.png").read_bytes()[:4] == b"\x89PNG"
+
+
+BOXDET = ROOT / "configs" / "accuracy_canvas_boxdet.yaml"
+
+
+def test_same_weights_check_catches_a_different_function_that_free_running_curves_miss():
+    """An arm that computes another loss (GIoU weighted 2.5x more) is caught by the same-weights
+    check, even when the free-running tolerances are too loose to see it."""
+    loose = ["tolerance.train_loss=100", "tolerance.eval_loss=100", "tolerance.eval_metric=1"]
+    cfg = load_config(BOXDET, SHORT + loose)
+    cfg.arms = [cfg.arms[2], dataclasses.replace(cfg.arms[2], name="padded, other weighting", model_kwargs={"loss_giou": 5.0})]
+    report = run(cfg, progress=False)
+    other = report.arms[1]
+    assert other.status == "disagrees" and "same_weights_loss" in other.note and not report.agree
+    assert other.diff["same_weights_loss"] > 1e-2
+
+
+def test_kernel_arm_rounds_differently_but_computes_the_same_function():
+    """The fused GIoU kernel's hand-written backward rounds differently from autograd through
+    torch ops (1 ulp on some box gradients): from the same weights the loss is equal and the
+    gradients agree within fastzoo check's 1e-4; a free-running tolerance tighter than the
+    rounding marks the arms "drifts", not "disagrees"."""
+    cfg = load_config(BOXDET, SHORT + ["tolerance.eval_loss=1.0e-12"])
+    cfg.arms = [cfg.arms[2], cfg.arms[3]]  # padded (torch ops) vs kernel
+    report = run(cfg, progress=False)
+    kernel = report.arms[1]
+    assert kernel.same_weights["steps"] == [0]
+    assert kernel.diff["same_weights_loss"] <= cfg.tolerance.same_weights_loss
+    assert 0 < kernel.diff["same_weights_grad"] <= cfg.tolerance.same_weights_grad  # not bit-equal: rounding
+    assert kernel.status == ("drifts" if kernel.diff["eval_loss"] > 1e-12 else "ok")
+    assert report.agree
 
 
 def test_rounding_control_arm_is_reported_and_not_judged():

@@ -371,11 +371,14 @@ def test_masks_are_built_once_per_forward_not_per_layer(hf, backend, module, bui
     assert_logits_close(out[0], hf_each_alone(hf, seqs()))  # the shared mask is the right one
 
 
-def test_layers_do_not_write_to_the_shared_context():
+def test_layers_do_not_write_to_the_shared_context(monkeypatch):
     """scale_attn_by_inverse_layer_idx gives each layer its own scale: it reaches the backend
     per layer while the context the model built (and its mask cache) stays shared and unchanged."""
+    import fastzoo.attention as registry
     from fastzoo.attention import Capabilities
     from fastzoo.attention.base import FLOATS
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the spy leaves the registry after the test
 
     seen = []
 

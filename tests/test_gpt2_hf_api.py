@@ -206,6 +206,16 @@ def test_each_cached_decoding_step_gives_the_full_forwards_logits(hf, attn):
     assert out.past_key_values.get_seq_length() == full_ids.shape[1]
 
 
+@pytest.mark.parametrize("attn", ["varlen", "nested"])
+def test_cached_continuation_without_attention_mask_on_packed_backends(hf, attn):
+    """No mask: the packed kernels read the batch as B sequences of S new queries and past + S keys."""
+    m = ours(hf, attn)
+    ids = batch((9, 9, 9)).input_ids
+    first = m(ids[:, :6], use_cache=True)
+    step = m(ids[:, 6:], past_key_values=first.past_key_values)
+    assert (step.logits - hf(ids).logits[:, 6:]).abs().max() <= TOL
+
+
 def test_issue_snippet_generates_hf_tokens_on_packed_backends(hf, tmp_path):
     """The issue's own lines, verbatim but for the directory: generate with the (default) KV cache
     on attn="varlen" and "nested" equals HF's generate token for token, left padding included."""

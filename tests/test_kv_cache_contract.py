@@ -114,7 +114,7 @@ def test_packed_keys_with_their_own_offsets_equal_each_sequence_alone(name, opts
 
 @pytest.mark.parametrize("name", ["nested", "varlen", "eager"])
 def test_one_query_per_sequence_sees_every_key_of_its_sequence(name):
-    """The decoding step: one new token per sequence (nested runs jagged SDPA without a mask here)."""
+    """The decoding step: one new token per sequence (on CUDA nested runs jagged SDPA without a mask here)."""
     cu_q, cu_k = [0, 1, 2, 3], [0, 4, 7, 13]
     q, k, v = packed_case(cu_q, cu_k)
     out = get_backend(name)(q, k, v, packed_ctx(True, cu_q, cu_k))

@@ -11,8 +11,9 @@ With a KV cache the keys have their own offsets (``ctx.cu_seqlens_k``) and becom
 jagged tensor. SDPA's ``is_causal`` is top-left aligned, so causal attention with fewer
 queries than keys goes to jagged SDPA only where alignment cannot matter: one query per
 sequence (``max_seqlen == 1``, the decoding step: the last position sees every key of its
-sequence, no mask). Otherwise (a chunk of several new tokens per sequence) it runs
-:func:`~fastzoo.attention.varlen.packed_sdpa` with explicit bottom-right masks.
+sequence, no mask), on CUDA. Otherwise (a chunk of several new tokens per sequence, or any
+causal call on CPU) it runs :func:`~fastzoo.attention.varlen.packed_sdpa` with explicit
+bottom-right masks.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ class NestedBackend(AttentionBackend):
         seqlens = packing.seqlens(ctx, q_BHSD, k_BHSD)
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         cached = seqlens.cu_k is not seqlens.cu_q
-        # jagged SDPA: non-causal, or causal over equal lengths (not on CPU), or one query per sequence
-        jagged = not ctx.causal or (not cached and q_BHSD.device.type != "cpu") or (cached and seqlens.max_q == 1)
+        # jagged SDPA: non-causal, or (not on CPU) causal over equal lengths or with one query per sequence
+        jagged = not ctx.causal or (q_BHSD.device.type != "cpu" and (not cached or seqlens.max_q == 1))
         if not jagged:
             o_THD = packed_sdpa(q_THD, k_THD, v_THD, **seqlens.kwargs(), causal=True, scale=ctx.scale,
                                 dropout_p=ctx.dropout_p, ctx=ctx)

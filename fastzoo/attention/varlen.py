@@ -18,8 +18,15 @@ Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. With ``impl=None
 backend declares what the impls present on this machine serve, and a model's request is
 checked against each impl in turn: it is accepted only if one single impl serves all of it
 (CUDA fp32 with dropout needs xformers, for instance). A plain ``[B, S]`` call
-without ``cu_seqlens`` is treated as B sequences of S tokens. Padding masks are not taken:
-a model unpads a padded batch into a packed one before calling this backend.
+without ``cu_seqlens`` is treated as B sequences of S tokens (of Sq queries and Sk keys with
+a KV cache). Padding masks are not taken: a model unpads a padded batch into a packed one
+before calling this backend.
+
+KV cache: with ``ctx.cu_seqlens_k`` the keys have their own offsets, and every impl takes
+them (``varlen_attn``'s ``cu_seq_k``, ``flash_attn_varlen_func``'s ``cu_seqlens_k``, xFormers'
+``BlockDiagonalCausalFromBottomRightMask``, flex's document mask, the cpu impl's per-sequence
+bottom-right mask); causal is bottom-right aligned per sequence. Only the cpu and flex impls
+have been run here (CPU fp32); the CUDA ones are not verified on hardware.
 """
 from __future__ import annotations
 

@@ -7,8 +7,19 @@ torchvision, Hugging Face) and fastzoo with each attention backend, input layout
 mode. Every arm starts from the same weights (the original's, loaded into fastzoo), sees the
 same batches in the same order, and trains in fp32 with the same optimiser. Recorded per
 arm: the training loss at every step, the held-out loss and metric (accuracy, or mAP@0.5
-with torchmetrics) every ``eval_every`` steps. The arms agree when every curve stays within
-the stated tolerance of the first arm's (max absolute difference over the run).
+with torchmetrics) every ``eval_every`` steps.
+
+Two comparisons with the first arm. *Free-running curves*: max absolute difference of each
+curve over the run. *Same weights*: at step 0 and every ``eval_every`` steps the first arm's
+parameters are copied into every arm, which computes the loss and the gradients of the next
+batch; the largest loss difference and the worst parameter's gradient difference (max |diff|
+over max |grad|) are recorded. A kernel that computes a different function fails the
+same-weights check; one that rounds differently passes it, but its free-running curves can
+still separate, because training amplifies a one-ulp difference step after step (the
+detector's fused GIoU backward, see the README). Status: ``ok`` (both within tolerance),
+``drifts`` (same weights within tolerance, free-running curves not; the step where they first
+leave it is recorded), ``disagrees`` (the same-weights check fails, or, where a tolerance for
+it is not set, the curves do). The arms agree when none disagrees.
 
     python benchmarks/accuracy_parity.py --config configs/accuracy_digits_vit.yaml
     python benchmarks/accuracy_parity.py --config configs/accuracy_digits_vit.yaml --steps 20 --set optim.lr=3e-4
@@ -87,6 +98,8 @@ class Tolerance:
     eval_loss: float  # the same over the held-out loss curve
     eval_metric: float  # held-out accuracy / mAP: max difference, as a fraction
     metric_goal: float | None = None  # e.g. 0.95: the final held-out accuracy each arm should reach (reported)
+    same_weights_loss: float | None = None  # max |loss - first arm's loss| from the first arm's parameters
+    same_weights_grad: float | None = None  # max over parameters of max|grad - first arm's grad| / max|first arm's grad|
 
 
 @dataclass
@@ -208,13 +221,15 @@ def load_config(path, assignments=()) -> RunConfig:
 @dataclass
 class ArmResult:
     name: str
-    status: str = "ok"  # ok | unavailable | disagrees | control (a rounding control arm, not judged)
+    status: str = "ok"  # ok | drifts | disagrees | unavailable | control (a rounding control arm, not judged)
     note: str = ""
     train_loss: list = field(default_factory=list)
     eval_steps: list = field(default_factory=list)
     eval_loss: list = field(default_factory=list)
     eval_metric: list = field(default_factory=list)
     diff: dict = field(default_factory=dict)  # vs the first arm: max abs difference of each curve
+    first_over: int | None = None  # first step whose training loss is off the first arm's by more than the tolerance
+    same_weights: dict = field(default_factory=dict)  # {"steps", "loss", "loss_diff", "grad_err"}: from the first arm's parameters
     seconds: float = 0.0
 
     @property
@@ -232,33 +247,38 @@ class AccuracyReport:
 
     @property
     def agree(self) -> bool:
-        return all(a.status != "disagrees" for a in self.arms) and sum(a.status == "ok" for a in self.arms) >= 2
+        return all(a.status != "disagrees" for a in self.arms) and sum(a.status in ("ok", "drifts") for a in self.arms) >= 2
 
     def table(self) -> str:
         tol = self.config["tolerance"]
         goal = tol.get("metric_goal")
         lines = [f"| arm | status | final train loss | final held-out loss | held-out {self.metric} | "
-                 f"max train-loss diff | max held-out loss diff | max {self.metric} diff | time |", "|---|" * 1 + "---|" * 8]
+                 f"max train-loss diff | max held-out loss diff | max {self.metric} diff | same weights: max loss / grad diff | time |",
+                 "|---|" + "---|" * 9]
         for a in self.arms:
             if a.status == "unavailable":
-                lines.append(f"| {a.name} | unavailable: {a.note} | - | - | - | - | - | - | - |")
+                lines.append(f"| {a.name} | unavailable: {a.note} | - | - | - | - | - | - | - | - |")
                 continue
             m = a.final_metric
             met = "" if goal is None or m is None else (" (goal met)" if m >= goal else f" (below the {100 * goal:.0f}% goal)")
             d = a.diff
             lines.append(f"| {a.name} | {a.status} | {a.train_loss[-1]:.4f} | {a.eval_loss[-1]:.4f} | "
                          f"{100 * m:.1f}%{met} | {_d(d, 'train_loss')} | {_d(d, 'eval_loss')} | {_d(d, 'eval_metric')} | "
-                         f"{a.seconds:.0f} s |")
+                         f"{_d(d, 'same_weights_loss')} / {_d(d, 'same_weights_grad')} | {a.seconds:.0f} s |")
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
         c, tol = self.config, self.config["tolerance"]
+        sw = ("" if tol.get("same_weights_loss") is None and tol.get("same_weights_grad") is None else
+              f"; from the first arm's weights (step 0 and every {c['eval_every']} steps): loss "
+              f"{tol.get('same_weights_loss')}, gradients {tol.get('same_weights_grad')} (worst parameter, relative)")
+        notes = "".join(f"\n- {a.name}: {a.status}: {a.note}" for a in self.arms if a.status in ("drifts", "disagrees"))
         return (f"### {c['name']}: {c['description']}\n\n"
                 f"Device **{self.device}**, fp32, {c['steps']} steps, batch {c['optim']['batch_size']}, "
                 f"AdamW lr {c['optim']['lr']}{_schedule(c['optim'])}, seed {c['seed']}; every arm from the same weights and batches. "
                 f"Tolerance vs the first arm (max over the run): train loss {tol['train_loss']}, held-out loss "
-                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}. "
-                f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n")
+                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}. "
+                f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n{notes}\n")
 
     def to_dict(self) -> dict:
         return {"config": self.config, "metric": self.metric, "device": self.device, "versions": self.versions,
@@ -539,7 +559,7 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
     task = TASK_CLASSES[cfg.task](cfg, device)
     batches = _batches(task.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
     models = _models(cfg, device)
-    results = []
+    results, snapshots = [], None
     with tqdm(total=len(cfg.arms) * cfg.steps, desc=cfg.name, disable=not progress, leave=False, dynamic_ncols=True) as bar:
         for arm, model in zip(cfg.arms, models):
             bar.set_postfix_str(arm.name)
@@ -550,20 +570,28 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
                 bar.update(cfg.steps)
                 continue
             t0 = time.perf_counter()
+            first = snapshots is None  # the first arm that runs keeps its parameters for the same-weights check
+            snapshots = [] if first else snapshots
             try:
-                _train(cfg, task, arm, model, batches, r, bar)
+                _train(cfg, task, arm, model, batches, r, bar, snapshots if first else None)
             except BackendUnavailableError as e:  # e.g. no backward for this kernel on this device
                 r.status, r.note = "unavailable", str(e).split(". Available on this machine")[0]
                 r.train_loss, r.eval_steps, r.eval_loss, r.eval_metric = [], [], [], []
+                snapshots = None if first else snapshots
             r.seconds = time.perf_counter() - t0
+    _same_weights(cfg, task, batches, models, results, snapshots or [])
     _compare(cfg, results)
     return AccuracyReport(_as_dict(cfg), task.metric, device_name(device), versions(), results)
 
 
-def _train(cfg, task, arm, model, batches, r: ArmResult, bar):
+def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | None = None):
+    """Train ``model`` on ``batches``; with a ``snapshots`` list (the first arm), append (step
+    index, a copy of the model) before step 1 and every ``eval_every`` steps."""
     opt = _optimizer(model, cfg.optim)
     sched = _scheduler(opt, cfg.optim, len(batches))
     for step, idx in enumerate(batches, 1):
+        if snapshots is not None and (step - 1) % cfg.eval_every == 0:
+            snapshots.append((step - 1, copy.deepcopy(model)))
         model.train()
         loss = task.loss(arm, model, idx)
         opt.zero_grad(set_to_none=True)
@@ -580,6 +608,79 @@ def _train(cfg, task, arm, model, batches, r: ArmResult, bar):
         bar.update(1)
 
 
+def _load_weights(cfg: RunConfig, arm: Arm, ref_arm: Arm, snapshot, trained):
+    """A copy of this arm's model holding the first arm's parameters ``snapshot`` (a model of the
+    first arm's kind), built the way the arm was built at step 0; None if it cannot be."""
+    import fastzoo
+
+    if arm.original:
+        return copy.deepcopy(snapshot) if ref_arm.original else None
+    if ref_arm.original:  # the original library's model -> fastzoo, the same conversion as at step 0
+        return fastzoo.create(cfg.model, attn=arm.attn or "sdpa", pretrained=copy.deepcopy(snapshot),
+                              **arm.model_kwargs).to(next(trained.parameters()).device)
+    m = copy.deepcopy(trained)
+    m.load_state_dict(snapshot.state_dict())
+    return m
+
+
+def _loss_and_grads(task, arm, model, idx):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = task.loss(arm, model, idx)
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same_weights(cfg, task, batches, models, results, snapshots) -> None:
+    """At each snapshot of the first arm (step k), every arm's loss and gradients on batch k + 1
+    from those parameters, against the first arm's own."""
+    ran = [(a, m, r) for a, m, r in zip(cfg.arms, models, results) if r.status == "ok" and not isinstance(m, str)]
+    if len(ran) < 2 or not snapshots:
+        return
+    (ref_arm, ref_model, _), others = ran[0], ran[1:]
+    for step, snap in snapshots:
+        idx = batches[step]
+        ref_loss, ref_grads = _loss_and_grads(task, ref_arm, _load_weights(cfg, ref_arm, ref_arm, snap, ref_model), idx)
+        for arm, model, r in others:
+            m = _load_weights(cfg, arm, ref_arm, snap, model)
+            if m is None:
+                continue
+            loss, grads = _loss_and_grads(task, arm, m, idx)
+            ref_as_arm = _as_arm(cfg, arm, ref_arm, snap, ref_grads, model)  # the original's layout -> this arm's
+            sw = r.same_weights
+            for key in ("steps", "loss", "loss_diff", "grad_err"):
+                sw.setdefault(key, [])
+            sw["steps"].append(step)
+            sw["loss"].append(loss)
+            sw["loss_diff"].append(abs(loss - ref_loss))
+            sw["grad_err"].append(_grad_err(grads, ref_as_arm))
+
+
+def _as_arm(cfg, arm, ref_arm, snapshot, ref_grads: dict, trained) -> dict:
+    """The first arm's gradients in this arm's parameter layout: put into a copy of the first
+    arm's model as its parameters and converted exactly as its weights are (e.g. Hugging Face
+    GPT-2's ``Conv1D`` [in, out] -> fastzoo's ``Linear`` [out, in])."""
+    g = copy.deepcopy(snapshot)
+    with torch.no_grad():
+        for n, p in g.named_parameters():
+            p.copy_(ref_grads[n] if n in ref_grads else torch.zeros_like(p))
+    return {n: p.detach() for n, p in _load_weights(cfg, arm, ref_arm, g, trained).named_parameters()}
+
+
+def _grad_err(grads: dict, ref: dict) -> float:
+    """Worst parameter's max|grad - ref| / max|ref| (the rule of ``fastzoo check``), parameters
+    matched by name."""
+    worst = 0.0
+    for n, g in ref.items():
+        other = grads.get(n, torch.zeros_like(g))
+        if other.shape != g.shape:
+            raise ConfigError(f"same-weights check: {n} has shape {tuple(other.shape)}, the first arm's {tuple(g.shape)}")
+        scale = g.abs().max().item()
+        d = (other.float() - g.float()).abs().max().item()
+        worst = max(worst, d / scale if scale > 0 else d)
+    return worst
+
+
 def _compare(cfg: RunConfig, results: list[ArmResult]) -> None:
     ran = [(a, r) for a, r in zip(cfg.arms, results) if r.status == "ok"]
     if not ran:
@@ -588,12 +689,28 @@ def _compare(cfg: RunConfig, results: list[ArmResult]) -> None:
     for arm, r in ran[1:]:
         r.diff = {key: max(abs(a - b) for a, b in zip(getattr(r, key), getattr(ref, key)))
                   for key in ("train_loss", "eval_loss", "eval_metric")}
+        r.first_over = next((i for i, (a, b) in enumerate(zip(r.train_loss, ref.train_loss), 1)
+                             if not abs(a - b) <= tol.train_loss), None)
         if arm.nudge:
             r.status, r.note = "control", f"initial weights x (1 +- {arm.nudge:g}): the drift rounding alone causes"
             continue
         over = [f"{k} {r.diff[k]:.2g} > {getattr(tol, k)}" for k in r.diff if not r.diff[k] <= getattr(tol, k)]
-        if over:
-            r.status, r.note = "disagrees", "; ".join(over)
+        sw_over, checked = [], False
+        if r.same_weights:
+            r.diff["same_weights_loss"] = max(r.same_weights["loss_diff"])
+            r.diff["same_weights_grad"] = max(r.same_weights["grad_err"])
+            for key in ("same_weights_loss", "same_weights_grad"):
+                limit = getattr(tol, key)
+                if limit is not None:
+                    checked = True
+                    if not r.diff[key] <= limit:
+                        sw_over.append(f"{key} {r.diff[key]:.2g} > {limit}")
+        if sw_over or (over and not checked):
+            r.status, r.note = "disagrees", "; ".join(sw_over + over)
+        elif over:
+            r.status = "drifts"
+            r.note = (f"same weights: loss within {r.diff['same_weights_loss']:.1e}, grads within "
+                      f"{r.diff['same_weights_grad']:.1e}; free-running: {'; '.join(over)} (first at step {r.first_over})")
 
 
 def _as_dict(cfg: RunConfig) -> dict:

@@ -8,15 +8,17 @@ at once. A first pass keeps each token's running ``logsumexp`` (online softmax);
 recomputes each block, turns it into ``softmax - onehot(target)`` in place and adds it into the
 gradients of ``hidden`` and ``weight`` right there, in the forward. The backward then only
 scales those saved gradients by the upstream gradient. The peak is the two gradients (which
-any path returns) plus one block no larger than ``hidden``; the second pass costs a fourth
-matmul, but with the vocabulary as its outer loop each block of the weight's gradient is
-written once instead of read and rewritten per token chunk, and that is what a CPU is short of
-(benchmarks/results/cpu-2core/linear_ce.md: faster than one pass with token chunks).
+any path returns) plus one block no larger than ``hidden`` (at or below torch's chunked op).
+The price is a fourth matmul: with ``block_bytes`` room for a ``[256, vocab]`` chunk the loss
+takes one pass over token chunks instead (Liger-Kernel's order: three matmuls, the weight's
+gradient read and rewritten per chunk), faster on a CPU for that chunk's memory
+(benchmarks/results/cpu-2core/linear_ce.md has both: at 4096 x 768 -> 50257 under load, two
+passes 167 MiB at 0.54x the logits path's speed, one pass 208 MiB at 1.00x).
 
 ``impl`` (all three compute the same function; tests compare them in value and gradient):
 
 - ``"reference"``: the logits materialised, ``F.cross_entropy`` on them;
-- ``"fused"``: the blocked two-pass autograd.Function below;
+- ``"fused"``: the blocked autograd.Function below (two passes, or one with ``block_bytes``);
 - ``"torch"``: torch's own chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``;
 - ``"auto"``: the fastest on the device (:data:`AUTO_IMPL`, from ``benchmarks/results``).
 
