@@ -478,6 +478,10 @@ def test_embedding_accessors_and_resize_keep_the_head_tied(hf):
     assert m.config.vocab_size == 136 and m.lm_head.weight is m.transformer.wte.weight
     assert torch.equal(m.transformer.wte.weight[:128], old)
     assert m(torch.tensor([[135, 1]])).logits.shape == (1, 2, 136)
+    for bad in ({"pad_to_multiple_of": 1.3}, {"new_num_tokens": 130.5}, {"pad_to_multiple_of": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):  # HF's test_resize_tokens_embeddings passes 1.3
+            m.resize_token_embeddings(**{"new_num_tokens": 136, **bad})
+    assert m.config.vocab_size == 136
 
 
 def test_num_parameters_equals_hf(hf):

@@ -239,11 +239,17 @@ class CausalLMConventions:
         old = self.transformer.wte
         if new_num_tokens is None and pad_to_multiple_of is None:
             return old
-        n = old.num_embeddings if new_num_tokens is None else int(new_num_tokens)
+        if new_num_tokens is not None and (isinstance(new_num_tokens, bool) or not isinstance(new_num_tokens, int)):
+            raise ValueError(f"new_num_tokens must be an int, got {new_num_tokens!r}")
+        n = old.num_embeddings if new_num_tokens is None else new_num_tokens
         if n <= 0:
             raise ValueError(f"new_num_tokens must be positive, got {new_num_tokens}")
         if pad_to_multiple_of is not None:
-            if int(pad_to_multiple_of) <= 0:
+            if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int):
+                raise ValueError(  # transformers' own words (code written for it may match them)
+                    f"pad_to_multiple_of: Asking to pad the embedding matrix to a multiple of `{pad_to_multiple_of}`, "
+                    "which is not and integer. Please make sure to pass an integer")
+            if pad_to_multiple_of <= 0:
                 raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of}")
             n = math.ceil(n / pad_to_multiple_of) * pad_to_multiple_of
         new = nn.Embedding(n, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype)
