@@ -72,7 +72,7 @@ def test_cli_flags_override_and_a_bad_field_is_one_line_exit_2(tmp_path):
            str(ROOT / "configs" / "accuracy_digits_resnet.yaml"), "--no-progress", "--out", str(tmp_path)]
     bad = subprocess.run([*cmd, "--set", "optim.lrr=1"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown field 'lrr'" in bad.stderr
-    good = subprocess.run([*cmd, "--steps", "2", "--eval-every", "1", "--set", "optim.batch_size=4"],
+    good = subprocess.run([*cmd, "--steps", "2", "--eval-every", "1", "--set", "optim.batch_size=4", "--set", "optim.warmup_steps=0"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert good.returncode == 0, good.stderr[-2000:]
     data = json.loads((tmp_path / "accuracy_digits_resnet.json").read_text())
