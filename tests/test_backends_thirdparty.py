@@ -170,7 +170,10 @@ class _TorchKernel(LibraryBackend):
         q, k, v = (x.transpose(1, 2) for x in (q_BSHD, k_BSHD, v_BSHD))
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale).transpose(1, 2)
 
-    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None):
+    def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
+               cu_seqlens_k=None, max_seqlen_k=None):
+        # no kv_cache declared: the contract never hands this backend the keys' own offsets
+        assert cu_seqlens_k is None and max_seqlen_k is None
         bounds = cu_seqlens.tolist()
         outs = [self.dense(*(x[a:b][None] for x in (q_THD, k_THD, v_THD)), causal=causal, scale=scale, dropout_p=0)[0]
                 for a, b in zip(bounds[:-1], bounds[1:])]
