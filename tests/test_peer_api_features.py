@@ -38,6 +38,8 @@ def test_prune_intermediate_layers_equals_timms(kind, pool, kwargs):
     for kw in (dict(indices=taken), dict(indices=taken, stop_early=True, intermediates_only=True)):
         assert max_diff(m.forward_intermediates(x, **kw), ref.forward_intermediates(x, **kw)) <= TOL
     assert m.num_features == ref.num_features and m.num_classes == ref.num_classes
+    for info in m.feature_info:  # every entry still names a module of the pruned model
+        m.get_submodule(info["module"])
 
 
 def _avg_vit_pair():

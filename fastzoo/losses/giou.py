@@ -256,7 +256,7 @@ def giou_loss_padded(
         op = _giou_op()
         op.kernel_path(pred.device.type)  # builds the C++ kernel on first use
     if validate:  # the real pairs only: one gather and a host sync (skip with validate=False)
-        valid = mask if mask is not None else ~_giou_op().padding_rows(target)
+        valid = _giou_op().valid_rows(target, mask)
         check_boxes(pred[valid], "pred")
         check_boxes(target[valid], "target")
     if impl == "torch":
@@ -269,7 +269,7 @@ def giou_loss_padded(
 def _padded_torch(pred, target, mask, reduction: str, eps: float) -> torch.Tensor:
     """giou_loss_padded in plain ops: padding replaced by the unit box (so no NaN reaches the
     backward), its loss dropped with ``torch.where``; "mean" divides on the device."""
-    valid = mask if mask is not None else ~_giou_op().padding_rows(target)
+    valid = _giou_op().valid_rows(target, mask)
     unit = torch.tensor([0.0, 0.0, 1.0, 1.0], device=pred.device)
     pred = torch.where(valid[..., None], pred, unit.to(pred.dtype))
     target = torch.where(valid[..., None], target, unit.to(target.dtype))

@@ -150,7 +150,7 @@ ONE_PASS_ROWS = 256  # tokens per chunk of the one-pass path: fewer re-read the 
 def one_pass_rows(n_tokens: int, vocab: int, acc: torch.dtype, block_bytes: int | None) -> int | None:
     """Token rows per chunk if ``block_bytes`` holds :data:`ONE_PASS_ROWS` x ``vocab`` logits (in
     ``acc``), else None (two passes)."""
-    if block_bytes is None or block_bytes < ONE_PASS_ROWS * vocab * torch.empty(0, dtype=acc).element_size():
+    if block_bytes is None or block_bytes < ONE_PASS_ROWS * vocab * acc.itemsize:
         return None
     return min(ONE_PASS_ROWS, max(n_tokens, 1))
 

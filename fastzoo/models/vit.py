@@ -215,6 +215,7 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
         taken, last = take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[: last + 1]
         self.config.depth = len(self.blocks)
+        self.feature_info = self.feature_info[: last + 1]  # it names blocks: only those that are left
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:

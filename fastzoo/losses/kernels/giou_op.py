@@ -249,12 +249,13 @@ def _(target):
     return target.new_empty(target.shape[:-1], dtype=torch.bool)
 
 
-def _valid_rows(target: Tensor, mask: Tensor | None) -> Tensor:
+def valid_rows(target: Tensor, mask: Tensor | None) -> Tensor:
+    """The real pairs of a padded batch: ``mask`` when given, else read from the target's padding."""
     return mask if mask is not None else ~padding_rows(target)
 
 
 def _masked_vectorised(pred: Tensor, target: Tensor, mask: Tensor | None, eps: float, reduction: int) -> Tensor:
-    valid = _valid_rows(target, mask)
+    valid = valid_rows(target, mask)
     loss = torch.where(valid, _forward_vectorised(pred, target, eps), 0.0)  # padding's NaN never selected
     if reduction == 0:
         return loss
@@ -266,7 +267,7 @@ def _masked_vectorised(pred: Tensor, target: Tensor, mask: Tensor | None, eps: f
 
 def _masked_backward_vectorised(grad, pred, target, mask, eps: float, reduction: int, need_pred: bool,
                                 need_target: bool) -> tuple[Tensor, Tensor]:
-    valid = _valid_rows(target, mask)
+    valid = valid_rows(target, mask)
     ct = compute_dtype(pred.dtype, target.dtype)
     g = grad.to(ct)
     if reduction == 2:
