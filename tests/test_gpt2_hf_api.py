@@ -11,7 +11,7 @@ import transformers
 
 import fastzoo
 from fastzoo.data import pack, pad_to_longest
-from fastzoo.weights.hf import GPT2 as HF_CONVERTER
+from fastzoo.models.decoder.convert import GPT2 as HF_CONVERTER
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
 TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights
