@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastzoo.errors import ConfigError
 from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, free, weights_decide
 from fastzoo.models.resnet.config import ResNetConfig

@@ -38,18 +38,16 @@ from the collator (already validated, all layouts built on the CPU).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastzoo.losses.boxes import GIOU_LAYOUTS, BoxTargets, collate_boxes, matched_giou_sum
+from fastzoo.losses.boxes import BoxTargets, collate_boxes, matched_giou_sum
 from fastzoo.losses.giou import generalized_box_iou
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.boxdet.config import BoxDetConfig
-from fastzoo.models.config import MAX_BLOCKS, ModelConfig, free, weights_decide
-from fastzoo.models.resnet import ResNet, ResNetConfig
+from fastzoo.models.resnet import ResNet
 
 
 class MLP(nn.Module):

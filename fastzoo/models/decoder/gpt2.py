@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,13 +23,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastzoo.attention.base import AttnContext
-from fastzoo.errors import ConfigError
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.decoder.config import ACTIVATIONS, GPT2Config
-from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
 
 

@@ -22,15 +22,12 @@ changes nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fastzoo.errors import ConfigError
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.resnet.config import EXPANSION, ResNetConfig
-from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
 
 torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)

@@ -10,17 +10,14 @@ LayerScale (DeiT-3, DINOv2), position embedding with or without the prefix token
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fastzoo.attention.base import AttnContext
-from fastzoo.errors import ConfigError
 from fastzoo.layers import ACTIVATIONS, Attention, DropPath, LayerScale, Mlp, PatchEmbed
 from fastzoo.models.base import FastzooModel
-from fastzoo.models.vit.config import ViTConfig
-from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.vit.config import POOLS, ViTConfig
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
 
 torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
