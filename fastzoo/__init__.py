@@ -1,5 +1,5 @@
 """fastzoo: reference architectures equal to timm / Hugging Face / torchvision, with the
-attention kernel picked by one word. See README.md and DESIGN.md.
+attention kernel picked by one word. See README.md and ARCHITECTURE.md.
 
 ``fastzoo.losses`` and ``fastzoo.data`` (with ``fastzoo.data.boxes``) come with
 ``import fastzoo``; ``fastzoo.train`` (torch.distributed, checkpoint I/O: ~1 s more to
