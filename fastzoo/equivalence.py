@@ -18,7 +18,7 @@ Three entry points, one rule:
   ViT; a padded batch and the same sequences packed for GPT-2). ``fastzoo check`` prints it.
 - :func:`compare_cases` applies the rule to tensors a benchmark already computed.
 
-The rule (DESIGN.md):
+The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):
 
 - fp32: ``max|ours - ref| <= 1e-4`` for outputs; gradients by a relative error (below).
 - fp16/bf16 (flash-attn's rule): ``max|ours - ref| <= 3 * max|peer - ref| + floor``, where
@@ -53,7 +53,7 @@ from fastzoo.registry import create, get_entry, spec_of
 from fastzoo.text import dtype_name
 from fastzoo.weights import Source, find_converter
 
-FP32_OUT_ATOL = 1e-4  # DESIGN.md: fp32 logits within 1e-4 of the reference
+FP32_OUT_ATOL = 1e-4  # fp32 logits within 1e-4 of the reference
 FP32_GRAD_RTOL = 1e-4  # fp32 gradients within 1e-4 of the parameter's gradient scale
 FP32_LAYER_RTOL = 1e-4  # a layer's output / gradients within 1e-4 of their own scale (fp32)
 LOW_FACTOR = 3.0  # flash-attn's rule: at most 3x the original's own low-precision error
