@@ -24,12 +24,14 @@ def causal_lm_loss(
     """Cross-entropy of ``logits[..., t, :]`` against ``labels[..., t + 1]``.
 
     ``logits`` is ``[B, S, V]`` (padded), ``[1, T, V]`` with ``cu_seqlens`` (packed), or a
-    jagged NestedTensor ``[B, j, V]`` with ``labels`` nested alike. ``reduction="mean"``
+    jagged NestedTensor ``[B, j, V]`` with ``labels`` nested alike; a model's output object
+    (transformers' ``CausalLMOutput...``) stands for its ``.logits``. ``reduction="mean"``
     averages over the counted targets (HF's loss); ``"sum"`` adds them (divide by the
     number of targets of a whole accumulated batch yourself).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}: choose 'mean' or 'sum'")
+    logits = _logits_of(logits)
     if logits.is_nested:
         if not labels.is_nested or not torch.equal(labels.offsets(), logits.offsets()):
             raise ValueError("labels: with NestedTensor logits, give NestedTensor labels of the same lengths")
@@ -49,6 +51,20 @@ def causal_lm_loss(
         targets_BS[0, starts - 1] = ignore_index  # last token of a sequence predicts nothing
     logits_NV = logits[:, :-1].flatten(0, 1).float()
     return F.cross_entropy(logits_NV, targets_BS.flatten(), ignore_index=ignore_index, reduction=reduction)
+
+
+def _logits_of(logits) -> torch.Tensor:
+    """The logits tensor, read from a model output object if one was given (naming the argument otherwise)."""
+    if isinstance(logits, torch.Tensor):
+        return logits
+    inner = getattr(logits, "logits", None)
+    if isinstance(inner, torch.Tensor):
+        return inner
+    if hasattr(logits, "logits"):
+        raise ValueError(f"logits: the {type(logits).__name__} given has logits=None (a training forward with labels "
+                         "computes its loss fused with the LM head and returns no logits): use its .loss, or call the "
+                         "model without labels")
+    raise ValueError(f"logits must be a tensor [B, S, V] or a model output with .logits, got {type(logits).__name__}")
 
 
 def _check_cu_seqlens(cu_seqlens, total: int) -> None:
