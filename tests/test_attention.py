@@ -244,7 +244,7 @@ def test_list_attention_and_matrix():
 
 
 def test_function_backend_without_capabilities_gets_the_conservative_default():
-    """DESIGN.md's two-argument form: a plain function that may ignore ctx serves what needs
+    """``register_attention``'s function form (fastzoo/attention/__init__.py): a plain function that may ignore ctx serves what needs
     no mask (ViT) and is refused at create where it would silently drop one (GPT-2 is causal)."""
     def plain(q, k, v, ctx):
         return F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)

@@ -5,7 +5,7 @@ before they are copied: at timm's init (std 0.02) the logits are ~0.1 and a wron
 activation (QuickGELU for GELU) moved them by only ~1e-4, under the tolerance. Here
 logits are O(1-10) and such a deviation is O(1e-2).
 
-Tolerances (fp32, CPU): logits max abs diff <= 1e-4 (DESIGN.md), i.e. a relative error
+Tolerances (fp32, CPU): logits max abs diff <= 1e-4 (fastzoo.equivalence's rule), i.e. a relative error
 <= ~1e-5 at this scale, well above fp32 reassociation across two blocks. Gradients are
 compared per parameter relative to that gradient's largest magnitude (<= 1e-4): absolute
 sizes of gradients vary by orders of magnitude between the head and the first block.

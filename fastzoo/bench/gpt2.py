@@ -37,7 +37,7 @@ class GPT2Setting:
                 f"{self.num_seqs} sequences, lengths uniform in [1, {self.max_len}]")
 
 
-# The CPU target: a small GPT-2 on 8 sequences of 1..512 tokens.
+# The CPU target setting: a small GPT-2 on 8 sequences of 1..512 tokens.
 TARGET_SETTING = GPT2Setting("4x256, 8 seqs in [1,512]", 4, 256, 4, 8, 512)
 
 
