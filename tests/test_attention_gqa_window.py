@@ -13,7 +13,7 @@ import torch
 import fastzoo
 from fastzoo.attention import AttnContext, AttnRequest, Capabilities, get_backend, masks, register_attention
 from fastzoo.attention.base import FLOATS
-from fastzoo.equivalence import TINY
+from fastzoo.equivalence import tiny_overrides
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.layers.attention import UsesAttention
 
@@ -214,7 +214,7 @@ def test_the_contract_repeats_kv_only_for_backends_without_gqa(scratch_registry,
 def test_a_layer_window_reaches_the_request_and_the_kernel():
     """A decoder layer sets sliding_window; create-time checks see it, and every backend
     serving it computes the same windowed model."""
-    model = fastzoo.create("gpt2", attn="eager", **{**TINY["gpt2"], "attn_pdrop": 0.0}).eval()  # flex has no dropout
+    model = fastzoo.create("gpt2", attn="eager", **{**tiny_overrides("gpt2"), "attn_pdrop": 0.0}).eval()  # flex has no dropout
     for m in model.modules():
         if isinstance(m, UsesAttention):
             m.sliding_window = 2
