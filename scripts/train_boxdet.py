@@ -42,7 +42,7 @@ from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
 from fastzoo.train import distributed as D
 from fastzoo.train.cli import create_model, positive_int
-from fastzoo.weights.torchvision import ResNetConverter
+from fastzoo.models.resnet.convert import ResNetConverter
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -16,7 +16,7 @@ import fastzoo
 from fastzoo.attention import AttnContext, AttnRequest, get_backend, masks, varlen
 from fastzoo.attention.varlen import packed_sdpa
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.equivalence import TINY
+from conftest import TINY
 
 TOL = 1e-5  # fp32 CPU, one attention op on unit-variance inputs
 

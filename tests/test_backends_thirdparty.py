@@ -19,7 +19,7 @@ from fastzoo.attention.base import FP32, Capabilities
 from fastzoo.attention.library import LibraryBackend
 from fastzoo.attention.packing import repad, unpad
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.equivalence import TINY
+from conftest import TINY
 from fastzoo.equivalence import check as check_parity
 
 THIRD_PARTY = {  # backend -> (import name, words its install command contains)

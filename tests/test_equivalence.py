@@ -14,7 +14,8 @@ from fastzoo.cli import main
 from fastzoo.errors import BackendUnavailableError
 from fastzoo import equivalence
 from fastzoo.cli import parse_backend_spec
-from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL, TINY
+from conftest import TINY
+from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL
 from fastzoo.equivalence import check as check_parity
 
 VIT = dict(overrides=TINY["vit"])
@@ -113,9 +114,9 @@ def test_unavailable_backend_raises_like_create():
         check_parity("vit_s16", "fa2", device="cpu", dtype=torch.bfloat16, **VIT)
 
 
-def test_model_without_attention_is_refused_by_name():
-    with pytest.raises(ValueError, match="no attention to check"):
-        check_parity("resnet50", "sdpa")
+def test_model_without_an_original_is_refused_by_name():
+    with pytest.raises(ValueError, match="boxdet_r50.*no original to check against"):
+        check_parity("boxdet_r50", "sdpa")
 
 
 def test_backend_spec_parsing():

@@ -11,7 +11,7 @@ import torch
 import fastzoo
 from fastzoo.kernel_report import KernelFallbackError, explain
 from fastzoo.losses import giou_loss
-from fastzoo.equivalence import TINY
+from conftest import TINY
 
 FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"

@@ -21,7 +21,7 @@ from fastzoo.attention.base import package_available
 from fastzoo.attention.neuron import PAD_BIAS, pad_bias, padded_len, seq_tile_size
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.losses.kernels import giou_op, nki_giou
-from fastzoo.equivalence import TINY
+from conftest import TINY
 
 NEURON_MODULES = ("neuronxcc", "torch_neuronx", "torch_xla", "libneuronxla")
 INSTALL = "pip install torch-neuronx neuronx-cc --extra-index-url=https://pip.repos.neuron.amazonaws.com"

@@ -8,24 +8,17 @@ causal-mask buffers old checkpoints carry (``attn.bias``, ``attn.masked_bias``),
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
 
 from fastzoo.errors import CheckpointError
+from fastzoo.models.decoder.config import GPT2Config
 
 _CONV1D = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 _BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 _PREFIX = "transformer."
-# config.json fields that fastzoo's GPT-2 reads (same names and defaults as HF's GPT2Config).
-_FIELDS = {
-    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
-    "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
-    "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-    "scale_attn_by_inverse_layer_idx": False,
-    "bos_token_id": 50256, "eos_token_id": 50256, "pad_token_id": None, "use_cache": True,
-    "output_hidden_states": False,
-}
 # HF fields that change the function and that fastzoo does not implement: value HF defaults to.
 _UNSUPPORTED = {"reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True}
 
@@ -91,7 +84,8 @@ class _HfGPT2:
 
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
-        """fastzoo config fields from an HF ``config.json`` (absent fields take HF's defaults)."""
+        """fastzoo config fields from an HF ``config.json``; an absent field takes HF's default, which is
+        :class:`GPT2Config`'s (same names, same defaults)."""
         model_type = cfg.get("model_type", "gpt2")
         if model_type != "gpt2":
             raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's GPT-2 reads 'gpt2' configs")
@@ -100,7 +94,7 @@ class _HfGPT2:
                 raise CheckpointError(
                     f"config.json sets {name}={cfg[name]!r}, which fastzoo's GPT-2 does not implement (only {default!r})"
                 )
-        return {name: cfg.get(name, default) for name, default in _FIELDS.items()}
+        return {f.name: cfg.get(f.name, f.default) for f in dataclasses.fields(GPT2Config)}
 
 
 class _FastzooGPT2:
