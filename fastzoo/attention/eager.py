@@ -20,6 +20,7 @@ class EagerBackend(AttentionBackend):
         varlen=True,
         score_mod=True,
         kv_cache=True,
+        window=True,
         verified="reference (CPU fp32)",
     )
     options = {"score_mod": None, "mask_mod": None, "softcap": 50.0, "window": 128, "radius": 3}
@@ -46,7 +47,7 @@ class EagerBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         if score_mod is not None:
             scores_BHSS = masks.apply_score_mod(score_mod, scores_BHSS)
-        allowed = ctx.cached((self.uid, "dense_mask", B, H, Sq, Sk),
+        allowed = ctx.cached((self.uid, "dense_mask", B, H, Sq, Sk, ctx.window),
                              lambda: self._allowed(ctx, B, H, Sq, Sk, q_BHSD.device))
         if allowed is not None:
             scores_BHSS = scores_BHSS.masked_fill(~allowed, float("-inf"))

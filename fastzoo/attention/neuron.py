@@ -116,11 +116,6 @@ class NeuronBackend(AttentionBackend):
         verified="not verified on hardware",
     )
 
-    def check_call(self, q, ctx):
-        super().check_call(q, ctx)
-        if q.shape[-1] > 128:
-            raise ValueError(f"neuron: flash_fwd supports head dim <= 128, got q of shape {tuple(q.shape)}")
-
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         if k_BHSD.shape != q_BHSD.shape or v_BHSD.shape != q_BHSD.shape:
             raise ValueError("neuron: flash_fwd needs self-attention with q, k, v of one shape [B, H, S, D] "
