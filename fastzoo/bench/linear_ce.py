@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
+from fastzoo.losses.lm import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", 
     hidden = torch.randn(s.tokens, s.n_embd, generator=g).to(device, dtype)
     weight = (0.02 * torch.randn(s.vocab, s.n_embd, generator=g)).to(device, dtype)  # GPT-2's init scale
     target = torch.randint(0, s.vocab, (s.tokens,), generator=g)
-    target[torch.rand(s.tokens, generator=g) < s.ignored] = -100
+    target[torch.rand(s.tokens, generator=g) < s.ignored] = IGNORE_INDEX
     target = target.to(device)
 
     def loss_step(loss_of) -> Step:

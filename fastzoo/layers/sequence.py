@@ -39,8 +39,7 @@ import torch.nn.functional as F
 
 from fastzoo.attention import packing
 from fastzoo.attention.base import AttnContext, Capabilities, check_offsets
-
-IGNORE_INDEX = -100
+from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 
 
 @dataclass
@@ -79,7 +78,8 @@ class Sequences:
 
     def next_token_targets(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """``[N]`` target of each token the layers see: the label of the next token of the
-        same sequence (transformers' shift-by-one), ``ignore_index`` at each sequence's end."""
+        same sequence (:func:`fastzoo.losses.lm.next_token_targets`), ``ignore_index`` at each
+        sequence's end."""
         if self.form == "nested":
             if not labels.is_nested or not torch.equal(labels.offsets(), self.offsets):
                 raise ValueError("labels: with NestedTensor input_ids, give NestedTensor labels of the same lengths")
@@ -89,12 +89,9 @@ class Sequences:
         if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise ValueError(f"labels must be an integer tensor (token ids, {ignore_index} = ignored), got {labels.dtype}")
         labels = labels.long()
-        if self.boundaries is not None:  # packed forms: shift along the flattened tokens, then cut at the ends
-            flat = labels.reshape(-1)
-            targets = F.pad(flat[1:], (0, 1), value=ignore_index)
-            targets = targets.index_fill(0, self.boundaries[1:].long() - 1, ignore_index)
-            return targets
-        targets_BS = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        if self.boundaries is not None:  # packed forms: shift along the flattened tokens, cut at the ends
+            return next_token_targets(labels.reshape(1, -1), cu_seqlens=self.boundaries, ignore_index=ignore_index)[0]
+        targets_BS = next_token_targets(labels, ignore_index=ignore_index)
         if self.form == "unpadded":
             return targets_BS.reshape(-1).index_select(0, self.unpadded.indices)
         return targets_BS.reshape(-1)

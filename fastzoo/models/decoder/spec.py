@@ -36,10 +36,14 @@ GPT2_SPEC = ModelSpec(
     variants=(
         _gpt2("gpt2", "gpt2", 768, 12, 12, "small (124M)"),
         _gpt2("gpt2_medium", "gpt2-medium", 1024, 24, 16, "medium (355M)"),
+        Variant("distilgpt2", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=6, n_head=12),
+                "DistilGPT-2 (82M), as Hugging Face's distilgpt2 (GPT2LMHeadModel)",
+                "transformers GPT2LMHeadModel (distilgpt2)", aliases=("distilbert/distilgpt2",)),
     ),
     converters=(GPT2, GPT2_FASTZOO),
     tiny=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
     original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
+    shallow=lambda cfg: {**cfg, "n_layer": 1, "vocab_size": 512, "n_positions": 64},
     flops=gpt2_flops,
 )
 SPECS = (GPT2_SPEC,)
