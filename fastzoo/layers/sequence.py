@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import packing
-from fastzoo.attention.base import AttnContext, Capabilities
+from fastzoo.attention.base import AttnContext, Capabilities, check_offsets
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 
 
@@ -264,12 +264,8 @@ def _check_values(ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_se
     if read.get("mask_not_01"):
         raise ValueError("attention_mask must hold 0/1 (or bool): 1 = token, 0 = padding")
     if "cu_first" in read:
-        if read["cu_first"] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {read['cu_first']}")
-        if read["shortest_sequence"] <= 0:
-            raise ValueError(f"cu_seqlens must be strictly increasing, got {cu_seqlens.tolist()}")
-        if read["cu_last"] != S:
-            raise ValueError(f"cu_seqlens must end at T={S} (the number of tokens in input_ids), got {read['cu_last']}")
+        check_offsets("cu_seqlens", read["cu_first"], read["shortest_sequence"], read["cu_last"], S,
+                              "tokens in input_ids: T")
         if max_seqlen is not None and int(max_seqlen) < read["longest_sequence"]:
             raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({read['longest_sequence']})")
         if position_ids is None and n is not None and read["longest_sequence"] > n:
