@@ -80,6 +80,7 @@ def _no_dropout(dropout_p: float) -> None:
 class Fa2Backend(LibraryBackend):
     name = "fa2"
     description = "FlashAttention-2 (flash-attn): flash_attn_func / flash_attn_varlen_func"
+    kernel_ops = r"flash_attn::|flash_fwd|flash_bwd"  # its torch.library ops (flash_attn::_flash_attn_forward) and CUDA kernels
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
@@ -109,6 +110,7 @@ class Fa2Backend(LibraryBackend):
 class Fa3Backend(LibraryBackend):
     name = "fa3"
     description = "FlashAttention-3 for Hopper (flash_attn_interface); no dropout"
+    kernel_ops = r"flash_attn_3::|flash_attn_interface|flash_fwd|flash_bwd|FlashAttnFwd|FlashAttnBwd"
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
