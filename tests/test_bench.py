@@ -110,7 +110,7 @@ def test_a_backend_failing_parity_is_reported_and_not_timed(wrong_backend, mode)
     assert len(wrong_backend) == TINY_VIT.depth  # one parity forward through each layer, no timed run
     for label in ("fastzoo eager", "fastzoo sdpa", "timm (sdpa)", "timm (eager)"):
         assert rows[label].status == "ok", rows[label].note
-        assert rows[label].max_err <= 1e-4  # fp32 CPU logits, DESIGN.md's equivalence rule
+        assert rows[label].max_err <= 1e-4  # fp32 CPU logits, fastzoo.equivalence's rule
         if mode == "train":  # same parameter names as timm, so gradients are compared for the peer too
             assert rows[label].grad_err is not None and rows[label].grad_err <= 1e-3
     assert rows["timm (sdpa)"].speedup == 1.0
@@ -209,7 +209,7 @@ def test_linear_ce_suite_every_impl_matches_the_logits_and_reports_cpu_memory():
     assert hf_fused.peak_mem_mib < hf.peak_mem_mib
 
 
-def test_matcher_suite_before_and_after_agree():
+def test_matcher_suite_detr_and_fastzoo_agree():
     from fastzoo.bench.matcher import MatcherSetting, matcher_suite
 
     report = run_suite(matcher_suite(MatcherSetting("tiny", 6, 10, 3)), warmup=0, iters=1, progress=False)
@@ -249,8 +249,7 @@ def test_gpt2_training_step_with_labels_matches_the_logits_loss():
 
 def test_benchmark_scripts_import():
     """benchmarks/run_all.py imports every per-suite script (gpt2_varlen, vit, giou, ...), so its
-    --help fails when a script names something the bench package no longer has (a removed
-    QUICK_SETTING once broke benchmarks/gpt2_varlen.py this way)."""
+    --help fails when a script names something the bench package does not have."""
     import os
     import subprocess
     import sys

@@ -16,7 +16,7 @@ from fastzoo.bench.harness import Row
 from fastzoo.bench.tour import Entry, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
-FP32_OUT_ATOL = 1e-4  # DESIGN.md: fp32 logits within 1e-4 of the original
+FP32_OUT_ATOL = 1e-4  # fastzoo.equivalence's rule: fp32 logits within 1e-4 of the original
 FP32_GRAD_RTOL = 1e-4  # gradients: the worst parameter's relative error (fastzoo.parity's rule)
 MODELS = ["vit", "gpt2", "resnet50", "boxdet_r50 (GIoU loss)"]
 

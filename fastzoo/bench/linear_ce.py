@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fastzoo.bench import limits as machine
 from fastzoo.bench.harness import Case, Group, Step, Suite
-from fastzoo.losses import linear_cross_entropy
+from fastzoo.losses import IGNORE_INDEX, linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def make_inputs(s: LinearCESetting, device: torch.device, dtype: torch.dtype, se
     hidden = torch.randn(s.tokens, s.n_embd, generator=g).to(device, dtype)
     weight = (0.02 * torch.randn(s.vocab, s.n_embd, generator=g)).to(device, dtype)  # GPT-2's init scale
     target = torch.randint(0, s.vocab, (s.tokens,), generator=g)
-    target[torch.rand(s.tokens, generator=g) < s.ignored] = -100
+    target[torch.rand(s.tokens, generator=g) < s.ignored] = IGNORE_INDEX
     return Inputs(hidden, weight, target.to(device))
 
 
