@@ -13,6 +13,7 @@ are read by :mod:`fastzoo.layers.sequence`, and ``generate`` & co. come from
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -265,10 +266,8 @@ class GPT2LMHeadModel(CausalLMConventions, FastzooModel):
 
     def check_kv_cache(self):
         """Refuse a KV cache on a backend that cannot attend with one, before running."""
-        from fastzoo.attention import AttnRequest
-
-        backend = self.attention_backend
-        backend.check(AttnRequest(head_dim=self.config.n_embd // self.config.n_head, causal=True, kv_cache=True))
+        # the model's own request (its device and dtype: sdpa's flash kernel takes a KV cache on CPU, not on CUDA)
+        self.attention_backend.check(dataclasses.replace(self.attention_request(), kv_cache=True))
 
     def _logits(self, h, seqs, logits_to_keep):
         if not logits_to_keep:
