@@ -26,6 +26,7 @@ _BUILTIN = {
     "flex": "fastzoo.attention.flex:FlexBackend",
     "fa2": "fastzoo.attention.flash:Fa2Backend",
     "fa3": "fastzoo.attention.flash:Fa3Backend",
+    "fa4": "fastzoo.attention.fa4:Fa4Backend",
     "te": "fastzoo.attention.te:TeBackend",
     "xformers": "fastzoo.attention.xformers:XformersBackend",
     "nested": "fastzoo.attention.nested:NestedBackend",

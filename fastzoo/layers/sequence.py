@@ -106,7 +106,7 @@ def read_sequences(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     past_length: int = 0,
-    n_positions: int,
+    n_positions: int | None,
     vocab_size: int,
     backend: Capabilities,
     attn: dict,
@@ -114,7 +114,8 @@ def read_sequences(
     """Check a decoder's inputs and read them into :class:`Sequences`.
 
     ``past_length``: tokens already in a KV cache (padded forms only; positions continue
-    from there and the mask covers them too). ``backend``: the attention backend's
+    from there and the mask covers them too). ``n_positions``: the longest position a
+    learned position table holds (None: positions are not bounded, rotary). ``backend``: the attention backend's
     capabilities (a padded batch is unpadded for packed-only backends). ``attn``: what
     every layer's context shares (``scale``, ``dropout_p``).
     """
@@ -144,7 +145,7 @@ def read_sequences(
         _check_mask_shape(attention_mask, B, S + past_length)
     if position_ids is not None:
         _check_positions_shape(position_ids, B, S)
-    elif not packed:
+    elif not packed and n_positions is not None:
         _check_length(S + past_length, n_positions, past_length)
     mask_BK = None if attention_mask is None else attention_mask.bool()
     mask_BS = None if mask_BK is None else mask_BK[:, past_length:]
@@ -267,16 +268,15 @@ def _check_values(ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_se
                               "tokens in input_ids: T")
         if max_seqlen is not None and int(max_seqlen) < read["longest_sequence"]:
             raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({read['longest_sequence']})")
-        if position_ids is None and read["longest_sequence"] > n:
+        if position_ids is None and n is not None and read["longest_sequence"] > n:
             raise ValueError(
                 f"cu_seqlens holds a sequence of {read['longest_sequence']} tokens; this model has n_positions={n}: "
                 f"split longer sequences (positions would run past the position table)"
             )
     has_real = read.get("pos_min", 0) <= read.get("pos_max", -1)
-    if has_real and (read["pos_min"] < 0 or read["pos_max"] >= n):
-        raise ValueError(
-            f"position_ids must lie in [0, {n}) (n_positions={n}), got values in [{read['pos_min']}, {read['pos_max']}]"
-        )
+    if has_real and (read["pos_min"] < 0 or n is not None and read["pos_max"] >= n):
+        where = f"lie in [0, {n}) (n_positions={n})" if n is not None else "be >= 0"
+        raise ValueError(f"position_ids must {where}, got values in [{read['pos_min']}, {read['pos_max']}]")
     if read.get("pos_restart"):
         row = int(_position_restarts(position_ids.expand(B, S).long(), mask_BS).any(1).nonzero()[0])
         raise ValueError(
