@@ -20,9 +20,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.layers.activations import ACTIVATIONS
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.base import write_pretrained
-from fastzoo.models.decoder.config import ACTIVATIONS, GPT2Config
+from fastzoo.models.decoder.config import GPT2Config
 from fastzoo.models.decoder.causal_lm import CausalLM
 
 

@@ -22,13 +22,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.layers.activations import ACTIVATIONS
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.mlp import GatedMlp
 from fastzoo.layers.norm import RMSNorm
 from fastzoo.layers.rotary import RotaryEmbedding, apply_rotary
 from fastzoo.models.base import write_pretrained
 from fastzoo.models.decoder.causal_lm import CausalLM
-from fastzoo.models.decoder.config import ACTIVATIONS, LlamaConfig
+from fastzoo.models.decoder.config import LlamaConfig
 from fastzoo.models.decoder.convert import LLAMA_LAYOUTS, hf_config
 
 
