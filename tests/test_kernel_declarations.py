@@ -6,6 +6,7 @@ Each test fails on a mis-declaration a GPU user would otherwise meet first.
 """
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,9 @@ def fake_packages(tmp_path, monkeypatch):
             d.mkdir(parents=True, exist_ok=True)
             (d / "__init__.py").write_text("")
         monkeypatch.syspath_prepend(str(tmp_path))
+        tops = {name.split(".")[0] for name in dotted}
+        for mod in [m for m in sys.modules if m.split(".")[0] in tops]:  # an installed one already imported
+            monkeypatch.delitem(sys.modules, mod)
         from fastzoo.attention import base
 
         base._unavailable.cache_clear()
