@@ -16,7 +16,7 @@ FLOORS = [
     ("fastzoo.losses", "fastzoo.attention", "fastzoo.layers", "fastzoo.weights"),
     ("fastzoo.models", "fastzoo.registry"),
     ("fastzoo.data", "fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo"),
-    ("fastzoo.bench",),
+    ("fastzoo.bench", "fastzoo.accuracy"),
     ("fastzoo.cli",),
 ]
 
