@@ -776,6 +776,47 @@ def results_dir(device) -> Path:
     return Path("benchmarks") / "results" / device_name(torch.device(device)) / "accuracy"
 
 
+# -- the results README's table -------------------------------------------------------------------
+SUMMARY_BEGIN = "<!-- accuracy: generated from accuracy/*.json by benchmarks/accuracy_parity.py -->"
+SUMMARY_END = "<!-- /accuracy -->"
+
+
+def summary_table(folder) -> str:
+    """One row per committed run (``<folder>/*.json``): steps, threads and load, each arm's status
+    and final held-out metric, whether the arms agree. The results README shows it."""
+    from fastzoo.text import markdown_table
+
+    rows = []
+    for path in sorted(Path(folder).glob("*.json")):
+        r = json.loads(path.read_text())
+        c, arms = r["config"], r["arms"]
+        metric = lambda a: "-" if not a["eval_metric"] else f"{100 * a['eval_metric'][-1]:.2f}%"  # noqa: E731
+        rows.append({
+            "run": f"[{c['description']}]({Path(folder).name}/{path.stem}.md)",
+            "steps": c["steps"],
+            "threads, load": (f"{r['threads']}, {' -> '.join(f'{x:.1f}' for x in r['load'])}" if "load" in r
+                              else "1, not recorded"),
+            "arm: status": "; ".join(f"{a['name']}: {a['status']}" for a in arms),
+            "final held-out metric": "; ".join(f"{a['name']} {metric(a)}" for a in arms if a["status"] != "unavailable"),
+            "agree": "yes" if r["agree"] else "**no**",
+        })
+    return markdown_table(rows)
+
+
+def update_summary(readme, folder) -> bool:
+    """Rewrite the table between :data:`SUMMARY_BEGIN` and :data:`SUMMARY_END` in ``readme`` from
+    ``folder``'s runs; False (nothing written) where the README has no such block."""
+    from fastzoo import files
+
+    readme = Path(readme)
+    text = readme.read_text() if readme.exists() else ""
+    if SUMMARY_BEGIN not in text or SUMMARY_END not in text:
+        return False
+    head, rest = text.split(SUMMARY_BEGIN, 1)
+    files.write_text(readme, f"{head}{SUMMARY_BEGIN}\n{summary_table(folder)}\n{SUMMARY_END}{rest.split(SUMMARY_END, 1)[1]}")
+    return True
+
+
 # -- command line ---------------------------------------------------------------------------------
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="accuracy_parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -807,5 +848,5 @@ def main(argv=None) -> int:
     (out / f"{cfg.name}.md").write_text(report.to_markdown())
     report.plot(out / f"{cfg.name}.png")
     print(report.to_markdown())
-    print(f"wrote {out / cfg.name}.json, .md and .png")
+    print(f"wrote {out / cfg.name}.json, .md and .png" + (", and the table in ../README.md" if update_summary(out.parent / "README.md", out) else ""))
     return 0 if report.agree else 1
