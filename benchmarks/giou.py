@@ -1,7 +1,7 @@
 """GIoU loss, forward + backward: B images x 256 box slots with 1-4 real boxes each.
 Per-sample loop vs concat vs padded vs the fused kernels (on gathered pairs, and on the
 padded tensors with the masked mean inside) vs torchvision's loss on the concatenated real
-pairs (the peer), gather included. 256 images is the issue's target setting.
+pairs (the peer), gather included. 256 images is the target setting.
 
     python benchmarks/giou.py --device cpu --quick
 """

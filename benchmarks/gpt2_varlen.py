@@ -1,7 +1,7 @@
 """GPT-2 on variable-length batches (lengths uniform in [1, max]): HF GPT2LMHeadModel (SDPA)
 padded to the longest (the peer) and to the maximum, an HF loop over sequences, vs fastzoo
 padded / pad-to-longest / nested / packed (every backend taking packed sequences).
-Throughput counts real tokens only. The config is the issue's CPU target: 4 layers x 256
+Throughput counts real tokens only. The config is the CPU target setting: 4 layers x 256
 wide, 8 sequences of 1..512 tokens (the same for --quick: it is already small; --quick on
 CPU leaves out the eager and flex rows).
 

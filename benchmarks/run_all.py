@@ -1,7 +1,8 @@
 """Every suite, then accuracy parity; results in benchmarks/results/<device name>/.
 
 Writes per suite ``<suite>.json`` / ``.md`` / ``.png``, ``parity_train.*``, and
-``README.md``: all tables, the issue's targets with the ratios reached, device, versions.
+``README.md``: all tables, the targets with the ratios reached, device, versions; the hand-written
+notes of an existing README (from ``NOTES_MARKER`` on) are kept below them.
 
     python benchmarks/run_all.py --device cpu --quick --threads 2   # CPU set (a 2-core box in minutes)
     python benchmarks/run_all.py --device cuda                      # GPU set, one call on the GPU machine
@@ -36,7 +37,7 @@ def _timed(report, label, group):
 
 
 def targets(reports: dict) -> list[str]:
-    """The issue's targets, each with the ratio reached (or why it was not measured)."""
+    """The targets, each with the ratio reached (or why it was not measured)."""
     lines = []
     g = reports.get("gpt2_varlen")
     if g is None or g.skipped:
@@ -110,6 +111,16 @@ def loss_targets(reports: dict) -> list[str]:
     return lines
 
 
+NOTES_MARKER = "<!-- notes: written by hand, kept as is by run_all.py (everything from this line on) -->"
+
+
+def kept_notes(readme: Path) -> str:
+    """The hand-written part of an existing results README (the measurement narrative: load,
+    tolerances, what limits a target), which a re-run keeps below the regenerated tables."""
+    text = readme.read_text() if readme.exists() else ""
+    return "\n" + text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else ""
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--only", help="comma-separated suites to run (default: all, plus parity-train)")
@@ -143,7 +154,7 @@ def main():
              "Speed-ups are against the peer timed in the same run (timm / Hugging Face / torchvision). A backend that "
              "fails parity against the eager reference is listed and not timed.", "", "## Targets", ""]
     head += targets(reports) + [""]
-    files.write_text(out / "README.md", "\n".join(head) + "\n" + "\n".join(sections))
+    files.write_text(out / "README.md", "\n".join(head) + "\n" + "\n".join(sections) + kept_notes(out / "README.md"))
     print(f"wrote {out} in {minutes:.1f} min")
 
 

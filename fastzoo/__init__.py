@@ -1,5 +1,5 @@
 """fastzoo: reference architectures equal to timm / Hugging Face / torchvision, with the
-attention kernel picked by one word. See README.md and DESIGN.md.
+attention kernel picked by one word. See README.md and ARCHITECTURE.md.
 
 ``fastzoo.losses`` and ``fastzoo.data`` (with ``fastzoo.data.boxes``) come with
 ``import fastzoo``; ``fastzoo.train`` (torch.distributed, checkpoint I/O: ~1 s more to
@@ -9,8 +9,7 @@ import importlib
 from fastzoo import data, errors, losses
 from fastzoo.attention import get_backend, list_attention, register_attention
 from fastzoo.kernel_report import explain
-from fastzoo.registry import create, list_models
-from fastzoo.weights import export_state_dict, load_pretrained
+from fastzoo.registry import create, export_state_dict, list_models, load_pretrained
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,7 @@ Three entry points, one rule:
   ViT; a padded batch and the same sequences packed for GPT-2). ``fastzoo check`` prints it.
 - :func:`compare_cases` applies the rule to tensors a benchmark already computed.
 
-The rule (DESIGN.md):
+The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):
 
 - fp32: ``max|ours - ref| <= 1e-4`` for outputs; gradients by a relative error (below).
 - fp16/bf16 (flash-attn's rule): ``max|ours - ref| <= 3 * max|peer - ref| + floor``, where
@@ -49,11 +49,11 @@ import torch
 from torch import nn
 
 from fastzoo.attention import get_backend
-from fastzoo.registry import create, get_entry
+from fastzoo.registry import create, get_entry, spec_of
 from fastzoo.text import dtype_name
 from fastzoo.weights import Source, find_converter
 
-FP32_OUT_ATOL = 1e-4  # DESIGN.md: fp32 logits within 1e-4 of the reference
+FP32_OUT_ATOL = 1e-4  # fp32 logits within 1e-4 of the reference
 FP32_GRAD_RTOL = 1e-4  # fp32 gradients within 1e-4 of the parameter's gradient scale
 FP32_LAYER_RTOL = 1e-4  # a layer's output / gradients within 1e-4 of their own scale (fp32)
 LOW_FACTOR = 3.0  # flash-attn's rule: at most 3x the original's own low-precision error
@@ -61,18 +61,26 @@ LOW_OUT_FLOOR = 1e-5  # absolute floor, for a peer that happens to be exact
 LOW_GRAD_FLOOR = 1e-5  # relative floor, likewise
 GRAD_SCALE_FLOOR = 1e-2  # a parameter's gradient scale is at least 1% of the model's largest gradient
 
-# Small configs for CPU runs and CI, in the original libraries' field names.
-TINY = {
-    "vit": dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
-    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
-}
-
-
 def tiny_overrides(model_name: str) -> dict:
-    family = get_entry(model_name).model_class.family
-    if family not in TINY:
-        raise ValueError(f"model {model_name!r} ({family}) has no attention to check; equivalence covers: {', '.join(TINY)}")
-    return dict(TINY[family])
+    """The family's small config (its spec's ``tiny``, original field names) for CPU runs and CI."""
+    spec = _checkable(model_name)
+    return dict(spec.tiny)
+
+
+def _checkable(model_name: str):
+    """The spec of ``model_name``, or a ValueError if its family has no original to compare with."""
+    spec = get_entry(model_name).spec
+    if spec.original is None or spec.task not in _INPUTS:
+        covered = sorted(s.variants[0].name for s in _specs() if s.original is not None and s.task in _INPUTS)
+        raise ValueError(f"model {model_name!r} ({spec.family}) has no original to check against; "
+                         f"equivalence covers the families of: {', '.join(covered)}")
+    return spec
+
+
+def _specs():
+    from fastzoo.registry import specs
+
+    return specs()
 
 
 # -- results -------------------------------------------------------------------------------
@@ -429,7 +437,7 @@ def _in_fastzoo_names(model: nn.Module, original: nn.Module, grads: dict) -> dic
     if isinstance(original, FastzooModel):
         return grads
     src = Source(grads, f"gradients of {type(original).__name__}")
-    return find_converter(model.family, src).to_fastzoo(grads)
+    return find_converter(spec_of(model), src).to_fastzoo(grads)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
@@ -507,40 +515,14 @@ def compare(
 
 
 # -- a registered model against its original ------------------------------------------------------
-def _timm_vit(cfg: dict) -> nn.Module:
-    from timm.models.vision_transformer import VisionTransformer
-
-    kwargs = {k: v for k, v in cfg.items() if k != "patch_embed"}  # fastzoo's choice of projection, same function
-    model = VisionTransformer(**kwargs)
-    for m in model.modules():  # the reference computes attention in plain PyTorch
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = False
-    return model
-
-
-def _hf_gpt2(cfg: dict) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    return GPT2LMHeadModel(GPT2Config(**cfg, attn_implementation="eager"))
-
-
-# family -> (the original library's model from fastzoo config fields, what it is, attention dropout field)
-ORIGINALS = {
-    "vit": (_timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
-    "gpt2": (_hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
-}
-
-
 def original(model_name: str, *, seed: int = 0, **overrides) -> nn.Module:
     """The original library's model for ``model_name`` (config from the registry plus
     ``overrides``), at random init from ``seed``, in eval mode and with attention dropout 0."""
     entry = get_entry(model_name)
-    family = entry.model_class.family
-    if family not in ORIGINALS:
-        raise ValueError(f"model {model_name!r} ({family}) has no attention to check; equivalence covers: {', '.join(ORIGINALS)}")
-    build, _, dropout_field = ORIGINALS[family]
+    spec = _checkable(model_name)
     torch.manual_seed(seed)
-    return build({**entry.config, dropout_field: 0.0, **overrides}).eval()
+    dropout = {spec.original.attn_dropout_field: 0.0} if spec.original.attn_dropout_field else {}
+    return spec.original.build({**entry.config, **dropout, **overrides}).eval()
 
 
 def check(
@@ -567,9 +549,7 @@ def check(
     """
     device = torch.device(device)
     options = dict(backend_options or {})
-    family = get_entry(model_name).model_class.family
-    if family not in _INPUTS:
-        raise ValueError(f"model {model_name!r} ({family}) has no attention to check; equivalence covers: {', '.join(_INPUTS)}")
+    spec = _checkable(model_name)
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     low = dtype != torch.float32
@@ -578,7 +558,7 @@ def check(
         rule=(f"max|ours-ref| <= {LOW_FACTOR:g} * max|original_{dtype_name(dtype)}-ref| + floor "
               f"(floor {LOW_OUT_FLOOR:g} outputs, {LOW_GRAD_FLOOR:g} relative grads)") if low else
              (f"fp32: max|ours-ref| <= {FP32_OUT_ATOL:g} (outputs), relative grad error <= {FP32_GRAD_RTOL:g}"),
-        reference=ORIGINALS[family][1],
+        reference=spec.original.description,
     )
     ref = original(model_name, seed=seed, **(overrides or {}))
     caps = get_backend(backend, **options).capabilities
@@ -592,7 +572,7 @@ def check(
     ref = ref.to(device)
 
     gen = torch.Generator().manual_seed(seed + 1)
-    for form, ours_in, ref_in in _INPUTS[family](ours, batch, gen, caps, result.notes):
+    for form, ours_in, ref_in in _INPUTS[spec.task](ours, batch, gen, caps, result.notes):
         suffix = f" ({form})" if form else ""
         comps, report = compare(ours, ref, ours_in, original_inputs=ref_in, grads=grads, layers=layers, peer=peer,
                                 device=device, dtype=dtype, seed=seed, name="logits" + suffix)
@@ -611,17 +591,18 @@ def example_inputs(model, batch: int = 2, seed: int = 1) -> list[tuple[str, Inpu
     backend takes them), as ``(form, Inputs)``; for ``fastzoo check --explain``."""
     caps = model.attention_backend.capabilities
     gen = torch.Generator().manual_seed(seed)
-    return [(form, ours) for form, ours, _ in _INPUTS[model.family](model, batch, gen, caps, [])]
+    return [(form, ours) for form, ours, _ in _INPUTS[spec_of(model).task](model, batch, gen, caps, [])]
 
 
-def _vit_inputs(model, batch, gen, caps, notes):
+def _image_inputs(model, batch, gen, caps, notes):
     cfg = model.config
-    size = cfg.img_size if isinstance(cfg.img_size, (tuple, list)) else (cfg.img_size, cfg.img_size)
+    side = getattr(cfg, "img_size", None) or 64  # a convnet takes any size: 64 px keeps CPU runs short
+    size = side if isinstance(side, (tuple, list)) else (side, side)
     images = Inputs((torch.randn(batch, cfg.in_chans, *size, generator=gen),), float_args=True)
     yield "", images, images
 
 
-def _gpt2_inputs(model, batch, gen, caps, notes):
+def _token_inputs(model, batch, gen, caps, notes):
     cfg = model.config
     S = min(32, cfg.n_positions)
     lengths = [S - (i * S) // (2 * batch) for i in range(batch)]  # distinct lengths, all >= S/2
@@ -647,7 +628,8 @@ def _gpt2_inputs(model, batch, gen, caps, notes):
         notes.append("packed sequences not compared: the backend takes no cu_seqlens")
 
 
-_INPUTS = {"vit": _vit_inputs, "gpt2": _gpt2_inputs}
+# task -> the input forms a model of that task is compared on (see ModelSpec.task)
+_INPUTS = {"image-classification": _image_inputs, "causal-lm": _token_inputs}
 
 
 # -- training runs: differences already measured, against the same rule ----------------------------

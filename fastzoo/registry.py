@@ -1,61 +1,89 @@
-"""Model names -> builder + default config, read from ``fastzoo/configs/<name>.yaml``.
+"""Model names -> the family spec and variant that build them, and ``fastzoo.create``.
 
-Each YAML names the model class (``model: module:Class``), the peer it reproduces and
-the config fields that make the variant. ``create`` builds the model, checks the
-attention request, loads weights all-or-nothing, and moves it to device/dtype.
+Every family folder under ``fastzoo/models/`` exports ``SPECS`` from its ``spec.py`` (see
+:mod:`fastzoo.models.spec`); the registry collects them and knows no family itself. ``create``
+builds the model, checks the attention request, loads weights all-or-nothing, and moves it to
+device/dtype.
 """
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import importlib
 import os
+import pkgutil
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 
 import torch
-import yaml
 
+from fastzoo import models, weights
 from fastzoo.attention import backend_class
 from fastzoo.errors import CheckpointError, ConfigError, UnknownModelError
+from fastzoo.models.spec import ModelSpec, Variant
 from fastzoo.models.timm_api import timm_pretrained_cfg
 from fastzoo.text import DTYPES
-from fastzoo import weights
 
 
 @dataclass(frozen=True)
 class ModelEntry:
+    """A registered name: the family spec and the variant it picks."""
+
     name: str
-    model: str  # "module:Class"
-    config: dict
-    peer: str
-    description: str
-    timm: str | None = None  # the timm architecture whose default pretrained_cfg a fresh model carries
+    spec: ModelSpec
+    variant: Variant
 
     @property
-    def model_class(self):
-        module, cls = self.model.split(":")
-        return getattr(importlib.import_module(module), cls)
+    def model_class(self) -> type:
+        return self.spec.model
+
+    @property
+    def config(self) -> dict:
+        return dict(self.variant.config)
+
+    @property
+    def peer(self) -> str:
+        return self.variant.peer
+
+    @property
+    def description(self) -> str:
+        return self.variant.description
+
+    @property
+    def timm(self) -> str | None:
+        return self.variant.timm
+
+
+@lru_cache(maxsize=1)
+def specs() -> tuple[ModelSpec, ...]:
+    """Every family's spec, from each ``fastzoo/models/<family>/spec.py``."""
+    out = []
+    for info in pkgutil.iter_modules(models.__path__):
+        if info.ispkg:
+            module = importlib.import_module(f"{models.__name__}.{info.name}.spec")
+            out += list(module.SPECS)
+    return tuple(out)
 
 
 @lru_cache(maxsize=1)
 def _entries() -> dict[str, ModelEntry]:
-    out = {}
-    for path in sorted(resources.files("fastzoo.configs").iterdir(), key=lambda p: p.name):
-        if not path.name.endswith(".yaml"):
-            continue
-        text = path.read_text()
-        data = yaml.safe_load(text)
-        first = text.splitlines()[0].lstrip("# ").strip() if text.startswith("#") else ""
-        name = path.name[: -len(".yaml")]
-        out[name] = ModelEntry(name, data["model"], dict(data.get("config") or {}), data.get("peer", ""), first, data.get("timm"))
+    out: dict[str, ModelEntry] = {}
+    for spec in specs():
+        for variant in spec.variants:
+            for name in (variant.name, *variant.aliases):
+                if name in out:
+                    raise RuntimeError(f"model name {name!r} is registered twice ({out[name].spec.family}, {spec.family})")
+                out[name] = ModelEntry(variant.name, spec, variant)
     return out
 
 
-def list_models() -> list[str]:
-    return sorted(_entries())
+def list_models(pattern: str | None = None) -> list[str]:
+    """Every model name, its aliases included; ``pattern`` filters with shell wildcards as
+    ``timm.list_models`` does (``"resnet*"``)."""
+    names = sorted(_entries())
+    return names if pattern is None else [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
 def get_entry(name: str) -> ModelEntry:
@@ -63,6 +91,25 @@ def get_entry(name: str) -> ModelEntry:
     if name not in entries:
         raise UnknownModelError(name, entries)
     return entries[name]
+
+
+def spec_of(model) -> ModelSpec:
+    """The spec of a built fastzoo model (its family)."""
+    for spec in specs():
+        if spec.family == getattr(model, "family", None):
+            return spec
+    raise ValueError(f"{type(model).__name__} is not a fastzoo model (no registered family {getattr(model, 'family', None)!r})")
+
+
+def load_pretrained(model, source) -> None:
+    """Load ``source`` (any form ``pretrained=`` takes) into ``model``, strictly; see
+    :func:`fastzoo.weights.load_pretrained`."""
+    weights.load_pretrained(model, source, spec_of(model))
+
+
+def export_state_dict(model, format: str) -> dict:
+    """The model's weights in ``format`` (e.g. "timm", "hf", "torchvision"), ready for that library."""
+    return weights.export_state_dict(model, spec_of(model), format)
 
 
 def create(
@@ -92,7 +139,7 @@ def create(
     the big-model idiom, ``model.to_empty(device=...)`` then ``fastzoo.load_pretrained``.
 
     Image classifiers carry timm's ``pretrained_cfg``: the source's own (a live timm model's,
-    a ``save_pretrained`` directory's) else timm's default for the variant (the YAML's
+    a ``save_pretrained`` directory's) else timm's default for the variant (the variant's
     ``timm``). ``features_only=True`` (with ``out_indices=``, ``feature_cls=``) returns timm's
     feature wrapper around the model, as ``timm.create_model(..., features_only=True)``.
     """
@@ -100,6 +147,25 @@ def create(
     dtype = _dtype_arg(dtype)
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
     backend_class(attn)  # an unknown backend name fails before anything is built
+    on_meta = _placement(device, pretrained)
+    src = weights.read_source(pretrained) if pretrained is not None else None
+    if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)
+        dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
+    model, changed = _build(entry, src, overrides, device, dtype, on_meta)
+    model.model_name = entry.name
+    if hasattr(model, "pretrained_cfg"):
+        known = weights.pretrained_cfg_of(src) if src is not None else None
+        model.pretrained_cfg = known or timm_pretrained_cfg(entry.timm or model.timm_architecture)
+    model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))
+    if src is not None:
+        _load(model, entry.spec, src, changed)
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    return _as_features(model, name, features)
+
+
+def _placement(device, pretrained) -> bool:
+    """Check ``device`` (and that ``pretrained`` has storage to go into); True for the meta device."""
     if device is not None:
         check_device(device)
     on_meta = torch.device(device).type == "meta" if device is not None else False
@@ -110,12 +176,15 @@ def create(
     if on_meta and pretrained is not None:
         raise ValueError("device='meta' builds a model without storage, so there is nothing to load pretrained= into: "
                          "call model.to_empty(device=...) and then fastzoo.load_pretrained(model, source)")
+    return on_meta
+
+
+def _build(entry: ModelEntry, src, overrides: dict, device, dtype, on_meta: bool):
+    """The model of the variant's config, updated by what the source decides, then by
+    ``overrides``; and the overridden fields where they differ from what the source implies."""
     cls = entry.model_class
-    src = weights.read_source(pretrained) if pretrained is not None else None
-    if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)
-        dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
     values = dict(entry.config)
-    from_weights = weights.config_from_source(cls.family, src) if src is not None else {}
+    from_weights = weights.config_from_source(entry.spec, src) if src is not None else {}
     values.update(from_weights)
     if src is not None and src.config_origin:  # a config.json: its names are checked as fields of that file
         cls.config_class.check_names(from_weights, what="field", where=src.config_origin)
@@ -128,25 +197,25 @@ def create(
             model = cls(cfg)
     implied = {**entry.config, **{k: v for k, v in overrides.items() if k not in from_weights}, **from_weights}
     changed = _overridden_fields(cls.config_class, implied, cfg, overrides) if src else set()
+    return model, changed
 
-    model.model_name = name
-    if hasattr(cls, "pretrained_cfg"):
-        known = weights.pretrained_cfg_of(src) if src is not None else None
-        model.pretrained_cfg = known or timm_pretrained_cfg(entry.timm or cls.timm_architecture)
-    model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))
-    if src is not None:
-        state = weights.to_fastzoo(cls.family, src)
-        state, fresh, notes = model.adapt_checkpoint(state, changed)
-        for note in notes:
-            warnings.warn(f"{src.origin}: {note}", stacklevel=2)
-        weights.load_into(model, state, src.origin, allow_missing=fresh)
-        if getattr(cls, "eval_after_pretrained", False):  # GPT-2: transformers' from_pretrained returns eval mode
-            model.eval()
-    if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
+
+def _load(model, spec: ModelSpec, src, changed: set[str]) -> None:
+    """The source's weights into ``model``, all or nothing, fitted to the fields the user changed."""
+    state = weights.to_fastzoo(spec, src)
+    state, fresh, notes = model.adapt_checkpoint(state, changed)
+    for note in notes:
+        warnings.warn(f"{src.origin}: {note}", stacklevel=3)
+    weights.load_into(model, state, src.origin, allow_missing=fresh)
+    if getattr(model, "eval_after_pretrained", False):  # transformers' from_pretrained returns eval mode
+        model.eval()
+
+
+def _as_features(model, name: str, features: dict):
+    """timm's feature wrapper around ``model`` when ``features_only=True``, else the model."""
     if features.pop("features_only", False):
         if not hasattr(model, "as_features"):
-            raise ValueError(f"features_only=True: {name} has no feature maps to return (ViT and ResNet have)")
+            raise ValueError(f"features_only=True: {name} has no feature maps to return (image classifiers have)")
         return model.as_features(**features)
     if features:
         raise ValueError(f"{', '.join(features)} go with features_only=True")

@@ -4,6 +4,7 @@ requests fail before running.
 
 Tolerance: fp32 CPU, max abs diff <= 1e-5 on unit-variance q/k/v (one attention op).
 """
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from fastzoo.attention.base import FP32
 from fastzoo.errors import BackendUnavailableError, UnknownBackendError
 
 TOL = 1e-5
-TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+TINY = conftest.TINY["vit"]
 
 
 def qkv(B=2, H=3, S=11, D=16):
@@ -244,7 +245,7 @@ def test_list_attention_and_matrix():
 
 
 def test_function_backend_without_capabilities_gets_the_conservative_default():
-    """DESIGN.md's two-argument form: a plain function that may ignore ctx serves what needs
+    """``register_attention``'s function form (fastzoo/attention/__init__.py): a plain function that may ignore ctx serves what needs
     no mask (ViT) and is refused at create where it would silently drop one (GPT-2 is causal)."""
     def plain(q, k, v, ctx):
         return F.scaled_dot_product_attention(q, k, v, scale=ctx.scale)

@@ -1,4 +1,4 @@
-"""Backend declarations against what the kernels really take (issue 17's review, issue 14's flex item).
+"""Backend declarations against what the kernels really take.
 
 Each test states one rule a backend must follow so that an impossible request is refused
 when the model is built, not deep inside a forward, and so that what a backend declares is
@@ -16,7 +16,7 @@ import fastzoo
 from fastzoo.attention import AttnContext, AttnRequest, get_backend, masks, varlen
 from fastzoo.attention.varlen import packed_sdpa
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.equivalence import TINY
+from conftest import TINY
 
 TOL = 1e-5  # fp32 CPU, one attention op on unit-variance inputs
 
@@ -183,7 +183,7 @@ def test_document_mask_is_built_on_the_device_it_is_evaluated_on():
     assert masks.dense_mask(masks.context_mask_mod(ctx, 5, device="meta"), 1, 1, 5, 5, "meta").device.type == "meta"
 
 
-# -- FlexAttention compiled on CPU (issue 14) ------------------------------------------------------
+# -- FlexAttention compiled on CPU ----------------------------------------------------------------
 def test_flex_compile_true_on_cpu_is_refused_at_create():
     with pytest.raises(BackendUnavailableError, match="compiled FlexAttention on CPU is refused"):
         fastzoo.create("vit_s16", attn="flex", attn_options={"compile": True}, **TINY["vit"])

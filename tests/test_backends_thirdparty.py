@@ -19,7 +19,7 @@ from fastzoo.attention.base import FP32, Capabilities
 from fastzoo.attention.library import LibraryBackend
 from fastzoo.attention.packing import repad, unpad
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.equivalence import TINY
+from conftest import TINY
 from fastzoo.equivalence import check as check_parity
 
 THIRD_PARTY = {  # backend -> (import name, words its install command contains)
@@ -198,7 +198,7 @@ def test_padded_gpt2_batch_is_unpadded_by_the_model_for_library_backends(torch_k
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [0, 0] + [1] * 4], dtype=torch.bool)
     with torch.no_grad():
         out, expected = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
-    # fp32 CPU, same math in another order: DESIGN's 1e-4 is ample (observed ~1e-6).
+    # fp32 CPU, same math in another order: fastzoo.equivalence's 1e-4 is ample (observed ~1e-6).
     assert (out - expected)[mask].abs().max() <= 1e-4
     assert (out[~mask] == 0).all()
 
@@ -211,7 +211,7 @@ def test_library_routing_packed_matches_eager(causal):
     ctx = AttnContext(causal=causal, cu_seqlens=cu, max_seqlen=5)
     ours = _TorchKernel()(q, k, v, ctx)
     ref = get_backend("eager")(q, k, v, ctx)
-    assert (ours - ref).abs().max() <= 1e-4  # fp32 CPU, DESIGN.md tolerance
+    assert (ours - ref).abs().max() <= 1e-4  # fp32 CPU, fastzoo.equivalence's tolerance
 
 
 def test_library_backends_refuse_a_padding_mask_per_call():
@@ -234,7 +234,7 @@ def test_gpu_vit_parity(name, dtype):
     if backend_class(name).unavailable_reason() is not None:
         pytest.skip(f"{name} unavailable here: {backend_class(name).unavailable_reason()}")
     res = check_parity("vit_s16", name, device="cuda", dtype=dtype, overrides=TINY["vit"])
-    assert res.passed, res.rows()  # rule: DESIGN.md (fp32 1e-4 / 3x the eager error in this dtype)
+    assert res.passed, res.rows()  # rule: fastzoo.equivalence (fp32 1e-4 / 3x the eager error in this dtype)
 
 
 @pytest.mark.gpu

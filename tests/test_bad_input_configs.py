@@ -14,19 +14,15 @@ Three doors a config comes in by:
 3. a YAML run file (``--config``, ``configs/*.yaml``) with mistyped fields: the script's one
    line ``error: --config FILE: FIELD: ...`` and exit status 2, and no output directory.
 
-Counts when this was written (issue 23's note): 168 bad inputs tried (108 overrides, 2 configs
-made directly, 1 size past this machine, 31 config.json edits, 25 run-file fields, 1 command
-line); now 168 named errors. Before, 26 silent successes: overrides (7) ViT ``init_values`` =
-nan / inf, ``mlp_ratio=1e-9`` (an MLP of width 0), GPT-2 ``layer_norm_epsilon`` = inf, detector
-``hidden_dim=3`` (no position embedding), ``cost_giou`` / ``loss_ce`` = inf; configs made
-directly (2) ``init_values`` = nan, ``mlp_ratio`` giving width 0; config.json (3) ViT
-``norm_eps`` = inf, ``init_values`` = nan, GPT-2 ``layer_norm_epsilon`` = inf; run files (13) the
-reader passed values other than strings on untyped (``batch_size: 0 / -1 / true / 2.5``,
-``epochs: null / [1, 2]``, ``lr: .nan / .inf / -1e-3``, ``weight_decay: .nan``, a 2-value
-``mean``, ``warmup_steps: -3``) plus ``model_kwargs: {init_values: .nan}``; ``--lr nan`` (1).
-Raw errors before: ``mlp_ratio=inf`` (OverflowError) and the huge sizes (allocator or int64
-overflow errors; ``depth=10**9`` had the kernel kill the process); one message only
-(``lr: fast``). Accepted on purpose: a GPT-2 ``eos_token_id`` past ``vocab_size`` (transformers
+The cases: 168 bad inputs (108 overrides, 2 configs made directly, 1 size past this machine,
+31 config.json edits, 25 run-file fields, 1 command line), each a named error. Among them the
+values a plain type check lets through: overrides ViT ``init_values`` = nan / inf,
+``mlp_ratio=1e-9`` (an MLP of width 0) or ``inf``, GPT-2 ``layer_norm_epsilon`` = inf, detector
+``hidden_dim=3`` (no position embedding), ``cost_giou`` / ``loss_ce`` = inf; the same in configs
+made directly and in config.json; run-file values of the wrong type or range on untyped fields
+(``batch_size: 0 / -1 / true / 2.5``, ``epochs: null / [1, 2]``, ``lr: .nan / .inf / -1e-3``,
+``weight_decay: .nan``, a 2-value ``mean``, ``warmup_steps: -3``, ``model_kwargs: {init_values:
+.nan}``), ``--lr nan``, and sizes too large to allocate (``depth=10**9``). Accepted on purpose: a GPT-2 ``eos_token_id`` past ``vocab_size`` (transformers
 accepts it, and tiny test vocabularies keep GPT-2's ids), an unknown ``fastzoo_model`` name in
 config.json (informational).
 """

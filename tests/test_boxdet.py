@@ -168,7 +168,7 @@ def test_backbone_loads_a_torchvision_resnet50():
     det.load_backbone(tv)  # fc dropped, everything else strict
     x = torch.rand(1, 3, 64, 64)
     ref = torch.nn.Sequential(*list(tv.children())[:-2])(x)
-    assert (det.backbone.forward_features(x) - ref).abs().max().item() <= 1e-4  # DESIGN.md fp32 tolerance
+    assert (det.backbone.forward_features(x) - ref).abs().max().item() <= 1e-4  # fastzoo.equivalence's fp32 tolerance
 
 
 def test_save_pretrained_round_trip(tmp_path):
@@ -320,8 +320,8 @@ print("ok", kernels)
 """
 
 
-def test_issue_snippet_after_a_bare_import_fastzoo(tmp_path):
-    """The issue's code as a user runs it: only ``import fastzoo``, then fastzoo.losses,
+def test_user_snippet_after_a_bare_import_fastzoo(tmp_path):
+    """The losses / boxes / train code as a user runs it: only ``import fastzoo``, then fastzoo.losses,
     fastzoo.data.boxes and fastzoo.train as attributes (a fresh interpreter: other tests'
     imports cannot hide a missing one); ``import fastzoo`` imports no kernel library."""
     import subprocess

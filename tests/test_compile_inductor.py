@@ -31,7 +31,7 @@ TINY = {
 @pytest.mark.skipif(_cpp_compiler() is None, reason="inductor's CPU backend needs a C++ compiler (g++/clang++); none found")
 @pytest.mark.parametrize("name", list(TINY))
 def test_inductor_fullgraph_computes_eagers_logits(name):
-    """fp32 CPU, 1e-4 (DESIGN.md): inductor fuses and reorders float ops, so not bit for bit."""
+    """fp32 CPU, 1e-4 (fastzoo.equivalence's rule): inductor fuses and reorders float ops, so not bit for bit."""
     torch.manual_seed(0)
     m = fastzoo.create(name, **TINY[name]).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))

@@ -1,9 +1,9 @@
 """A failed checkpoint (or NaN-capture) write under data parallelism: 2 CPU processes on gloo.
 
 Process 0 writes the checkpoint; its disk is full (an injected ``OSError(ENOSPC)``). Every
-process must stop with the same :class:`CheckpointError` right away. Before, the other
-process waited at the barrier until the process-group timeout (30 minutes in training), and
-got a timeout error that says nothing about the disk. The NaN capture, which every process
+process must stop with the same :class:`CheckpointError` right away, not wait at the barrier
+for the process-group timeout (30 minutes in training) and then get a timeout error that says
+nothing about the disk. The NaN capture, which every process
 writes its part of, is held to the same rule when one process's write fails.
 
 The workers stay alive after their error until the test lets them go, as a training process

@@ -14,7 +14,8 @@ from fastzoo.cli import main
 from fastzoo.errors import BackendUnavailableError
 from fastzoo import equivalence
 from fastzoo.cli import parse_backend_spec
-from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL, TINY
+from conftest import TINY
+from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL
 from fastzoo.equivalence import check as check_parity
 
 VIT = dict(overrides=TINY["vit"])
@@ -50,7 +51,7 @@ def test_correct_backends_pass_with_gradients(backend, options):
     res = check_parity("vit_s16", backend, backend_options=options, **VIT)
     assert [c.name for c in res.comparisons] == ["logits", "grads"]
     assert res.passed, res.rows()
-    # DESIGN.md: fp32 CPU logits within 1e-4; gradients within 1e-4 relative (observed ~1e-7 / ~1e-6).
+    # fastzoo.equivalence: fp32 CPU logits within 1e-4; gradients within 1e-4 relative (observed ~1e-7 / ~1e-6).
     assert res.comparisons[0].err <= FP32_OUT_ATOL and res.comparisons[1].err <= FP32_GRAD_RTOL
 
 
@@ -99,7 +100,7 @@ def test_registered_function_backend_works_end_to_end(register):
     model = fastzoo.create("vit_s16", attn="parity_user_fn", **TINY["vit"]).eval()
     model.load_state_dict(ref.state_dict())
     x = torch.randn(2, 3, 32, 32)
-    assert (model(x) - ref(x)).abs().max() <= 1e-4  # DESIGN.md fp32 CPU tolerance
+    assert (model(x) - ref(x)).abs().max() <= 1e-4  # fastzoo.equivalence's fp32 CPU tolerance
     assert check_parity("vit_s16", "parity_user_fn", **VIT).passed
     # its declaration is enforced like a built-in's: fp32-only, so bf16 is refused at create
     with pytest.raises(BackendUnavailableError, match="does not take bf16 on cpu"):
@@ -113,9 +114,9 @@ def test_unavailable_backend_raises_like_create():
         check_parity("vit_s16", "fa2", device="cpu", dtype=torch.bfloat16, **VIT)
 
 
-def test_model_without_attention_is_refused_by_name():
-    with pytest.raises(ValueError, match="no attention to check"):
-        check_parity("resnet50", "sdpa")
+def test_model_without_an_original_is_refused_by_name():
+    with pytest.raises(ValueError, match="boxdet_r50.*no original to check against"):
+        check_parity("boxdet_r50", "sdpa")
 
 
 def test_backend_spec_parsing():

@@ -11,7 +11,7 @@ import torch
 import fastzoo
 from fastzoo.kernel_report import KernelFallbackError, explain
 from fastzoo.losses import giou_loss
-from fastzoo.equivalence import TINY
+from conftest import TINY
 
 FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
@@ -177,7 +177,7 @@ def test_check_explain_fails_on_a_fallback_unless_allowed(capsys):
 
 
 def test_readme_recipe():
-    """README "Which kernel really ran": the snippet as written (ViT-S/16, batch 2)."""
+    """README "Attention backends": the explain snippet as written (ViT-S/16, batch 2)."""
     model = fastzoo.create("vit_s16", attn="sdpa")
     report = fastzoo.explain(model, torch.randn(2, 3, 224, 224), backward=True)
     assert "| blocks.0-11.attn | sdpa: a fused SDPA kernel" in str(report)

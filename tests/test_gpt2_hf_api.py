@@ -5,16 +5,17 @@ import copy
 import pickle
 import tempfile
 
+import conftest
 import pytest
 import torch
 import transformers
 
 import fastzoo
 from fastzoo.data import pack, pad_to_longest
-from fastzoo.weights.hf import GPT2 as HF_CONVERTER
+from fastzoo.models.decoder.convert import GPT2 as HF_CONVERTER
 
-TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
-TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights
+TINY = conftest.TINY["gpt2"]
+TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, same weights
 LOSS_TOL = 1e-5  # a mean cross-entropy in fp32, summed in another order
 GRAD_RTOL = 1e-4  # relative to each gradient's largest entry
 
@@ -216,8 +217,8 @@ def test_cached_continuation_without_attention_mask_on_packed_backends(hf, attn)
     assert (step.logits - hf(ids).logits[:, 6:]).abs().max() <= TOL
 
 
-def test_issue_snippet_generates_hf_tokens_on_packed_backends(hf, tmp_path):
-    """The issue's own lines, verbatim but for the directory: generate with the (default) KV cache
+def test_generate_snippet_gives_hf_tokens_on_packed_backends(hf, tmp_path):
+    """The user's lines, verbatim but for the directory: generate with the (default) KV cache
     on attn="varlen" and "nested" equals HF's generate token for token, left padding included."""
     hf_dir = str(tmp_path / "hf_dir")
     hf.save_pretrained(hf_dir)
@@ -539,7 +540,7 @@ def test_save_pretrained_is_read_by_transformers_and_fastzoo(hf, tmp_path):
     assert torch.equal(again(ids).logits, m(ids).logits)
 
 
-# -- issue 14: inputs ------------------------------------------------------------------------------
+# -- inputs ----------------------------------------------------------------------------------------
 def test_packed_sequence_longer_than_n_positions_is_a_named_error(hf):
     ids = torch.zeros(1, 70, dtype=torch.long)
     with pytest.raises(ValueError, match="cu_seqlens.*n_positions=64"):
@@ -581,7 +582,7 @@ def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
     assert all(r.status == "ok" and r.max_err == 0 and r.median_s > 0 for r in rows)  # same tokens, both timed
 
 
-# -- issue 13 part 3: compiler paths ---------------------------------------------------------------
+# -- compiler paths --------------------------------------------------------------------------------
 def test_export_with_dynamic_batch_and_sequence_length(hf):
     m = ours(hf)
     ids = batch().input_ids

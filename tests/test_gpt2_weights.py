@@ -10,7 +10,7 @@ import fastzoo
 from fastzoo.errors import CheckpointError
 
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, n_inner=96)
-LOGIT_TOL = 1e-4  # DESIGN.md: fp32 CPU, same weights
+LOGIT_TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, same weights
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ def test_frozen_weight_and_no_grad():
 @pytest.mark.parametrize("block_bytes", [None, ONE_PASS], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_matches_the_reference_under_autocast(dtype, block_bytes):
-    """The issue-14 rule: every loss path runs under autocast and matches fp32 within the dtype's
+    """Every loss path runs under autocast and matches fp32 within the dtype's
     tolerance. The matmuls run in the low dtype (as the reference's), softmax in fp32."""
     h, w, t = case()
     fp32 = value_and_grads(REF, h, w, t, "mean")

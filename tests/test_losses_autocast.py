@@ -1,7 +1,7 @@
-"""Every loss path under autocast and with mixed dtypes (issue 14): bf16 / fp16 predictions
+"""Every loss path under autocast and with mixed dtypes: bf16 / fp16 predictions
 against fp32 targets, on CPU, through every GIoU implementation and layout, the fused LM-head
 cross-entropy and the detector's loss; each matches the fp32 reference within the dtype's
-tolerance. And the README recipe that crashed, ``train_boxdet.py --giou kernel --amp bf16``,
+tolerance. And the README recipe ``train_boxdet.py --giou kernel --amp bf16``,
 at tiny size."""
 import pytest
 import torch
@@ -29,8 +29,8 @@ def _fp32_reference(p, t, reduction):
 @pytest.mark.parametrize("impl", ["kernel", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_low_precision_predictions_with_fp32_targets(impl, dtype):
-    """The issue-14 crash: the fused kernel refused bf16 predictions with fp32 targets
-    ("pred is BFloat16 but target is Float"). Each is read in its own dtype, computed in fp32."""
+    """bf16 / fp16 predictions against fp32 targets (an autocast region's boxes) run on every
+    path, not torch's "pred is BFloat16 but target is Float": each is read in its own dtype, computed in fp32."""
     p, t = box_pairs()
     a = p.to(dtype).requires_grad_()
     loss = giou_loss(a, t, reduction="none", impl=impl)

@@ -16,7 +16,7 @@ from fastzoo.cli import main
 from fastzoo.errors import CheckpointError, ConfigError, UnknownFieldError
 from fastzoo.models.boxdet import BoxDetConfig
 from fastzoo.models.config import FREE, FUNCTION, KINDS, WEIGHTS
-from fastzoo.models.gpt2 import GPT2Config
+from fastzoo.models.decoder import GPT2Config
 from fastzoo.models.resnet import ResNetConfig
 from fastzoo.models.vit import ViTConfig
 

@@ -21,7 +21,7 @@ from fastzoo.attention.base import package_available
 from fastzoo.attention.neuron import PAD_BIAS, pad_bias, padded_len, seq_tile_size
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.losses.kernels import giou_op, nki_giou
-from fastzoo.equivalence import TINY
+from conftest import TINY
 
 NEURON_MODULES = ("neuronxcc", "torch_neuronx", "torch_xla", "libneuronxla")
 INSTALL = "pip install torch-neuronx neuronx-cc --extra-index-url=https://pip.repos.neuron.amazonaws.com"
@@ -225,7 +225,7 @@ def test_nki_giou_simulator_matches_torchvision():
     gp_4PM, gt_4PM = nki.simulate_kernel(bwd, grad_PM.reshape(128, m).numpy(), p_4PM, t_4PM, eps)
     ref_gp, ref_gt = giou_op._backward_vectorised(torch.ones(n), pred, target, eps)
     ref = torchvision.ops.generalized_box_iou_loss(pred, target, reduction="none", eps=eps)
-    assert _maxabs(loss - ref) <= 1e-4  # fp32, DESIGN.md; the simulator approximates the hardware's arithmetic
+    assert _maxabs(loss - ref) <= 1e-4  # fp32, fastzoo.equivalence's rule; the simulator approximates the hardware's arithmetic
     # gradients reach ~1/eps for degenerate pairs: relative, as in test_giou's fp32 comparisons
     torch.testing.assert_close(nki_giou.from_planar_boxes(torch.from_numpy(gp_4PM), n), ref_gp, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(nki_giou.from_planar_boxes(torch.from_numpy(gt_4PM), n), ref_gt, rtol=1e-4, atol=1e-5)

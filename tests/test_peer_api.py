@@ -15,7 +15,7 @@ is deprecated in PyTorch and fastzoo's swappable attention backends are plain Py
 hub downloads (``test_model_inference`` / ``*_pretrained``: no network; the same loads are
 tested from local files), and ``in_chans != 3`` adaptation of pretrained first convs.
 
-Tolerance (fp32, CPU): max abs difference <= 1e-4 for logits and features (DESIGN.md);
+Tolerance (fp32, CPU): max abs difference <= 1e-4 for logits and features (fastzoo.equivalence's rule);
 gradients per parameter relative to that gradient's largest magnitude <= 1e-4.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 
 import fastzoo
 
-TOL = 1e-4  # DESIGN.md: fp32 CPU, max abs difference of logits / features
+TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, max abs difference of logits / features
 GRAD_RTOL = 1e-4  # per parameter, relative to its largest gradient
 VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
 RESNET_TINY = dict(layers=(1, 1, 1, 1), num_classes=5)
@@ -398,7 +398,7 @@ def test_resnet_intermediate_layer_getter_equals_fx_and_torchvision():
 
 
 def test_resnet_backbone_with_fpn_equals_torchvision():
-    """The issue's snippet: BackboneWithFPN over fastzoo's ResNet vs over torchvision's, same FPN weights."""
+    """BackboneWithFPN over fastzoo's ResNet vs over torchvision's, same FPN weights."""
     tv = tv_resnet()
     m = fastzoo.create("resnet50", pretrained=tv)
     args = ({"layer2": "0", "layer3": "1", "layer4": "2"}, [512, 1024, 2048], 32)
@@ -523,7 +523,7 @@ def test_save_pretrained_is_read_by_timm_and_fastzoo(kind, tmp_path):
     assert as_tuples == timm.data.resolve_data_config({}, model=m)  # timm keeps JSON's lists
 
 
-# -- the issue's snippet, at tiny size ------------------------------------------------------
+# -- the drop-in snippet (README "timm's and torchvision's tools"), at tiny size ----------
 def test_the_drop_in_snippet_runs_and_matches_timm():
     """fastzoo.create from a timm checkpoint with attn="flex", timm's data config and layer-decay
     optimizer, reset_classifier + grad checkpointing, forward_intermediates, a torchvision FPN

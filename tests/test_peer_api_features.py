@@ -2,7 +2,7 @@
 on the same weights: ``prune_intermediate_layers`` and every ``features_only`` wrapper class,
 and what ``feature_info`` names (channels, reductions, modules a hook can find).
 
-Same tiny models and tolerance as tests/test_peer_api.py (fp32 CPU: 1e-4, DESIGN.md).
+Same tiny models and tolerance as tests/test_peer_api.py (fp32 CPU: 1e-4, fastzoo.equivalence's rule).
 """
 from __future__ import annotations
 

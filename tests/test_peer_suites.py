@@ -46,7 +46,7 @@ def test_hf_swap_builds_fastzoo_gpt2_computing_hfs_function():
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     m = swap_hf_gpt2.FastzooGPT2LMHeadModel(cfg)
-    assert isinstance(m, fastzoo.models.gpt2.GPT2LMHeadModel) and m.config.n_embd == 32 and m.config.vocab_size == 50
+    assert isinstance(m, fastzoo.models.decoder.GPT2LMHeadModel) and m.config.n_embd == 32 and m.config.vocab_size == 50
     m.load_state_dict(fastzoo.create("gpt2", pretrained=hf).state_dict())
     ids = torch.randint(0, 50, (2, 7))
     assert (m.eval()(ids).logits - hf(ids).logits).abs().max() <= 1e-4

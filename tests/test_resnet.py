@@ -9,7 +9,7 @@ from torch import nn
 import fastzoo
 from fastzoo.errors import CheckpointError
 
-TOL = 1e-4  # DESIGN.md: fp32 CPU, max abs logit difference; same op order, so float noise only
+TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, max abs logit difference; same op order, so float noise only
 
 
 def _randomize_bn(model: nn.Module) -> nn.Module:

@@ -1,11 +1,12 @@
 """Loading timm ViT weights from every source, exporting back, and refusing bad checkpoints.
 
 The reference is randomised to O(1) scale (test_vit.randomize_), so "same function" at
-1e-4 on the logits (DESIGN.md, fp32 CPU) cannot hide an architecture deviation.
+1e-4 on the logits (fastzoo.equivalence's rule, fp32 CPU) cannot hide an architecture deviation.
 """
 import json
 from functools import partial
 
+import conftest
 import pytest
 import timm
 import torch
@@ -16,7 +17,7 @@ import fastzoo
 from fastzoo.errors import CheckpointError, UnknownModelError
 from test_vit import randomize_
 
-TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+TINY = conftest.TINY["vit"]
 ARCH = dict(embed_dim=64, depth=2, num_heads=4, patch_size=8)  # what weights cannot tell
 
 
@@ -231,7 +232,7 @@ def test_load_pretrained_refuses_an_hf_gpt2_dir_of_another_function(tmp_path):
     built = fastzoo.create("gpt2", attn="eager", pretrained=tmp_path)  # the way the error points to
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert (built.eval()(ids).logits - hf.eval()(ids).logits).abs().max() <= 1e-4  # fp32 CPU, DESIGN.md
+        assert (built.eval()(ids).logits - hf.eval()(ids).logits).abs().max() <= 1e-4  # fp32 CPU, fastzoo.equivalence's rule
 
 
 def test_gpt2_state_dict_that_does_not_fit_the_variant_says_what_to_pass():

@@ -65,7 +65,7 @@ def build_fastzoo_gpt2(config, **create_kwargs):
     import dataclasses
 
     import fastzoo
-    from fastzoo.models.gpt2 import GPT2Config
+    from fastzoo.models.decoder import GPT2Config
 
     lacks = _function_fields_fastzoo_lacks(config)
     if lacks:
@@ -86,7 +86,7 @@ class _FastzooClassMeta(type):
 
         from transformers import PreTrainedModel
 
-        from fastzoo.models.gpt2 import GPT2LMHeadModel
+        from fastzoo.models.decoder import GPT2LMHeadModel
 
         try:
             return getattr(GPT2LMHeadModel, name)

@@ -1,8 +1,8 @@
 """The detector's Hungarian matcher per training step: 256 images x 100 queries, 1-4 boxes each.
 
-Before (the peer): DETR's ``HungarianMatcher`` algorithm (Carion et al. 2020, ``models/matcher.py``),
-which fastzoo's detector used until issue 16 -- the cost of every query against every box of
-the *batch*, ``[B*Q, N]``, copied to the host and split per image. After: fastzoo's
+The peer: DETR's ``HungarianMatcher`` algorithm (Carion et al. 2020, ``models/matcher.py``)
+-- the cost of every query against every box of the *batch*, ``[B*Q, N]``, copied to the host
+and split per image. fastzoo's
 ``BoxDetector.match`` -- each image's queries against its own boxes only, in the padded layout
 ``[B, Q, M]`` (M = most boxes in an image), one host copy per batch. Both then run scipy's
 ``linear_sum_assignment`` per image. Parity: the same assignment.
@@ -73,16 +73,16 @@ def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", see
         return Step(run=lambda: match(), items=s.images,
                     outputs=lambda: {"output": match().float()})
 
-    def before():
+    def detr():
         return detr_match(outputs["boxes"], outputs["logits"], targets)
 
-    def after():
+    def fastzoo_match():
         return det.match(outputs, targets)
 
-    cases = [Case("before: DETR's matcher (batch cost [B*Q, N])", lambda: step(before), peer=True, reference=True),
-             Case("after: fastzoo match (per-image cost [B, Q, M])", lambda: step(after))]
+    cases = [Case("DETR's matcher (batch cost [B*Q, N])", lambda: step(detr), peer=True, reference=True),
+             Case("fastzoo match (per-image cost [B, Q, M])", lambda: step(fastzoo_match))]
     config = {"batch": s.describe(), "step": "the matcher alone (cost on the device, one host copy, scipy per image)",
               "real boxes": sum(counts)}
-    group = Group(f"{s.name} | matcher per step", cases, reference=lambda: {"output": before().float()}, unit="images/s",
+    group = Group(f"{s.name} | matcher per step", cases, reference=lambda: {"output": detr().float()}, unit="images/s",
                   cpu_memory=True)
     return Suite("matcher", [group], config=config, device=device)

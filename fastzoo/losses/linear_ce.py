@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.kernel_ranges import kernel_range
+from fastzoo.losses.lm import IGNORE_INDEX
 
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 # Measured in benchmarks/results/cpu-2core/linear_ce.md (fwd+bwd, 4096 tokens x 768 -> 50257): the fused path is
-# faster than torch's chunked op on CPU. On CUDA torch's op is the documented fast path; not
-# measured here (no GPU was lent), so CUDA uses the fused path too until a GPU run says otherwise.
+# faster than torch's chunked op on CPU. On CUDA torch's op is the documented fast path, but no CUDA
+# measurement exists in benchmarks/results, so CUDA takes the measured fused path too.
 AUTO_IMPL = {"cpu": "fused", "cuda": "fused"}
 
 
@@ -45,7 +46,7 @@ def linear_cross_entropy(
     weight_VD: torch.Tensor,
     target_N: torch.Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     impl: str = "auto",
     block_bytes: int | None = None,

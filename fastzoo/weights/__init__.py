@@ -3,7 +3,8 @@
 A *source* is a file (``.safetensors``, ``.bin``, ``.pt``, ``.pth``), a directory written
 by ``save_pretrained`` (fastzoo's or Hugging Face's: ``config.json`` + weights, sharded or
 not), a state dict, or a live timm / transformers / torchvision module. The format is
-detected from the keys by the converters of the model's family. Loading is all or
+detected from the keys by the converters of the model's family (its spec's
+``converters``: this package knows no family). Loading is all or
 nothing: any missing, unexpected or mis-shaped key raises :class:`CheckpointError`
 naming the keys, and nothing is copied into the model. A source that states its
 architecture (a ``config.json``, a live module) must also agree with the model's config
@@ -11,7 +12,6 @@ on every field that changes the function, or :func:`load_pretrained` refuses it.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import pickle
 from collections.abc import Mapping
@@ -23,13 +23,6 @@ from torch import nn
 
 from fastzoo.errors import CheckpointError
 
-# family -> converters ("module:object"), tried in order; each knows one foreign format.
-CONVERTERS = {
-    "vit": ["fastzoo.weights.timm:VIT"],
-    "gpt2": ["fastzoo.weights.hf:GPT2", "fastzoo.weights.hf:GPT2_FASTZOO"],
-    "resnet": ["fastzoo.weights.torchvision:RESNET", "fastzoo.weights.timm:RESNET"],
-    "boxdet": ["fastzoo.weights.torchvision:BOXDET", "fastzoo.weights.torchvision:BOXDET_BACKBONE"],
-}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module")
@@ -237,24 +230,16 @@ def _clean(obj, origin: str) -> dict:
 
 
 # -- formats ---------------------------------------------------------------------------
-def converters(family: str) -> list:
-    out = []
-    for path in CONVERTERS.get(family, []):
-        module, name = path.split(":")
-        out.append(getattr(importlib.import_module(module), name))
-    return out
-
-
-def find_converter(family: str, source: Source):
-    """The converter whose format these keys are in, or a CheckpointError saying what was seen."""
-    found = converters(family)
-    for conv in found:
+def find_converter(spec, source: Source):
+    """The converter of ``spec`` (a family's :class:`~fastzoo.models.spec.ModelSpec`) whose format
+    these keys are in, or a CheckpointError saying what was seen."""
+    for conv in spec.converters:
         if conv.matches(source.state_dict):
             return conv
     sample = ", ".join(list(source.state_dict)[:6])
-    names = ", ".join(c.format for c in found) or "none"
+    names = ", ".join(c.format for c in spec.converters) or "none"
     raise CheckpointError(
-        f"{source.origin}: not a {family} checkpoint in any format fastzoo reads ({names}); its first keys are: {sample}"
+        f"{source.origin}: not a {spec.family} checkpoint in any format fastzoo reads ({names}); its first keys are: {sample}"
     )
 
 
@@ -277,14 +262,14 @@ def pretrained_cfg_of(src: Source) -> dict | None:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()} if cfg else None
 
 
-def config_from_source(family: str, src: Source) -> dict:
+def config_from_source(spec, src: Source) -> dict:
     """The config fields the source decides: all of them from a config.json or a live module
     that states its architecture, what the keys fix from a bare state dict."""
     if _is_fastzoo(src.config):
-        if src.config.get("family", family) != family:
-            raise CheckpointError(f"{src.config_origin or src.origin}: a {src.config['family']} checkpoint, not a {family} one")
+        if src.config.get("family", spec.family) != spec.family:
+            raise CheckpointError(f"{src.config_origin or src.origin}: a {src.config['family']} checkpoint, not a {spec.family} one")
         return {k: v for k, v in src.config.items() if k not in ("fastzoo_model", "family") + TIMM_HUB_KEYS}
-    conv = find_converter(family, src)
+    conv = find_converter(spec, src)
     if src.config and hasattr(conv, "config_from_json"):
         return conv.config_from_json(src.config)
     try:
@@ -299,22 +284,18 @@ def states_config(src: Source) -> bool:
     return bool(src.config) or src.module is not None
 
 
-def to_fastzoo(family: str, source: Source) -> dict:
+def to_fastzoo(spec, source: Source) -> dict:
     if _is_fastzoo(source.config):
         return dict(source.state_dict)  # written by save_pretrained: already fastzoo keys
-    conv = find_converter(family, source)
+    conv = find_converter(spec, source)
     if source.module is not None and hasattr(conv, "check_module"):
         conv.check_module(source.module)  # what the keys cannot show (e.g. a ResNet's dilation)
     return conv.to_fastzoo(source.state_dict)
 
 
-def export_state_dict(model, format: str) -> dict:
+def export_state_dict(model, spec, format: str) -> dict:
     """The model's weights in ``format`` (e.g. "timm", "hf", "torchvision"), ready for that library."""
-    for conv in converters(model.family):
-        if conv.format == format:
-            return conv.from_fastzoo(model_state(model), model.config)
-    names = ", ".join(c.format for c in converters(model.family))
-    raise ValueError(f"format={format!r}: {model.family} models export to {names}")
+    return spec.converter(format).from_fastzoo(model_state(model), model.config)
 
 
 # -- loading ----------------------------------------------------------------------------
@@ -426,7 +407,7 @@ def load_into(model: nn.Module, state: dict, origin: str, allow_missing=()) -> N
             own[k].copy_(v)
 
 
-def load_pretrained(model, source) -> None:
+def load_pretrained(model, source, spec) -> None:
     """Load ``source`` (any form ``pretrained=`` takes) into ``model``, strictly.
 
     A source that states its architecture (config.json, a live module) must agree with
@@ -437,8 +418,8 @@ def load_pretrained(model, source) -> None:
     """
     src = read_source(source)
     if states_config(src):
-        check_config(model, config_from_source(model.family, src), src.origin)
-    load_into(model, to_fastzoo(model.family, src), src.origin)
+        check_config(model, config_from_source(spec, src), src.origin)
+    load_into(model, to_fastzoo(spec, src), src.origin)
 
 
 def check_config(model, implied: dict, origin: str) -> None:

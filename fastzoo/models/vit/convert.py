@@ -201,8 +201,3 @@ def _from_live_timm(m) -> dict:
 
 VIT = _TimmViT()
 
-
-# timm's ResNet has torchvision's keys (checked against timm.create_model("resnet50")).
-from fastzoo.weights.torchvision import ResNetConverter  # noqa: E402
-
-RESNET = ResNetConverter("timm")
