@@ -204,3 +204,17 @@ def test_kernel_giou_is_as_close_to_fp64_as_autograd_on_detector_like_boxes():
         if impl == "kernel":
             assert (grad[pad] == 0).all()  # padding: exactly no gradient
     assert err["kernel"].mean() <= 2 * err["torch"].mean()
+
+
+def test_the_results_readme_table_is_generated_from_the_committed_runs(tmp_path):
+    from fastzoo.accuracy.runs import SUMMARY_BEGIN, SUMMARY_END, summary_table, update_summary
+
+    folder = ROOT / "benchmarks" / "results" / "cpu-2core" / "accuracy"
+    text = (folder.parent / "README.md").read_text()
+    assert text.split(SUMMARY_BEGIN, 1)[1].split(SUMMARY_END, 1)[0].strip() == summary_table(folder)
+    runs = {json.loads(p.read_text())["config"]["name"] for p in folder.glob("*.json")}
+    assert all(f"({folder.name}/{name}.md)" in summary_table(folder) for name in runs)  # a row per run, linked
+    readme = tmp_path / "README.md"  # and the generator rewrites only its block
+    readme.write_text(f"before\n{SUMMARY_BEGIN}\nold table\n{SUMMARY_END}\nafter\n")
+    assert update_summary(readme, folder)
+    assert readme.read_text() == f"before\n{SUMMARY_BEGIN}\n{summary_table(folder)}\n{SUMMARY_END}\nafter\n"

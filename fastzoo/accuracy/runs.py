@@ -34,7 +34,6 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, grad_er
 from fastzoo.errors import BackendUnavailableError, ConfigError, FastzooError
 from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
+from fastzoo.machine import device_name, load_average, versions
 from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
 from fastzoo.train.schedule import DECAYS, warmup_schedule
 
@@ -586,10 +586,8 @@ TASK_CLASSES = {"digits": DigitsTask, "pydoc_text": TextTask, "digits_canvas": C
 def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyReport:
     from tqdm.auto import tqdm
 
-    from fastzoo.bench.harness import device_name, versions
-
     device = torch.device(device)
-    load = [os.getloadavg()[0]]
+    load = [load_average()]
     task = TASK_CLASSES[cfg.task](cfg, device)
     batches = _batches(task.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
     models = _models(cfg, device)
@@ -616,7 +614,7 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
     _same_weights(cfg, task, batches, models, results, snapshots or [])
     _compare(cfg, results)
     return AccuracyReport(_as_dict(cfg), task.metric, device_name(device), versions(), results,
-                          threads=torch.get_num_threads(), load=load + [os.getloadavg()[0]])
+                          threads=torch.get_num_threads(), load=load + [load_average()])
 
 
 def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | None = None):
@@ -765,8 +763,6 @@ def _as_dict(cfg: RunConfig) -> dict:
 
 
 def results_dir(device) -> Path:
-    from fastzoo.bench.harness import device_name
-
     return Path("benchmarks") / "results" / device_name(torch.device(device)) / "accuracy"
 
 
