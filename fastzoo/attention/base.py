@@ -74,6 +74,7 @@ class Capabilities:
     compile: bool = True
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
+    head_dim_on: tuple[tuple[str, int, int], ...] = ()  # (device, minimum, multiple): limits on that device only
     min_cuda_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()  # import names the backend needs
     install: str | None = None  # how to get those packages
@@ -296,6 +297,10 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
         problems.append(f"supports head dim <= {caps.max_head_dim}, the model has {req.head_dim}")
     if req.head_dim % caps.head_dim_multiple:
         problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
+    for device, least, multiple in caps.head_dim_on:
+        if dev == device and (req.head_dim < least or req.head_dim % multiple):
+            need = " and ".join(w for w in (f">= {least}" if least > 1 else "", f"divisible by {multiple}" if multiple > 1 else "") if w)
+            problems.append(f"needs a head dim {need} on {device}, the model has {req.head_dim}")
     if req.causal and not caps.causal:
         problems.append("has no causal masking, which this model needs")
     if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):

@@ -70,6 +70,7 @@ class FlexBackend(AttentionBackend):
         score_mod=True,
         kv_cache=True,
         gqa=True,  # flex_attention(enable_gqa=True)
+        head_dim_on=(("cuda", 16, 1),),  # the Triton template's tiles: head dim >= 16
         window=True,  # the context's window joins its mask_mod
         dropout=False,
         backward=("cuda",),
