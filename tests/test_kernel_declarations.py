@@ -194,3 +194,14 @@ def test_gpt2_kv_cache_check_uses_the_models_device(monkeypatch):
     monkeypatch.setattr(model, "attention_request", lambda **kw: real(device="cuda", dtype=torch.bfloat16))
     with pytest.raises(fastzoo.errors.BackendUnavailableError, match="KV cache"):
         model.check_kv_cache()
+
+
+def test_availability_imports_no_kernel_library_on_a_machine_that_cannot_use_it():
+    """Finding a probe's submodule (xformers.ops, flash_attn.flash_attn_interface) must not import
+    its parent package: a kernel library's __init__ loads CUDA extensions."""
+    import subprocess
+
+    code = ("import sys\nfrom fastzoo.attention import capability_matrix\ncapability_matrix()\n"
+            "loaded = [m for m in ('xformers', 'flash_attn', 'flash_attn_interface', 'transformer_engine') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
