@@ -15,7 +15,7 @@ FLOORS = [
     ("fastzoo.errors", "fastzoo.text", "fastzoo.files", "fastzoo.kernel_ranges"),
     ("fastzoo.losses", "fastzoo.attention", "fastzoo.layers", "fastzoo.weights"),
     ("fastzoo.models", "fastzoo.registry"),
-    ("fastzoo.data", "fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo"),
+    ("fastzoo.data", "fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo.factories", "fastzoo"),
     ("fastzoo.bench",),
     ("fastzoo.cli",),
 ]

@@ -48,6 +48,8 @@ class ModelSpec:
     that keeps the family's widths' structure; ``original`` builds the reference model.
     ``flops`` counts one training step's FLOPs from a config and an input description
     (the benchmarks report achieved FLOP/s against the machine's peak with it).
+    ``refused``: names the original library gives to architectures of this kind that the
+    family does not reproduce, each with the options it would need (``create`` says so).
     """
 
     family: str
@@ -58,6 +60,7 @@ class ModelSpec:
     tiny: Mapping = field(default_factory=dict)
     original: Original | None = None
     flops: Callable[..., int] | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
 
     def __post_init__(self):
         if self.task not in TASKS:
