@@ -51,7 +51,7 @@ def test_parity_of_every_timed_fastzoo_path_is_within_the_fp32_rule(tour):
     checked = 0
     for r in data["rows"]:
         assert r["status"] in ("ok", "unavailable"), f"{r['group']} / {r['label']}: {r['status']} {r['note']}"
-        if r["status"] == "ok" and not r["peer"]:
+        if r["status"] == "ok" and not r["peer"] and not r["floor"]:  # a floor row computes no loss
             assert r["max_err"] <= FP32_OUT_ATOL, f"{r['label']}: logits differ from the original by {r['max_err']}"
             assert r["grad_err"] is None or r["grad_err"] <= FP32_GRAD_RTOL, f"{r['label']}: grads {r['grad_err']}"
             checked += 1

@@ -74,6 +74,7 @@ class Capabilities:
     compile: bool = True
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
+    head_dim_on: tuple[tuple[str, int, int], ...] = ()  # (device, minimum, multiple): limits on that device only
     min_cuda_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()  # import names the backend needs
     install: str | None = None  # how to get those packages
@@ -145,6 +146,23 @@ class AttnRequest:
     at_call: bool = False  # made from one call's tensors (AttentionBackend.call_request): wording of refusals
 
 
+@dataclass(frozen=True)
+class KernelProfile:
+    """What one call's requested kernel looks like in a ``torch.profiler`` trace, as the backend
+    that runs it declares (``fastzoo.explain`` asks backends; it knows none by name).
+
+    ``ops``: a regex that some executed op name matches when the requested kernel ran; None:
+    plain tensor ops only (no fused attention op may run). ``fallbacks``: ``(regex, why)`` for
+    each other op the call may run instead and why it would; ``missing``: why, when neither shows.
+    """
+
+    requested: str
+    ops: str | None
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    missing: str | None = None
+    checked: bool = True  # False: a user's backend, whose kernels fastzoo cannot know
+
+
 def package_available(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -164,6 +182,10 @@ class AttentionBackend:
     options: ClassVar[dict] = {}
     variants: ClassVar[tuple[dict, ...]] = ()  # option sets that pick another kernel: a matrix row each
     description: ClassVar[str] = ""
+    # The fused attention ops (forward and backward) this backend's kernels show in a profiler
+    # trace, as one regex; None: plain tensor ops only. fastzoo.explain recognises attention
+    # kernels by the union of these and checks each call against kernel_profile().
+    kernel_ops: ClassVar[str | None] = None
     # Names of the backends this machine runs, said in every refusal. The registry
     # (fastzoo.attention) installs it: this module sits below the registry and cannot import it.
     available_here: ClassVar[Callable[[], list[str]]] = staticmethod(lambda: [])
@@ -221,6 +243,18 @@ class AttentionBackend:
         if problems:
             raise BackendUnavailableError(self._message(problems))
 
+    # -- what a profiler shows -----------------------------------------------------------
+    def label(self) -> str:
+        """The backend's name with the options that differ from its defaults (callables left out)."""
+        changed = {k: v for k, v in self.opts.items() if v != self.options.get(k) and not callable(v)}
+        return self.name + (f" ({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
+
+    def kernel_profile(self, q: torch.Tensor, k: torch.Tensor, ctx: AttnContext) -> KernelProfile:
+        """The kernel this call asks for and how a profiler shows it ran: by default any op of
+        :attr:`kernel_ops` (with none declared, plain tensor ops). Backends whose kernel
+        depends on the call (a pinned SDPA kernel, varlen's pick) say so here."""
+        return KernelProfile(self.label(), self.kernel_ops, checked=self.kernel_ops is not None)
+
     # -- compute --------------------------------------------------------------------
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         if isinstance(q_BHSD, torch.fx.Proxy):  # symbolic tracing: record the kernel; create checked the request
@@ -263,6 +297,10 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
         problems.append(f"supports head dim <= {caps.max_head_dim}, the model has {req.head_dim}")
     if req.head_dim % caps.head_dim_multiple:
         problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
+    for device, least, multiple in caps.head_dim_on:
+        if dev == device and (req.head_dim < least or req.head_dim % multiple):
+            need = " and ".join(w for w in (f">= {least}" if least > 1 else "", f"divisible by {multiple}" if multiple > 1 else "") if w)
+            problems.append(f"needs a head dim {need} on {device}, the model has {req.head_dim}")
     if req.causal and not caps.causal:
         problems.append("has no causal masking, which this model needs")
     if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):
@@ -323,6 +361,18 @@ def check_context(ctx: AttnContext, Sq: int, Sk: int) -> None:
         ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk))
 
 
+def check_offsets(name: str, first: int, shortest: int, last: int, total: int, what: str) -> None:
+    """The rule for packed offsets, written once: ``[N+1]`` offsets from 0 to ``total`` (the
+    number of ``what``), strictly increasing (no empty sequence). Takes the values already read
+    on the host (callers batch that read with their other checks)."""
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {first}")
+    if shortest <= 0:
+        raise ValueError(f"{name} must be strictly increasing (no empty sequence), got a sequence of {shortest}")
+    if last != total:
+        raise ValueError(f"{name} must end at {total} (the number of {what}), got {last}")
+
+
 def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> None:
     """Refuse key offsets (``ctx.cu_seqlens_k``) that do not fit the keys, naming the argument:
     as many sequences as the queries' offsets, from 0 to ``total_k``, each with at least as
@@ -333,8 +383,7 @@ def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
                          f"got shape {tuple(cu_seqlens_k.shape)}")
     cu_k, cu_q = cu_seqlens_k.long().cpu(), cu_seqlens_q.long().cpu()
     len_k, len_q = cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1]
-    if int(cu_k[0]) != 0 or int(cu_k[-1]) != total_k:
-        raise ValueError(f"cu_seqlens_k must run from 0 to the number of keys ({total_k}), got {cu_k.tolist()}")
+    check_offsets("cu_seqlens_k", int(cu_k[0]), int(len_k.min()), int(cu_k[-1]), total_k, "keys")
     if bool((len_k < len_q).any()):
         raise ValueError(f"cu_seqlens_k: each sequence needs at least as many keys as queries (the queries are "
                          f"its last positions), got key lengths {len_k.tolist()} for query lengths {len_q.tolist()}")
@@ -404,6 +453,9 @@ class FunctionBackend(AttentionBackend):
     """Wraps a user's ``fn(q_BHSD, k_BHSD, v_BHSD, ctx) -> o_BHSD`` with declared capabilities."""
 
     fn: ClassVar[Callable]
+
+    def kernel_profile(self, q, k, ctx):
+        return KernelProfile(f"{self.label()} (user backend)", None, checked=False)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         return type(self).fn(q_BHSD, k_BHSD, v_BHSD, ctx)

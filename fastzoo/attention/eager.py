@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 
 
 class EagerBackend(AttentionBackend):
@@ -32,6 +32,9 @@ class EagerBackend(AttentionBackend):
 
     def problems(self, req):
         return super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
+
+    def kernel_profile(self, q, k, ctx):
+        return KernelProfile(f"{self.label()}: matmul-softmax-matmul", None, missing="a fused kernel ran instead")
 
     def _allowed(self, ctx, B, H, Sq, Sk, device):
         """This call's bool mask, broadcastable to [B, H, Sq, Sk] (None: no mask); built once per forward."""

@@ -80,19 +80,22 @@ def _no_dropout(dropout_p: float) -> None:
 class Fa2Backend(LibraryBackend):
     name = "fa2"
     description = "FlashAttention-2 (flash-attn): flash_attn_func / flash_attn_varlen_func"
+    kernel_ops = r"flash_attn::|flash_fwd|flash_bwd"  # its torch.library ops (flash_attn::_flash_attn_forward) and CUDA kernels
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
         varlen=True,
         backward=("cuda",),
-        compile=True,  # flash-attn >= 2.6 registers its kernels as torch.library custom ops
+        compile=True,  # flash-attn >= 2.7 registers its kernels as torch.library custom ops (flash_attn::_flash_attn_forward)
         max_head_dim=256,
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned (flash-attn >= 2.1)
         gqa=True,  # k/v with fewer heads than q, as they are
         window=True,  # window_size=(left, right), flash-attn >= 2.3
         min_cuda_capability=(8, 0),
-        packages=("flash_attn",),
-        install="pip install flash-attn --no-build-isolation",
+        # the module called; flash-attn-4 installs a bare flash_attn/cute/ namespace, so `flash_attn` alone imports without FA2
+        packages=("flash_attn.flash_attn_interface",),
+        install=("pip install flash-attn --no-build-isolation (a source build against the installed torch: torch 2.14's headers "
+                 "need C++20, which flash-attn's -std=c++17 build lacks, flash-attention#2863; on Hopper/Blackwell use attn='fa4')"),
         verified="not verified on hardware",
     )
 
@@ -109,6 +112,7 @@ class Fa2Backend(LibraryBackend):
 class Fa3Backend(LibraryBackend):
     name = "fa3"
     description = "FlashAttention-3 for Hopper (flash_attn_interface); no dropout"
+    kernel_ops = r"flash_attn_3::|flash_attn_interface|flash_fwd|flash_bwd|FlashAttnFwd|FlashAttnBwd"
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
@@ -123,7 +127,9 @@ class Fa3Backend(LibraryBackend):
         window=True,
         min_cuda_capability=(9, 0),
         packages=("flash_attn_interface",),
-        install="cd flash-attention/hopper && pip install --no-build-isolation .",  # source build: no PyPI wheel
+        # no PyPI distribution: flash-attn's sdist ships hopper/ without its CUDA sources
+        install=("git clone https://github.com/Dao-AILab/flash-attention && cd flash-attention/hopper && "
+                 "pip install --no-build-isolation . (a source build; FA3 has no PyPI distribution)"),
         verified="not verified on hardware",
     )
 

@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.errors import BackendUnavailableError
 
 _compiled_flex = {}
@@ -70,6 +70,7 @@ class FlexBackend(AttentionBackend):
         score_mod=True,
         kv_cache=True,
         gqa=True,  # flex_attention(enable_gqa=True)
+        head_dim_on=(("cuda", 16, 1),),  # the Triton template's tiles: head dim >= 16
         window=True,  # the context's window joins its mask_mod
         dropout=False,
         backward=("cuda",),
@@ -79,6 +80,12 @@ class FlexBackend(AttentionBackend):
         "score_mod": None, "mask_mod": None, "block_mask": None,
         "softcap": 50.0, "window": 128, "radius": 3, "compile": None,
     }
+
+    kernel_ops = r"FlexAttention|flex_attention|triton_tem"
+
+    def kernel_profile(self, q, k, ctx):
+        compiled = self.opts["compile"] if self.opts["compile"] is not None else q.is_cuda
+        return KernelProfile(f"{self.label()}: FlexAttention ({'compiled' if compiled else 'not compiled'})", self.kernel_ops)
 
     def __init__(self, **options):
         super().__init__(**options)

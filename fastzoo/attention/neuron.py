@@ -103,6 +103,7 @@ class _NkiFlashAttention(torch.autograd.Function):
 
 class NeuronBackend(AttentionBackend):
     name = "neuron"
+    kernel_ops = r"nki|flash_fwd|flash_attn_bwd"
     description = "NKI flash attention (neuronxcc.nki.kernels flash_fwd / flash_attn_bwd; Neuron SDK 2.21-2.27) on Trainium/Inf2"
     capabilities = Capabilities(
         devices={"xla": HALF},  # mixed_precision=True: bf16 matmuls, fp32 accumulation and softmax

@@ -10,12 +10,15 @@ mask built from the same ``mask_mod`` as the reference, so their meaning cannot 
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile
+from fastzoo.errors import BackendUnavailableError
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -45,6 +48,30 @@ _KERNEL_CAPS = {
 }
 
 
+# The op each pinned kernel runs, as the profiler names it
+KERNEL_OPS = {
+    ("flash", "cpu"): "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ("flash", "cuda"): "aten::_scaled_dot_product_flash_attention",
+    ("efficient", "cuda"): "aten::_scaled_dot_product_efficient_attention",
+    ("cudnn", "cuda"): "aten::_scaled_dot_product_cudnn_attention",
+    ("math", "cpu"): "aten::_scaled_dot_product_attention_math",
+    ("math", "cuda"): "aten::_scaled_dot_product_attention_math",
+}
+SDPA_OPS = r"::_scaled_dot_product_\w+|::_flash_attention_\w+|::_efficient_attention_\w+|::_cudnn_attention\w*"
+
+
+def math_reason(q, ctx) -> str:
+    """Why SDPA's dispatcher took math: PyTorch's own checks, restated (CPU) or asked (CUDA)."""
+    if q.device.type == "cpu":
+        if ctx.dropout_p > 0:
+            return f"PyTorch's CPU flash kernel takes no dropout (dropout_p={ctx.dropout_p:g} in training mode)"
+        return "PyTorch's dispatcher chose math (torch._fused_sdp_choice)"
+    known = "flash and cuDNN take fp16/bf16 only; " if q.dtype == torch.float32 else ""
+    return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
+            "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
+            "print each kernel's reason)")
+
+
 def _dense_mask(ctx, B, Sq, Sk, device):
     mask_mod = masks.context_mask_mod(ctx, Sq, total_k=Sk, device=device)
     return None if mask_mod is None else masks.dense_mask(mask_mod, B, 1, Sq, Sk, device)
@@ -56,6 +83,7 @@ class SdpaBackend(AttentionBackend):
     capabilities = _BASE
     options = {"sdpa_backend": None}
     variants = tuple({"sdpa_backend": k} for k in _KERNELS)
+    kernel_ops = SDPA_OPS
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -67,6 +95,10 @@ class SdpaBackend(AttentionBackend):
 
     def problems(self, req):
         problems = super().problems(req)
+        if self.opts["sdpa_backend"] == "cudnn" and req.attn_dropout > 0 and not (req.attn_dropout * 16).is_integer():
+            problems.append(f"sdpa_backend='cudnn' takes attention dropout only in multiples of 1/16 (cuDNN's dropout), and "
+                            f"{req.attn_dropout_field}={req.attn_dropout:g}: use a multiple of 1/16 (e.g. 0.125), "
+                            "sdpa_backend='efficient' or None")
         needs = (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen),
                  ("a bottom-right causal mask with a KV cache", req.kv_cache), ("a sliding window", req.window))
         if self._mask_free and req.device == "cuda" and any(need for _, need in needs):
@@ -74,6 +106,23 @@ class SdpaBackend(AttentionBackend):
             problems.append(f"sdpa_backend='flash' on CUDA (FlashAttention-2) takes no attn_mask, and this model's forward "
                             f"takes {takes}: use sdpa_backend='efficient' or None, or the fa2 / varlen backends")
         return problems
+
+    def kernel_profile(self, q, k, ctx):
+        kernel = self.opts["sdpa_backend"]
+        if kernel is None:
+            math = KERNEL_OPS[("math", "cpu")]
+            return KernelProfile(f"{self.label()}: a fused SDPA kernel (PyTorch picks; math is its fallback)",
+                                 r"^aten::_scaled_dot_product_(?!attention_math)", ((re.escape(math), math_reason(q, ctx)),),
+                                 missing="no SDPA kernel seen")
+        op = KERNEL_OPS.get((kernel, q.device.type), f"SDPA's {kernel} kernel")
+        return KernelProfile(f"{self.label()}: {op}", f"^{re.escape(op)}$")
+
+    def check_call(self, q, k, ctx):
+        if self.opts["sdpa_backend"] == "cudnn" and k.shape[-2] == 1:
+            raise BackendUnavailableError(self._message([
+                "sdpa_backend='cudnn' refuses a key length of 1 (cuDNN attention needs >= 2 keys): use "
+                "sdpa_backend='efficient' or None for this call"] + self.problems(self.call_request(q, k, ctx))))
+        super().check_call(q, k, ctx)
 
     @property
     def _mask_free(self) -> bool:

@@ -35,6 +35,7 @@ def _needs_grad(*xs) -> bool:
 class TeBackend(LibraryBackend):
     name = "te"
     description = "Transformer Engine DotProductAttention (bshd; thd with cu_seqlens)"
+    kernel_ops = r"FusedAttn|fused_attn|flash_attn::|flash_fwd|flash_bwd|UnfusedDotProductAttention"  # its cuDNN, flash and unfused paths
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
@@ -45,8 +46,8 @@ class TeBackend(LibraryBackend):
         head_dim_multiple=8,  # cuDNN fused attention's requirement
         kv_cache=True,  # dense calls with fewer queries than keys use attn_mask_type="causal_bottom_right"
         min_cuda_capability=(8, 0),
-        packages=("transformer_engine",),
-        install="pip install --no-build-isolation 'transformer_engine[pytorch]'",
+        packages=("transformer_engine.pytorch",),  # the module called: `transformer_engine` alone imports without it
+        install="pip install --no-build-isolation 'transformer_engine[pytorch]' (compiles against the installed torch)",
         verified="not verified on hardware",
     )
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fastzoo.attention import masks, packing
 from fastzoo.attention.base import (
-    FLOATS, HALF, AttentionBackend, Capabilities, _device_present, capability_problems, repeat_kv,
+    FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile, _device_present, capability_problems, repeat_kv,
     unavailable,
 )
 from fastzoo.attention.flash import Fa2Backend, fa2_varlen
@@ -204,12 +204,29 @@ def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale,
 _KERNELS = {"torch": _torch_varlen, "flash": fa2_varlen, "xformers": xformers_varlen, "cpu": packed_sdpa}
 
 
+# how each impl shows in a profiler trace
+_IMPL_OPS = {
+    "torch": r"::_flash_attention_\w+|varlen_attn",
+    "flash": Fa2Backend.kernel_ops,
+    "xformers": XformersBackend.kernel_ops,
+    "flex": r"FlexAttention|flex_attention|triton_tem",  # FlexBackend.kernel_ops (flex is imported on first use)
+    "cpu": r"^aten::_scaled_dot_product",
+}
+
+
 class VarlenBackend(AttentionBackend):
     name = "varlen"
     description = "packed sequences via cu_seqlens (impl= torch|flash|xformers|flex|cpu; default: best here)"
     capabilities = _BASE
     options = {"impl": None}
     variants = tuple({"impl": k} for k in _CAPS if k)
+    kernel_ops = "|".join(_IMPL_OPS.values())
+
+    def kernel_profile(self, q, k, ctx):
+        asked = self.opts["impl"]
+        impl = self.pick(q, k, ctx)
+        words = f"{self.label()}: impl={asked or f'best here -> {impl}'}" + (": dense SDPA per sequence" if impl == "cpu" else "")
+        return KernelProfile(words, _IMPL_OPS[impl])
 
     def __init__(self, **options):
         super().__init__(**options)

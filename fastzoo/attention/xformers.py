@@ -63,6 +63,9 @@ def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scal
 class XformersBackend(LibraryBackend):
     name = "xformers"
     description = "xFormers memory_efficient_attention (LowerTriangularMask, BlockDiagonalMask)"
+    # its own ops, and the CUTLASS kernel it dispatches fp32 (and fp16/bf16 without flash) to,
+    # which is PyTorch's: aten::_efficient_attention_forward / _backward
+    kernel_ops = r"xformers|fmha|cutlass|::_efficient_attention_\w+"
     capabilities = Capabilities(
         devices={"cuda": FLOATS},
         padding_mask=False,
@@ -71,7 +74,7 @@ class XformersBackend(LibraryBackend):
         compile=False,  # not declared torch.compile-safe by xFormers for training: expect graph breaks
         kv_cache=True,  # LowerTriangularFromBottomRightMask when there are fewer queries than keys
         min_cuda_capability=(6, 0),  # "NVIDIA GPUs with compute capability above 6.0 (P100+)"
-        packages=("xformers",),
+        packages=("xformers.ops",),  # the module called (memory_efficient_attention, fmha)
         install="pip install xformers",
         verified="not verified on hardware",
     )

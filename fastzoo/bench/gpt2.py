@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import fastzoo
 from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.steps import check_mode, model_step
+from fastzoo.losses import IGNORE_INDEX, causal_lm_loss
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, de
     the logits and ``cross_entropy`` on them; fastzoo in train mode computes the loss from the
     hidden states with the fused ``linear_cross_entropy`` (no ``[tokens, 50257]`` logits)."""
     ids, mask = pad_long
-    labels = ids.masked_fill(mask == 0, -100).to(device)  # HF's convention: padding not scored
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX).to(device)  # HF's convention: padding not scored
     padded_kwargs = {"attention_mask": mask.to(device), "labels": labels}
     packed_kwargs = dict(position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
                          labels=packed.labels)
@@ -201,7 +202,7 @@ def _labels_group(s, hf, seqs, pad_long, packed, backends, real, hf_copy, fz, de
         h_ids = ids.to(device)
         out = model(h_ids, attention_mask=mask.to(device))
         logits = _logits(out).float()
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss = causal_lm_loss(logits, labels)
         loss.backward()
         got = {"output": loss.detach().reshape(1)}
         got.update({f"grad:{n}": p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None})

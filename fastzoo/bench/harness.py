@@ -15,13 +15,16 @@ user would pick instead). For each case the harness
    (``torch.cuda.max_memory_allocated`` on GPU; ``n/a`` on CPU, where PyTorch keeps no
    allocator statistics and process RSS would mostly measure other things),
 4. divides the peer's median step time by the case's: the speed-up vs the peer, timed in
-   the same run, so that a loaded machine shifts both sides alike.
+   the same run, so that a loaded machine shifts both sides alike;
+5. sets each figure beside the machine's limit, where the suite measured them
+   (:mod:`fastzoo.bench.limits`, same run): a step that declares its FLOPs gets its FLOP/s as a
+   share of the GEMM peak in its dtype; one that declares its bytes, its bytes/s as a share of
+   the copy bandwidth; and in a group with a floor case (``Case(floor=True)``: one autograd call
+   on the same tensors, timed with the others) every row gets its time ÷ the floor's.
 """
 from __future__ import annotations
 
 import gc
-import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,8 +34,11 @@ from typing import Callable
 import torch
 
 from fastzoo import files
+from fastzoo.bench.limits import Limits, rate, si
+from fastzoo.bench.limits import share as share_of
 from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.machine import device_name, versions  # noqa: F401  (the suites and the tour record them)
 from fastzoo.text import dtype_name, markdown_table
 
 
@@ -97,6 +103,8 @@ class Step:
     run: Callable[[], object]
     items: float
     outputs: Callable[[], dict] | None = None
+    flops: float | None = None  # FLOPs of one step (the work, counted from the shapes): FLOP/s vs the GEMM peak
+    bytes: float | None = None  # bytes one step must move at least: bytes/s vs the copy bandwidth
 
 
 @dataclass
@@ -107,6 +115,7 @@ class Case:
     reference: bool = False  # the eager model in the run dtype (sets the low-precision tolerance)
     compiled: bool = False
     same_names: bool = True  # parameter names equal the reference's (False: a peer library naming its own)
+    floor: bool = False  # the group's floor (limits.autograd_floor_step), not a competitor: rows get time ÷ its time
 
 
 @dataclass
@@ -127,6 +136,8 @@ class Suite:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     skipped: str | None = None  # the whole suite cannot run here; says what it needs
+    limits: Limits | None = None  # measured in this run (limits.measure): the rows' shares of them
+    interleave: bool = False  # time each group's cases in rounds (run_suite's interleave), whoever runs it
 
 
 # -- results ------------------------------------------------------------------------------
@@ -148,6 +159,12 @@ class Row:
     speedup: float | None = None
     max_err: float | None = None
     grad_err: float | None = None
+    floor: bool = False  # this row is the group's floor
+    flop_rate: float | None = None  # FLOP/s at the median
+    flop_share: float | None = None  # of the same-run GEMM peak in the group's dtype
+    byte_rate: float | None = None  # bytes/s at the median
+    bandwidth_share: float | None = None  # of the same-run copy bandwidth (large buffers)
+    vs_floor: float | None = None  # median ÷ the floor row's median (1.0: at the floor)
 
 
 @dataclass
@@ -163,6 +180,7 @@ class Report:
     rows: list[Row]
     skipped: str | None = None
     note: str = ""
+    limits: dict | None = None  # Limits.to_dict() of the limits measured in this run
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
@@ -180,7 +198,9 @@ class Report:
         if not self.rows:
             return "(no rows)"
         with_setting = len({r.group for r in self.rows}) > 1
-        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) for r in self.rows])
+        columns = limit_columns(self.rows)
+        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) | limit_cells(r, columns)
+                               for r in self.rows])
 
     def to_markdown(self, title: str | None = None) -> str:
         lines = [f"## {title or self.suite}", ""]
@@ -191,6 +211,8 @@ class Report:
         lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()) + ".")
         if self.config:
             lines.append("Config: " + "; ".join(f"{k}: {v}" for k, v in self.config.items()) + ".")
+        if self.limits:
+            lines.append(f"Limits: {Limits(**self.limits).describe()}.")
         lines.append("")
         if self.skipped:
             lines.append(f"Skipped: {self.skipped}")
@@ -212,17 +234,19 @@ class Report:
             rows = [r for r in self.rows if r.group == g]
             labels = [r.label + (" (compiled)" if r.compiled else "") for r in rows]
             values = [r.throughput or 0.0 for r in rows]
-            colors = ["tab:gray" if r.peer else "tab:blue" for r in rows]
+            colors = ["tab:gray" if r.peer else ("silver" if r.floor else "tab:blue") for r in rows]
             bars = ax.barh(labels, values, color=colors)
             for bar, r in zip(bars, rows):
                 text = f" {r.speedup:.2f}x" if r.speedup is not None else f" {r.status}"
+                text += limit_note(r)
                 ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
             ax.invert_yaxis()
             ax.margins(x=0.12)  # room for the speed-up labels
             ax.set_title(g, fontsize=9)
             ax.set_xlabel(rows[0].unit if rows and rows[0].unit else "throughput")
             ax.tick_params(labelsize=8)
-        fig.suptitle(f"{self.suite} on {self.device} ({self.dtype}); speed-up vs peer (grey)", fontsize=10)
+        limits = "; time ÷ floor (silver), share of the same-run limit" if any(limit_note(r) for r in self.rows) else ""
+        fig.suptitle(f"{self.suite} on {self.device} ({self.dtype}); speed-up vs peer (grey){limits}", fontsize=10)
         fig.tight_layout()
         files.save_figure(fig, path, dpi=110)
         plt.close(fig)
@@ -248,6 +272,45 @@ def row_cells(r: Row) -> dict:
     }
 
 
+LIMIT_COLUMNS = ("time ÷ floor", "share of GEMM peak", "share of copy bandwidth")
+
+
+def limit_columns(rows: list[Row]) -> list[str]:
+    """The limit columns some row of ``rows`` has a figure for (none: the table is as before)."""
+    have = {"time ÷ floor": any(r.vs_floor is not None for r in rows),
+            "share of GEMM peak": any(r.flop_share is not None for r in rows),
+            "share of copy bandwidth": any(r.bandwidth_share is not None for r in rows)}
+    return [c for c in LIMIT_COLUMNS if have[c]]
+
+
+def limit_cells(r: Row, columns: list[str]) -> dict:
+    cells = {"time ÷ floor": "floor" if r.floor and r.vs_floor is not None else _fmt_opt(r.vs_floor, "{:.2f}x"),
+             "share of GEMM peak": _fmt_rate(r.flop_share, r.flop_rate, "FLOP/s"),
+             "share of copy bandwidth": _fmt_rate(r.bandwidth_share, r.byte_rate, "B/s")}
+    return {c: cells[c] for c in columns}
+
+
+def limit_note(r: Row) -> str:
+    """The chart's note beside a bar: time ÷ floor, or the share of the limit."""
+    if r.vs_floor is not None and not r.floor:
+        return f", {r.vs_floor:.2f}x floor"
+    if r.flop_share is not None:
+        return f", {r.flop_share:.0%} of GEMM peak"
+    if r.bandwidth_share is not None:
+        return f", {r.bandwidth_share:.0%} of copy bw"
+    return ""
+
+
+def _fmt_opt(value: float | None, fmt: str) -> str:
+    return fmt.format(value) if value is not None else "-"
+
+
+def _fmt_rate(part: float | None, achieved: float | None, unit: str) -> str:
+    if part is None or achieved is None:
+        return "-"
+    return f"{part:.1%} ({si(achieved, unit)})"
+
+
 def _short(note: str) -> str:
     """The table keeps the reason; the JSON keeps the whole message (with the list of what is available)."""
     return note.split(". Available on this machine")[0]
@@ -259,30 +322,6 @@ def _fmt_err(r: Row) -> str:
     text = f"{r.max_err:.1e}"
     return text + (f" (grad {r.grad_err:.1e})" if r.grad_err is not None else "")
 
-
-
-# -- environment ----------------------------------------------------------------------------
-def device_name(device: torch.device | str) -> str:
-    """Folder name for results: "cpu-2core" or the GPU's name ("NVIDIA-H100-80GB-HBM3")."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-")
-    return f"{device.type}-{os.cpu_count()}core"
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "torchvision", "timm", "transformers", "fastzoo"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            if pkg == "fastzoo":
-                import fastzoo
-
-                out[pkg] = fastzoo.__version__
-    return out
 
 
 # -- running --------------------------------------------------------------------------------
@@ -302,7 +341,9 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
 
     dtype_text = dtype_name(suite.dtype)
     report = Report(suite.name, device_name(suite.device), dtype_text, suite.config, warmup, iters, versions(),
-                    torch.get_num_threads(), [], suite.skipped, note)
+                    torch.get_num_threads(), [], suite.skipped, note,
+                    suite.limits.to_dict() if suite.limits is not None else None)
+    interleave = interleave or suite.interleave
     if suite.skipped:
         return report
     total = sum(len(g.cases) for g in suite.groups)
@@ -342,13 +383,14 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             order = {c.label + str(c.compiled): i for i, c in enumerate(group.cases)}
             rows.sort(key=lambda r: order[r.label + str(r.compiled)])
             _fill_speedups(rows)
+            _fill_limits(rows, suite.limits, group.dtype or suite.dtype)
             report.rows += rows
     return report
 
 
 def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
     """Build the case and gate it on parity: (row, its outputs, the step to time or None, warm-up left)."""
-    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit)
+    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit, floor=case.floor)
     try:
         step = case.build()
     except (Unavailable, BackendUnavailableError) as e:
@@ -418,17 +460,19 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
-def _record(row: Row, samples: list[float], items: float) -> None:
+def _record(row: Row, samples: list[float], step: Step) -> None:
     stats = summarize(samples)
     row.median_s, row.min_s, row.max_s, row.iters = stats.median, stats.min, stats.max, stats.n
-    row.throughput = items / stats.median
+    row.throughput = step.items / stats.median
+    row.flop_rate = rate(step.flops, stats.median) if step.flops is not None else None
+    row.byte_rate = rate(step.bytes, stats.median) if step.bytes is not None else None
 
 
 def _time_case(row: Row, step: Step, warm: int, iters: int, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    _record(row, measure(step.run, warmup=warm, iters=iters, device=device), step.items)
+    _record(row, measure(step.run, warmup=warm, iters=iters, device=device), step)
     if device.type == "cuda":
         row.peak_mem_mib = torch.cuda.max_memory_allocated(device) / 2**20
 
@@ -446,7 +490,7 @@ def _time_interleaved(pending: list, iters: int, suite: Suite) -> None:
                     samples.extend(got)
     for row, step, samples in live:
         if row.status == "ok" and samples:
-            _record(row, samples, step.items)
+            _record(row, samples, step)
 
 
 def _fill_speedups(rows: list[Row]) -> None:
@@ -456,3 +500,19 @@ def _fill_speedups(rows: list[Row]) -> None:
     for r in rows:
         if r.median_s is not None:
             r.speedup = speedup(peer.median_s, r.median_s)
+
+
+def _fill_limits(rows: list[Row], limits: Limits | None, dtype: torch.dtype) -> None:
+    """Each timed row beside the limits: time ÷ the group's floor row; FLOP/s and bytes/s as
+    shares of the same-run GEMM peak (in ``dtype``) and copy bandwidth."""
+    floor = next((r for r in rows if r.floor and r.median_s is not None), None)
+    peak = limits.gemm_peak(dtype) if limits is not None else None
+    for r in rows:
+        if r.median_s is None:
+            continue
+        if floor is not None:
+            r.vs_floor = r.median_s / floor.median_s
+        if r.flop_rate is not None and peak is not None:
+            r.flop_share = share_of(r.flop_rate, peak)
+        if r.byte_rate is not None and limits is not None:
+            r.bandwidth_share = share_of(r.byte_rate, limits.copy_bytes_per_s)

@@ -46,8 +46,11 @@ class ModelSpec:
     ``infer_config`` and optionally ``config_from_json`` and ``check_module``: see
     :mod:`fastzoo.weights`). ``tiny`` is a config small enough for CI (original field names)
     that keeps the family's widths' structure; ``original`` builds the reference model.
-    ``flops`` counts one training step's FLOPs from a config and an input description
-    (the benchmarks report achieved FLOP/s against the machine's peak with it).
+    ``shallow`` maps a variant's config to one of reduced depth (and shorter inputs or a smaller
+    vocabulary where those are fields) with the same widths: what the tests compare with the
+    original for every name, in seconds rather than minutes. ``flops`` counts one training step's
+    FLOPs from a config and an input description (the benchmarks report achieved FLOP/s against
+    the machine's peak with it).
     ``refused``: names the original library gives to architectures of this kind that the
     family does not reproduce, each with the options it would need (``create`` says so).
     """
@@ -59,6 +62,7 @@ class ModelSpec:
     converters: tuple = ()
     tiny: Mapping = field(default_factory=dict)
     original: Original | None = None
+    shallow: Callable[[dict], dict] | None = None
     flops: Callable[..., int] | None = None
     refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
 

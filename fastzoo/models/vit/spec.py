@@ -5,6 +5,8 @@ derived from timm's registry (:mod:`fastzoo.models.vit.timm_names`); the timm na
 not reproduce are refused with the timm options they would need."""
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
 from fastzoo.models.spec import ModelSpec, Original, Variant
@@ -16,9 +18,13 @@ from fastzoo.models.vit.model import VisionTransformer
 
 def timm_vit(cfg: dict) -> nn.Module:
     """timm's VisionTransformer on fastzoo config fields, attention in plain PyTorch (the reference)."""
+    from timm.layers import LayerNorm
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-    model = TimmViT(**{k: v for k, v in cfg.items() if k != "patch_embed"})  # fastzoo's choice of projection, same function
+    kwargs = {k: v for k, v in cfg.items() if k not in ("patch_embed", "norm_eps")}  # patch_embed: fastzoo's choice
+    if "norm_eps" in cfg:  # timm takes the epsilon inside its norm layer
+        kwargs["norm_layer"] = partial(LayerNorm, eps=cfg["norm_eps"])
+    model = TimmViT(**kwargs)
     for m in model.modules():
         if hasattr(m, "fused_attn"):
             m.fused_attn = False
@@ -69,6 +75,7 @@ SPEC = ModelSpec(
     converters=(VIT,),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
+    shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
 )
 SPECS = (SPEC,)
