@@ -604,7 +604,7 @@ def _image_inputs(model, batch, gen, caps, notes):
 
 def _token_inputs(model, batch, gen, caps, notes):
     cfg = model.config
-    S = min(32, cfg.n_positions)
+    S = min(32, model.n_positions or 32)  # a learned position table bounds the length; rotary does not
     lengths = [S - (i * S) // (2 * batch) for i in range(batch)]  # distinct lengths, all >= S/2
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
     ids_BS = torch.zeros(batch, S, dtype=torch.long)

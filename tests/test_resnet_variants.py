@@ -47,9 +47,10 @@ def test_flops_are_the_ones_torch_counts(name):
 
 
 @pytest.mark.parametrize("name", KINDS)
-def test_timm_weights_load_and_export_back(name):
+def test_timm_weights_load_and_export_back(name, tmp_path):
     """A live timm model and its bare state dict both load (the keys tell the block, groups and
-    width); the export loads strictly into timm and torchvision and computes what fastzoo does."""
+    width); the export loads strictly into timm and torchvision, and a save_pretrained directory
+    into timm.create_model("local-dir:..."), each computing what fastzoo does."""
     peer = randomize(timm.create_model(name, pretrained=False, **ONE_BLOCK)).eval()
     x = _images(1)
     for source in (peer, peer.state_dict()):
@@ -58,6 +59,12 @@ def test_timm_weights_load_and_export_back(name):
     for fmt, back in (("timm", timm.create_model(name, pretrained=False, **ONE_BLOCK)), ("torchvision", _torchvision(name))):
         back.load_state_dict(fastzoo.export_state_dict(ours, fmt), strict=True)
         assert (back.eval()(x) - ours(x)).abs().max().item() <= 1e-4  # fastzoo.equivalence's fp32 tolerance
+    named = fastzoo.create(name, pretrained=peer.state_dict()).eval()
+    named.save_pretrained(tmp_path)  # timm's architecture and model_args (cardinality, base_width) go with it
+    back = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    assert (back(x) - named(x)).abs().max().item() <= 1e-4  # fastzoo.equivalence's fp32 tolerance
+    if ours.config.block == "basic":  # resnet50's pretrained_cfg on basic blocks: timm would build bottlenecks
+        assert "architecture" not in ours.extra_config()
 
 
 @pytest.mark.parametrize("name", KINDS)

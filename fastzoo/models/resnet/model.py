@@ -105,6 +105,21 @@ def _block(cfg: ResNetConfig, inplanes: int, planes: int, stride: int = 1) -> nn
     return Bottleneck(inplanes, planes, stride, cfg.groups, cfg.width_per_group)
 
 
+def _timm_block(architecture: str | None) -> str | None:
+    """The block kind timm's ``architecture`` builds: its entrypoint fixes it, and timm's
+    ``model_args`` cannot name a class. Asked of timm itself, on the meta device (nothing allocated)."""
+    if not architecture:
+        return None
+    import timm
+
+    try:
+        with torch.device("meta"):
+            first = timm.create_model(architecture, pretrained=False, layers=(1, 1, 1, 1)).layer1[0]
+    except (RuntimeError, TypeError, AttributeError):  # not one of timm's ResNets
+        return None
+    return {"BasicBlock": "basic", "Bottleneck": "bottleneck"}.get(type(first).__name__)
+
+
 class ResNet(TimmModelAPI, FastzooModel):
     family = "resnet"
     config_class = ResNetConfig
@@ -243,6 +258,8 @@ class ResNet(TimmModelAPI, FastzooModel):
     def timm_model_args(self) -> dict | None:
         c = self.config
         if c.frozen_bn:  # timm's ResNet has no frozen BatchNorm: in train mode it would be another function
+            return None
+        if _timm_block(self.pretrained_cfg.get("architecture")) != c.block:  # e.g. resnet50's cfg on basic blocks
             return None
         # timm's names: cardinality = groups, base_width = width_per_group; the block comes with the architecture
         return {"layers": list(c.layers), "channels": list(c.channels), "cardinality": c.groups,
