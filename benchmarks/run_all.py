@@ -26,7 +26,7 @@ import resnet  # noqa: E402
 import vit  # noqa: E402
 from _common import dtype_for, parser, setup  # noqa: E402
 from fastzoo.bench.harness import device_name, versions  # noqa: E402
-from fastzoo.bench.train_parity import train_parity  # noqa: E402
+from fastzoo.accuracy.backends import train_parity  # noqa: E402
 
 SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "giou": giou.run, "matcher": matcher.run,
           "linear_ce": linear_ce.run, "resnet50": resnet.run}
@@ -138,7 +138,7 @@ def main():
     if "parity_train" in wanted:
         tp = train_parity(fastzoo.list_attention(available_only=True), steps=300, device=device, dtype=dtype_for(device),
                           progress=progress)
-        tp.write_json(out / "parity_train.json")
+        files.write_json(out / "parity_train.json", tp.to_dict())
         tp.plot(out / "parity_train.png")
         files.write_text(out / "parity_train.md", tp.to_markdown())
         print(tp.to_markdown())

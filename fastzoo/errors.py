@@ -43,9 +43,10 @@ class UsageError(FastzooError, ValueError):
     line and exits with status 2."""
 
 
-class ConfigError(FastzooError, ValueError):
-    """A model config field has a value it cannot take (a wrong type, out of range, or at odds
-    with another field). ``fields`` names the field(s), so callers decide by key, not by text."""
+class ConfigError(UsageError):
+    """A config has a field it cannot take: a model config field with a wrong type, out of range or
+    at odds with another field, or a run file (YAML) that cannot be read, with an unknown or
+    mistyped field. ``fields`` names the field(s), so callers decide by key, not by text."""
 
     def __init__(self, message: str, *, fields=()):
         super().__init__(message)

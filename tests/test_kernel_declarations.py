@@ -6,6 +6,7 @@ Each test fails on a mis-declaration a GPU user would otherwise meet first.
 """
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,9 @@ def fake_packages(tmp_path, monkeypatch):
             d.mkdir(parents=True, exist_ok=True)
             (d / "__init__.py").write_text("")
         monkeypatch.syspath_prepend(str(tmp_path))
+        tops = {name.split(".")[0] for name in dotted}
+        for mod in [m for m in sys.modules if m.split(".")[0] in tops]:  # an installed one already imported
+            monkeypatch.delitem(sys.modules, mod)
         from fastzoo.attention import base
 
         base._unavailable.cache_clear()
@@ -190,3 +194,14 @@ def test_gpt2_kv_cache_check_uses_the_models_device(monkeypatch):
     monkeypatch.setattr(model, "attention_request", lambda **kw: real(device="cuda", dtype=torch.bfloat16))
     with pytest.raises(fastzoo.errors.BackendUnavailableError, match="KV cache"):
         model.check_kv_cache()
+
+
+def test_availability_imports_no_kernel_library_on_a_machine_that_cannot_use_it():
+    """Finding a probe's submodule (xformers.ops, flash_attn.flash_attn_interface) must not import
+    its parent package: a kernel library's __init__ loads CUDA extensions."""
+    import subprocess
+
+    code = ("import sys\nfrom fastzoo.attention import capability_matrix\ncapability_matrix()\n"
+            "loaded = [m for m in ('xformers', 'flash_attn', 'flash_attn_interface', 'transformer_engine') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})

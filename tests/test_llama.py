@@ -1,6 +1,9 @@
 """The Llama layouts (Llama, Qwen2, Mistral) equal transformers' models on the same weights:
 logits and gradients (fp32 CPU) through every CPU attention backend, padded and packed; every
 rotary schedule; generate token for token; save_pretrained read back by transformers."""
+import copy
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,6 +238,44 @@ def test_sliding_window_cache_layers_on_a_packed_only_backend_are_refused_naming
     mask = F.pad(b.attention_mask, (0, 1), value=1)
     with pytest.raises(ValueError, match="past_key_values.*sliding-window"):
         m(b.input_ids[:, :1], attention_mask=mask, past_key_values=out.past_key_values)
+
+
+# -- training with transformers' tools -------------------------------------------------------------
+def _trainer_losses(model, gradient_checkpointing: bool) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    ds = [{"input_ids": torch.randint(0, V, (int(n),), generator=g).tolist()} for n in torch.randint(4, 20, (12,), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3, logging_steps=1, report_to=[],
+        learning_rate=1e-3, seed=0, use_cpu=True, save_strategy="no", disable_tqdm=True,
+        gradient_checkpointing=gradient_checkpointing)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_with_flattening_and_gradient_checkpointing_matches_hf():
+    """transformers' Trainer, packed batches (DataCollatorWithFlattening), gradient checkpointing:
+    fastzoo's loss curve is HF's (HF's model trained the same way, padded inside its own kernels)."""
+    hf = hf_model("qwen2")
+    ref = _trainer_losses(copy.deepcopy(hf).train(), gradient_checkpointing=True)
+    model = ours(hf, "varlen").train()
+    got = _trainer_losses(model, gradient_checkpointing=True)
+    assert model.is_gradient_checkpointing
+    assert len(got) == len(ref) == 3
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4  # fp32, 3 AdamW steps apart from rounding
+
+
+def test_peft_lora_trains_only_the_adapters():
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft): LoRA is checked where it is")
+    hf = hf_model("llama")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    ours_lora, hf_lora = peft.get_peft_model(ours(hf), cfg), peft.get_peft_model(copy.deepcopy(hf), cfg)
+    trainable = {n for n, p in ours_lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    ids = seqs((9,))[0][None]
+    with torch.no_grad():
+        assert_close(ours_lora(input_ids=ids).logits, hf_lora(input_ids=ids).logits)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -43,8 +43,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -164,9 +166,19 @@ class KernelProfile:
 
 
 def package_available(name: str) -> bool:
+    """Whether module ``name`` (dotted: the submodule a backend calls) is installed, found
+    without importing it or its parents (``importlib.util.find_spec`` would import the parents:
+    a kernel library's ``__init__`` on a machine that cannot use it)."""
+    parts = name.split(".")
     try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
+        top = sys.modules.get(parts[0])
+        spec = top.__spec__ if top is not None else importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None or spec.submodule_search_locations is None:
+                return False
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+        return spec is not None
+    except (ImportError, ValueError, AttributeError):
         return False
 
 

@@ -38,12 +38,13 @@ _KERNEL_CAPS = {
     "math": _BASE,
     "flash": dataclasses.replace(
         _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
-        verified="CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding / packed refused",
+        verified=("CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding, packed, KV cache and window "
+                  "refused (at create given the model's device, else per call)"),
     ),
     "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, gqa=False, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
         _BASE, devices={"cuda": HALF}, max_head_dim=128, min_cuda_capability=(8, 0), gqa=False,
-        verified="not verified on hardware",
+        verified="not verified on hardware; dropout in multiples of 1/16 only, >= 2 keys",
     ),
 }
 

@@ -1,8 +1,8 @@
 """Speed and parity suite: which attention kernel (or loss implementation) should I use?
 
 :mod:`fastzoo.bench.harness` times and parity-gates cases; one module per model family
-builds its cases (``vit``, ``gpt2``, ``giou``, ``resnet``); :mod:`fastzoo.bench.train_parity`
-fine-tunes one initialisation with every backend; :mod:`fastzoo.bench.cli` is ``fastzoo bench``.
+builds its cases (``vit``, ``gpt2``, ``giou``, ``resnet``); :mod:`fastzoo.bench.cli` is
+``fastzoo bench`` (``--parity-train``: :mod:`fastzoo.accuracy.backends`).
 """
 from fastzoo.bench.harness import Case, Group, Report, Row, Stats, Step, Suite, Unavailable, measure, run_suite, speedup, summarize
 

@@ -178,7 +178,8 @@ def cmd_bench(args) -> int:
 
 
 def _parity_train(args, device, dtype) -> int:
-    from fastzoo.bench.train_parity import train_parity
+    from fastzoo import files
+    from fastzoo.accuracy.backends import train_parity
 
     if _family(args.model) != "vit":
         raise UsageError(f"--parity-train is implemented for the ViT family; {args.model!r} is not a ViT")
@@ -186,7 +187,7 @@ def _parity_train(args, device, dtype) -> int:
     report = train_parity(_backends(args.attn), steps=steps, device=device, dtype=dtype, progress=not args.no_progress)
     print(report.to_markdown())
     if args.json:
-        report.write_json(args.json)
+        files.write_json(args.json, report.to_dict())
     if args.plot:
         report.plot(args.plot)
     return 0 if report.agree else 1

@@ -198,9 +198,10 @@ class CausalLM(CausalLMConventions, FastzooModel):
         return {"scale": first.scale, "dropout_p": first.attn_dropout_p if self.training else 0.0}
 
     # -- conventions ------------------------------------------------------------------------
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
-        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs)
-        self.body.checkpoint_kwargs = self._checkpoint_kwargs
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
+                                      offload: bool = False):
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)
+        self.body.checkpoint_kwargs, self.body.checkpoint_every = self._checkpoint_kwargs, every_n_layers
 
     def gradient_checkpointing_disable(self):
         super().gradient_checkpointing_disable()

@@ -199,11 +199,18 @@ class CausalLMConventions:
         return self.get_input_embeddings().weight.dtype
 
     # -- training plumbing -----------------------------------------------------------------
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
-        """Recompute each block's activations in the backward (``torch.utils.checkpoint``,
-        non-reentrant unless ``gradient_checkpointing_kwargs`` says otherwise). As in
-        transformers, the KV cache is off while training with it."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
+                                      offload: bool = False):
+        """Recompute blocks' activations in the backward (``torch.utils.checkpoint``, non-reentrant
+        unless ``gradient_checkpointing_kwargs`` says otherwise): every block, or every
+        ``every_n_layers``-th (transformers' Trainer passes it). As in transformers, the KV cache is
+        off while training with it. ``offload=True`` (activations kept in CPU memory) is refused."""
+        if offload:
+            raise ValueError("offload=True: fastzoo's decoders do not offload checkpointed activations; leave it False")
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
         self._checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        self._checkpoint_every = every_n_layers
         self._gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self):

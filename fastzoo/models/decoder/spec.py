@@ -27,9 +27,14 @@ def gpt2_flops(cfg, *, tokens: int, attended: int, train: bool = True) -> int:
     return forward * (3 if train else 1)
 
 
-def _gpt2(name: str, hf: str, n_embd: int, n_layer: int, n_head: int, what: str) -> Variant:
+def _gpt2(name: str, n_embd: int, n_layer: int, n_head: int, what: str) -> Variant:
+    """A GPT-2 size under Hugging Face's model id, also spelled ``openai-community/<id>`` (its hub
+    organisation) and with an underscore (``gpt2_medium``); the name picks the architecture, no hub
+    is contacted."""
+    aliases = (f"openai-community/{name}",) + ((name.replace("-", "_"),) if "-" in name else ())
     return Variant(name, dict(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head),
-                   f"GPT-2 {what}, as Hugging Face's {hf} (GPT2LMHeadModel)", f"transformers GPT2LMHeadModel ({hf})")
+                   f"GPT-2 {what}, as Hugging Face's {name} (GPT2LMHeadModel)", f"transformers GPT2LMHeadModel ({name})",
+                   aliases=aliases)
 
 
 GPT2_SPEC = ModelSpec(
@@ -37,8 +42,10 @@ GPT2_SPEC = ModelSpec(
     task="causal-lm",
     model=GPT2LMHeadModel,
     variants=(
-        _gpt2("gpt2", "gpt2", 768, 12, 12, "small (124M)"),
-        _gpt2("gpt2_medium", "gpt2-medium", 1024, 24, 16, "medium (355M)"),
+        _gpt2("gpt2", 768, 12, 12, "small (124M)"),
+        _gpt2("gpt2-medium", 1024, 24, 16, "medium (355M)"),
+        _gpt2("gpt2-large", 1280, 36, 20, "large (774M)"),
+        _gpt2("gpt2-xl", 1600, 48, 25, "XL (1.5B)"),
         Variant("distilgpt2", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=6, n_head=12),
                 "DistilGPT-2 (82M), as Hugging Face's distilgpt2 (GPT2LMHeadModel)",
                 "transformers GPT2LMHeadModel (distilgpt2)", aliases=("distilbert/distilgpt2",)),
