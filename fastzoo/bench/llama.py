@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import fastzoo
+from fastzoo.bench.gpt2 import _Call
 from fastzoo.bench.harness import Case, Group, Suite
 from fastzoo.bench.steps import model_step
 from fastzoo.losses import IGNORE_INDEX
@@ -93,7 +94,7 @@ def llama_suite(setting: LlamaSetting = TARGET_SETTING, *, backends: list[str], 
     def loss_step(model, inputs):
         args, kwargs = inputs
         model = model.to(device=device, dtype=dtype).train()
-        return model_step(_Call(model, kwargs), args, mode="train", loss=lambda out: out.loss, items=real,
+        return model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss, items=real,
                           view=lambda out: out.loss.reshape(1))
 
     def fz(backend):
@@ -116,16 +117,6 @@ def llama_suite(setting: LlamaSetting = TARGET_SETTING, *, backends: list[str], 
     for b in backends:
         if fastzoo.attention.backend_class(b).capabilities.varlen:
             cases.append(Case(f"fastzoo packed ({b}), labels: fused loss", lambda b=b: loss_step(fz(b), packed_in)))
-    group = Group(f"{setting.name} | train with labels", cases, reference=reference, unit="tokens/s", cpu_memory=True)
+    group = Group(f"{setting.name} | train with labels", cases, reference=reference, unit="tokens/s")
     return Suite("llama_packed", [group], config=config, dtype=dtype, device=device)
 
-
-class _Call(torch.nn.Module):
-    """A model with its keyword inputs bound (the step calls it with positional inputs only)."""
-
-    def __init__(self, model, kwargs):
-        super().__init__()
-        self.model, self.kwargs = model, kwargs
-
-    def forward(self, *args):
-        return self.model(*args, **self.kwargs)
