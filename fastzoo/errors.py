@@ -20,10 +20,13 @@ class _KeyErrorWithMessage(FastzooError, KeyError):
 
 
 class UnknownModelError(_KeyErrorWithMessage):
-    def __init__(self, name: str, choices):
-        super().__init__(
-            f"unknown model {name!r}.{did_you_mean(name, choices)} Known models: {', '.join(sorted(choices))}."
-        )
+    def __init__(self, name: str, choices, reason: str = ""):
+        if reason:  # a name of the original library's that fastzoo knows and does not reproduce
+            super().__init__(f"model {name!r} is not reproduced by fastzoo: {reason}")
+            return
+        known = (f"Known models: {', '.join(sorted(choices))}." if len(choices) <= 20 else
+                 f"fastzoo.list_models(pattern) lists all {len(choices)} (e.g. list_models('{str(name)[:3]}*')).")
+        super().__init__(f"unknown model {name!r}.{did_you_mean(name, choices)} {known}")
 
 
 class UnknownBackendError(_KeyErrorWithMessage):

@@ -54,6 +54,20 @@ def test_capability_matrix_is_generated(capsys):
     assert lines[start:end] == generated, "README's matrix is stale: replace it by `python -m fastzoo.cli list --markdown`"
 
 
+FAMILIES_MARK = "<!-- model families: `fastzoo list --families` -->"
+
+
+def test_model_families_table_is_generated_from_the_registry(capsys):
+    from fastzoo.cli import main
+
+    lines = readme_lines()
+    start = lines.index(FAMILIES_MARK) + 1
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    assert main(["list", "--families"]) == 0
+    generated = capsys.readouterr().out.strip().splitlines()
+    assert lines[start:end] == generated, "README's model table is stale: replace it by `python -m fastzoo.cli list --families`"
+
+
 def python_block(heading: str) -> str:
     """The first ```python block after ``heading`` in the README."""
     lines = readme_lines()

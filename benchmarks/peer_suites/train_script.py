@@ -54,7 +54,7 @@ SUITES = {
         # same order and crops), small crops, no checkpoint files (--output-dir '')
         "args": ["--device", "cpu", "--epochs", "1", "-b", "4", "-j", "0", "--print-freq", "1", "--lr", "0.01",
                  "--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32", "--output-dir", ""],
-        "models": ("resnet18", "resnet50", "resnext50_32x4d"),
+        "models": ("resnet18", "resnext50_32x4d"),  # a basic-block and a grouped-bottleneck ResNet
     },
 }
 STEP = re.compile(r"Epoch: \[\d+\]\s+\[\s*(\d+)/\d+\].*?\bloss: ([-\d.]+) \(([-\d.]+)\)")

@@ -135,17 +135,26 @@ def _matmul_dtype(hidden, weight) -> torch.dtype:
 VOCAB_BLOCK = 512  # vocabulary columns per logits block: see logits_block
 
 
+WEIGHT_SHARE = 16  # the block may also hold a sixteenth of the weight's gradient: see logits_block
+
+
 def logits_block(n_tokens: int, vocab: int, width: int) -> tuple[int, int]:
     """(token rows, vocabulary columns) of the one logits block the fused path holds at a time.
 
     The block holds at most as many elements as the hidden states (``n_tokens x width``, torch's
-    "aspect ratio" rule), so the peak is the two gradients plus at most one more hidden-sized
-    tensor: 8 MiB at 4096 x 768 -> 50257 (``[4096, 512]``) next to the weight's 147 MiB gradient.
-    Columns: 512, as measured on CPU (benchmarks/results/cpu-2core/linear_ce.md: 256 and 1024 are
-    no faster); rows: a power of two, at least 64, filling the budget."""
+    "aspect ratio" rule) or a sixteenth of the weight's gradient, whichever is more, so the peak
+    is the two gradients plus at most one such tensor: 8 MiB at 4096 x 768 -> 50257
+    (``[4096, 512]``) next to the weight's 147 MiB gradient. At a narrow head and a large
+    vocabulary (1024 x 256 -> 128256) the hidden states alone would allow [512, 512] blocks, 502
+    small matmuls per pass; a sixteenth of the gradient, 8 MiB, gives [1024, 1536], 84.
+    Columns: 512, as measured on CPU (256 and 1024 were no faster), widened in steps of 512 once
+    every token is in the block; rows: a power of two, at least 64, filling the budget."""
+    budget = max(n_tokens * width, vocab * width // WEIGHT_SHARE)
     cols = min(VOCAB_BLOCK, vocab)
-    rows = max(64, 1 << (max(n_tokens * width // cols, 1).bit_length() - 1))
-    return min(rows, max(n_tokens, 1)), cols
+    rows = min(max(64, 1 << (max(budget // cols, 1).bit_length() - 1)), max(n_tokens, 1))
+    if rows == n_tokens:
+        cols = min(vocab, max(cols, budget // rows // VOCAB_BLOCK * VOCAB_BLOCK))
+    return rows, cols
 
 
 def lse_block(n_tokens: int, vocab: int, width: int, room: int) -> tuple[int, int]:

@@ -51,6 +51,8 @@ class ModelSpec:
     original for every name, in seconds rather than minutes. ``flops`` counts one training step's
     FLOPs from a config and an input description (the benchmarks report achieved FLOP/s against
     the machine's peak with it).
+    ``refused``: names the original library gives to architectures of this kind that the
+    family does not reproduce, each with the options it would need (``create`` says so).
     """
 
     family: str
@@ -62,6 +64,7 @@ class ModelSpec:
     original: Original | None = None
     shallow: Callable[[dict], dict] | None = None
     flops: Callable[..., int] | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
 
     def __post_init__(self):
         if self.task not in TASKS:
