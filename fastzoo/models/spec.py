@@ -35,6 +35,13 @@ class Original:
     build: Callable[[dict], nn.Module]  # config fields -> the original at random init (reference kernels)
     description: str  # "timm VisionTransformer (eager attention)"
     attn_dropout_field: str | None = None  # the field zeroed for a deterministic comparison
+    # config fields -> the same model on the library's default kernels, as its users run it (what the
+    # accuracy runs train); None where the library has no kernel choice (then ``build``)
+    in_use: Callable[[dict], nn.Module] | None = None
+
+    def as_used(self, cfg: dict) -> nn.Module:
+        """The original as its users run it, at random init."""
+        return (self.in_use or self.build)(cfg)
 
 
 @dataclass(frozen=True)
