@@ -15,7 +15,12 @@ user would pick instead). For each case the harness
    (``torch.cuda.max_memory_allocated`` on GPU; ``n/a`` on CPU, where PyTorch keeps no
    allocator statistics and process RSS would mostly measure other things),
 4. divides the peer's median step time by the case's: the speed-up vs the peer, timed in
-   the same run, so that a loaded machine shifts both sides alike.
+   the same run, so that a loaded machine shifts both sides alike; and the original's under
+   the group's own recipe by the case's (``vs_original``),
+5. puts each figure beside the machine's limit: a step that knows its FLOPs reports FLOP/s
+   and their share of the same-run GEMM peak in its precision (``peaks``, from
+   :mod:`fastzoo.bench.limits`); a case doing less work than the peer (packed sequences: no
+   padding) reports the FLOP-ratio bound of its speed-up (the peer's FLOPs / its own).
 """
 from __future__ import annotations
 
@@ -97,6 +102,7 @@ class Step:
     run: Callable[[], object]
     items: float
     outputs: Callable[[], dict] | None = None
+    flops: float | None = None  # FLOPs of one step (the family's count), for FLOP/s and the work bound
 
 
 @dataclass
@@ -107,6 +113,8 @@ class Case:
     reference: bool = False  # the eager model in the run dtype (sets the low-precision tolerance)
     compiled: bool = False
     same_names: bool = True  # parameter names equal the reference's (False: a peer library naming its own)
+    original: bool = False  # the original library under the group's recipe: the "same recipe" speed-ups are against it
+    dtype: torch.dtype | None = None  # this case's precision when not the group's (the fp32 peer of a bf16 group)
 
 
 @dataclass
@@ -148,6 +156,15 @@ class Row:
     speedup: float | None = None
     max_err: float | None = None
     grad_err: float | None = None
+    precision: str = "fp32"  # the compute precision of the group (its parity rule and its GEMM peak)
+    out_bound: float | None = None  # the parity bounds the errors were held to
+    grad_bound: float | None = None
+    original: bool = False
+    vs_original: float | None = None  # speed-up vs the original under the same recipe
+    first_step_s: float | None = None  # the parity pass: build-time work such as compilation lands here
+    flop_s: float | None = None  # achieved FLOP/s at the median
+    of_peak: float | None = None  # flop_s / the same-run GEMM peak in this precision
+    work_bound: float | None = None  # the peer's FLOPs / this case's: the speed-up less work alone would give
 
 
 @dataclass
@@ -163,6 +180,7 @@ class Report:
     rows: list[Row]
     skipped: str | None = None
     note: str = ""
+    peaks: dict = field(default_factory=dict)  # precision -> same-run GEMM FLOP/s
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
@@ -188,6 +206,8 @@ class Report:
             lines += [f"> {self.note}", ""]
         lines.append(f"Device: **{self.device}** ({self.threads} torch threads), dtype {self.dtype}; "
                      f"warm-up {self.warmup}, median of {self.iters} runs (min-max).")
+        if self.peaks:
+            lines.append(peaks_text(self.peaks))
         lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()) + ".")
         if self.config:
             lines.append("Config: " + "; ".join(f"{k}: {v}" for k, v in self.config.items()) + ".")
@@ -216,13 +236,15 @@ class Report:
             bars = ax.barh(labels, values, color=colors)
             for bar, r in zip(bars, rows):
                 text = f" {r.speedup:.2f}x" if r.speedup is not None else f" {r.status}"
+                text += "".join(f"; {t}" for t in limit_texts(r))
                 ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
             ax.invert_yaxis()
             ax.margins(x=0.12)  # room for the speed-up labels
             ax.set_title(g, fontsize=9)
             ax.set_xlabel(rows[0].unit if rows and rows[0].unit else "throughput")
             ax.tick_params(labelsize=8)
-        fig.suptitle(f"{self.suite} on {self.device} ({self.dtype}); speed-up vs peer (grey)", fontsize=10)
+        fig.suptitle(f"{self.suite} on {self.device}; speed-up vs peer (grey); share of the same-run GEMM peak; "
+                     "FLOP-ratio bound", fontsize=9)
         fig.tight_layout()
         files.save_figure(fig, path, dpi=110)
         plt.close(fig)
@@ -237,15 +259,32 @@ def row_cells(r: Row) -> dict:
     timed = r.median_s is not None
     return {
         "backend": r.label,
-        "compiled": "yes" if r.compiled else "no",
+        "compiled": ("yes" + (f" (first step {_fmt_time(r.first_step_s)})" if r.first_step_s is not None else ""))
+        if r.compiled else "no",
         "step time (median, min-max)": (
             f"{_fmt_time(r.median_s)} ({_fmt_time(r.min_s)}-{_fmt_time(r.max_s)})" if timed else f"{r.status}: {_short(r.note)}"
         ),
         "throughput": f"{r.throughput:,.1f} {r.unit}" if timed else "-",
         "peak memory": f"{r.peak_mem_mib:,.0f} MiB" if r.peak_mem_mib is not None else ("n/a" if timed else "-"),
         "speed-up vs peer": ("peer" if r.peer else f"{r.speedup:.2f}x") if r.speedup is not None else "-",
+        "limit": "; ".join(limit_texts(r)) or "-",
         "max error vs reference": _fmt_err(r),
     }
+
+
+def limit_texts(r: Row) -> list[str]:
+    """The row's figures beside the machine's limit: share of the GEMM peak, the FLOP-ratio bound."""
+    out = []
+    if r.of_peak is not None:
+        out.append(f"{r.flop_s / 1e9:,.0f} GFLOP/s = {r.of_peak:.0%} of {r.precision} GEMM peak")
+    if r.work_bound is not None and abs(r.work_bound - 1) > 1e-3:
+        out.append(f"FLOP-ratio bound {r.work_bound:.2f}x" +
+                   (f" (speed-up / bound {r.speedup / r.work_bound:.2f})" if r.speedup is not None else ""))
+    return out
+
+
+def peaks_text(peaks: dict) -> str:
+    return "Same-run GEMM peak: " + ", ".join(f"{p} {v / 1e9:,.0f} GFLOP/s" for p, v in peaks.items()) + "."
 
 
 def _short(note: str) -> str:
@@ -287,7 +326,7 @@ def versions() -> dict:
 
 # -- running --------------------------------------------------------------------------------
 def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool = True, note: str = "", bar=None,
-              interleave: bool = False) -> Report:
+              interleave: bool = False, peaks: dict | None = None) -> Report:
     """Parity-gate and time every case of ``suite``; see the module docstring.
 
     ``bar``: a tqdm bar to advance instead of a new one (a run of several suites, one bar).
@@ -295,6 +334,7 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
     of one case after the other, so that a burst of load from elsewhere on a shared CPU slows
     every case of the round alike instead of one case's whole measurement. Each case is still
     built and parity-checked first; peak memory is not reported (the cases are alive together).
+    ``peaks``: precision name -> same-run GEMM FLOP/s (:func:`fastzoo.bench.limits.gemm_peaks`).
     """
     from contextlib import nullcontext
 
@@ -302,7 +342,7 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
 
     dtype_text = dtype_name(suite.dtype)
     report = Report(suite.name, device_name(suite.device), dtype_text, suite.config, warmup, iters, versions(),
-                    torch.get_num_threads(), [], suite.skipped, note)
+                    torch.get_num_threads(), [], suite.skipped, note, dict(peaks or {}))
     if suite.skipped:
         return report
     total = sum(len(g.cases) for g in suite.groups)
@@ -314,13 +354,14 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             bar.set_postfix_str(f"{group.name}: reference")
             ref = group.reference() if group.reference is not None else None
             ref_in_dtype = None
-            rows, pending = [], []
+            rows, pending, flops = [], [], {}
             for case in sorted(group.cases, key=lambda c: not c.reference):  # reference first: it sets the tolerance
                 bar.set_postfix_str(f"{group.name}: {case.label}")
                 row, got, step, warm = _prepare_case(case, group, ref, ref_in_dtype, suite, warmup)
                 if case.reference:
                     ref_in_dtype = got
                 rows.append(row)
+                flops[id(row)] = step.flops if step is not None else None
                 if step is not None and group.cpu_memory and suite.device.type == "cpu":
                     peak = _guarded(row, suite, lambda: cpu_peak_bytes(step.run))
                     row.peak_mem_mib = peak / 2**20 if peak is not None else None
@@ -342,13 +383,15 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             order = {c.label + str(c.compiled): i for i, c in enumerate(group.cases)}
             rows.sort(key=lambda r: order[r.label + str(r.compiled)])
             _fill_speedups(rows)
+            _fill_limits(rows, flops, report.peaks)
             report.rows += rows
     return report
 
 
 def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
     """Build the case and gate it on parity: (row, its outputs, the step to time or None, warm-up left)."""
-    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit)
+    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit,
+              precision=dtype_name(case.dtype or group.dtype or suite.dtype), original=case.original)
     try:
         step = case.build()
     except (Unavailable, BackendUnavailableError) as e:
@@ -363,14 +406,16 @@ def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
         nonlocal got
         parity_ran = ref is not None and step.outputs is not None
         if parity_ran:
+            t0 = time.perf_counter()
             got = step.outputs()
+            row.first_step_s = time.perf_counter() - t0 if case.compiled else None
             low = (group.dtype or suite.dtype) != torch.float32
             peer = (got if case.reference else ref_in_dtype) if low else None
             if low and peer is None:
                 raise Unavailable("low-precision parity needs the eager reference case in this group")
             comps = compare_cases(ref, got, peer, same_names=case.same_names)
-            row.max_err = comps[0].err
-            row.grad_err = comps[1].err if len(comps) > 1 else None
+            row.max_err, row.out_bound = comps[0].err, comps[0].bound
+            row.grad_err, row.grad_bound = (comps[1].err, comps[1].bound) if len(comps) > 1 else (None, None)
             failed = [c for c in comps if not c.passed]
             if failed:
                 row.status = "failed parity"
@@ -450,9 +495,23 @@ def _time_interleaved(pending: list, iters: int, suite: Suite) -> None:
 
 
 def _fill_speedups(rows: list[Row]) -> None:
-    peer = next((r for r in rows if r.peer and r.median_s is not None), None)
-    if peer is None:
-        return
+    for flag, attr in (("peer", "speedup"), ("original", "vs_original")):
+        base = next((r for r in rows if getattr(r, flag) and r.median_s is not None), None)
+        for r in rows:
+            if base is not None and r.median_s is not None:
+                setattr(r, attr, speedup(base.median_s, r.median_s))
+
+
+def _fill_limits(rows: list[Row], flops: dict, peaks: dict) -> None:
+    """FLOP/s and the share of the GEMM peak in the row's precision; the FLOP-ratio bound vs the peer."""
+    peer = next((r for r in rows if r.peer), None)
     for r in rows:
-        if r.median_s is not None:
-            r.speedup = speedup(peer.median_s, r.median_s)
+        work = flops.get(id(r))
+        if work is None or r.median_s is None:
+            continue
+        r.flop_s = work / r.median_s
+        if r.precision in peaks:
+            r.of_peak = r.flop_s / peaks[r.precision]
+        peer_work = flops.get(id(peer)) if peer is not None else None
+        if peer_work:
+            r.work_bound = peer_work / work

@@ -106,6 +106,18 @@ class TrainParityReport:
         return Path(path)
 
 
+MODEL = "vit_s16"  # the family --parity-train fine-tunes (its small config: SMALL_VIT)
+
+
+def check_model(name: str) -> None:
+    """A UsageError unless ``name`` is of the family this fine-tune runs."""
+    from fastzoo.errors import UsageError
+    from fastzoo.registry import get_entry
+
+    if get_entry(name).spec is not get_entry(MODEL).spec:
+        raise UsageError(f"--parity-train is implemented for the ViT family; {name!r} is not a ViT")
+
+
 def train_parity(
     backends: list[str],
     *,
@@ -132,10 +144,10 @@ def train_parity(
     train_x, train_y = quadrant_task(steps * batch_size, g)
     test_x, test_y = quadrant_task(held_out, g)
     torch.manual_seed(seed)
-    init = fastzoo.create("vit_s16", attn="eager", **SMALL_VIT).state_dict()
+    init = fastzoo.create(MODEL, attn="eager", **SMALL_VIT).state_dict()
     runs = []
     for b in tqdm(backends, desc="parity-train", disable=not progress, leave=False):
-        model = fastzoo.create("vit_s16", attn="eager", **SMALL_VIT)
+        model = fastzoo.create(MODEL, attn="eager", **SMALL_VIT)
         model.load_state_dict(copy.deepcopy(init))
         try:  # a backend without a backward here fails at its first training forward
             model.set_attention(b, device=device, dtype=dtype)

@@ -5,7 +5,7 @@ from torch import nn
 
 from fastzoo.models.decoder.convert import GPT2, GPT2_FASTZOO
 from fastzoo.models.decoder.gpt2 import GPT2LMHeadModel
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
 
 def hf_gpt2(cfg: dict) -> nn.Module:
@@ -13,6 +13,12 @@ def hf_gpt2(cfg: dict) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel as HFGPT2
 
     return HFGPT2(GPT2Config(**cfg, attn_implementation="eager"))
+
+
+def hf_as_users_run_it(model: nn.Module) -> nn.Module:
+    """transformers' default attention: SDPA."""
+    model.set_attn_implementation("sdpa")
+    return model
 
 
 def gpt2_flops(cfg, *, tokens: int, attended: int, train: bool = True) -> int:
@@ -41,5 +47,12 @@ GPT2_SPEC = ModelSpec(
     tiny=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
     original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
     flops=gpt2_flops,
+    bench=BenchSettings(
+        variant="gpt2", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
+        deterministic=dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        sizes={"bench": Workload("4x256, 8 seqs in [1,512]", dict(n_layer=4, n_embd=256, n_head=4), batch=8, max_len=512),
+               "tour": Workload("GPT-2 4x256, 8 seqs of 1-128 tokens", dict(n_layer=4, n_embd=256, n_head=4), batch=8,
+                                max_len=128),
+               "quick": Workload("tiny GPT-2", dict(n_layer=1, n_embd=64, n_head=4, vocab_size=256), batch=4, max_len=32)}),
 )
 SPECS = (GPT2_SPEC,)

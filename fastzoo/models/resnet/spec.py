@@ -5,7 +5,7 @@ from torch import nn
 
 from fastzoo.models.resnet.convert import RESNET, TIMM_RESNET
 from fastzoo.models.resnet.model import ResNet
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
 
 def torchvision_resnet(cfg: dict) -> nn.Module:
@@ -49,5 +49,9 @@ SPEC = ModelSpec(
     tiny=dict(layers=(1, 1, 1, 1), num_classes=10),
     original=Original(torchvision_resnet, "torchvision ResNet"),
     flops=flops,
+    bench=BenchSettings(
+        variant="resnet50", library="torchvision", channels_last=True,
+        sizes={"bench": Workload("", batch=8, img_size=224), "tour": Workload("ResNet-50 at 160 px", batch=4, img_size=160),
+               "quick": Workload("ResNet, 1 block a stage, 64 px", dict(layers=(1, 1, 1, 1)), batch=2, img_size=64)}),
 )
 SPECS = (SPEC,)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.models.vit.convert import VIT
 from fastzoo.models.vit.model import VisionTransformer
 
@@ -19,13 +19,22 @@ def timm_vit(cfg: dict) -> nn.Module:
     return model
 
 
+def timm_as_users_run_it(model: nn.Module) -> nn.Module:
+    """timm's default attention: fused (``F.scaled_dot_product_attention``)."""
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = True
+    return model
+
+
 def _variant(name: str, timm: str, embed_dim: int, depth: int, num_heads: int, what: str) -> Variant:
     return Variant(name, dict(img_size=224, patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads),
                    f"{what} at 224x224, as timm's {timm}", f"timm {timm}", timm=timm)
 
 
-def flops(cfg, *, batch: int, train: bool = True) -> int:
-    """Matmul FLOPs of one step on ``batch`` images (2 per multiply-add; a backward is twice a forward)."""
+def flops(cfg, *, batch: int, img_size: int | None = None, train: bool = True) -> int:
+    """Matmul FLOPs of one step on ``batch`` images (2 per multiply-add; a backward is twice a forward);
+    the images' side is the config's (``img_size``, when given, must equal it)."""
     side = (cfg.img_size,) * 2 if isinstance(cfg.img_size, int) else tuple(cfg.img_size)
     patches = (side[0] // cfg.patch_size) * (side[1] // cfg.patch_size)
     S, D = patches + int(cfg.class_token) + cfg.reg_tokens, cfg.embed_dim
@@ -49,5 +58,11 @@ SPEC = ModelSpec(
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
     flops=flops,
+    bench=BenchSettings(
+        variant="vit_s16", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",
+        sizes={"bench": Workload("", batch=8),
+               "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=4),
+               "quick": Workload("tiny ViT", dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
+                                                  num_classes=10), batch=4)}),
 )
 SPECS = (SPEC,)
