@@ -15,8 +15,11 @@ no dropout").
     >>> report.rows[0].executed
     ['aten::_scaled_dot_product_flash_attention_for_cpu']
 
-The op names the third-party libraries register (flash_attn::, xformers, Transformer Engine,
-NKI) follow their documentation and are not verified on hardware.
+kernel_report knows no backend by name: each backend declares the ops its kernels show in a
+profile (``kernel_ops``) and, per call, which of them prove the requested kernel ran and what
+it may run instead (``kernel_profile``). The op names the third-party libraries register
+(flash_attn::, xformers, Transformer Engine, NKI) follow their documentation and are not
+verified on hardware.
 """
 from __future__ import annotations
 
@@ -31,39 +34,12 @@ from torch.profiler import ProfilerActivity, profile
 from fastzoo import kernel_ranges
 from fastzoo.errors import FastzooError
 
-# Ops that are an attention kernel (forward or backward), as the profiler names them.
-_ATTENTION_OP = re.compile(
-    r"::_scaled_dot_product_\w+|::_flash_attention_\w+|::_efficient_attention_\w+|::_cudnn_attention\w*"
-    r"|flash_attn\w*::|xformers|FlexAttention|flex_attention|varlen_attn|FusedAttn|fused_attn|nki",
-    re.IGNORECASE,
-)
 # Ops that are a loss kernel: fastzoo's own ops, torch's cross-entropy family, the chunked
 # linear cross-entropy's autograd node.
 _LOSS_OP = re.compile(r"^fastzoo::|cross_entropy|nll_loss|log_softmax|LinearCrossEntropy")
 _DECOMPOSED = ("aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax_backward_data")
 _ALLOCATION = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::to", "aten::_to_copy", "aten::contiguous",
                "aten::clone", "aten::copy_", "aten::zeros", "aten::zero_", "aten::fill_", "aten::resize_"}
-_SDPA_OPS = {
-    ("flash", "cpu"): "aten::_scaled_dot_product_flash_attention_for_cpu",
-    ("flash", "cuda"): "aten::_scaled_dot_product_flash_attention",
-    ("efficient", "cuda"): "aten::_scaled_dot_product_efficient_attention",
-    ("cudnn", "cuda"): "aten::_scaled_dot_product_cudnn_attention",
-    ("math", "cpu"): "aten::_scaled_dot_product_attention_math",
-    ("math", "cuda"): "aten::_scaled_dot_product_attention_math",
-}
-_SDPA_MATH = "aten::_scaled_dot_product_attention_math"
-# what each third-party path registers or launches (documented names; not verified on hardware)
-_LIBRARY_OPS = {
-    "fa2": r"flash_attn::|flash_fwd",
-    "fa3": r"flash_attn_3::|flash_attn_interface|flash_fwd|FlashAttnFwd",
-    "te": r"FusedAttn|fused_attn|cudnn|fmha|flash",
-    "xformers": r"xformers|fmha|cutlass",
-    "neuron": r"nki|flash_fwd",
-    "torch": r"::_flash_attention_forward|varlen_attn",
-    "flash": r"flash_attn::|flash_fwd",
-    "flex": r"FlexAttention|flex_attention|triton_tem",
-}
-
 
 class KernelFallbackError(FastzooError, RuntimeError):
     """A requested kernel did not run. ``.explanation`` holds the full report."""
@@ -152,112 +128,49 @@ def _span(first: str, last: str) -> str:
 
 
 # -- what each backend call asked for --------------------------------------------------------------
-@dataclass
-class _Call:
-    device: str
-    dtype: torch.dtype
-    dropout_p: float
-    causal: bool
-    padded: bool
-    packed: bool
-    impl: str | None = None  # varlen's pick for this call
-    compiled: bool = False
-
-
 class _Spy:
     """Stands in for a layer's backend while explaining: the same object to the model (attribute
-    reads go through), each call inside the layer's profiler range, its facts recorded."""
+    reads go through), each call inside the layer's profiler range, the kernel profile the
+    backend declares for it recorded."""
 
     def __init__(self, backend, path: str):
-        self._backend, self._path, self.calls = backend, path, []
+        self._backend, self._path, self.profiles = backend, path, []
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
     def __call__(self, q_BHSD, k_BHSD, v_BHSD, ctx):
-        call = _Call(q_BHSD.device.type, q_BHSD.dtype, ctx.dropout_p, ctx.causal,
-                     ctx.key_padding_mask is not None, ctx.cu_seqlens is not None,
-                     compiled=torch.compiler.is_compiling())
-        if getattr(self._backend, "name", None) == "varlen" and q_BHSD.numel():
+        if q_BHSD.numel():
             try:
-                call.impl = self._backend.pick(q_BHSD, ctx)
+                self.profiles.append(self._backend.kernel_profile(q_BHSD, k_BHSD, ctx))
             except FastzooError:
                 pass  # the call below raises it with the backend's own message
-        self.calls.append(call)
-        with kernel_ranges.kernel_range("attention", self._path, _backend_label(self._backend)):
+        with kernel_ranges.kernel_range("attention", self._path, self._backend.label()):
             return self._backend(q_BHSD, k_BHSD, v_BHSD, ctx)
 
 
-def _backend_label(backend) -> str:
-    opts = {k: v for k, v in getattr(backend, "opts", {}).items() if v != type(backend).options.get(k)}
-    args = ", ".join(f"{k}={v}" for k, v in opts.items() if not callable(v))
-    return f"{backend.name}" + (f" ({args})" if args else "")
+def _attention_ops() -> re.Pattern:
+    """Ops that are an attention kernel (forward or backward): the union of what every
+    registered backend declares (``kernel_ops``)."""
+    from fastzoo.attention import backend_class, list_attention
+
+    declared = [backend_class(n).kernel_ops for n in list_attention()]
+    return re.compile("|".join(f"(?:{p})" for p in dict.fromkeys(declared) if p), re.IGNORECASE)
 
 
-@dataclass
-class _Expect:
-    requested: str
-    accepts: Callable[[list[str]], bool]
-    why_not: Callable[[list[str]], str]
-
-
-def _expectation(backend, call: _Call) -> _Expect:
-    """The kernel ``backend`` was asked for on this call, and how to tell it ran."""
-    name, opts, dev = backend.name, getattr(backend, "opts", {}), call.device
-    label = _backend_label(backend)
-    if name == "sdpa":
-        kernel = opts.get("sdpa_backend")
-        if kernel is None:
-            return _Expect(
-                f"{label}: a fused SDPA kernel (PyTorch picks; math is its fallback)",
-                lambda ran: any(n.startswith("aten::_scaled_dot_product") and n != _SDPA_MATH for n in ran),
-                lambda ran: _sdpa_math_reason(call) if _SDPA_MATH in ran else "no SDPA kernel seen",
-            )
-        op = _SDPA_OPS.get((kernel, dev), f"SDPA's {kernel} kernel")
-        return _Expect(f"{label}: {op}", lambda ran: op in ran, lambda ran: f"SDPA ran {', '.join(ran) or 'no kernel'}")
-    if name == "eager":
-        return _Expect(f"{label}: matmul-softmax-matmul", lambda ran: not any(_ATTENTION_OP.search(n) for n in ran),
-                       lambda ran: "a fused kernel ran instead")
-    if name == "nested":
-        if dev == "cpu" and call.causal:
-            why = "PyTorch's jagged NestedTensor SDPA has no causal kernel on CPU: ran dense SDPA per sequence (varlen's cpu kernel)"
-        else:
-            why = "the NestedTensor path did not run"
-        return _Expect(f"{label}: jagged NestedTensor SDPA", lambda ran: any("_nested" in n for n in ran), lambda ran: why)
-    if name == "varlen":
-        impl = call.impl or opts.get("impl")
-        asked = opts.get("impl") or f"best here -> {impl}"
-        if impl == "cpu":
-            return _Expect(f"{label}: impl={asked}: dense SDPA per sequence",
-                           lambda ran: any(n.startswith("aten::_scaled_dot_product") for n in ran),
-                           lambda ran: "no SDPA kernel seen")
-        return _library_expect(f"{label}: impl={asked}", impl)
-    if name == "flex":
-        compiled = opts.get("compile") if opts.get("compile") is not None else dev == "cuda"
-        return _library_expect(f"{label}: FlexAttention" + (" (compiled)" if compiled else " (not compiled)"), "flex")
-    if name in _LIBRARY_OPS:
-        return _library_expect(label, name)
-    return _Expect(f"{label} (user backend)", lambda ran: True, lambda ran: "")
-
-
-def _library_expect(requested: str, key: str | None) -> _Expect:
-    pattern = re.compile(_LIBRARY_OPS.get(key, r"$^"), re.IGNORECASE)
-    return _Expect(requested, lambda ran: any(pattern.search(n) for n in ran),
-                   lambda ran: f"none of its ops ({pattern.pattern}) ran")
-
-
-def _sdpa_math_reason(call: _Call) -> str:
-    """Why SDPA's dispatcher took math: PyTorch's own checks, restated (CPU) or asked (CUDA)."""
-    if call.device == "cpu":
-        if call.dropout_p > 0:
-            return f"PyTorch's CPU flash kernel takes no dropout (dropout_p={call.dropout_p:g} in training mode)"
-        if call.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            return f"PyTorch's CPU flash kernel takes no {call.dtype}"
-        return "PyTorch's dispatcher chose math (torch._fused_sdp_choice)"
-    known = "flash and cuDNN take fp16/bf16 only; " if call.dtype == torch.float32 else ""
-    return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
-            "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
-            "print each kernel's reason)")
+def _ran_as_asked(profile, ran: list[str]) -> str | None:
+    """None if ``profile``'s kernel shows among the ops that ran, else why not."""
+    if not profile.checked:
+        return None
+    if profile.ops is None:  # plain tensor ops: no fused attention op in the list
+        if all(n in _DECOMPOSED for n in ran):
+            return None
+    elif any(re.search(profile.ops, n, re.IGNORECASE) for n in ran):
+        return None
+    for pattern, why in profile.fallbacks:
+        if any(re.search(pattern, n) for n in ran):
+            return why
+    return profile.missing or f"none of its ops ({profile.ops}) ran"
 
 
 # -- reading the profile -----------------------------------------------------------------------------
@@ -267,19 +180,19 @@ def _descendants(evt):
         yield from _descendants(child)
 
 
-def _kernel_names(events) -> list[str]:
+def _kernel_names(events, attention_ops: re.Pattern) -> list[str]:
     """The attention/loss kernel ops among ``events`` (first seen first); the decomposed ops
     (bmm, softmax) if no kernel op ran."""
     events = list(events)
-    matched = {id(e) for e in events if _is_kernel(e.name)}
+    matched = {id(e) for e in events if _is_kernel(e.name, attention_ops)}
     found = list(dict.fromkeys(e.name for e in events if id(e) in matched and not _has_ancestor_in(e, matched)))
     if found:
         return found
     return list(dict.fromkeys(e.name for e in events if e.name in _DECOMPOSED))
 
 
-def _is_kernel(name: str) -> bool:
-    return not name.startswith("autograd::engine::") and bool(_ATTENTION_OP.search(name) or _LOSS_OP.search(name))
+def _is_kernel(name: str, attention_ops: re.Pattern) -> bool:
+    return not name.startswith("autograd::engine::") and bool(attention_ops.search(name) or _LOSS_OP.search(name))
 
 
 def _has_ancestor_in(evt, ids) -> bool:
@@ -364,15 +277,16 @@ def explain(model, *inputs, backward: bool = False, loss: Callable[[Any], torch.
             m.backend = spies[path]._backend
 
     events = list(prof.events())
+    attention_ops = _attention_ops()
     rows = []
     ranges = [(kernel_ranges.parse(e.name), e) for e in events]
     for path, m in layers:
         spy = spies[path]
         mine = [e for parsed, e in ranges if parsed and parsed[0] == "attention" and parsed[1] == path]
-        rows.append(_attention_row(path, spy, mine, events, backward))
+        rows.append(_attention_row(path, spy, mine, events, backward, attention_ops))
     for parsed, e in ranges:
         if parsed and parsed[0] == "loss":
-            rows.append(_loss_row(parsed, e, events, backward))
+            rows.append(_loss_row(parsed, e, events, backward, attention_ops))
     rows = _merge_loss_calls(rows)
     p = next(model.parameters(), None)
     if p is None:
@@ -401,30 +315,27 @@ def _mentions_kernels(text: str) -> bool:
     return any(w in text.lower() for w in ("kernel", "flash", "efficient attention", "sdp", "fused"))
 
 
-def _attention_row(path, spy, range_events, all_events, backward) -> KernelRow:
+def _attention_row(path, spy, range_events, all_events, backward, attention_ops) -> KernelRow:
     inside = [d for e in range_events for d in _descendants(e)]
-    ran = _kernel_names(inside)
-    row = KernelRow("attention", path, requested=_backend_label(spy._backend), executed=ran,
-                    device_kernels=_device_kernels(inside), calls=len(spy.calls))
+    ran = _kernel_names(inside, attention_ops)
+    row = KernelRow("attention", path, requested=spy._backend.label(), executed=ran,
+                    device_kernels=_device_kernels(inside), calls=len(spy.profiles))
     if backward:
-        row.executed_backward = _kernel_names(_backward_events(inside, all_events))
-    if not spy.calls:
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events), attention_ops)
+    if not spy.profiles:
         row.requested += " (not called)"
         return row
-    stories = {}
-    for call in spy.calls:
-        expect = _expectation(spy._backend, call)
-        stories.setdefault(expect.requested, expect)
+    stories = {p.requested + ("" if p.checked else " (not checked: declares no kernel_ops)"): p for p in spy.profiles}
     row.requested = "; ".join(stories)
-    misses = [e.why_not(ran) for e in stories.values() if not e.accepts(ran)]
+    misses = [why for why in (_ran_as_asked(p, ran) for p in stories.values()) if why]
     row.fallback = "; ".join(dict.fromkeys(misses)) or None
     return row
 
 
-def _loss_row(parsed, evt, all_events, backward) -> KernelRow:
+def _loss_row(parsed, evt, all_events, backward, attention_ops) -> KernelRow:
     _, name, requested = parsed
     inside = list(_descendants(evt))
-    ran = _kernel_names(inside)
+    ran = _kernel_names(inside, attention_ops)
     fused = [n for n in ran if n.startswith("fastzoo::")]
     row = KernelRow("loss", name, requested=f"{name} impl={requested}", executed=ran,
                     device_kernels=_device_kernels(inside), calls=1)
@@ -440,7 +351,7 @@ def _loss_row(parsed, evt, all_events, backward) -> KernelRow:
     elif requested in ("kernel", "auto"):
         row.fallback = "the fused op did not run"
     if backward:
-        row.executed_backward = _kernel_names(_backward_events(inside, all_events))
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events), attention_ops)
     return row
 
 

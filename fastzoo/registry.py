@@ -144,10 +144,28 @@ def create(
     feature wrapper around the model, as ``timm.create_model(..., features_only=True)``.
     """
     entry = get_entry(name)
-    spec = entry.spec
     dtype = _dtype_arg(dtype)
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
     backend_class(attn)  # an unknown backend name fails before anything is built
+    on_meta = _placement(device, pretrained)
+    src = weights.read_source(pretrained) if pretrained is not None else None
+    if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)
+        dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
+    model, changed = _build(entry, src, overrides, device, dtype, on_meta)
+    model.model_name = entry.name
+    if hasattr(model, "pretrained_cfg"):
+        known = weights.pretrained_cfg_of(src) if src is not None else None
+        model.pretrained_cfg = known or timm_pretrained_cfg(entry.timm or model.timm_architecture)
+    model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))
+    if src is not None:
+        _load(model, entry.spec, src, changed)
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    return _as_features(model, name, features)
+
+
+def _placement(device, pretrained) -> bool:
+    """Check ``device`` (and that ``pretrained`` has storage to go into); True for the meta device."""
     if device is not None:
         check_device(device)
     on_meta = torch.device(device).type == "meta" if device is not None else False
@@ -158,12 +176,15 @@ def create(
     if on_meta and pretrained is not None:
         raise ValueError("device='meta' builds a model without storage, so there is nothing to load pretrained= into: "
                          "call model.to_empty(device=...) and then fastzoo.load_pretrained(model, source)")
+    return on_meta
+
+
+def _build(entry: ModelEntry, src, overrides: dict, device, dtype, on_meta: bool):
+    """The model of the variant's config, updated by what the source decides, then by
+    ``overrides``; and the overridden fields where they differ from what the source implies."""
     cls = entry.model_class
-    src = weights.read_source(pretrained) if pretrained is not None else None
-    if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)
-        dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
     values = dict(entry.config)
-    from_weights = weights.config_from_source(spec, src) if src is not None else {}
+    from_weights = weights.config_from_source(entry.spec, src) if src is not None else {}
     values.update(from_weights)
     if src is not None and src.config_origin:  # a config.json: its names are checked as fields of that file
         cls.config_class.check_names(from_weights, what="field", where=src.config_origin)
@@ -176,25 +197,25 @@ def create(
             model = cls(cfg)
     implied = {**entry.config, **{k: v for k, v in overrides.items() if k not in from_weights}, **from_weights}
     changed = _overridden_fields(cls.config_class, implied, cfg, overrides) if src else set()
+    return model, changed
 
-    model.model_name = entry.name
-    if hasattr(cls, "pretrained_cfg"):
-        known = weights.pretrained_cfg_of(src) if src is not None else None
-        model.pretrained_cfg = known or timm_pretrained_cfg(entry.timm or cls.timm_architecture)
-    model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))
-    if src is not None:
-        state = weights.to_fastzoo(spec, src)
-        state, fresh, notes = model.adapt_checkpoint(state, changed)
-        for note in notes:
-            warnings.warn(f"{src.origin}: {note}", stacklevel=2)
-        weights.load_into(model, state, src.origin, allow_missing=fresh)
-        if getattr(cls, "eval_after_pretrained", False):  # GPT-2: transformers' from_pretrained returns eval mode
-            model.eval()
-    if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
+
+def _load(model, spec: ModelSpec, src, changed: set[str]) -> None:
+    """The source's weights into ``model``, all or nothing, fitted to the fields the user changed."""
+    state = weights.to_fastzoo(spec, src)
+    state, fresh, notes = model.adapt_checkpoint(state, changed)
+    for note in notes:
+        warnings.warn(f"{src.origin}: {note}", stacklevel=3)
+    weights.load_into(model, state, src.origin, allow_missing=fresh)
+    if getattr(model, "eval_after_pretrained", False):  # transformers' from_pretrained returns eval mode
+        model.eval()
+
+
+def _as_features(model, name: str, features: dict):
+    """timm's feature wrapper around ``model`` when ``features_only=True``, else the model."""
     if features.pop("features_only", False):
         if not hasattr(model, "as_features"):
-            raise ValueError(f"features_only=True: {name} has no feature maps to return (ViT and ResNet have)")
+            raise ValueError(f"features_only=True: {name} has no feature maps to return (image classifiers have)")
         return model.as_features(**features)
     if features:
         raise ValueError(f"{', '.join(features)} go with features_only=True")

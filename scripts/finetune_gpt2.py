@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from fastzoo.losses import IGNORE_INDEX, next_token_targets
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
 from fastzoo.train.cli import create_model, positive_int
 
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
         # num_items_in_batch=1 asks for the summed loss: the loop divides by the global count.
         # In train mode the model fuses the loss with the LM head (no logits materialised).
         out = model(**batch, num_items_in_batch=1)
-        return out.loss, (batch["labels"][:, 1:] != -100).sum()
+        targets = next_token_targets(batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
+        return out.loss, (targets != IGNORE_INDEX).sum()
 
     task = Task(model=model, train_items=train_items, collate=collate, loss=nll,
                 eval_items=eval_items, eval_step=lambda m, b: {"loss": nll(m, b)},

@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 
 from fastzoo import weights
 from fastzoo.data.boxes import collate_detection
+from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
 from fastzoo.train import distributed as D
 from fastzoo.train.cli import create_model, positive_int
@@ -137,7 +138,7 @@ def build_parser():
     g.add_argument("--synthetic", type=positive_int, metavar="N", help="N synthetic training images (N/4 for eval)")
     g.add_argument("--img-size", type=positive_int, default=512, help="images are resized to this square")
     g.add_argument("--num-queries", type=positive_int, default=None, help="box queries (default: the model's)")
-    g.add_argument("--giou", choices=["per_sample", "concat", "padded", "kernel"], default="kernel",
+    g.add_argument("--giou", choices=GIOU_LAYOUTS, default="kernel",
                    help="how the GIoU loss handles images with different box counts (default: kernel, the fused "
                         "op on the padded boxes)")
     g.add_argument("--channels-last", action="store_true", help="NHWC images and weights (faster convolutions on GPU)")

@@ -40,3 +40,28 @@ def randomize(model: nn.Module, seed: int = 1) -> nn.Module:
                 m.weight.copy_(torch.rand(n, generator=g) * 0.5 + 0.5)
                 m.bias.copy_(torch.randn(n, generator=g) * 0.1)
     return model
+
+
+def backends(*, backward: bool = False, device: str = "cpu", **needs) -> list[tuple[str, dict]]:
+    """``(name, options)`` of every registered backend, default and each declared variant (e.g.
+    ``sdpa_backend="math"``), that runs on ``device`` here, with a backward there if ``backward``,
+    and whose capabilities have each of ``needs`` (``varlen=True``, ``padding_mask=True``...).
+    The registry decides: a new backend is tested without editing a list."""
+    from fastzoo.attention import backend_class, get_backend, list_attention
+
+    out = []
+    for name in list_attention(available_only=True):
+        for options in ({}, *getattr(backend_class(name), "variants", ())):
+            try:
+                caps = get_backend(name, **options).capabilities
+            except Exception:  # a variant this machine cannot build (a kernel library missing)
+                continue
+            runs = device in caps.devices and (not backward or device in caps.backward)
+            if runs and all(getattr(caps, k) == v for k, v in needs.items()) and (name, options) not in out:
+                out.append((name, options))
+    return out
+
+
+def backend_id(b) -> str:
+    name, options = b
+    return name + "".join(f"-{v}" for v in options.values())

@@ -4,6 +4,7 @@ requests fail before running.
 
 Tolerance: fp32 CPU, max abs diff <= 1e-5 on unit-variance q/k/v (one attention op).
 """
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from fastzoo.attention.base import FP32
 from fastzoo.errors import BackendUnavailableError, UnknownBackendError
 
 TOL = 1e-5
-TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+TINY = conftest.TINY["vit"]
 
 
 def qkv(B=2, H=3, S=11, D=16):

@@ -179,32 +179,42 @@ def test_parity_train_short_run_agrees_across_backends():
 
 
 def test_giou_suite_every_layout_matches_torchvision():
-    from fastzoo.bench.giou import GIoUSetting, giou_suite
+    from fastzoo.bench.giou import FLOOR_LABEL, GIoUSetting, giou_suite
 
-    report = run_suite(giou_suite(GIoUSetting("tiny", 4, 8, 3)), warmup=0, iters=1, progress=False)
+    report = run_suite(giou_suite(GIoUSetting("tiny", 4, 8, 3), limits=False), warmup=0, iters=1, progress=False)
     assert [r.label for r in report.rows] == ["torchvision on concatenated real pairs", "fastzoo per-sample loop",
                                               "fastzoo concat", "fastzoo padded", "fastzoo kernel",
                                               "fastzoo padded kernel (mask)", "fastzoo padded kernel (validity from target)",
-                                              "torchvision (pairs given)", "fastzoo kernel (pairs given)"]
+                                              FLOOR_LABEL, "torchvision (pairs given)", "fastzoo kernel (pairs given)",
+                                              FLOOR_LABEL]
     for r in report.rows:
         assert r.status == "ok", (r.label, r.note)
-        assert r.max_err <= 1e-6 and r.grad_err <= 1e-4  # fp32 mean loss of ~8 pairs; gradients relative
         assert r.throughput == pytest.approx(report.config["real boxes"] / r.median_s)
+        if r.floor:  # the floor computes no loss: nothing to compare, only its time to divide by
+            assert r.max_err is None and r.vs_floor == 1.0
+            continue
+        assert r.max_err <= 1e-6 and r.grad_err <= 1e-4  # fp32 mean loss of ~8 pairs; gradients relative
+        floor = next(f for f in report.rows if f.floor and f.group == r.group)
+        assert r.vs_floor == pytest.approx(r.median_s / floor.median_s)
 
 
 def test_linear_ce_suite_every_impl_matches_the_logits_and_reports_cpu_memory():
     from fastzoo.bench.linear_ce import LinearCESetting, linear_ce_suite
 
-    report = run_suite(linear_ce_suite(LinearCESetting("tiny", 200, 16, 500)), warmup=0, iters=1, progress=False)
-    assert [r.label.split(" ")[0] for r in report.rows] == ["reference:", "torch", "fastzoo", "fastzoo"]
+    suite = linear_ce_suite(LinearCESetting("tiny", 200, 16, 500), limits=False,
+                            large_vocab=LinearCESetting("tiny, large vocabulary", 64, 8, 900))
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert [r.label.split(" ")[0] for r in report.rows] == ["reference:", "torch", "fastzoo", "fastzoo",
+                                                            "HF:", "torch", "fastzoo"]
     for r in report.rows:
         assert r.status == "ok", (r.label, r.note)
         assert r.max_err <= 1e-5 and r.grad_err <= 1e-4  # fp32 mean loss; gradients relative
-    ref, _, fused, one_pass = report.rows
+    ref, _, fused, one_pass, hf, _, hf_fused = report.rows
     # the reference holds [200, 500] fp32 logits, their log-softmax and gradient (~400 KB each);
     # the fused paths one block of them at a time (the one-pass path: all 200 rows, once)
     assert ref.peak_mem_mib >= 3 * 200 * 500 * 4 / 2**20
     assert fused.peak_mem_mib < one_pass.peak_mem_mib < ref.peak_mem_mib
+    assert hf_fused.peak_mem_mib < hf.peak_mem_mib
 
 
 def test_matcher_suite_detr_and_fastzoo_agree():

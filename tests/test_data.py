@@ -111,3 +111,26 @@ def test_loss_bad_inputs():
         causal_lm_loss(torch.randn(2, 5, 3), torch.zeros(2, 5, dtype=torch.long), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="reduction"):
         causal_lm_loss(torch.randn(1, 5, 3), torch.zeros(1, 5, dtype=torch.long), reduction="none")
+
+
+def test_next_token_targets_shift_inside_each_sequence():
+    from fastzoo.losses import next_token_targets
+
+    b = pack(SEQS)
+    shifted = next_token_targets(b.input_ids, cu_seqlens=b.cu_seqlens)
+    assert shifted.tolist() == [[6, 7, IGNORE_INDEX, 9, 10, 11, 12, IGNORE_INDEX, IGNORE_INDEX]]
+    # pack's labels (IGNORE_INDEX on each first token) give the same targets without cu_seqlens
+    assert torch.equal(next_token_targets(b.labels), shifted)
+    assert next_token_targets(pad_to_longest(SEQS).labels)[2].tolist() == [IGNORE_INDEX] * 5
+
+
+def test_loss_takes_a_model_output_for_its_logits():
+    m = fastzoo.create("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=20, n_positions=16).eval()
+    b = pad_to_longest(SEQS)
+    with torch.no_grad():
+        out = m(b.input_ids, attention_mask=b.attention_mask)
+        assert torch.equal(causal_lm_loss(out, b.labels), causal_lm_loss(out.logits, b.labels))
+        with pytest.raises(ValueError, match="logits: the model output holds no logits"):
+            causal_lm_loss(m.train()(b.input_ids, attention_mask=b.attention_mask, labels=b.labels), b.labels)
+    with pytest.raises(TypeError, match="logits: expected a .* tensor or a model output with .logits, got dict"):
+        causal_lm_loss({"loss": torch.tensor(0.0)}, b.labels)

@@ -6,11 +6,15 @@ with the code that generates them.
 - The capability matrix in the README is `fastzoo list --markdown`, the backends' own declarations.
 - Every link from the README to a file of the repo (and to a heading of a results README) exists.
 - `benchmarks/run_all.py` regenerates a results README's tables and keeps its hand-written notes.
+- The README's "Use" and "Losses" blocks run as written (the other blocks run in the tests of
+  their part: test_explain, test_gpt2_hf_api, test_peer_api, test_configs).
 """
 import importlib.util
 import re
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -48,6 +52,54 @@ def test_capability_matrix_is_generated(capsys):
     assert main(["list", "--markdown"]) == 0
     generated = capsys.readouterr().out.strip().splitlines()
     assert lines[start:end] == generated, "README's matrix is stale: replace it by `python -m fastzoo.cli list --markdown`"
+
+
+def python_block(heading: str) -> str:
+    """The first ```python block after ``heading`` in the README."""
+    lines = readme_lines()
+    start = next(i for i in range(lines.index(heading), len(lines)) if lines[i].startswith("```python")) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))
+    return "\n".join(lines[start:end])
+
+
+def test_use_block_runs_as_written(tmp_path, monkeypatch):
+    import timm
+
+    monkeypatch.chdir(tmp_path)  # the block writes out/
+    # timm's ViT-B/16 at a tiny size: the live module defines the architecture fastzoo builds
+    tiny = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+    timm_create = timm.create_model
+    monkeypatch.setattr(timm, "create_model", lambda name, **kw: timm_create(name, **{**tiny, **kw}))
+    ns = {}
+    exec(python_block("## Use"), ns)
+    m, ref = ns["m"].eval(), ns["ref"].eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert (m(x) - ref(x)).abs().max() <= 1e-4  # fastzoo.equivalence's fp32 rule
+    assert ns["timm_sd"].keys() == ref.state_dict().keys()
+    assert (tmp_path / "out" / "config.json").exists()
+
+
+def test_losses_block_runs_as_written():
+    import torchvision
+
+    import fastzoo
+    from fastzoo.data import pack
+
+    g = torch.Generator().manual_seed(0)
+    batch = pack([[1, 2, 3], [4, 5]])
+    boxes = lambda n: torch.cat([torch.rand(n, 2, generator=g) * 0.5, 0.5 + torch.rand(n, 2, generator=g) * 0.5], -1)  # noqa: E731
+    ns = {
+        "fastzoo": fastzoo, "batch": batch, "logits": torch.randn(1, 5, 8, generator=g), "labels": batch.labels,
+        "hidden_ND": torch.randn(6, 4, generator=g), "lm_head": torch.nn.Linear(4, 8, bias=False),
+        "target_N": torch.randint(0, 8, (6,), generator=g), "pred": boxes(5), "target": boxes(5),
+        "pred_BM4": boxes(6).view(2, 3, 4), "target_BM4": boxes(6).view(2, 3, 4),
+        "mask_BM": torch.tensor([[True, True, False], [True, False, False]]),
+        "torchvision_or_timm_resnet50_or_file": torchvision.models.resnet50(),
+        "images": torch.rand(2, 3, 64, 64, generator=g), "targets": [boxes(2), boxes(0)],
+    }
+    exec(python_block("### Losses"), ns)
+    assert ns["loss"].ndim == 0 and torch.isfinite(ns["loss"]) and ns["loss"].requires_grad
 
 
 def _anchor(heading: str) -> str:

@@ -4,23 +4,23 @@ import pytest
 import torch
 import transformers
 
+import conftest
 import fastzoo
+from conftest import backends
 from fastzoo import equivalence
 from fastzoo.data import nested, pack, pad_to_longest
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.losses import causal_lm_loss
 from fastzoo.models.decoder.convert import GPT2 as HF_CONVERTER
 
-TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+TINY = conftest.TINY["gpt2"]
 LOGIT_TOL = equivalence.FP32_OUT_ATOL  # fastzoo.equivalence's rule: fp32 CPU, same weights (1e-4)
 GRAD_RTOL = equivalence.FP32_GRAD_RTOL  # gradients: relative to each tensor's scale (1e-4; fastzoo.equivalence's rule)
 
-# every backend that trains on CPU (flex has no CPU backward: inference tests below)
-TRAIN_BACKENDS = [
-    ("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"}),
-    ("nested", {}), ("varlen", {}), ("varlen", {"impl": "cpu"}),
-]
-ALL_BACKENDS = TRAIN_BACKENDS + [("flex", {}), ("varlen", {"impl": "flex"})]
+# from the registry: every backend that trains on CPU; ALL_BACKENDS adds those without a CPU
+# backward (flex, varlen's flex impl: inference tests below)
+TRAIN_BACKENDS = backends(backward=True)
+ALL_BACKENDS = backends()
 IDS = lambda b: f"{b[0]}{'-' + '-'.join(map(str, b[1].values())) if b[1] else ''}"  # noqa: E731
 
 

@@ -5,6 +5,7 @@ import copy
 import pickle
 import tempfile
 
+import conftest
 import pytest
 import torch
 import transformers
@@ -13,7 +14,7 @@ import fastzoo
 from fastzoo.data import pack, pad_to_longest
 from fastzoo.models.decoder.convert import GPT2 as HF_CONVERTER
 
-TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+TINY = conftest.TINY["gpt2"]
 TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, same weights
 LOSS_TOL = 1e-5  # a mean cross-entropy in fp32, summed in another order
 GRAD_RTOL = 1e-4  # relative to each gradient's largest entry

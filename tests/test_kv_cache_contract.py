@@ -152,8 +152,9 @@ def test_packed_keys_never_reach_another_sequence(name, opts):
 @pytest.mark.parametrize("cu_k,why", [
     ([0, 4, 7, 13], "like cu_seqlens"),  # one sequence short
     ([0, 4, 5, 13, 14], "at least as many keys as queries"),  # sequence 1: 3 queries, 1 key
-    ([0, 4, 7, 13, 15], "from 0 to the number of keys"),
-    ([1, 4, 7, 13, 14], "from 0 to the number of keys"),
+    ([0, 4, 7, 13, 15], "must end at 14 \\(the number of keys\\)"),
+    ([1, 4, 7, 13, 14], "must start at 0"),
+    ([0, 4, 4, 13, 14], "strictly increasing"),
 ])
 @pytest.mark.parametrize("name,opts", PACKED, ids=str)
 def test_bad_key_offsets_are_refused_naming_cu_seqlens_k(name, opts, cu_k, why):

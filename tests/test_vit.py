@@ -20,22 +20,20 @@ import torch
 from timm.layers import LayerNorm
 from torch import nn
 
+import conftest
 import fastzoo
+from conftest import backends
 from fastzoo import equivalence
 from fastzoo.errors import CheckpointError
 
-TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+TINY = conftest.TINY["vit"]
 LOGIT_TOL = 1e-4
 GRAD_RTOL = 1e-4
 
-# backend name, options: every backend that runs forward AND backward on this CPU
-TRAIN_BACKENDS = [
-    ("eager", {}),
-    ("sdpa", {}),
-    ("sdpa", {"sdpa_backend": "math"}),
-    ("sdpa", {"sdpa_backend": "flash"}),  # PyTorch's C++ flash kernel on CPU
-]
-INFER_BACKENDS = TRAIN_BACKENDS + [("flex", {})]  # flex has no backward on CPU
+# backend name, options, from the registry: every backend (and variant) that runs forward AND
+# backward on this CPU; inference adds those without a CPU backward (flex)
+TRAIN_BACKENDS = backends(backward=True)
+INFER_BACKENDS = backends()
 
 
 def randomize_(model: nn.Module, seed: int = 1) -> nn.Module:

@@ -6,6 +6,7 @@ The reference is randomised to O(1) scale (test_vit.randomize_), so "same functi
 import json
 from functools import partial
 
+import conftest
 import pytest
 import timm
 import torch
@@ -16,7 +17,7 @@ import fastzoo
 from fastzoo.errors import CheckpointError, UnknownModelError
 from test_vit import randomize_
 
-TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+TINY = conftest.TINY["vit"]
 ARCH = dict(embed_dim=64, depth=2, num_heads=4, patch_size=8)  # what weights cannot tell
 
 

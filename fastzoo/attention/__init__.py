@@ -100,7 +100,7 @@ __all__ = [
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "kv cache", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
+                  "kv cache", "gqa", "window", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -130,6 +130,8 @@ def _matrix_row(label: str, backend: AttentionBackend) -> dict:
         "padding mask": "yes" if caps.padding_mask else "unpadded by the model" if caps.varlen else "no",
         "varlen": yes(caps.varlen),
         "kv cache": yes(caps.kv_cache),
+        "gqa": "native" if caps.gqa else "k/v repeated",
+        "window": yes(caps.window),
         "score_mod": yes(caps.score_mod),
         "dropout": yes(caps.dropout),
         "backward": "/".join(caps.backward) or "no",

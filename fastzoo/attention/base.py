@@ -22,6 +22,17 @@ FlashAttention's ``flash_attn_varlen_func(cu_seqlens_q, cu_seqlens_k, ...)`` doe
 backend serves packed keys with their own offsets if it declares both ``varlen`` and
 ``kv_cache``.
 
+Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (``Hkv`` dividing
+``Hq``; query head ``h`` reads key/value head ``h // (Hq // Hkv)``, as Llama's ``repeat_kv``).
+A backend declaring ``gqa`` takes them as they are; for any other the contract repeats them
+(:func:`repeat_kv`) before its ``forward``, so a model never repeats them itself.
+
+Sliding-window attention (``ctx.window``, Mistral's / Qwen2's ``sliding_window``): a query at
+position ``i`` sees the keys ``j`` with ``i - j < window``, itself and the ``window - 1`` keys
+before it (transformers' ``sliding_window_causal_mask_function``); it is causal, and with a KV
+cache ``i`` is the query's position among the keys (bottom-right), per packed sequence. Only
+a backend declaring ``window`` is given it; the others are refused, naming it.
+
 Each backend declares :class:`Capabilities`. Models state what they need as an
 :class:`AttnRequest`; :meth:`AttentionBackend.check` compares the two when a model is
 built or its backend is switched, so that an impossible request fails before the first
@@ -56,6 +67,8 @@ class Capabilities:
     varlen: bool = False
     score_mod: bool = False
     kv_cache: bool = False  # causal with fewer queries than keys (Sq < Sk), bottom-right aligned
+    gqa: bool = False  # takes k/v with fewer heads than q itself (else the contract repeats them)
+    window: bool = False  # sliding-window causal attention (ctx.window)
     dropout: bool = True  # attention dropout (ctx.dropout_p > 0)
     backward: tuple[str, ...] = ("cpu", "cuda")  # device types on which backward works
     compile: bool = True
@@ -89,6 +102,7 @@ class AttnContext:
     max_seqlen_k: int | None = None
     scale: float | None = None  # None: 1/sqrt(head_dim)
     dropout_p: float = 0.0
+    window: int | None = None  # sliding window: query i sees keys j with i - j < window (causal); None: all
     grid_size: tuple[int, int] | None = None  # ViT patch grid (rows, cols), for 2-D masks
     num_prefix_tokens: int = 0  # class/register tokens before the patch tokens
     _cache: dict = field(default_factory=dict, repr=False, compare=False)  # see cached()
@@ -119,13 +133,33 @@ class AttnRequest:
     padding_mask: bool = False  # the model's forward takes key-padding masks (GPT-2's attention_mask)
     varlen: bool = False  # the model's forward takes packed sequences (cu_seqlens)
     unpads: bool = False  # the model packs a padded batch itself for a backend with varlen but no padding mask
-    kv_cache: bool = False  # decoding with a KV cache: causal with Sq < Sk
+    kv_cache: bool = False  # decoding with a KV cache: causal with Sq < Sk (packed: keys with their own offsets)
+    window: bool = False  # some layer attends through a sliding window (its ctx.window)
+    gqa: bool = False  # k/v have fewer heads than q: served by any backend (repeated where not native)
     grid_2d: bool | None = None  # the model gives ctx.grid_size (ViT patches), for 2-D masks
     attn_dropout: float = 0.0  # the largest attention dropout the model is configured with
     attn_dropout_field: str = "attention dropout"  # the config field that sets it, for messages
     device: str | None = None
     dtype: torch.dtype | None = None
     backward: bool | None = None
+    at_call: bool = False  # made from one call's tensors (AttentionBackend.call_request): wording of refusals
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """What one call's requested kernel looks like in a ``torch.profiler`` trace, as the backend
+    that runs it declares (``fastzoo.explain`` asks backends; it knows none by name).
+
+    ``ops``: a regex that some executed op name matches when the requested kernel ran; None:
+    plain tensor ops only (no fused attention op may run). ``fallbacks``: ``(regex, why)`` for
+    each other op the call may run instead and why it would; ``missing``: why, when neither shows.
+    """
+
+    requested: str
+    ops: str | None
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    missing: str | None = None
+    checked: bool = True  # False: a user's backend, whose kernels fastzoo cannot know
 
 
 def package_available(name: str) -> bool:
@@ -147,6 +181,10 @@ class AttentionBackend:
     options: ClassVar[dict] = {}
     variants: ClassVar[tuple[dict, ...]] = ()  # option sets that pick another kernel: a matrix row each
     description: ClassVar[str] = ""
+    # The fused attention ops (forward and backward) this backend's kernels show in a profiler
+    # trace, as one regex; None: plain tensor ops only. fastzoo.explain recognises attention
+    # kernels by the union of these and checks each call against kernel_profile().
+    kernel_ops: ClassVar[str | None] = None
     # Names of the backends this machine runs, said in every refusal. The registry
     # (fastzoo.attention) installs it: this module sits below the registry and cannot import it.
     available_here: ClassVar[Callable[[], list[str]]] = staticmethod(lambda: [])
@@ -177,86 +215,56 @@ class AttentionBackend:
 
     def problems(self, req: AttnRequest) -> list[str]:
         """What keeps this backend (with its options) from serving ``req``; a subclass adds its own."""
-        caps = self.capabilities
-        problems = []
-        reason = unavailable(caps)
-        if reason:
-            problems.append(reason)
-        if req.device is not None and req.device not in caps.devices:
-            problems.append(f"does not run on {req.device} (runs on {'/'.join(caps.devices)})")
-        elif req.device is not None and req.dtype is not None and req.dtype not in caps.devices[req.device]:
-            problems.append(f"does not take {dtype_name(req.dtype)} on {req.device} ({caps.dtypes_text()})")
-        if caps.max_head_dim is not None and req.head_dim > caps.max_head_dim:
-            problems.append(f"supports head dim <= {caps.max_head_dim}, the model has {req.head_dim}")
-        if req.head_dim % caps.head_dim_multiple:
-            problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
-        if req.causal and not caps.causal:
-            problems.append("has no causal masking, which this model needs")
-        if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):
-            problems.append("takes no key-padding mask, which this model needs")
-        if req.varlen and not caps.varlen:
-            problems.append("takes no packed sequences (cu_seqlens), which this model needs")
-        if req.kv_cache and not caps.kv_cache:
-            problems.append("cannot attend with a KV cache (causal with fewer queries than keys), which generation needs: "
-                            "pass use_cache=False, or pick a backend with kv_cache (eager, sdpa, varlen, nested)")
-        if req.attn_dropout > 0 and not caps.dropout:
-            problems.append(
-                f"has no attention dropout, and this model is configured with {req.attn_dropout_field}={req.attn_dropout:g}: "
-                f"build it with {req.attn_dropout_field}=0.0, or pick a backend with dropout"
-            )
-        if req.backward and req.device is not None and req.device not in caps.backward:
-            problems.append(f"has no backward on {req.device} (backward on: {'/'.join(caps.backward) or 'none'})")
-        return problems
+        reason = unavailable(self.capabilities)
+        return ([reason] if reason else []) + capability_problems(self.capabilities, req)
 
     def _message(self, problems: list[str]) -> str:
         here = ", ".join(AttentionBackend.available_here())
         text = f"attention backend {self.name!r} " + "; ".join(problems)
         return text.rstrip(".") + f". Available on this machine: {here}."
 
-    def check_call(self, q: torch.Tensor, ctx: AttnContext) -> None:
-        """Cheap per-forward check of what is only known at call time (no device sync)."""
-        caps = self.capabilities
-        dev = q.device.type
-        if dev not in caps.devices:
-            raise BackendUnavailableError(self._message([f"got tensors on {dev} (runs on {'/'.join(caps.devices)})"]))
-        if q.dtype not in caps.devices[dev]:
-            raise BackendUnavailableError(
-                self._message([f"got {dtype_name(q.dtype)} on {dev} ({caps.dtypes_text()}); use autocast or .to(dtype)"])
-            )
-        if dev not in caps.backward and torch.is_grad_enabled() and q.requires_grad:
-            raise BackendUnavailableError(
-                self._message([f"has no backward on {dev}: run under torch.no_grad() / inference_mode, or pick another backend"])
-            )
-        if ctx.key_padding_mask is not None and not caps.padding_mask:
-            raise BackendUnavailableError(self._message(["takes no key-padding mask"]))
-        if ctx.cu_seqlens is not None and not caps.varlen:
-            raise BackendUnavailableError(self._message(["takes no packed sequences (cu_seqlens)"]))
-        if ctx.cu_seqlens_k is not None and not (caps.varlen and caps.kv_cache):
-            raise BackendUnavailableError(self._message([
-                "takes no separate key offsets (cu_seqlens_k: packed sequences with a KV cache)"]))
-        if ctx.dropout_p > 0 and not caps.dropout:
-            raise BackendUnavailableError(self._message(
-                [f"has no attention dropout (got dropout_p={ctx.dropout_p:g}): set the model's attention dropout to 0"]))
+    @staticmethod
+    def call_request(q: torch.Tensor, k: torch.Tensor, ctx: AttnContext) -> AttnRequest:
+        """The request one call makes, read from its tensors and context (no device sync)."""
+        Sq, Sk = q.shape[-2], k.shape[-2]
+        return AttnRequest(
+            head_dim=q.shape[-1], causal=ctx.causal, padding_mask=ctx.key_padding_mask is not None,
+            varlen=ctx.cu_seqlens is not None, kv_cache=bool(ctx.causal and Sq != Sk) or ctx.cu_seqlens_k is not None,
+            window=ctx.window is not None, gqa=k.shape[1] != q.shape[1], attn_dropout=ctx.dropout_p,
+            attn_dropout_field="dropout_p", device=q.device.type, dtype=q.dtype,
+            backward=torch.is_grad_enabled() and q.requires_grad, at_call=True,
+        )
+
+    def check_call(self, q: torch.Tensor, k: torch.Tensor, ctx: AttnContext) -> None:
+        """Per-forward check of what is only known at call time: the same rule as at create
+        (:meth:`problems`) on the call's own request (cheap: no device sync)."""
+        problems = self.problems(self.call_request(q, k, ctx))
+        if problems:
+            raise BackendUnavailableError(self._message(problems))
+
+    # -- what a profiler shows -----------------------------------------------------------
+    def label(self) -> str:
+        """The backend's name with the options that differ from its defaults (callables left out)."""
+        changed = {k: v for k, v in self.opts.items() if v != self.options.get(k) and not callable(v)}
+        return self.name + (f" ({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
+
+    def kernel_profile(self, q: torch.Tensor, k: torch.Tensor, ctx: AttnContext) -> KernelProfile:
+        """The kernel this call asks for and how a profiler shows it ran: by default any op of
+        :attr:`kernel_ops` (with none declared, plain tensor ops). Backends whose kernel
+        depends on the call (a pinned SDPA kernel, varlen's pick) say so here."""
+        return KernelProfile(self.label(), self.kernel_ops, checked=self.kernel_ops is not None)
 
     # -- compute --------------------------------------------------------------------
     def __call__(self, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         if isinstance(q_BHSD, torch.fx.Proxy):  # symbolic tracing: record the kernel; create checked the request
             return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
-        self.check_call(q_BHSD, ctx)
-        Sq, Sk = q_BHSD.shape[-2], k_BHSD.shape[-2]
-        if ctx.cu_seqlens_k is not None and ctx.cu_seqlens is None:
-            raise ValueError("cu_seqlens_k: the keys' offsets go with the queries' cu_seqlens; give both")
-        if ctx.cu_seqlens is not None and ctx.cu_seqlens_k is None and Sq != Sk:
-            raise ValueError(f"cu_seqlens: {Sq} packed queries and {Sk} keys share one set of offsets only when the "
-                             "counts are equal; give the keys' own offsets as cu_seqlens_k (a KV cache)")
-        if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
-            ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk))
-        if ctx.causal and Sq != Sk and not self.capabilities.kv_cache:
-            raise BackendUnavailableError(self._message([
-                f"cannot attend with a KV cache ({Sq} queries, {Sk} keys, causal): pass use_cache=False, "
-                "or switch to a backend with kv_cache (model.set_attention('sdpa')) for decoding"]))
+        groups = kv_groups(q_BHSD, k_BHSD, v_BHSD)
+        check_context(ctx, q_BHSD.shape[-2], k_BHSD.shape[-2])
+        self.check_call(q_BHSD, k_BHSD, ctx)
         if q_BHSD.numel() == 0:  # no queries (S == 0 or B == 0): every kernel's answer is the empty output
             return v_BHSD.new_zeros(*q_BHSD.shape[:-1], v_BHSD.shape[-1])
+        if groups > 1 and not self.capabilities.gqa:
+            k_BHSD, v_BHSD = repeat_kv(k_BHSD, groups), repeat_kv(v_BHSD, groups)
         return self.forward(q_BHSD, k_BHSD, v_BHSD, ctx)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx: AttnContext) -> torch.Tensor:
@@ -271,6 +279,95 @@ class AttentionBackend:
 _INSTANCE_IDS = itertools.count()
 
 
+def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
+    """The capability rule, written once: what of ``req`` a kernel declaring ``caps`` cannot
+    serve. ``create`` / ``set_attention`` ask it with the model's request, every call with the
+    call's own (:meth:`AttentionBackend.call_request`), and varlen's automatic pick with each
+    kernel's capabilities in turn. Availability on this machine is :func:`unavailable`."""
+    problems = []
+    at_call = req.at_call
+    dev = req.device
+    if dev is not None and dev not in caps.devices:
+        problems.append(f"{'got tensors on' if at_call else 'does not run on'} {dev} (runs on {'/'.join(caps.devices)})")
+    elif dev is not None and req.dtype is not None and req.dtype not in caps.devices[dev]:
+        problems.append(f"got {dtype_name(req.dtype)} on {dev} ({caps.dtypes_text()}); use autocast or .to(dtype)" if at_call
+                        else f"does not take {dtype_name(req.dtype)} on {dev} ({caps.dtypes_text()})")
+    if caps.max_head_dim is not None and req.head_dim > caps.max_head_dim:
+        problems.append(f"supports head dim <= {caps.max_head_dim}, the model has {req.head_dim}")
+    if req.head_dim % caps.head_dim_multiple:
+        problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
+    if req.causal and not caps.causal:
+        problems.append("has no causal masking, which this model needs")
+    if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):
+        problems.append("takes no key-padding mask, which this model needs")
+    if req.varlen and not caps.varlen:
+        problems.append("takes no packed sequences (cu_seqlens), which this model needs")
+    if req.kv_cache and not caps.kv_cache:
+        problems.append("cannot attend with a KV cache (causal with fewer queries than keys, or packed keys with their "
+                        "own offsets cu_seqlens_k), which generation needs: pass use_cache=False, or pick a backend "
+                        "with kv_cache (eager, sdpa, varlen, nested)")
+    if req.window and not caps.window:
+        problems.append("has no sliding-window attention (window), which this model needs: pick a backend with "
+                        "window (eager, sdpa, flex, varlen)")
+    if req.attn_dropout > 0 and not caps.dropout:
+        problems.append(
+            f"has no attention dropout (got dropout_p={req.attn_dropout:g}): set the model's attention dropout to 0"
+            if at_call else
+            f"has no attention dropout, and this model is configured with {req.attn_dropout_field}={req.attn_dropout:g}: "
+            f"build it with {req.attn_dropout_field}=0.0, or pick a backend with dropout"
+        )
+    if req.backward and dev is not None and dev not in caps.backward:
+        problems.append(f"has no backward on {dev}: run under torch.no_grad() / inference_mode, or pick another backend"
+                        if at_call else f"has no backward on {dev} (backward on: {'/'.join(caps.backward) or 'none'})")
+    return problems
+
+
+def kv_groups(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor) -> int:
+    """How many query heads share one key/value head (1 without grouped-query attention)."""
+    Hq, Hk = q_BHSD.shape[1], k_BHSD.shape[1]
+    if v_BHSD.shape[1] != Hk or Hq % Hk:
+        raise ValueError(f"k, v: grouped-query attention needs as many key as value heads, dividing the {Hq} query "
+                         f"heads (num_kv_heads divides num_heads); got k {tuple(k_BHSD.shape)}, v {tuple(v_BHSD.shape)}")
+    return Hq // Hk
+
+
+def repeat_kv(x_BHSD: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, Hkv, S, D]`` -> ``[B, Hkv * groups, S, D]``: each key/value head serves ``groups``
+    consecutive query heads (Llama's ``repeat_kv``, SDPA's ``enable_gqa``). The one place K/V
+    are repeated, for backends that do not declare ``gqa``."""
+    if groups == 1:
+        return x_BHSD
+    B, H, S, D = x_BHSD.shape
+    return x_BHSD[:, :, None].expand(B, H, groups, S, D).reshape(B, H * groups, S, D)
+
+
+def check_context(ctx: AttnContext, Sq: int, Sk: int) -> None:
+    """Refuse a context that does not fit the call's sizes, naming the argument (the packed
+    key offsets read once per forward: one host read)."""
+    if ctx.cu_seqlens_k is not None and ctx.cu_seqlens is None:
+        raise ValueError("cu_seqlens_k: the keys' offsets go with the queries' cu_seqlens; give both")
+    if ctx.cu_seqlens is not None and ctx.cu_seqlens_k is None and Sq != Sk:
+        raise ValueError(f"cu_seqlens: {Sq} packed queries and {Sk} keys share one set of offsets only when the "
+                         "counts are equal; give the keys' own offsets as cu_seqlens_k (a KV cache)")
+    if ctx.window is not None and (not ctx.causal or isinstance(ctx.window, bool) or int(ctx.window) < 1):
+        raise ValueError(f"window: a sliding window is a positive number of keys on a causal context (query i sees "
+                         f"keys j with i - j < window), got window={ctx.window!r} with causal={ctx.causal}")
+    if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
+        ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk))
+
+
+def check_offsets(name: str, first: int, shortest: int, last: int, total: int, what: str) -> None:
+    """The rule for packed offsets, written once: ``[N+1]`` offsets from 0 to ``total`` (the
+    number of ``what``), strictly increasing (no empty sequence). Takes the values already read
+    on the host (callers batch that read with their other checks)."""
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {first}")
+    if shortest <= 0:
+        raise ValueError(f"{name} must be strictly increasing (no empty sequence), got a sequence of {shortest}")
+    if last != total:
+        raise ValueError(f"{name} must end at {total} (the number of {what}), got {last}")
+
+
 def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> None:
     """Refuse key offsets (``ctx.cu_seqlens_k``) that do not fit the keys, naming the argument:
     as many sequences as the queries' offsets, from 0 to ``total_k``, each with at least as
@@ -281,8 +378,7 @@ def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
                          f"got shape {tuple(cu_seqlens_k.shape)}")
     cu_k, cu_q = cu_seqlens_k.long().cpu(), cu_seqlens_q.long().cpu()
     len_k, len_q = cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1]
-    if int(cu_k[0]) != 0 or int(cu_k[-1]) != total_k:
-        raise ValueError(f"cu_seqlens_k must run from 0 to the number of keys ({total_k}), got {cu_k.tolist()}")
+    check_offsets("cu_seqlens_k", int(cu_k[0]), int(len_k.min()), int(cu_k[-1]), total_k, "keys")
     if bool((len_k < len_q).any()):
         raise ValueError(f"cu_seqlens_k: each sequence needs at least as many keys as queries (the queries are "
                          f"its last positions), got key lengths {len_k.tolist()} for query lengths {len_q.tolist()}")
@@ -352,6 +448,9 @@ class FunctionBackend(AttentionBackend):
     """Wraps a user's ``fn(q_BHSD, k_BHSD, v_BHSD, ctx) -> o_BHSD`` with declared capabilities."""
 
     fn: ClassVar[Callable]
+
+    def kernel_profile(self, q, k, ctx):
+        return KernelProfile(f"{self.label()} (user backend)", None, checked=False)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         return type(self).fn(q_BHSD, k_BHSD, v_BHSD, ctx)

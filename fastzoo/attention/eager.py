@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 
 
 class EagerBackend(AttentionBackend):
@@ -20,6 +20,7 @@ class EagerBackend(AttentionBackend):
         varlen=True,
         score_mod=True,
         kv_cache=True,
+        window=True,
         verified="reference (CPU fp32)",
     )
     options = {"score_mod": None, "mask_mod": None, "softcap": 50.0, "window": 128, "radius": 3}
@@ -31,6 +32,9 @@ class EagerBackend(AttentionBackend):
 
     def problems(self, req):
         return super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
+
+    def kernel_profile(self, q, k, ctx):
+        return KernelProfile(f"{self.label()}: matmul-softmax-matmul", None, missing="a fused kernel ran instead")
 
     def _allowed(self, ctx, B, H, Sq, Sk, device):
         """This call's bool mask, broadcastable to [B, H, Sq, Sk] (None: no mask); built once per forward."""
@@ -46,7 +50,7 @@ class EagerBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         if score_mod is not None:
             scores_BHSS = masks.apply_score_mod(score_mod, scores_BHSS)
-        allowed = ctx.cached((self.uid, "dense_mask", B, H, Sq, Sk),
+        allowed = ctx.cached((self.uid, "dense_mask", B, H, Sq, Sk, ctx.window),
                              lambda: self._allowed(ctx, B, H, Sq, Sk, q_BHSD.device))
         if allowed is not None:
             scores_BHSS = scores_BHSS.masked_fill(~allowed, float("-inf"))

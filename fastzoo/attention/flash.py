@@ -28,6 +28,7 @@ import torch
 
 from fastzoo.attention.base import HALF, Capabilities
 from fastzoo.attention.library import LibraryBackend
+from fastzoo.attention.masks import flash_window_size
 
 
 def _out(result):
@@ -56,7 +57,7 @@ def _check_bottom_right_version(module_name: str, causal: bool) -> None:
 
 
 def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
-               cu_seqlens_k=None, max_seqlen_k=None) -> torch.Tensor:
+               cu_seqlens_k=None, max_seqlen_k=None, window=None) -> torch.Tensor:
     """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 (the
     keys' own ``cu_seqlens_k`` with a KV cache: causal is then bottom-right per sequence)."""
     from flash_attn import flash_attn_varlen_func
@@ -67,7 +68,7 @@ def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dr
         _check_bottom_right_version("flash_attn", causal)
     return flash_attn_varlen_func(
         q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
-        dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+        dropout_p=dropout_p, softmax_scale=scale, causal=causal, window_size=flash_window_size(window),
     )
 
 
@@ -79,6 +80,7 @@ def _no_dropout(dropout_p: float) -> None:
 class Fa2Backend(LibraryBackend):
     name = "fa2"
     description = "FlashAttention-2 (flash-attn): flash_attn_func / flash_attn_varlen_func"
+    kernel_ops = r"flash_attn::|flash_fwd|flash_bwd"  # its torch.library ops (flash_attn::_flash_attn_forward) and CUDA kernels
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
@@ -87,17 +89,20 @@ class Fa2Backend(LibraryBackend):
         compile=True,  # flash-attn >= 2.6 registers its kernels as torch.library custom ops
         max_head_dim=256,
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned (flash-attn >= 2.1)
+        gqa=True,  # k/v with fewer heads than q, as they are
+        window=True,  # window_size=(left, right), flash-attn >= 2.3
         min_cuda_capability=(8, 0),
         packages=("flash_attn",),
         install="pip install flash-attn --no-build-isolation",
         verified="not verified on hardware",
     )
 
-    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None):
         from flash_attn import flash_attn_func
 
         _check_bottom_right("flash_attn", q_BSHD, k_BSHD, causal)
-        return flash_attn_func(q_BSHD, k_BSHD, v_BSHD, dropout_p=dropout_p, softmax_scale=scale, causal=causal)
+        return flash_attn_func(q_BSHD, k_BSHD, v_BSHD, dropout_p=dropout_p, softmax_scale=scale, causal=causal,
+                               window_size=flash_window_size(window))
 
     varlen = staticmethod(fa2_varlen)
 
@@ -105,6 +110,7 @@ class Fa2Backend(LibraryBackend):
 class Fa3Backend(LibraryBackend):
     name = "fa3"
     description = "FlashAttention-3 for Hopper (flash_attn_interface); no dropout"
+    kernel_ops = r"flash_attn_3::|flash_attn_interface|flash_fwd|flash_bwd|FlashAttnFwd|FlashAttnBwd"
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,
@@ -115,24 +121,27 @@ class Fa3Backend(LibraryBackend):
         max_head_dim=256,
         head_dim_multiple=8,  # FA3 takes head dims that are multiples of 8 only (it does not pad them, unlike fa2)
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned, as in FlashAttention-2 >= 2.1
+        gqa=True,
+        window=True,
         min_cuda_capability=(9, 0),
         packages=("flash_attn_interface",),
         install="cd flash-attention/hopper && pip install --no-build-isolation .",  # source build: no PyPI wheel
         verified="not verified on hardware",
     )
 
-    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p):
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None):
         _no_dropout(dropout_p)
         from flash_attn_interface import flash_attn_func
 
-        return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal))
+        return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal,
+                                    window_size=flash_window_size(window)))
 
     def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
-               cu_seqlens_k=None, max_seqlen_k=None):
+               cu_seqlens_k=None, max_seqlen_k=None, window=None):
         _no_dropout(dropout_p)
         from flash_attn_interface import flash_attn_varlen_func
 
         if cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
         return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
-                                           softmax_scale=scale, causal=causal))
+                                           softmax_scale=scale, causal=causal, window_size=flash_window_size(window)))

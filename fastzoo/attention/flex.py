@@ -21,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.errors import BackendUnavailableError
 
 _compiled_flex = {}
@@ -69,6 +69,8 @@ class FlexBackend(AttentionBackend):
         varlen=True,
         score_mod=True,
         kv_cache=True,
+        gqa=True,  # flex_attention(enable_gqa=True)
+        window=True,  # the context's window joins its mask_mod
         dropout=False,
         backward=("cuda",),
         verified="CPU fp32 inference, uncompiled (torch 2.14.1); compiled on CPU refused",
@@ -77,6 +79,12 @@ class FlexBackend(AttentionBackend):
         "score_mod": None, "mask_mod": None, "block_mask": None,
         "softcap": 50.0, "window": 128, "radius": 3, "compile": None,
     }
+
+    kernel_ops = r"FlexAttention|flex_attention|triton_tem"
+
+    def kernel_profile(self, q, k, ctx):
+        compiled = self.opts["compile"] if self.opts["compile"] is not None else q.is_cuda
+        return KernelProfile(f"{self.label()}: FlexAttention ({'compiled' if compiled else 'not compiled'})", self.kernel_ops)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -95,14 +103,14 @@ class FlexBackend(AttentionBackend):
             problems.append(CPU_COMPILE_REFUSAL)
         return problems
 
-    def check_call(self, q, ctx):
-        super().check_call(q, ctx)
+    def check_call(self, q, k, ctx):
+        super().check_call(q, k, ctx)
         if not q.is_cuda and (self.opts["compile"] or torch.compiler.is_compiling()):
             _refuse_compiled_on_cpu(self)
 
     def _block_mask(self, ctx, B, Sq, Sk, device):
         user = self.opts["block_mask"]
-        context_masks = ctx.causal or ctx.key_padding_mask is not None or ctx.cu_seqlens is not None
+        context_masks = ctx.causal or ctx.key_padding_mask is not None or ctx.cu_seqlens is not None  # (window: causal)
         if user is not None and not context_masks:
             if tuple(user.seq_lengths) != (Sq, Sk):
                 raise ValueError(f"block_mask was built for {tuple(user.seq_lengths)} tokens, the input has ({Sq}, {Sk})")
@@ -116,9 +124,9 @@ class FlexBackend(AttentionBackend):
             return None
         if ctx.key_padding_mask is not None or ctx.cu_seqlens is not None:  # depends on this batch: once per forward
             batch = B if ctx.key_padding_mask is not None else None
-            return ctx.cached((self.uid, "block_mask", B, Sq, Sk),
+            return ctx.cached((self.uid, "block_mask", B, Sq, Sk, ctx.window),
                               lambda: create_block_mask(mask_mod, batch, None, Sq, Sk, device=device))
-        key = (Sq, Sk, str(device), ctx.causal, ctx.grid_size, ctx.num_prefix_tokens)
+        key = (Sq, Sk, str(device), ctx.causal, ctx.window, ctx.grid_size, ctx.num_prefix_tokens)
         if key not in self._block_masks:
             self._block_masks[key] = create_block_mask(mask_mod, None, None, Sq, Sk, device=device)
         return self._block_masks[key]
@@ -129,4 +137,5 @@ class FlexBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         compile_ = self.opts["compile"]
         compile_ = q_BHSD.is_cuda if compile_ is None else compile_
-        return _flex_fn(compile_)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale)
+        return _flex_fn(compile_)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale,
+                                  enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])

@@ -12,7 +12,9 @@ mask: a model unpads a padded batch into a packed one once per forward
 Causal attention with fewer queries than keys (a KV cache) is bottom-right aligned in the
 contract; each library's dense call is given its bottom-right form (flash-attn's ``causal``
 from 2.1, TE's ``causal_bottom_right``, xFormers' ``LowerTriangularFromBottomRightMask``), so
-these backends declare ``kv_cache``. A packed call with a KV cache gives the keys their own
+these backends declare ``kv_cache``. A backend declaring ``window`` gets ``window=`` in both calls
+(FlashAttention's ``window_size=(window - 1, 0)``, :func:`fastzoo.attention.masks.flash_window_size`);
+one declaring ``gqa`` gets k/v with fewer heads than q as they are. A packed call with a KV cache gives the keys their own
 offsets (``ctx.cu_seqlens_k``), passed to each library's varlen entry point (flash-attn's
 ``cu_seqlens_k``, TE's ``cu_seqlens_kv`` with ``padding_causal_bottom_right``, xFormers'
 ``BlockDiagonalCausalFromBottomRightMask``).
@@ -39,6 +41,8 @@ class LibraryBackend(AttentionBackend):
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         kw = dict(causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p)
+        if ctx.window is not None:  # only a backend declaring window is called with one: its dense/varlen take window=
+            kw["window"] = ctx.window
         if ctx.cu_seqlens is None:
             q_BSHD, k_BSHD, v_BSHD = (x.transpose(1, 2) for x in (q_BHSD, k_BHSD, v_BHSD))
             return self.dense(q_BSHD, k_BSHD, v_BSHD, **kw).transpose(1, 2)

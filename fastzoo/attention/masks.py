@@ -22,12 +22,32 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def sliding_window(window: int, is_causal: bool = True) -> MaskMod:
-    """Keys at most ``window`` positions away (behind only, if ``is_causal``)."""
+def window_from(window: int, offset: int = 0) -> MaskMod:
+    """The sliding window, transformers' ``sliding_window_overlay``: query ``i`` (key position
+    ``i + offset``: bottom-right with a KV cache) sees keys ``j`` with ``i + offset - j < window``,
+    itself and the ``window - 1`` keys before it once anded with causal. FlashAttention's form
+    of the same window is ``window_size=(window - 1, 0)`` (:func:`flash_window_size`)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        near = (q_idx - kv_idx).abs() <= window
-        return near & (q_idx >= kv_idx) if is_causal else near
+        return kv_idx > q_idx + offset - window
+
+    return mask_mod
+
+
+def flash_window_size(window: int | None) -> tuple[int, int]:
+    """``ctx.window`` as FlashAttention's ``window_size=(left, right)`` (inclusive bounds, -1 =
+    unbounded; used with causal=True): ``window - 1`` keys to the left, none to the right."""
+    return (-1, -1) if window is None else (window - 1, 0)
+
+
+def sliding_window(window: int, is_causal: bool = True) -> MaskMod:
+    """The ``mask_mod="sliding_window"`` preset: keys less than ``window`` positions away,
+    behind only if ``is_causal`` (then the context's sliding window, :func:`window_from`)."""
+    behind = window_from(window)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        near = behind(b, h, q_idx, kv_idx)
+        return near & (q_idx >= kv_idx) if is_causal else near & (kv_idx < q_idx + window)
 
     return mask_mod
 
@@ -81,32 +101,38 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def document_causal(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
-                    causal: bool, device=None) -> MaskMod:
+                    causal: bool, device=None, window: int | None = None) -> MaskMod:
     """Packed queries and keys with their own offsets (a KV cache): a query sees the keys of
     its own sequence only and, if ``causal``, bottom-right aligned per sequence: query ``i`` of
     sequence ``n`` is key position ``i + (cu_k[n+1] - cu_q[n+1])``, the queries being the
-    last positions of their sequence."""
+    last positions of their sequence; ``window`` (causal only) counts from that position."""
     cu_q, cu_k = (c if device is None else c.to(device) for c in (cu_seqlens_q, cu_seqlens_k))
     doc_q, doc_k = document_ids(cu_q, total_q), document_ids(cu_k, total_k)
     shift_q = (cu_k[1:] - cu_q[1:]).long()[doc_q.clamp(min=0)]  # the key index of query q is q + shift_q[q]
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = doc_q[q_idx] == doc_k[kv_idx]
-        return same & (kv_idx <= q_idx + shift_q[q_idx]) if causal else same
+        return same & causal_window(shift_q[q_idx], window)(b, h, q_idx, kv_idx) if causal else same
 
     return mask_mod
 
 
-def causal_from(offset: int) -> MaskMod:
+def causal_from(offset) -> MaskMod:
     """Causal, bottom-right aligned: query ``i`` is position ``i + offset`` among the keys
-    (``offset = Sk - Sq``: the keys a KV cache holds before the queries)."""
-    if offset == 0:
+    (``offset = Sk - Sq``: the keys a KV cache holds before the queries; a tensor broadcast
+    against the index grids gives each sequence its own). The one bottom-right rule."""
+    if isinstance(offset, int) and offset == 0:
         return causal
 
     def mask_mod(b, h, q_idx, kv_idx):
         return q_idx + offset >= kv_idx
 
     return mask_mod
+
+
+def causal_window(offset=0, window: int | None = None) -> MaskMod:
+    """Causal from ``offset`` (:func:`causal_from`), within a sliding ``window`` if one is given."""
+    return and_masks(causal_from(offset), window_from(window, offset) if window is not None else None)
 
 
 def padding(key_padding_mask: torch.Tensor, offset: int = 0) -> MaskMod:
@@ -183,8 +209,9 @@ def check_mod_option(name: str, value, presets) -> None:
 
 def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = None, total_k: int | None = None,
                      device=None) -> MaskMod | None:
-    """The one mask the context implies: causal, padding, packed documents, plus ``extra``;
-    evaluated on ``device`` (q's device: the offsets and the padding mask are moved there).
+    """The one mask the context implies: causal, sliding window, padding, packed documents,
+    plus ``extra``; evaluated on ``device`` (q's device: the offsets and the padding mask are
+    moved there).
 
     With fewer queries than keys (``total_k``, a KV cache) the queries are the last
     ``total_q`` positions: causal is bottom-right aligned (see ``fastzoo.attention.base``),
@@ -194,12 +221,13 @@ def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = Non
     if ctx.cu_seqlens_k is not None:  # packed with a KV cache: the keys have their own offsets
         if ctx.key_padding_mask is not None:
             raise ValueError("cu_seqlens_k: packed sequences take no key-padding mask")
-        return and_masks(document_causal(ctx.cu_seqlens, ctx.cu_seqlens_k, total_q, total_k, ctx.causal, device), extra)
+        return and_masks(document_causal(ctx.cu_seqlens, ctx.cu_seqlens_k, total_q, total_k, ctx.causal, device,
+                                         ctx.window), extra)
     if ctx.cu_seqlens is not None and offset:  # this order: under FX tracing offset is a Proxy, not a bool
         raise ValueError("cu_seqlens: fewer packed queries than keys (a KV cache) needs the keys' offsets, cu_seqlens_k")
     kpm = ctx.key_padding_mask
     return and_masks(
-        causal_from(offset) if ctx.causal else None,
+        causal_window(offset, ctx.window) if ctx.causal else None,
         padding(kpm if device is None else kpm.to(device), offset) if kpm is not None else None,
         document(ctx.cu_seqlens, total_q, device) if ctx.cu_seqlens is not None else None,
         extra,

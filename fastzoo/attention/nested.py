@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import packing
-from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities
+from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
+from fastzoo.attention.sdpa import SDPA_OPS
 from fastzoo.attention.varlen import packed_sdpa
 
 
@@ -32,6 +33,16 @@ class NestedBackend(AttentionBackend):
         devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
         verified="CPU fp32 (torch 2.14.1); CUDA jagged path not verified on hardware",
     )
+
+    kernel_ops = SDPA_OPS
+
+    def kernel_profile(self, q, k, ctx):
+        if q.device.type == "cpu" and ctx.causal:
+            why = ("PyTorch's jagged NestedTensor SDPA has no causal kernel on CPU: ran dense SDPA per sequence "
+                   "(varlen's cpu kernel)")
+        else:
+            why = "the NestedTensor path did not run"
+        return KernelProfile(f"{self.label()}: jagged NestedTensor SDPA", "_nested", missing=why)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         seqlens = packing.seqlens(ctx, q_BHSD, k_BHSD)

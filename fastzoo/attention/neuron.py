@@ -103,6 +103,7 @@ class _NkiFlashAttention(torch.autograd.Function):
 
 class NeuronBackend(AttentionBackend):
     name = "neuron"
+    kernel_ops = r"nki|flash_fwd|flash_attn_bwd"
     description = "NKI flash attention (neuronxcc.nki.kernels flash_fwd / flash_attn_bwd; Neuron SDK 2.21-2.27) on Trainium/Inf2"
     capabilities = Capabilities(
         devices={"xla": HALF},  # mixed_precision=True: bf16 matmuls, fp32 accumulation and softmax
@@ -115,11 +116,6 @@ class NeuronBackend(AttentionBackend):
         install="pip install torch-neuronx neuronx-cc --extra-index-url=https://pip.repos.neuron.amazonaws.com",
         verified="not verified on hardware",
     )
-
-    def check_call(self, q, ctx):
-        super().check_call(q, ctx)
-        if q.shape[-1] > 128:
-            raise ValueError(f"neuron: flash_fwd supports head dim <= 128, got q of shape {tuple(q.shape)}")
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         if k_BHSD.shape != q_BHSD.shape or v_BHSD.shape != q_BHSD.shape:

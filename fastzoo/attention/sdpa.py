@@ -10,13 +10,15 @@ mask built from the same ``mask_mod`` as the reference, so their meaning cannot 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
-from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities
-from fastzoo.errors import BackendUnavailableError
+import torch
+
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -24,9 +26,13 @@ _KERNELS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
-_BASE = Capabilities(devices={"cpu": FLOATS, "cuda": FLOATS}, varlen=True, kv_cache=True, verified="CPU fp32 (torch 2.14.1)")
+_BASE = Capabilities(devices={"cpu": FLOATS, "cuda": FLOATS}, varlen=True, kv_cache=True, gqa=True, window=True,
+                     verified="CPU fp32 (torch 2.14.1)")
 # What each pinned kernel takes, from PyTorch's sdp_utils checks. On CPU "flash" is
 # PyTorch's C++ flash kernel (fp32 too, masks allowed); on CUDA it is FlashAttention-2.
+# enable_gqa: flash and math take grouped k/v; the memory-efficient kernel's dense check is
+# check_batch_size_and_num_heads_dense<false> (no GQA), so it gets them repeated, as does cuDNN
+# (not shown on hardware). The sliding window is a materialised mask (a flash-on-CUDA call cannot take one).
 _KERNEL_CAPS = {
     None: _BASE,
     "math": _BASE,
@@ -34,11 +40,36 @@ _KERNEL_CAPS = {
         _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
         verified="CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding / packed refused",
     ),
-    "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, verified="not verified on hardware"),
+    "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, gqa=False, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
-        _BASE, devices={"cuda": HALF}, max_head_dim=128, min_cuda_capability=(8, 0), verified="not verified on hardware"
+        _BASE, devices={"cuda": HALF}, max_head_dim=128, min_cuda_capability=(8, 0), gqa=False,
+        verified="not verified on hardware",
     ),
 }
+
+
+# The op each pinned kernel runs, as the profiler names it
+KERNEL_OPS = {
+    ("flash", "cpu"): "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ("flash", "cuda"): "aten::_scaled_dot_product_flash_attention",
+    ("efficient", "cuda"): "aten::_scaled_dot_product_efficient_attention",
+    ("cudnn", "cuda"): "aten::_scaled_dot_product_cudnn_attention",
+    ("math", "cpu"): "aten::_scaled_dot_product_attention_math",
+    ("math", "cuda"): "aten::_scaled_dot_product_attention_math",
+}
+SDPA_OPS = r"::_scaled_dot_product_\w+|::_flash_attention_\w+|::_efficient_attention_\w+|::_cudnn_attention\w*"
+
+
+def math_reason(q, ctx) -> str:
+    """Why SDPA's dispatcher took math: PyTorch's own checks, restated (CPU) or asked (CUDA)."""
+    if q.device.type == "cpu":
+        if ctx.dropout_p > 0:
+            return f"PyTorch's CPU flash kernel takes no dropout (dropout_p={ctx.dropout_p:g} in training mode)"
+        return "PyTorch's dispatcher chose math (torch._fused_sdp_choice)"
+    known = "flash and cuDNN take fp16/bf16 only; " if q.dtype == torch.float32 else ""
+    return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
+            "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
+            "print each kernel's reason)")
 
 
 def _dense_mask(ctx, B, Sq, Sk, device):
@@ -52,6 +83,7 @@ class SdpaBackend(AttentionBackend):
     capabilities = _BASE
     options = {"sdpa_backend": None}
     variants = tuple({"sdpa_backend": k} for k in _KERNELS)
+    kernel_ops = SDPA_OPS
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -64,12 +96,22 @@ class SdpaBackend(AttentionBackend):
     def problems(self, req):
         problems = super().problems(req)
         needs = (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen),
-                 ("a bottom-right causal mask with a KV cache", req.kv_cache))
+                 ("a bottom-right causal mask with a KV cache", req.kv_cache), ("a sliding window", req.window))
         if self._mask_free and req.device == "cuda" and any(need for _, need in needs):
             takes = " and ".join(w for w, need in needs if need)
             problems.append(f"sdpa_backend='flash' on CUDA (FlashAttention-2) takes no attn_mask, and this model's forward "
                             f"takes {takes}: use sdpa_backend='efficient' or None, or the fa2 / varlen backends")
         return problems
+
+    def kernel_profile(self, q, k, ctx):
+        kernel = self.opts["sdpa_backend"]
+        if kernel is None:
+            math = KERNEL_OPS[("math", "cpu")]
+            return KernelProfile(f"{self.label()}: a fused SDPA kernel (PyTorch picks; math is its fallback)",
+                                 r"^aten::_scaled_dot_product_(?!attention_math)", ((re.escape(math), math_reason(q, ctx)),),
+                                 missing="no SDPA kernel seen")
+        op = KERNEL_OPS.get((kernel, q.device.type), f"SDPA's {kernel} kernel")
+        return KernelProfile(f"{self.label()}: {op}", f"^{re.escape(op)}$")
 
     @property
     def _mask_free(self) -> bool:
@@ -80,15 +122,14 @@ class SdpaBackend(AttentionBackend):
         B, H, Sq, _ = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
         # is_causal is top-left aligned: with a KV cache (Sq < Sk) the bottom-right mask is explicit
-        only_causal = bool(ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and Sq == Sk)  # bool: Sq == Sk is symbolic under export
+        only_causal = bool(ctx.causal and ctx.key_padding_mask is None and ctx.cu_seqlens is None and ctx.window is None
+                           and Sq == Sk)  # bool: Sq == Sk is symbolic under export
         attn_mask = None
-        if not only_causal:  # built by the first layer of a forward, reused by the others
-            attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk), lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
-        if attn_mask is not None and self._mask_free and q_BHSD.is_cuda:
-            raise BackendUnavailableError(self._message(
-                ["sdpa_backend='flash' on CUDA takes no attn_mask, and this call needs one (key padding, packed "
-                 "sequences or a KV cache's bottom-right causal mask): use sdpa_backend='efficient' or None, or fa2"]))
-        kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale)
+        if not only_causal:  # built by the first layer of a forward, reused by the others (check_call refused flash on CUDA)
+            attn_mask = ctx.cached((self.uid, "dense_mask", B, Sq, Sk, ctx.window),
+                                   lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
+        kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale,
+                      enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
         if self.kernel is None:
             return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
         with sdpa_kernel(self.kernel):

@@ -35,6 +35,7 @@ def _needs_grad(*xs) -> bool:
 class TeBackend(LibraryBackend):
     name = "te"
     description = "Transformer Engine DotProductAttention (bshd; thd with cu_seqlens)"
+    kernel_ops = r"FusedAttn|fused_attn|flash_attn::|flash_fwd|flash_bwd|UnfusedDotProductAttention"  # its cuDNN, flash and unfused paths
     capabilities = Capabilities(
         devices={"cuda": HALF},
         padding_mask=False,

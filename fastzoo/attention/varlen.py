@@ -37,21 +37,30 @@ import re
 import torch
 import torch.nn.functional as F
 
-from fastzoo.attention import packing
-from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, _device_present, unavailable
+from fastzoo.attention import masks, packing
+from fastzoo.attention.base import (
+    FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile, _device_present, capability_problems, repeat_kv,
+    unavailable,
+)
 from fastzoo.attention.flash import Fa2Backend, fa2_varlen
-from fastzoo.attention.masks import document_ids
 from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
 
+TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+# torch 2.10: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
+# torch >= 2.11: varlen_attn(..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1), ...)
+VARLEN_TAKES_SCALE = TORCH_VERSION >= (2, 11)
+
 _BASE = Capabilities(
-    devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
+    devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True, gqa=True, window=True,
     verified="CPU fp32: cpu impl (torch 2.14.1)",
 )
 _CAPS = {
     None: _BASE,  # an instance with impl=None declares _auto_capabilities(): what this machine's impls serve
     "torch": dataclasses.replace(
         _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
+        head_dim_multiple=8,  # aten's FlashAttention-2 varlen entry: head dim a multiple of 8 (it does not pad)
+        gqa=False, window=VARLEN_TAKES_SCALE,  # window_size from torch 2.11
         packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
         # kv_cache: causal runs aten's FlashAttention-2 kernel (never cuDNN: torch routes window_size != (-1, -1)
         # away from it), which aligns causal bottom-right per sequence when cu_seq_k holds more keys
@@ -87,6 +96,7 @@ def _auto_capabilities() -> Capabilities:
         devices=devices,
         dropout=any(c.dropout for c in caps),
         kv_cache=any(c.kv_cache for c in caps),
+        window=any(c.window for c in caps),
         backward=tuple(dev for dev, impls in present.items() if any(dev in _CAPS[i].backward for i in impls)),
         compile=all(c.compile for c in caps),
         max_head_dim=None if None in heads else max(heads),
@@ -97,18 +107,19 @@ def _auto_capabilities() -> Capabilities:
 
 def _slots(cu_seqlens, T: int, L: int):
     """Where each packed token goes in ``[N, L]`` slots, and each sequence's length."""
-    doc_T = document_ids(cu_seqlens, T)
+    doc_T = masks.document_ids(cu_seqlens, T)
     slot_T = doc_T * L + torch.arange(T, device=cu_seqlens.device) - cu_seqlens.long()[doc_T]
     return slot_T, (cu_seqlens[1:] - cu_seqlens[:-1]).long()
 
 
 def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0, ctx=None,
-                cu_seqlens_k=None, max_seqlen_k=None):
+                cu_seqlens_k=None, max_seqlen_k=None, window=None):
     """Exact varlen attention with dense SDPA, the CPU kernel.
 
     ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' offsets when they differ from the queries'
     (a KV cache; causal is then bottom-right aligned per sequence, see
-    ``fastzoo.attention.base``); None: the queries'.
+    ``fastzoo.attention.base``); None: the queries'. ``window``: the sliding window (causal).
+    Grouped-query k/v (fewer heads) go to SDPA as they are (``enable_gqa``).
 
     Eager: one SDPA call per sequence, costing sum(len^2) (on CPU reading the offsets costs
     no device sync). While compiling, the per-sequence loop cannot be traced into one graph,
@@ -116,9 +127,10 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
     (N * max_seqlen^2) with a mask of each sequence's keys; padding queries are dropped.
     """
     kv = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
+    gqa = k_THD.shape[1] != q_THD.shape[1]
     if torch.compiler.is_compiling():
         return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *kv, causal=causal, scale=scale,
-                          dropout_p=dropout_p, ctx=ctx)
+                          dropout_p=dropout_p, ctx=ctx, window=window)
     def build():
         bounds_q = sequence_bounds(cu_seqlens)
         return bounds_q, bounds_q if kv[0] is cu_seqlens else sequence_bounds(kv[0])
@@ -130,18 +142,14 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
         q_HLD = q_THD[qs:qe].transpose(0, 1)
         k_HLD, v_HLD = (x[ks:ke].transpose(0, 1) for x in (k_THD, v_THD))
         Lq, Lk = qe - qs, ke - ks
-        # SDPA's is_causal is top-left: with fewer queries than keys the bottom-right mask is explicit
+        # SDPA's is_causal is top-left: with fewer queries than keys, or a window, the mask is explicit
         # (one query, the last position, sees every key: no mask)
-        mask = None if not causal or Lq == Lk or Lq == 1 else _bottom_right(Lq, Lk, q_THD.device)
+        explicit = causal and (window is not None and Lk > 1 or Lq != Lk and Lq > 1)
+        mask = masks.dense_mask(masks.causal_window(Lk - Lq, window), 1, 1, Lq, Lk, q_THD.device)[0] if explicit else None
         o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, attn_mask=mask, dropout_p=dropout_p,
-                                               is_causal=causal and Lq == Lk, scale=scale)
+                                               is_causal=causal and not explicit and Lq == Lk, scale=scale, enable_gqa=gqa)
         outs.append(o_HLD.transpose(0, 1))
     return torch.cat(outs) if outs else q_THD.new_zeros(q_THD.shape[:-1] + v_THD.shape[-1:])
-
-
-def _bottom_right(Lq: int, Lk: int, device) -> torch.Tensor:
-    """``[Lq, Lk]`` bool: query i (key position i + Lk - Lq) sees keys j <= i + Lk - Lq."""
-    return torch.ones(Lq, Lk, dtype=torch.bool, device=device).tril(Lk - Lq)
 
 
 def sequence_bounds(cu_seqlens) -> list[int]:
@@ -149,7 +157,7 @@ def sequence_bounds(cu_seqlens) -> list[int]:
     return cu_seqlens.tolist()
 
 
-def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causal: bool, scale, dropout_p, ctx):
+def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causal: bool, scale, dropout_p, ctx, window):
     Tq, H, _ = q_THD.shape
     Tk = k_THD.shape[0]
     N, Lq, Lk = cu_q.numel() - 1, int(max_q), int(max_k)
@@ -158,38 +166,33 @@ def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causa
         slot_q, len_q = _slots(cu_q, Tq, Lq)
         slot_k, len_k = (slot_q, len_q) if cu_k is cu_q else _slots(cu_k, Tk, Lk)
         # key j of sequence n is real below len_k[n]; causal: query i is key position i + len_k - len_q
-        i, j = torch.arange(Lq, device=cu_q.device)[:, None], torch.arange(Lk, device=cu_q.device)[None, :]
-        allowed = j < len_k.view(N, 1, 1)
-        if causal:
-            allowed = allowed & (j <= i + (len_k - len_q).view(N, 1, 1))
-        return slot_q, slot_k, allowed.view(N, 1, Lq, Lk)
+        real = lambda b, h, q_idx, kv_idx: kv_idx < len_k.view(N, 1, 1, 1)  # noqa: E731
+        seen = masks.and_masks(real, masks.causal_window((len_k - len_q).view(N, 1, 1, 1), window) if causal else None)
+        return slot_q, slot_k, masks.dense_mask(seen, N, 1, Lq, Lk, cu_q.device)
 
-    slot_q, slot_k, allowed = build() if ctx is None else ctx.cached(("packed_sdpa_slots", Tq, Tk, Lq, Lk, causal), build)
+    slot_q, slot_k, allowed = build() if ctx is None else ctx.cached(
+        ("packed_sdpa_slots", Tq, Tk, Lq, Lk, causal, window), build)
 
     def to_slots(x_THD, slot_T, L):
-        return x_THD.new_zeros(N * L, H, x_THD.shape[-1]).index_copy(0, slot_T, x_THD).view(N, L, H, -1).transpose(1, 2)
+        return x_THD.new_zeros(N * L, x_THD.shape[1], x_THD.shape[-1]).index_copy(0, slot_T, x_THD).view(
+            N, L, x_THD.shape[1], -1).transpose(1, 2)
 
     o_NHLD = F.scaled_dot_product_attention(
         to_slots(q_THD, slot_q, Lq), to_slots(k_THD, slot_k, Lk), to_slots(v_THD, slot_k, Lk),
-        attn_mask=allowed.to(q_THD.device), dropout_p=dropout_p, scale=scale,
+        attn_mask=allowed.to(q_THD.device), dropout_p=dropout_p, scale=scale, enable_gqa=k_THD.shape[1] != H,
     )
     return o_NHLD.transpose(1, 2).reshape(N * Lq, H, -1)[slot_q]
 
 
-TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
-# torch 2.10: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
-# torch >= 2.11: varlen_attn(..., max_k, *, return_aux=None, scale=None, window_size=(-1, -1), ...)
-VARLEN_TAKES_SCALE = TORCH_VERSION >= (2, 11)
-
-
 def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
-                  cu_seqlens_k=None, max_seqlen_k=None):
+                  cu_seqlens_k=None, max_seqlen_k=None, window=None):
     from torch.nn.attention.varlen import varlen_attn
 
     kv = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     args = (cu_seqlens, kv[0], max_seqlen, kv[1])
     if VARLEN_TAKES_SCALE:
-        return varlen_attn(q_THD, k_THD, v_THD, *args, scale=scale, window_size=(-1, 0) if causal else (-1, -1))
+        window_size = masks.flash_window_size(window) if window is not None else (-1, 0) if causal else (-1, -1)
+        return varlen_attn(q_THD, k_THD, v_THD, *args, scale=scale, window_size=window_size)
     if scale is not None:  # 2.10 applies 1/sqrt(D): fold the ratio into q (exact up to one rounding)
         q_THD = q_THD * (scale * q_THD.shape[-1] ** 0.5)
     return varlen_attn(q_THD, k_THD, v_THD, *args, is_causal=causal)
@@ -201,12 +204,29 @@ def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale,
 _KERNELS = {"torch": _torch_varlen, "flash": fa2_varlen, "xformers": xformers_varlen, "cpu": packed_sdpa}
 
 
+# how each impl shows in a profiler trace
+_IMPL_OPS = {
+    "torch": r"::_flash_attention_\w+|varlen_attn",
+    "flash": Fa2Backend.kernel_ops,
+    "xformers": XformersBackend.kernel_ops,
+    "flex": r"FlexAttention|flex_attention|triton_tem",  # FlexBackend.kernel_ops (flex is imported on first use)
+    "cpu": r"^aten::_scaled_dot_product",
+}
+
+
 class VarlenBackend(AttentionBackend):
     name = "varlen"
     description = "packed sequences via cu_seqlens (impl= torch|flash|xformers|flex|cpu; default: best here)"
     capabilities = _BASE
     options = {"impl": None}
     variants = tuple({"impl": k} for k in _CAPS if k)
+    kernel_ops = "|".join(_IMPL_OPS.values())
+
+    def kernel_profile(self, q, k, ctx):
+        asked = self.opts["impl"]
+        impl = self.pick(q, k, ctx)
+        words = f"{self.label()}: impl={asked or f'best here -> {impl}'}" + (": dense SDPA per sequence" if impl == "cpu" else "")
+        return KernelProfile(words, _IMPL_OPS[impl])
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -228,43 +248,36 @@ class VarlenBackend(AttentionBackend):
         if self.opts["impl"] is not None or problems or req.device not in self.capabilities.devices:
             return problems
         # impl=None: the request must fit one impl whole, not a feature from each
-        why = {i: VarlenBackend(impl=i).problems(req) for i in _present_impls(req.device)}
+        why = {i: capability_problems(_CAPS[i], req) for i in _present_impls(req.device)}
         if all(why.values()):
             reasons = "; ".join(f"impl={i!r} {' and '.join(p)}" for i, p in why.items())
             problems.append(f"has no single kernel on {req.device} serving this model ({reasons})")
         return problems
 
-    def _fits(self, impl: str, q, ctx) -> bool:
-        caps = _CAPS[impl]
-        dev = q.device.type
-        return (
-            unavailable(caps) is None  # cached: the per-call cost is the checks below
-            and q.dtype in caps.devices.get(dev, ())
-            and (caps.max_head_dim is None or q.shape[-1] <= caps.max_head_dim)
-            and (ctx.dropout_p == 0 or caps.dropout)
-            and (ctx.cu_seqlens_k is None or caps.kv_cache)
-            and (dev in caps.backward or not (torch.is_grad_enabled() and q.requires_grad))
-        )
-
-    def pick(self, q, ctx) -> str:
-        """The impl this call runs: the forced one, else the first that fits."""
+    def pick(self, q, k, ctx) -> str:
+        """The impl this call runs: the forced one, else the first present that serves the call
+        (the capability rule on the call's request; check_call has refused a call none serves)."""
         impl = self.opts["impl"]
-        if impl is not None:  # check_call has refused what its capabilities cannot serve
+        if impl is not None:
             return impl
-        for impl in _ORDER.get(q.device.type, ()):
-            if self._fits(impl, q, ctx):
+        req = self.call_request(q, k, ctx)
+        for impl in _present_impls(q.device.type):
+            if not capability_problems(_CAPS[impl], req):
                 return impl
         raise BackendUnavailableError(self._message([f"no varlen kernel here fits {q.dtype} on {q.device.type}"]))
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
-        impl = self.pick(q_BHSD, ctx)
+        impl = self.pick(q_BHSD, k_BHSD, ctx)
         if impl == "flex":
             if self._flex is None:
                 from fastzoo.attention.flex import FlexBackend
 
                 self._flex = FlexBackend()
             return self._flex(q_BHSD, k_BHSD, v_BHSD, ctx)  # with flex's own per-call checks
+        if k_BHSD.shape[1] != q_BHSD.shape[1] and not _CAPS[impl].gqa:  # impl=None declares gqa: this kernel may not
+            k_BHSD, v_BHSD = (repeat_kv(x, q_BHSD.shape[1] // k_BHSD.shape[1]) for x in (k_BHSD, v_BHSD))
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, **packing.seqlens(ctx, q_BHSD, k_BHSD).kwargs(),
-                               causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx)
+                               causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx,
+                               **({"window": ctx.window} if ctx.window is not None else {}))  # impls with window only
         return packing.from_THD(o_THD, q_BHSD.shape[0])

@@ -63,6 +63,9 @@ def xformers_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scal
 class XformersBackend(LibraryBackend):
     name = "xformers"
     description = "xFormers memory_efficient_attention (LowerTriangularMask, BlockDiagonalMask)"
+    # its own ops, and the CUTLASS kernel it dispatches fp32 (and fp16/bf16 without flash) to,
+    # which is PyTorch's: aten::_efficient_attention_forward / _backward
+    kernel_ops = r"xformers|fmha|cutlass|::_efficient_attention_\w+"
     capabilities = Capabilities(
         devices={"cuda": FLOATS},
         padding_mask=False,

@@ -43,11 +43,12 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.errors import BackendUnavailableError, FastzooError
+from fastzoo.losses.boxes import GIOU_LAYOUTS
+from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
+from fastzoo.train.schedule import DECAYS, warmup_schedule
 
 TASKS = ("digits", "digits_canvas", "pydoc_text")
-GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
 LAYOUTS = ("padded", "packed", "nested")
-SCHEDULES = ("constant", "cosine")
 
 
 class ConfigError(FastzooError, ValueError):
@@ -168,8 +169,8 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
         raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(TASKS)}")
     if cfg.steps < 1 or cfg.eval_every < 1:
         raise ConfigError(f"{where}: steps and eval_every must be >= 1")
-    if cfg.optim.schedule not in SCHEDULES:
-        raise ConfigError(f"{where}.optim.schedule: {cfg.optim.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if cfg.optim.schedule not in DECAYS:
+        raise ConfigError(f"{where}.optim.schedule: {cfg.optim.schedule!r} is not one of {', '.join(DECAYS)}")
     if not 0 <= cfg.optim.warmup_steps < cfg.steps:
         raise ConfigError(f"{where}.optim.warmup_steps: must be >= 0 and below steps ({cfg.steps}), got {cfg.optim.warmup_steps}")
     for a in cfg.arms:
@@ -177,8 +178,8 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
             raise ConfigError(f"{where}: arm {a.name!r}: nudge must be in [0, 0.01) (a rounding-size perturbation), got {a.nudge}")
         if a.layout is not None and a.layout not in LAYOUTS:
             raise ConfigError(f"{where}: arm {a.name!r}: layout {a.layout!r} is not one of {', '.join(LAYOUTS)}")
-        if a.loss is not None and a.loss not in GIOU_MODES:
-            raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_MODES)}")
+        if a.loss is not None and a.loss not in GIOU_LAYOUTS:
+            raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_LAYOUTS)}")
     return cfg
 
 
@@ -389,15 +390,8 @@ def _optimizer(model, o: Optim):
 
 
 def _scheduler(opt, o: Optim, steps: int):
-    """Linear warm-up over ``o.warmup_steps``, then constant or a cosine decay to 0 at ``steps``."""
-    def factor(i):  # i = optimizer steps taken so far
-        if i < o.warmup_steps:
-            return (i + 1) / o.warmup_steps
-        if o.schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * (i - o.warmup_steps) / (steps - o.warmup_steps)))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    """The scripts' schedule (:mod:`fastzoo.train.schedule`): warm-up, then ``o.schedule``."""
+    return warmup_schedule(opt, warmup_steps=o.warmup_steps, total_steps=steps, decay=o.schedule)
 
 
 def _batches(n: int, batch_size: int, steps: int, seed: int):
@@ -486,17 +480,17 @@ class TextTask(Task):
         total = correct = count = 0.0
         for i in range(0, len(self.val), 32):
             loss, logits, labels = self._forward(arm, model, self.val[i:i + 32])
-            target = labels[..., 1:]
-            keep = target != -100
+            target = next_token_targets(labels)
+            keep = target != IGNORE_INDEX
             n = keep.sum().item()
             total += loss.item() * n
-            correct += ((logits[..., :-1, :].argmax(-1) == target) & keep).sum().item()
+            correct += ((logits.argmax(-1) == target) & keep).sum().item()
             count += n
         return total / count, correct / count
 
 
 def _first_ignored(seqs):
-    """Packed labels of ``seqs`` (-100 on each sequence's first token): the nested arm's targets."""
+    """Packed labels of ``seqs`` (IGNORE_INDEX on each sequence's first token): the nested arm's targets."""
     from fastzoo.data import pack
 
     return pack(seqs).labels

@@ -196,13 +196,14 @@ def cmd_bench(args) -> int:
     if args.parity_train:
         return _parity_train(args, device, dtype)
     from fastzoo.bench.harness import run_suite
-    from fastzoo.bench.limits import gemm_peaks
+    from fastzoo.bench import limits
 
     suite = build_suite(args, device, dtype)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     iters = args.iters if args.iters is not None else (3 if args.quick else 10)
-    peaks = gemm_peaks(_precisions(suite), device) if args.model not in LOSS_SUITES else {}
-    report = run_suite(suite, warmup=warmup, iters=iters, progress=not args.no_progress, peaks=peaks)
+    if args.model not in LOSS_SUITES:  # a model step beside the GEMM peak of each precision it ran in (a loss suite measures its own)
+        suite.limits = limits.measure(device, dtypes=_precisions(suite), quick=args.quick)
+    report = run_suite(suite, warmup=warmup, iters=iters, progress=not args.no_progress)
     print(report.to_markdown(f"fastzoo bench {args.model}"))
     if args.json:
         report.write_json(args.json)
@@ -217,7 +218,7 @@ def cmd_bench(args) -> int:
 
 def _precisions(suite) -> list[torch.dtype]:
     """The precisions a suite's groups run in: the GEMM peaks to measure beside them."""
-    return [suite.dtype, *(g.dtype for g in suite.groups if g.dtype is not None)]
+    return tuple(dict.fromkeys([suite.dtype, *(g.dtype for g in suite.groups if g.dtype is not None)]))
 
 
 def _parity_train(args, device, dtype) -> int:

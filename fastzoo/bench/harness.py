@@ -16,11 +16,14 @@ user would pick instead). For each case the harness
    allocator statistics and process RSS would mostly measure other things),
 4. divides the peer's median step time by the case's: the speed-up vs the peer, timed in
    the same run, so that a loaded machine shifts both sides alike; and the original's under
-   the group's own recipe by the case's (``vs_original``),
-5. puts each figure beside the machine's limit: a step that knows its FLOPs reports FLOP/s
-   and their share of the same-run GEMM peak in its precision (``peaks``, from
-   :mod:`fastzoo.bench.limits`); a case doing less work than the peer (packed sequences: no
-   padding) reports the FLOP-ratio bound of its speed-up (the peer's FLOPs / its own).
+   the group's own recipe by the case's (``vs_original``: ``Case(original=True)``);
+5. sets each figure beside the machine's limit, where the suite measured them
+   (:mod:`fastzoo.bench.limits`, same run): a step that declares its FLOPs gets its FLOP/s as a
+   share of the GEMM peak in its precision; one that declares its bytes, its bytes/s as a share of
+   the copy bandwidth; in a group with a floor case (``Case(floor=True)``: one autograd call
+   on the same tensors, timed with the others) every row gets its time ÷ the floor's; and a case
+   doing less work than the peer (packed sequences: no padding) gets the FLOP-ratio bound of
+   its speed-up (the peer's FLOPs ÷ its own).
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ from typing import Callable
 import torch
 
 from fastzoo import files
+from fastzoo.bench.limits import Limits, rate, si
+from fastzoo.bench.limits import share as share_of
 from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.text import dtype_name, markdown_table
@@ -102,7 +107,8 @@ class Step:
     run: Callable[[], object]
     items: float
     outputs: Callable[[], dict] | None = None
-    flops: float | None = None  # FLOPs of one step (the family's count), for FLOP/s and the work bound
+    flops: float | None = None  # FLOPs of one step (the work, counted from the shapes): FLOP/s vs the GEMM peak
+    bytes: float | None = None  # bytes one step must move at least: bytes/s vs the copy bandwidth
 
 
 @dataclass
@@ -113,6 +119,7 @@ class Case:
     reference: bool = False  # the eager model in the run dtype (sets the low-precision tolerance)
     compiled: bool = False
     same_names: bool = True  # parameter names equal the reference's (False: a peer library naming its own)
+    floor: bool = False  # the group's floor (limits.autograd_floor_step), not a competitor: rows get time ÷ its time
     original: bool = False  # the original library under the group's recipe: the "same recipe" speed-ups are against it
     dtype: torch.dtype | None = None  # this case's precision when not the group's (the fp32 peer of a bf16 group)
 
@@ -135,6 +142,8 @@ class Suite:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     skipped: str | None = None  # the whole suite cannot run here; says what it needs
+    limits: Limits | None = None  # measured in this run (limits.measure): the rows' shares of them
+    interleave: bool = False  # time each group's cases in rounds (run_suite's interleave), whoever runs it
 
 
 # -- results ------------------------------------------------------------------------------
@@ -156,15 +165,19 @@ class Row:
     speedup: float | None = None
     max_err: float | None = None
     grad_err: float | None = None
-    precision: str = "fp32"  # the compute precision of the group (its parity rule and its GEMM peak)
+    floor: bool = False  # this row is the group's floor
+    flop_rate: float | None = None  # FLOP/s at the median
+    flop_share: float | None = None  # of the same-run GEMM peak in the group's dtype
+    byte_rate: float | None = None  # bytes/s at the median
+    bandwidth_share: float | None = None  # of the same-run copy bandwidth (large buffers)
+    vs_floor: float | None = None  # median ÷ the floor row's median (1.0: at the floor)
+    precision: str = "fp32"  # the case's compute precision: its parity rule and its GEMM peak
     out_bound: float | None = None  # the parity bounds the errors were held to
     grad_bound: float | None = None
     original: bool = False
     vs_original: float | None = None  # speed-up vs the original under the same recipe
-    first_step_s: float | None = None  # the parity pass: build-time work such as compilation lands here
-    flop_s: float | None = None  # achieved FLOP/s at the median
-    of_peak: float | None = None  # flop_s / the same-run GEMM peak in this precision
-    work_bound: float | None = None  # the peer's FLOPs / this case's: the speed-up less work alone would give
+    first_step_s: float | None = None  # compiled: the parity pass, compilation included
+    work_bound: float | None = None  # the peer's FLOPs ÷ this case's: the speed-up less work alone would give
 
 
 @dataclass
@@ -180,7 +193,7 @@ class Report:
     rows: list[Row]
     skipped: str | None = None
     note: str = ""
-    peaks: dict = field(default_factory=dict)  # precision -> same-run GEMM FLOP/s
+    limits: dict | None = None  # Limits.to_dict() of the limits measured in this run
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
@@ -198,7 +211,9 @@ class Report:
         if not self.rows:
             return "(no rows)"
         with_setting = len({r.group for r in self.rows}) > 1
-        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) for r in self.rows])
+        columns = limit_columns(self.rows)
+        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) | limit_cells(r, columns)
+                               for r in self.rows])
 
     def to_markdown(self, title: str | None = None) -> str:
         lines = [f"## {title or self.suite}", ""]
@@ -206,11 +221,11 @@ class Report:
             lines += [f"> {self.note}", ""]
         lines.append(f"Device: **{self.device}** ({self.threads} torch threads), dtype {self.dtype}; "
                      f"warm-up {self.warmup}, median of {self.iters} runs (min-max).")
-        if self.peaks:
-            lines.append(peaks_text(self.peaks))
         lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()) + ".")
         if self.config:
             lines.append("Config: " + "; ".join(f"{k}: {v}" for k, v in self.config.items()) + ".")
+        if self.limits:
+            lines.append(f"Limits: {Limits(**self.limits).describe()}.")
         lines.append("")
         if self.skipped:
             lines.append(f"Skipped: {self.skipped}")
@@ -232,19 +247,19 @@ class Report:
             rows = [r for r in self.rows if r.group == g]
             labels = [r.label + (" (compiled)" if r.compiled else "") for r in rows]
             values = [r.throughput or 0.0 for r in rows]
-            colors = ["tab:gray" if r.peer else "tab:blue" for r in rows]
+            colors = ["tab:gray" if r.peer else ("silver" if r.floor else "tab:blue") for r in rows]
             bars = ax.barh(labels, values, color=colors)
             for bar, r in zip(bars, rows):
                 text = f" {r.speedup:.2f}x" if r.speedup is not None else f" {r.status}"
-                text += "".join(f"; {t}" for t in limit_texts(r))
+                text += limit_note(r)
                 ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
             ax.invert_yaxis()
             ax.margins(x=0.12)  # room for the speed-up labels
             ax.set_title(g, fontsize=9)
             ax.set_xlabel(rows[0].unit if rows and rows[0].unit else "throughput")
             ax.tick_params(labelsize=8)
-        fig.suptitle(f"{self.suite} on {self.device}; speed-up vs peer (grey); share of the same-run GEMM peak; "
-                     "FLOP-ratio bound", fontsize=9)
+        limits = "; time ÷ floor (silver), share of the same-run limit" if any(limit_note(r) for r in self.rows) else ""
+        fig.suptitle(f"{self.suite} on {self.device} ({self.dtype}); speed-up vs peer (grey){limits}", fontsize=10)
         fig.tight_layout()
         files.save_figure(fig, path, dpi=110)
         plt.close(fig)
@@ -267,24 +282,62 @@ def row_cells(r: Row) -> dict:
         "throughput": f"{r.throughput:,.1f} {r.unit}" if timed else "-",
         "peak memory": f"{r.peak_mem_mib:,.0f} MiB" if r.peak_mem_mib is not None else ("n/a" if timed else "-"),
         "speed-up vs peer": ("peer" if r.peer else f"{r.speedup:.2f}x") if r.speedup is not None else "-",
-        "limit": "; ".join(limit_texts(r)) or "-",
         "max error vs reference": _fmt_err(r),
     }
 
 
-def limit_texts(r: Row) -> list[str]:
-    """The row's figures beside the machine's limit: share of the GEMM peak, the FLOP-ratio bound."""
-    out = []
-    if r.of_peak is not None:
-        out.append(f"{r.flop_s / 1e9:,.0f} GFLOP/s = {r.of_peak:.0%} of {r.precision} GEMM peak")
-    if r.work_bound is not None and abs(r.work_bound - 1) > 1e-3:
-        out.append(f"FLOP-ratio bound {r.work_bound:.2f}x" +
-                   (f" (speed-up / bound {r.speedup / r.work_bound:.2f})" if r.speedup is not None else ""))
-    return out
+LIMIT_COLUMNS = ("time ÷ floor", "share of GEMM peak", "share of copy bandwidth", "FLOP-ratio bound")
 
 
-def peaks_text(peaks: dict) -> str:
-    return "Same-run GEMM peak: " + ", ".join(f"{p} {v / 1e9:,.0f} GFLOP/s" for p, v in peaks.items()) + "."
+def _has_bound(r: Row) -> bool:
+    return r.work_bound is not None and abs(r.work_bound - 1) > 1e-3
+
+
+def limit_columns(rows: list[Row]) -> list[str]:
+    """The limit columns some row of ``rows`` has a figure for (none: the table is as before)."""
+    have = {"time ÷ floor": any(r.vs_floor is not None for r in rows),
+            "share of GEMM peak": any(r.flop_share is not None for r in rows),
+            "share of copy bandwidth": any(r.bandwidth_share is not None for r in rows),
+            "FLOP-ratio bound": any(_has_bound(r) for r in rows)}
+    return [c for c in LIMIT_COLUMNS if have[c]]
+
+
+def limit_cells(r: Row, columns: list[str]) -> dict:
+    cells = {"time ÷ floor": "floor" if r.floor and r.vs_floor is not None else _fmt_opt(r.vs_floor, "{:.2f}x"),
+             "share of GEMM peak": _fmt_rate(r.flop_share, r.flop_rate, "FLOP/s") + (
+                 f" of {r.precision}" if r.flop_share is not None else ""),
+             "share of copy bandwidth": _fmt_rate(r.bandwidth_share, r.byte_rate, "B/s"),
+             "FLOP-ratio bound": bound_text(r) or "-"}
+    return {c: cells[c] for c in columns}
+
+
+def bound_text(r: Row) -> str:
+    """``1.83x (speed-up ÷ bound 1.08)``: a case doing less work than the peer, and how its speed-up compares."""
+    if not _has_bound(r):
+        return ""
+    return f"{r.work_bound:.2f}x" + (f" (speed-up ÷ bound {r.speedup / r.work_bound:.2f})" if r.speedup is not None else "")
+
+
+def limit_note(r: Row) -> str:
+    """The chart's note beside a bar: time ÷ floor, or the share of the limit; the FLOP-ratio bound."""
+    bound = f", bound {r.work_bound:.2f}x" if _has_bound(r) else ""
+    if r.vs_floor is not None and not r.floor:
+        return f", {r.vs_floor:.2f}x floor"
+    if r.flop_share is not None:
+        return f", {r.flop_share:.0%} of {r.precision} GEMM peak" + bound
+    if r.bandwidth_share is not None:
+        return f", {r.bandwidth_share:.0%} of copy bw"
+    return bound
+
+
+def _fmt_opt(value: float | None, fmt: str) -> str:
+    return fmt.format(value) if value is not None else "-"
+
+
+def _fmt_rate(part: float | None, achieved: float | None, unit: str) -> str:
+    if part is None or achieved is None:
+        return "-"
+    return f"{part:.1%} ({si(achieved, unit)})"
 
 
 def _short(note: str) -> str:
@@ -326,7 +379,7 @@ def versions() -> dict:
 
 # -- running --------------------------------------------------------------------------------
 def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool = True, note: str = "", bar=None,
-              interleave: bool = False, peaks: dict | None = None) -> Report:
+              interleave: bool = False) -> Report:
     """Parity-gate and time every case of ``suite``; see the module docstring.
 
     ``bar``: a tqdm bar to advance instead of a new one (a run of several suites, one bar).
@@ -334,7 +387,6 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
     of one case after the other, so that a burst of load from elsewhere on a shared CPU slows
     every case of the round alike instead of one case's whole measurement. Each case is still
     built and parity-checked first; peak memory is not reported (the cases are alive together).
-    ``peaks``: precision name -> same-run GEMM FLOP/s (:func:`fastzoo.bench.limits.gemm_peaks`).
     """
     from contextlib import nullcontext
 
@@ -342,7 +394,9 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
 
     dtype_text = dtype_name(suite.dtype)
     report = Report(suite.name, device_name(suite.device), dtype_text, suite.config, warmup, iters, versions(),
-                    torch.get_num_threads(), [], suite.skipped, note, dict(peaks or {}))
+                    torch.get_num_threads(), [], suite.skipped, note,
+                    suite.limits.to_dict() if suite.limits is not None else None)
+    interleave = interleave or suite.interleave
     if suite.skipped:
         return report
     total = sum(len(g.cases) for g in suite.groups)
@@ -354,14 +408,13 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             bar.set_postfix_str(f"{group.name}: reference")
             ref = group.reference() if group.reference is not None else None
             ref_in_dtype = None
-            rows, pending, flops = [], [], {}
+            rows, pending = [], []
             for case in sorted(group.cases, key=lambda c: not c.reference):  # reference first: it sets the tolerance
                 bar.set_postfix_str(f"{group.name}: {case.label}")
                 row, got, step, warm = _prepare_case(case, group, ref, ref_in_dtype, suite, warmup)
                 if case.reference:
                     ref_in_dtype = got
                 rows.append(row)
-                flops[id(row)] = step.flops if step is not None else None
                 if step is not None and group.cpu_memory and suite.device.type == "cpu":
                     peak = _guarded(row, suite, lambda: cpu_peak_bytes(step.run))
                     row.peak_mem_mib = peak / 2**20 if peak is not None else None
@@ -383,14 +436,14 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             order = {c.label + str(c.compiled): i for i, c in enumerate(group.cases)}
             rows.sort(key=lambda r: order[r.label + str(r.compiled)])
             _fill_speedups(rows)
-            _fill_limits(rows, flops, report.peaks)
+            _fill_limits(rows, suite.limits)
             report.rows += rows
     return report
 
 
 def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
     """Build the case and gate it on parity: (row, its outputs, the step to time or None, warm-up left)."""
-    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit,
+    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit, floor=case.floor,
               precision=dtype_name(case.dtype or group.dtype or suite.dtype), original=case.original)
     try:
         step = case.build()
@@ -463,17 +516,19 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     return peak
 
 
-def _record(row: Row, samples: list[float], items: float) -> None:
+def _record(row: Row, samples: list[float], step: Step) -> None:
     stats = summarize(samples)
     row.median_s, row.min_s, row.max_s, row.iters = stats.median, stats.min, stats.max, stats.n
-    row.throughput = items / stats.median
+    row.throughput = step.items / stats.median
+    row.flop_rate = rate(step.flops, stats.median) if step.flops is not None else None
+    row.byte_rate = rate(step.bytes, stats.median) if step.bytes is not None else None
 
 
 def _time_case(row: Row, step: Step, warm: int, iters: int, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    _record(row, measure(step.run, warmup=warm, iters=iters, device=device), step.items)
+    _record(row, measure(step.run, warmup=warm, iters=iters, device=device), step)
     if device.type == "cuda":
         row.peak_mem_mib = torch.cuda.max_memory_allocated(device) / 2**20
 
@@ -491,10 +546,11 @@ def _time_interleaved(pending: list, iters: int, suite: Suite) -> None:
                     samples.extend(got)
     for row, step, samples in live:
         if row.status == "ok" and samples:
-            _record(row, samples, step.items)
+            _record(row, samples, step)
 
 
 def _fill_speedups(rows: list[Row]) -> None:
+    """Speed-ups vs the peer, and vs the original under the group's recipe."""
     for flag, attr in (("peer", "speedup"), ("original", "vs_original")):
         base = next((r for r in rows if getattr(r, flag) and r.median_s is not None), None)
         for r in rows:
@@ -502,16 +558,21 @@ def _fill_speedups(rows: list[Row]) -> None:
                 setattr(r, attr, speedup(base.median_s, r.median_s))
 
 
-def _fill_limits(rows: list[Row], flops: dict, peaks: dict) -> None:
-    """FLOP/s and the share of the GEMM peak in the row's precision; the FLOP-ratio bound vs the peer."""
-    peer = next((r for r in rows if r.peer), None)
+def _fill_limits(rows: list[Row], limits: Limits | None) -> None:
+    """Each timed row beside the limits: time ÷ the group's floor row; FLOP/s and bytes/s as
+    shares of the same-run GEMM peak (in the row's precision) and copy bandwidth; the peer's
+    FLOPs ÷ the row's (the FLOP-ratio bound of its speed-up)."""
+    floor = next((r for r in rows if r.floor and r.median_s is not None), None)
+    peer = next((r for r in rows if r.peer and r.flop_rate is not None), None)
     for r in rows:
-        work = flops.get(id(r))
-        if work is None or r.median_s is None:
+        if r.median_s is None:
             continue
-        r.flop_s = work / r.median_s
-        if r.precision in peaks:
-            r.of_peak = r.flop_s / peaks[r.precision]
-        peer_work = flops.get(id(peer)) if peer is not None else None
-        if peer_work:
-            r.work_bound = peer_work / work
+        if floor is not None:
+            r.vs_floor = r.median_s / floor.median_s
+        peak = limits.gemm_flops.get(r.precision) if limits is not None else None
+        if r.flop_rate is not None and peak is not None:
+            r.flop_share = share_of(r.flop_rate, peak)
+        if r.flop_rate is not None and peer is not None:
+            r.work_bound = (peer.flop_rate * peer.median_s) / (r.flop_rate * r.median_s)
+        if r.byte_rate is not None and limits is not None:
+            r.bandwidth_share = share_of(r.byte_rate, limits.copy_bytes_per_s)

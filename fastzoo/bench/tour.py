@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 from fastzoo import files
-from fastzoo.bench.harness import Report, Row, Suite, device_name, limit_texts, peaks_text, run_suite, versions
+from fastzoo.bench import limits as machine
+from fastzoo.bench.harness import Report, Row, Suite, bound_text, device_name, run_suite, versions
 from fastzoo.bench.recipes import BASELINE, Recipe, recipes
 
 SIZES = ("tour", "quick")  # the keys of each family's BenchSettings.sizes the tour runs
 TIMING = {"tour": (1, 3), "quick": (0, 1)}  # warm-up, timed steps
-REAL_BOXES = 4  # the GIoU workload: 1 to REAL_BOXES real boxes per image, the rest padding
+REAL_SHARE = 5  # the GIoU workload: 1 to slots / REAL_SHARE real boxes per image (about 10 % real), the rest padding
 
 
 @dataclass
@@ -115,7 +116,7 @@ def _detection(spec, size, device, compile) -> Entry:
     from fastzoo.bench.giou import GIoUSetting, giou_suite
 
     w = spec.bench.sizes[size]
-    s = giou_suite(GIoUSetting(w.name, w.batch, w.config["num_queries"], REAL_BOXES), device=device)
+    s = giou_suite(GIoUSetting(w.name, w.batch, w.config["num_queries"], max(1, w.config["num_queries"] // REAL_SHARE)), device=device, limits=False)
     name = spec.bench.variant
     modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
              "fastzoo padded kernel (validity from target)": "kernel"}
@@ -157,7 +158,8 @@ class TourResult:
                 "fastzoo step": _ms(r),
                 "speed-up": f"**{r.speedup:.2f}x**" if r is not None and r.speedup is not None else "-",
                 "same recipe": f"{r.vs_original:.2f}x" if r is not None and r.vs_original is not None else "-",
-                "limit": "; ".join(limit_texts(r)) if r is not None and limit_texts(r) else "-",
+                "share of GEMM peak": _gemm_share(r),
+                "FLOP-ratio bound": bound_text(r) if r is not None and bound_text(r) else "-",
             })
         return out
 
@@ -166,7 +168,7 @@ class TourResult:
         return (f"fastzoo tour on **{rep.device}** ({rep.threads} torch threads), {self.date}; one training step "
                 f"(forward + backward), median of {rep.iters} after {rep.warmup} warm-up, original and fastzoo in "
                 f"interleaved rounds; recipes tried: {'; '.join(self.tried)}; torch {rep.versions.get('torch')}; "
-                f"{self.seconds:.0f} s in all. {peaks_text(rep.peaks)} Speed-up: vs the original as its users run it "
+                f"{self.seconds:.0f} s in all; {machine.Limits(**rep.limits).describe()}. Speed-up: vs the original as its users run it "
                 f"(fp32, eager); same recipe: vs the original under the recommended recipe.")
 
     def summary_table(self) -> str:
@@ -193,6 +195,12 @@ def _parity(r: Row | None) -> str:
         return "-"
     text = f"{r.max_err:.1e}" + (f" / {r.grad_err:.1e}" if r.grad_err is not None else "")
     return text + (f" (<= {r.out_bound:.0e}, {r.precision} rule)" if r.precision != "fp32" and r.out_bound else "")
+
+
+def _gemm_share(r: Row | None) -> str:
+    if r is None or r.flop_share is None:
+        return "-"
+    return f"{r.flop_share:.0%} ({machine.si(r.flop_rate, 'FLOP/s')} of the {r.precision} peak)"
 
 
 def _ms(r: Row | None) -> str:
@@ -230,8 +238,6 @@ def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progres
 
     from tqdm.auto import tqdm
 
-    from fastzoo.bench.limits import gemm_peaks
-
     # The table says what ran; PyTorch's multi-line warning about uncompiled flex would bury the bar.
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
@@ -240,19 +246,20 @@ def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progres
     entries = build_entries(size, device, compile=compile)
     warmup, iters = TIMING[size]
     tried = [r for e in entries for r in e.groups.values()]
-    peaks = gemm_peaks([r.dtype for r in tried], device)
+    limits = machine.measure(device, dtypes=tuple(dict.fromkeys(r.dtype for r in tried)), quick=size == "quick")
+    for e in entries:
+        e.suite.limits = limits
     total = sum(len(g.cases) for e in entries for g in e.suite.groups)
     reports = []
     with tqdm(total=total, desc="fastzoo tour", disable=not progress, dynamic_ncols=True, leave=False) as bar:
         for e in entries:
             bar.set_description(f"fastzoo tour: {e.model}")
-            reports.append(run_suite(e.suite, warmup=warmup, iters=iters, bar=bar, interleave=device.type == "cpu",
-                                     peaks=peaks))
+            reports.append(run_suite(e.suite, warmup=warmup, iters=iters, bar=bar, interleave=device.type == "cpu"))
     first = reports[0]
     config = {f"{e.model}": "; ".join(f"{k} {v}" for k, v in rep.config.items()) for e, rep in zip(entries, reports)}
     skipped = [f"{e.model}: {rep.skipped}" for e, rep in zip(entries, reports) if rep.skipped]
     report = Report("fastzoo tour", first.device, first.dtype, config, warmup, iters, versions(), torch.get_num_threads(),
-                    [r for rep in reports for r in rep.rows], "; ".join(skipped) or None, peaks=peaks)
+                    [r for rep in reports for r in rep.rows], "; ".join(skipped) or None, limits=limits.to_dict())
     recs = [recommend(e, rep.rows) for e, rep in zip(entries, reports)]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return TourResult(report, entries, recs, date, time.perf_counter() - t0, list(dict.fromkeys(r.name for r in tried)))

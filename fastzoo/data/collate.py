@@ -2,7 +2,7 @@
 
 - :func:`pad_to_longest` / :func:`pad_to_max`: ``[B, S]`` ids + ``attention_mask`` +
   ``position_ids`` (counting real tokens, so left padding keeps each sequence at 0, 1, ...)
-  + ``labels`` (-100 on padding).
+  + ``labels`` (``IGNORE_INDEX``, -100, on padding).
 - :func:`pack`: one row ``[1, T]`` with ``cu_seqlens`` (int32 offsets), ``max_seqlen``,
   ``position_ids`` restarting at 0 per sequence, and ``labels`` with -100 on each
   sequence's first token, so that the usual shift-by-one never scores a token of one
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from fastzoo.losses.lm import IGNORE_INDEX
 
 
 @dataclass

@@ -3,7 +3,10 @@ from fastzoo.layers.activations import ACTIVATIONS, QuickGELU
 from fastzoo.layers.attention import Attention, UsesAttention
 from fastzoo.layers.drop_path import DropPath
 from fastzoo.layers.layer_scale import LayerScale
-from fastzoo.layers.mlp import Mlp
+from fastzoo.layers.mlp import GatedMlp, Mlp
+from fastzoo.layers.norm import RMSNorm
 from fastzoo.layers.patch_embed import PatchEmbed
+from fastzoo.layers.rotary import RotaryEmbedding, apply_rotary
 
-__all__ = ["ACTIVATIONS", "Attention", "DropPath", "LayerScale", "Mlp", "PatchEmbed", "QuickGELU", "UsesAttention"]
+__all__ = ["ACTIVATIONS", "Attention", "DropPath", "GatedMlp", "LayerScale", "Mlp", "PatchEmbed", "QuickGELU", "RMSNorm",
+           "RotaryEmbedding", "UsesAttention", "apply_rotary"]

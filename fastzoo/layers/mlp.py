@@ -1,4 +1,5 @@
-"""Two-layer MLP (``fc1`` -> activation -> ``fc2``), named as timm's."""
+"""MLPs: the two-layer MLP named as timm's (``fc1`` -> activation -> ``fc2``), and the gated MLP
+of the Llama layouts, named as transformers'."""
 from torch import nn
 
 
@@ -13,3 +14,18 @@ class Mlp(nn.Module):
 
     def forward(self, x):
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class GatedMlp(nn.Module):
+    """Gated MLP (Shazeer 2020, "GLU Variants Improve Transformer"): ``down(act(gate(x)) * up(x))``,
+    SwiGLU with SiLU; named as transformers' Llama (``gate_proj``, ``up_proj``, ``down_proj``)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act_layer=nn.SiLU, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+        self.act_fn = act_layer()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))

@@ -38,9 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import packing
-from fastzoo.attention.base import AttnContext, Capabilities
-
-IGNORE_INDEX = -100
+from fastzoo.attention.base import AttnContext, Capabilities, check_offsets
+from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 
 
 @dataclass
@@ -79,7 +78,8 @@ class Sequences:
 
     def next_token_targets(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """``[N]`` target of each token the layers see: the label of the next token of the
-        same sequence (transformers' shift-by-one), ``ignore_index`` at each sequence's end."""
+        same sequence (:func:`fastzoo.losses.lm.next_token_targets`), ``ignore_index`` at each
+        sequence's end."""
         if self.form == "nested":
             if not labels.is_nested or not torch.equal(labels.offsets(), self.offsets):
                 raise ValueError("labels: with NestedTensor input_ids, give NestedTensor labels of the same lengths")
@@ -89,12 +89,9 @@ class Sequences:
         if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise ValueError(f"labels must be an integer tensor (token ids, {ignore_index} = ignored), got {labels.dtype}")
         labels = labels.long()
-        if self.boundaries is not None:  # packed forms: shift along the flattened tokens, then cut at the ends
-            flat = labels.reshape(-1)
-            targets = F.pad(flat[1:], (0, 1), value=ignore_index)
-            targets = targets.index_fill(0, self.boundaries[1:].long() - 1, ignore_index)
-            return targets
-        targets_BS = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        if self.boundaries is not None:  # packed forms: shift along the flattened tokens, cut at the ends
+            return next_token_targets(labels.reshape(1, -1), cu_seqlens=self.boundaries, ignore_index=ignore_index)[0]
+        targets_BS = next_token_targets(labels, ignore_index=ignore_index)
         if self.form == "unpadded":
             return targets_BS.reshape(-1).index_select(0, self.unpadded.indices)
         return targets_BS.reshape(-1)
@@ -109,7 +106,7 @@ def read_sequences(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     past_length: int = 0,
-    n_positions: int,
+    n_positions: int | None,
     vocab_size: int,
     backend: Capabilities,
     attn: dict,
@@ -117,7 +114,8 @@ def read_sequences(
     """Check a decoder's inputs and read them into :class:`Sequences`.
 
     ``past_length``: tokens already in a KV cache (padded forms only; positions continue
-    from there and the mask covers them too). ``backend``: the attention backend's
+    from there and the mask covers them too). ``n_positions``: the longest position a
+    learned position table holds (None: positions are not bounded, rotary). ``backend``: the attention backend's
     capabilities (a padded batch is unpadded for packed-only backends). ``attn``: what
     every layer's context shares (``scale``, ``dropout_p``).
     """
@@ -147,7 +145,7 @@ def read_sequences(
         _check_mask_shape(attention_mask, B, S + past_length)
     if position_ids is not None:
         _check_positions_shape(position_ids, B, S)
-    elif not packed:
+    elif not packed and n_positions is not None:
         _check_length(S + past_length, n_positions, past_length)
     mask_BK = None if attention_mask is None else attention_mask.bool()
     mask_BS = None if mask_BK is None else mask_BK[:, past_length:]
@@ -266,24 +264,19 @@ def _check_values(ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_se
     if read.get("mask_not_01"):
         raise ValueError("attention_mask must hold 0/1 (or bool): 1 = token, 0 = padding")
     if "cu_first" in read:
-        if read["cu_first"] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {read['cu_first']}")
-        if read["shortest_sequence"] <= 0:
-            raise ValueError(f"cu_seqlens must be strictly increasing, got {cu_seqlens.tolist()}")
-        if read["cu_last"] != S:
-            raise ValueError(f"cu_seqlens must end at T={S} (the number of tokens in input_ids), got {read['cu_last']}")
+        check_offsets("cu_seqlens", read["cu_first"], read["shortest_sequence"], read["cu_last"], S,
+                              "tokens in input_ids: T")
         if max_seqlen is not None and int(max_seqlen) < read["longest_sequence"]:
             raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest packed sequence ({read['longest_sequence']})")
-        if position_ids is None and read["longest_sequence"] > n:
+        if position_ids is None and n is not None and read["longest_sequence"] > n:
             raise ValueError(
                 f"cu_seqlens holds a sequence of {read['longest_sequence']} tokens; this model has n_positions={n}: "
                 f"split longer sequences (positions would run past the position table)"
             )
     has_real = read.get("pos_min", 0) <= read.get("pos_max", -1)
-    if has_real and (read["pos_min"] < 0 or read["pos_max"] >= n):
-        raise ValueError(
-            f"position_ids must lie in [0, {n}) (n_positions={n}), got values in [{read['pos_min']}, {read['pos_max']}]"
-        )
+    if has_real and (read["pos_min"] < 0 or n is not None and read["pos_max"] >= n):
+        where = f"lie in [0, {n}) (n_positions={n})" if n is not None else "be >= 0"
+        raise ValueError(f"position_ids must {where}, got values in [{read['pos_min']}, {read['pos_max']}]")
     if read.get("pos_restart"):
         row = int(_position_restarts(position_ids.expand(B, S).long(), mask_BS).any(1).nonzero()[0])
         raise ValueError(

@@ -12,9 +12,10 @@ from fastzoo.losses.giou import (
     kernel_path,
 )
 from fastzoo.losses.linear_ce import linear_cross_entropy
-from fastzoo.losses.lm import causal_lm_loss
+from fastzoo.losses.lm import IGNORE_INDEX, causal_lm_loss, next_token_targets
 
 __all__ = [
-    "causal_lm_loss", "generalized_box_iou", "giou_loss", "giou_loss_concat", "giou_loss_kernel", "giou_loss_padded",
+    "IGNORE_INDEX", "causal_lm_loss", "generalized_box_iou", "giou_loss", "giou_loss_concat", "giou_loss_kernel", "giou_loss_padded",
     "giou_loss_per_sample", "kernel_path", "linear_cross_entropy",
+    "next_token_targets",
 ]

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.kernel_ranges import kernel_range
+from fastzoo.losses.lm import IGNORE_INDEX
 
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
@@ -45,7 +46,7 @@ def linear_cross_entropy(
     weight_VD: torch.Tensor,
     target_N: torch.Tensor,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     impl: str = "auto",
     block_bytes: int | None = None,

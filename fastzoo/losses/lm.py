@@ -1,16 +1,32 @@
-"""Next-token cross-entropy for causal language models, over real tokens only.
+"""Next-token cross-entropy for causal language models, over real tokens only, and the two
+rules every causal-LM loss in fastzoo shares (the model's ``labels=``, the scripts, the benchmarks):
 
-Labels follow Hugging Face's convention: ``labels`` is aligned with ``input_ids`` (often a
-copy of it) and shifted here, so logits at position t are scored against the label at
-t + 1; ``ignore_index`` (-100) marks tokens that are not targets (padding). In a packed
-batch the last token of a sequence must not predict the next sequence's first token:
-``cu_seqlens`` removes those pairs (``fastzoo.data.pack`` also writes -100 there), and a
-jagged NestedTensor is shifted inside each sequence.
+- :data:`IGNORE_INDEX` (-100, Hugging Face's and PyTorch's convention) marks a label that is not
+  a target (padding; in a packed row each sequence's first token, written by ``fastzoo.data.pack``).
+- :func:`next_token_targets`, the shift: ``labels`` is aligned with ``input_ids`` (often a copy
+  of it), and position t is scored against the label at t + 1. A sequence's last position
+  predicts nothing: in a packed batch it must not predict the next sequence's first token, so
+  ``cu_seqlens`` cuts the shift there; a jagged NestedTensor is shifted inside each sequence.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def next_token_targets(
+    labels_BS: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``[B, S]`` targets aligned with the positions: ``labels_BS[:, t + 1]`` at position t, and
+    ``ignore_index`` at each sequence's last position (each row's end, and with ``cu_seqlens`` the
+    end of every sequence packed in the row)."""
+    targets_BS = F.pad(labels_BS[:, 1:], (0, 1), value=ignore_index)
+    if cu_seqlens is not None:
+        ends = cu_seqlens[1:].long() - 1  # last token of each sequence: it predicts nothing
+        targets_BS = targets_BS.index_fill(1, ends, ignore_index)
+    return targets_BS
 
 
 def causal_lm_loss(
@@ -18,16 +34,18 @@ def causal_lm_loss(
     labels: torch.Tensor,
     *,
     cu_seqlens: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
 ) -> torch.Tensor:
     """Cross-entropy of ``logits[..., t, :]`` against ``labels[..., t + 1]``.
 
     ``logits`` is ``[B, S, V]`` (padded), ``[1, T, V]`` with ``cu_seqlens`` (packed), or a
-    jagged NestedTensor ``[B, j, V]`` with ``labels`` nested alike. ``reduction="mean"``
-    averages over the counted targets (HF's loss); ``"sum"`` adds them (divide by the
-    number of targets of a whole accumulated batch yourself).
+    jagged NestedTensor ``[B, j, V]`` with ``labels`` nested alike; a model's output (HF's or
+    fastzoo's, anything with ``.logits``) stands for its logits. ``reduction="mean"`` averages
+    over the counted targets (HF's loss); ``"sum"`` adds them (divide by the number of targets
+    of a whole accumulated batch yourself).
     """
+    logits = _logits_of(logits)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}: choose 'mean' or 'sum'")
     if logits.is_nested:
@@ -39,16 +57,24 @@ def causal_lm_loss(
         logits, labels = logits.values()[None], labels.values()[None]
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must be [B, S] for logits [B, S, V], got {tuple(labels.shape)} for {tuple(logits.shape)}")
-    targets_BS = labels[:, 1:]
     if cu_seqlens is not None:
         if logits.shape[0] != 1:
             raise ValueError(f"cu_seqlens: a packed batch has batch size 1, got {logits.shape[0]}")
         _check_cu_seqlens(cu_seqlens, logits.shape[1])
-        starts = cu_seqlens[1:-1].long()
-        targets_BS = targets_BS.clone()
-        targets_BS[0, starts - 1] = ignore_index  # last token of a sequence predicts nothing
-    logits_NV = logits[:, :-1].flatten(0, 1).float()
-    return F.cross_entropy(logits_NV, targets_BS.flatten(), ignore_index=ignore_index, reduction=reduction)
+    targets_BS = next_token_targets(labels, cu_seqlens=cu_seqlens, ignore_index=ignore_index)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets_BS.flatten(), ignore_index=ignore_index, reduction=reduction)
+
+
+def _logits_of(output) -> torch.Tensor:
+    """The logits tensor, also from a model's output object (``model(...)`` rather than ``model(...).logits``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if not hasattr(output, "logits"):
+        raise TypeError(f"logits: expected a [B, S, V] tensor or a model output with .logits, got {type(output).__name__}")
+    if output.logits is None:
+        raise ValueError("logits: the model output holds no logits (a model called with labels= in train mode fuses "
+                         "the loss with the LM head): use its .loss, or call the model without labels")
+    return output.logits
 
 
 def _check_cu_seqlens(cu_seqlens, total: int) -> None:

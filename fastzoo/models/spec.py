@@ -77,11 +77,14 @@ class ModelSpec:
     ``infer_config`` and optionally ``config_from_json`` and ``check_module``: see
     :mod:`fastzoo.weights`). ``tiny`` is a config small enough for CI (original field names)
     that keeps the family's widths' structure; ``original`` builds the reference model.
-    ``flops`` counts one step's FLOPs from a config and the inputs' sizes, called per task as
-    ``flops(cfg, batch=, img_size=, train=)`` (image classification) or ``flops(cfg, tokens=,
-    attended=, train=)`` (causal LM: ``attended`` (query, key) pairs computed); the benchmarks
-    report achieved FLOP/s against the same-run GEMM peak with it. ``bench``: the family's
-    benchmark workloads and recipes (:class:`BenchSettings`; None: no model suite).
+    ``shallow`` maps a variant's config to one of reduced depth (and shorter inputs or a smaller
+    vocabulary where those are fields) with the same widths: what the tests compare with the
+    original for every name, in seconds rather than minutes. ``flops`` counts one step's FLOPs
+    from a config and the inputs' sizes, called per task as ``flops(cfg, batch=, img_size=,
+    train=)`` (image classification) or ``flops(cfg, tokens=, attended=, train=)`` (causal LM:
+    ``attended`` (query, key) pairs computed); the benchmarks report achieved FLOP/s against the
+    same-run GEMM peak with it. ``bench``: the family's benchmark workloads and recipes
+    (:class:`BenchSettings`; None: no model suite).
     """
 
     family: str
@@ -91,6 +94,7 @@ class ModelSpec:
     converters: tuple = ()
     tiny: Mapping = field(default_factory=dict)
     original: Original | None = None
+    shallow: Callable[[dict], dict] | None = None
     flops: Callable[..., int] | None = None
     bench: BenchSettings | None = None
 

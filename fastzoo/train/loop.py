@@ -15,7 +15,6 @@ even when processes hold different numbers of tokens or boxes.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from fastzoo.train.cli import UsageError, args_to_json
 from fastzoo.train.metrics import RunningMeans
 from fastzoo.train.progress import Progress, trim_log
 from fastzoo.train.rng import get_rng_state, seed_everything, set_rng_state
+from fastzoo.train.schedule import warmup_schedule
 
 NAN_EXIT_CODE = 3
 
@@ -171,7 +171,7 @@ class Trainer:
         spe = self.steps_per_epoch()
         total = args.steps or args.epochs * spe
         state = TrainState()
-        sched = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(args.warmup_steps, total))
+        sched = warmup_schedule(self.optimizer, warmup_steps=args.warmup_steps, total_steps=total)
         self.scheduler = sched
         seed_everything(args.seed + world.rank)
         if args.resume is not None:
@@ -341,13 +341,6 @@ def _sync_batchnorm(model: nn.Module, world: D.World) -> nn.Module:
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def _warmup_cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return factor
 
 
 def train(args: argparse.Namespace, task: Task, world: D.World) -> int:

@@ -12,8 +12,8 @@ Kernels, by device (``kernel_path`` says which one runs):
 
 - ``"cpu-cpp"``: one C++ loop for the forward and one for the backward (``giou_cpu.cpp``),
   built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja;
-  cached in the torch extensions directory), multi-threaded over boxes for large N. Its
-  autograd rule is registered in C++ too, so an eager call never goes back to Python.
+  cached in the torch extensions directory), on the calling thread, 16 boxes per vector
+  block. Its autograd rule is registered in C++ too, so an eager call never goes back to Python.
 - ``"cpu-vectorised"``: the same closed form in vectorised torch ops (below), used only if
   the C++ build fails -- with a warning that says why -- or when
   ``FASTZOO_GIOU_CPU=vectorised`` forces it.

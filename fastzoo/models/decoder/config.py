@@ -1,4 +1,5 @@
-"""GPT-2 config: Hugging Face ``GPT2Config``'s field names and defaults."""
+"""Decoder configs: Hugging Face's field names and defaults (``GPT2Config``; ``LlamaConfig``,
+``Qwen2Config`` and ``MistralConfig`` as one config of the Llama layouts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ from functools import partial
 from torch import nn
 
 from fastzoo.errors import ConfigError
+from fastzoo.layers.rotary import REQUIRED, ROPE_TYPES
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 
 
@@ -16,6 +18,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": partial(nn.GELU, approximate="tanh"),
     "gelu": nn.GELU,
     "relu": nn.ReLU,
+    "silu": nn.SiLU,
 }
 
 
@@ -56,3 +59,124 @@ class GPT2Config(ModelConfig):
     def validate(self):
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}", fields=("n_embd", "n_head"))
+
+
+LAYOUTS = ("llama", "qwen2", "mistral")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    """Hugging Face ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` field names and
+    defaults (Llama's where they differ); ``model_type`` says which of the three layouts, as
+    in their config.json. Rotary settings are transformers' v5 ``rope_parameters``."""
+
+    model_type: str = changes_function("llama", "the Hugging Face layout: llama, qwen2 (q/k/v biases) or mistral",
+                                       choices=LAYOUTS)
+    vocab_size: int = weights_decide(32000, "tokens in the vocabulary", ge=1)
+    hidden_size: int = weights_decide(4096, "width D", ge=1)
+    intermediate_size: int = weights_decide(11008, "gated MLP hidden width", ge=1)
+    num_hidden_layers: int = weights_decide(32, "decoder blocks", ge=1, le=MAX_BLOCKS)
+    num_attention_heads: int = changes_function(32, "query heads", ge=1)
+    num_key_value_heads: int | None = changes_function(
+        None, "key/value heads (grouped-query attention); divides num_attention_heads; None: num_attention_heads",
+        ge=1, compare=lambda c: c.kv_heads)
+    head_dim: int | None = changes_function(None, "width of a head; None: hidden_size // num_attention_heads", ge=2,
+                                            compare=lambda c: c.head_size)
+    hidden_act: str = changes_function("silu", "gated MLP activation (HF ACT2FN name)", choices=tuple(ACTIVATIONS))
+    max_position_embeddings: int = changes_function(
+        2048, "context length the rotary schedule is set for (dynamic / yarn / longrope read it); longer inputs run",
+        ge=1)
+    rms_norm_eps: float = changes_function(1e-6, "RMSNorm epsilon", gt=0)
+    rope_parameters: dict | None = changes_function(
+        None, "transformers' rope_parameters: rope_type (default, linear, dynamic, llama3, yarn, longrope), rope_theta "
+              "and the type's fields; None: default with rope_theta 10000", compare=lambda c: c.rope)
+    attention_bias: bool = weights_decide(False, "biases on q/k/v/o_proj (llama); qwen2 always has q/k/v biases")
+    mlp_bias: bool = weights_decide(False, "biases on gate/up/down_proj (llama)")
+    tie_word_embeddings: bool = weights_decide(False, "the LM head is the token embedding")
+    sliding_window: int | None = changes_function(
+        None, "attention window of sliding layers: a query sees itself and the sliding_window - 1 keys before it", ge=1)
+    layer_types: tuple[str, ...] | None = changes_function(
+        None, "per layer full_attention or sliding_attention (qwen2's max_window_layers); None: every layer sliding "
+              "if sliding_window is set, else full", compare=lambda c: tuple(c.window_of(i) for i in range(c.num_hidden_layers)))
+    attention_dropout: float = free(0.0, "attention dropout", ge=0, le=1)
+    initializer_range: float = free(0.02, "std of the initial weights", ge=0)
+    bos_token_id: int | None = free(1, "beginning-of-text token id (generate)", ge=0)
+    eos_token_id: int | tuple[int, ...] | None = free(2, "end-of-text token id(s) (generate)", ge=0)
+    pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
+    use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
+    output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+
+    is_encoder_decoder = False
+
+    def get_text_config(self, decoder=None, encoder=None) -> "LlamaConfig":
+        """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
+        return self
+
+    # -- what the fields mean together --------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def rope(self) -> dict:
+        """``rope_parameters`` with transformers' defaults filled in (rope_type, rope_theta)."""
+        rope = {"rope_type": "default", "rope_theta": 10000.0, **(self.rope_parameters or {})}
+        if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        return rope
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (None: it attends to every earlier key)."""
+        if self.sliding_window is None:
+            return None
+        kind = self.layer_types[layer] if self.layer_types is not None else "sliding_attention"
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    def validate(self):
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                              f"{self.num_attention_heads}; give head_dim", fields=("hidden_size", "num_attention_heads"))
+        if self.head_size % 2:
+            raise ConfigError(f"head_dim={self.head_size}: rotary embeddings rotate pairs, the head width must be even",
+                              fields=("head_dim",))
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}",
+                              fields=("num_key_value_heads", "num_attention_heads"))
+        if self.model_type != "llama" and (self.attention_bias or self.mlp_bias):
+            raise ConfigError(f"attention_bias / mlp_bias: the {self.model_type} layout has fixed biases (qwen2: q/k/v "
+                              "only; mistral: none); these are llama fields", fields=("attention_bias", "mlp_bias"))
+        if self.model_type == "llama" and self.sliding_window is not None:
+            raise ConfigError("sliding_window: the llama layout attends to every earlier key; model_type='mistral' or "
+                              "'qwen2' has sliding windows", fields=("sliding_window", "model_type"))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ConfigError(f"layer_types={list(self.layer_types)}: one of {', '.join(LAYER_TYPES)} per layer "
+                                  f"({self.num_hidden_layers})", fields=("layer_types",))
+            if self.model_type != "qwen2":
+                raise ConfigError(f"layer_types: the {self.model_type} layout has the same attention on every layer "
+                                  "(qwen2's per-layer windows)", fields=("layer_types", "model_type"))
+        rope = self.rope_parameters or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"rope_parameters={rope!r}: a dict (transformers' rope_parameters)", fields=("rope_parameters",))
+        kind = rope.get("rope_type", "default")
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"rope_parameters: rope_type={kind!r} is not one fastzoo computes ({', '.join(ROPE_TYPES)})",
+                              fields=("rope_parameters",))
+        missing = [k for k in REQUIRED[kind] if k not in self.rope]
+        if missing:
+            raise ConfigError(f"rope_parameters: rope_type={kind!r} needs {', '.join(missing)}", fields=("rope_parameters",))
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"rope_parameters: partial_rotary_factor={rope['partial_rotary_factor']}: this layout "
+                              "rotates the whole head (1.0)", fields=("rope_parameters",))
+        if kind == "longrope" and any(len(self.rope[k]) != self.head_size // 2 for k in ("short_factor", "long_factor")):
+            raise ConfigError(f"rope_parameters: longrope's short_factor and long_factor need head_dim / 2 = "
+                              f"{self.head_size // 2} values each", fields=("rope_parameters",))

@@ -129,9 +129,13 @@ class CausalLMConventions:
     """transformers' model API for a fastzoo decoder (mixed into the model class).
 
     The model provides ``hf_config()`` (a ``transformers`` config of the same
-    architecture), ``transformer.wte`` (token embedding), ``lm_head`` (tied to it) and a
-    forward with HF's keywords.
+    architecture), ``embedding_path`` (where its token embedding is: ``transformer.wte``),
+    ``lm_head``, ``tied_head`` (whether the head is the embedding) and a forward with HF's
+    keywords.
     """
+
+    embedding_path: str = "transformer.wte"
+    tied_head: bool = True
 
     supports_gradient_checkpointing = True
     accepts_loss_kwargs = True  # transformers.Trainer passes num_items_in_batch (exact gradient accumulation)
@@ -177,11 +181,11 @@ class CausalLMConventions:
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.wte.weight.device
+        return self.get_input_embeddings().weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.wte.weight.dtype
+        return self.get_input_embeddings().weight.dtype
 
     # -- training plumbing -----------------------------------------------------------------
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
@@ -210,19 +214,21 @@ class CausalLMConventions:
             hook.remove()
 
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.transformer.wte
+        return self.get_submodule(self.embedding_path)
 
     def set_input_embeddings(self, value: nn.Embedding):
-        self.transformer.wte = value
-        self.lm_head.weight = value.weight  # the head stays tied
+        parent, _, name = self.embedding_path.rpartition(".")
+        setattr(self.get_submodule(parent), name, value)
+        self.tie_weights()  # a tied head stays tied
         self.config.vocab_size = value.num_embeddings
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
     def tie_weights(self) -> None:
-        """The LM head is the token embedding again (transformers' name)."""
-        self.lm_head.weight = self.transformer.wte.weight
+        """A tied LM head is the token embedding again (transformers' name)."""
+        if self.tied_head:
+            self.lm_head.weight = self.get_input_embeddings().weight
 
     def _apply(self, fn, recurse=True):
         # torch converts a parameter it cannot swap in place (meta -> a device: ``to_empty``, the
@@ -233,10 +239,10 @@ class CausalLMConventions:
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
-        """Grow or shrink the vocabulary, keeping the LM head tied. New rows start at the
-        mean of the old embeddings (``mean_resizing``, transformers' default spirit: a new
-        token starts as an average one), else from N(0, initializer_range)."""
-        old = self.transformer.wte
+        """Grow or shrink the vocabulary, keeping a tied LM head tied (an untied one is resized
+        alike). New rows start at the mean of the old ones (``mean_resizing``, transformers'
+        default spirit: a new token starts as an average one), else from N(0, initializer_range)."""
+        old = self.get_input_embeddings()
         if new_num_tokens is None and pad_to_multiple_of is None:
             return old
         if new_num_tokens is not None and (isinstance(new_num_tokens, bool) or not isinstance(new_num_tokens, int)):
@@ -253,17 +259,25 @@ class CausalLMConventions:
                 raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of}")
             n = math.ceil(n / pad_to_multiple_of) * pad_to_multiple_of
         new = nn.Embedding(n, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype)
-        keep = min(n, old.num_embeddings)
+        new.weight = self._resized(old.weight, n, mean_resizing)
+        if not self.tied_head:
+            self.lm_head.weight = self._resized(self.lm_head.weight, n, mean_resizing)
+            self.lm_head.out_features = n
+        self.set_input_embeddings(new)
+        return new
+
+    def _resized(self, old: nn.Parameter, n: int, mean_resizing: bool) -> nn.Parameter:
+        """``old`` ([vocab, D]) with ``n`` rows: the first kept, new ones as resize_token_embeddings says."""
+        new = torch.empty(n, old.shape[1], device=old.device, dtype=old.dtype)
+        keep = min(n, old.shape[0])
         with torch.no_grad():
             if n > keep:
                 if mean_resizing:
-                    new.weight[keep:] = old.weight.mean(0)
+                    new[keep:] = old.mean(0)
                 else:
-                    new.weight[keep:].normal_(std=self.config.initializer_range)
-            new.weight[:keep] = old.weight[:keep]
-        new.weight.requires_grad_(old.weight.requires_grad)
-        self.set_input_embeddings(new)
-        return new
+                    new[keep:].normal_(std=self.config.initializer_range)
+            new[:keep] = old[:keep]
+        return nn.Parameter(new, requires_grad=old.requires_grad)
 
     @property
     def vocab_size(self) -> int:
@@ -271,9 +285,11 @@ class CausalLMConventions:
         return self.config.vocab_size
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-        """Parameters counted once (the tied head is the embedding), as transformers counts."""
+        """Parameters counted once (a tied head is the embedding), as transformers counts;
+        ``exclude_embeddings`` leaves out every ``nn.Embedding`` (token and position tables)."""
         params = {id(p): p for p in self.parameters() if p.requires_grad or not only_trainable}
         if exclude_embeddings:
-            for emb in (self.transformer.wte, self.transformer.wpe):
-                params.pop(id(emb.weight), None)
+            for emb in self.modules():
+                if isinstance(emb, nn.Embedding):
+                    params.pop(id(emb.weight), None)
         return sum(p.numel() for p in params.values())

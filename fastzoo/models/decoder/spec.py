@@ -1,10 +1,13 @@
-"""The decoder family as the rest of fastzoo reads it: variants, converters, tiny config, the original."""
+"""The decoder families as the rest of fastzoo reads them (GPT-2; the Llama layouts: Llama, Qwen2,
+Mistral): variants, converters, tiny configs, the originals, FLOP counts."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from fastzoo.models.decoder.convert import GPT2, GPT2_FASTZOO
+from fastzoo.models.decoder.convert import GPT2, GPT2_FASTZOO, LLAMA, LLAMA_LAYOUTS, hf_config
 from fastzoo.models.decoder.gpt2 import GPT2LMHeadModel
+from fastzoo.models.decoder.llama import LlamaForCausalLM
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
 
@@ -42,10 +45,14 @@ GPT2_SPEC = ModelSpec(
     variants=(
         _gpt2("gpt2", "gpt2", 768, 12, 12, "small (124M)"),
         _gpt2("gpt2_medium", "gpt2-medium", 1024, 24, 16, "medium (355M)"),
+        Variant("distilgpt2", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=6, n_head=12),
+                "DistilGPT-2 (82M), as Hugging Face's distilgpt2 (GPT2LMHeadModel)",
+                "transformers GPT2LMHeadModel (distilgpt2)", aliases=("distilbert/distilgpt2",)),
     ),
     converters=(GPT2, GPT2_FASTZOO),
     tiny=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
     original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
+    shallow=lambda cfg: {**cfg, "n_layer": 1, "vocab_size": 512, "n_positions": 64},
     flops=gpt2_flops,
     bench=BenchSettings(
         variant="gpt2", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
@@ -55,4 +62,67 @@ GPT2_SPEC = ModelSpec(
                                 max_len=128),
                "quick": Workload("tiny GPT-2", dict(n_layer=1, n_embd=64, n_head=4, vocab_size=256), batch=4, max_len=32)}),
 )
-SPECS = (GPT2_SPEC,)
+
+
+def hf_llama(cfg: dict) -> nn.Module:
+    """transformers' model of the config's layout (``model_type``) on fastzoo config fields,
+    eager attention (the reference)."""
+    import transformers
+
+    from fastzoo.models.decoder.config import LlamaConfig
+
+    hf_cfg = hf_config(LlamaConfig.from_dict(cfg))
+    return getattr(transformers, LLAMA_LAYOUTS[hf_cfg.model_type])(hf_cfg).to(torch.float32)
+
+
+def llama_flops(cfg, *, tokens: int, attended: int, train: bool = True) -> int:
+    """Matmul FLOPs of one step over ``tokens`` tokens of which ``attended`` (query, key) pairs
+    are computed (the sum of squared sequence lengths when packed, B * S^2 when padded; a
+    sliding window is not subtracted: the dense kernels compute the masked pairs too)."""
+    D, hd, H, Hkv = cfg.hidden_size, cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
+    per_token = cfg.num_hidden_layers * 2 * (D * hd * (2 * H + 2 * Hkv) + 3 * D * cfg.intermediate_size)
+    forward = tokens * (per_token + 2 * D * cfg.vocab_size) + cfg.num_hidden_layers * 2 * 2 * attended * H * hd
+    return forward * (3 if train else 1)
+
+
+def _llama(name: str, hf: str, what: str, **config) -> Variant:
+    return Variant(name, config, f"{what}, as transformers' {LLAMA_LAYOUTS[config['model_type']]} ({hf})",
+                   f"transformers {LLAMA_LAYOUTS[config['model_type']]} ({hf})")
+
+
+LLAMA_SPEC = ModelSpec(
+    family="llama",
+    task="causal-lm",
+    model=LlamaForCausalLM,
+    variants=(
+        _llama("llama", "meta-llama/Llama-3.2-1B", "Llama 3.2 1B: grouped-query attention, llama3 rotary, tied head",
+               model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+               rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                    high_freq_factor=4.0, original_max_position_embeddings=8192)),
+        _llama("qwen2", "Qwen/Qwen2-0.5B", "Qwen2 0.5B: q/k/v biases, grouped-query attention, tied head",
+               model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+               num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6,
+               tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643,
+               rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+        _llama("mistral", "mistralai/Mistral-7B-v0.1", "Mistral 7B: sliding-window attention (4096), grouped-query",
+               model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+               sliding_window=4096, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    ),
+    converters=(LLAMA,),
+    tiny=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64),
+    original=Original(hf_llama, "transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (eager attention)",
+                      "attention_dropout"),
+    flops=llama_flops,
+    bench=BenchSettings(
+        variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
+        sizes={"bench": Workload("Llama 3.2 layout 4x256, 8 seqs in [1,512]", dict(
+                   num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2),
+                   batch=8, max_len=512),
+               "quick": Workload("tiny Llama", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                                   num_attention_heads=4, num_key_value_heads=2), batch=4, max_len=32)}),
+)
+SPECS = (GPT2_SPEC, LLAMA_SPEC)

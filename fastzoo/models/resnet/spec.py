@@ -48,6 +48,7 @@ SPEC = ModelSpec(
     converters=(RESNET, TIMM_RESNET),
     tiny=dict(layers=(1, 1, 1, 1), num_classes=10),
     original=Original(torchvision_resnet, "torchvision ResNet"),
+    shallow=lambda cfg: {**cfg, "layers": (1,) * len(cfg.get("layers", (3, 4, 6, 3)))},
     flops=flops,
     bench=BenchSettings(
         variant="resnet50", library="torchvision", channels_last=True,

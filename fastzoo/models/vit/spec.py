@@ -57,6 +57,7 @@ SPEC = ModelSpec(
     converters=(VIT,),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
+    shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
     bench=BenchSettings(
         variant="vit_s16", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",

@@ -1,0 +1,230 @@
+"""The Llama layouts (Llama, Qwen2, Mistral) equal transformers' models on the same weights:
+logits and gradients (fp32 CPU) through every CPU attention backend, padded and packed; every
+rotary schedule; generate token for token; save_pretrained read back by transformers."""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import fastzoo
+from fastzoo import equivalence
+from fastzoo.data import nested, pack, pad_to_longest
+from fastzoo.errors import CheckpointError, ConfigError
+from fastzoo.losses import causal_lm_loss
+
+LOGIT_TOL = equivalence.FP32_OUT_ATOL  # DESIGN.md: fp32 CPU, same weights (1e-4)
+GRAD_RTOL = equivalence.FP32_GRAD_RTOL  # gradients relative to each tensor's scale (fastzoo.equivalence's rule)
+V = 96
+BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=32, attention_dropout=0.0)
+# one config per layout, each exercising what that layout adds (window 4 < the longest sequence, 11)
+LAYOUTS = {
+    # head_dim != hidden / heads, q/k/v/o and MLP biases, untied head, llama3 frequencies
+    "llama": (transformers.LlamaConfig, dict(
+        head_dim=12, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8))),
+    # q/k/v biases, tied head
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+}
+TRAIN_BACKENDS = [("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"}), ("nested", {}), ("varlen", {}),
+                  ("varlen", {"impl": "cpu"})]
+ALL_BACKENDS = TRAIN_BACKENDS + [("flex", {}), ("varlen", {"impl": "flex"})]
+IDS = lambda b: f"{b[0]}{'-' + '-'.join(map(str, b[1].values())) if b[1] else ''}"  # noqa: E731
+
+
+def hf_model(layout="llama", seed=1, **kw):
+    cls, fields = LAYOUTS[layout]
+    torch.manual_seed(seed)
+    cfg = cls(**{**BASE, **fields, **kw}, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def hf(request):
+    return hf_model(request.param)
+
+
+def ours(hf, attn="eager", **opts):
+    return fastzoo.create(hf.config.model_type, attn=attn, attn_options=opts, pretrained=hf).eval()
+
+
+def seqs(lengths=(5, 11, 3)):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, V, (n,), generator=g) for n in lengths]
+
+
+def assert_close(got, want, name="logits"):
+    c = equivalence.compare_outputs(name, got, want)
+    assert c.err <= LOGIT_TOL, f"{name}: max |diff| {c.err:.2e}"
+
+
+def assert_grads_close(model, hf):
+    ref = {k: p.grad for k, p in hf.named_parameters()}  # HF's names are fastzoo's
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    c = equivalence.compare_grads("grads", grads, {n: g for n, g in ref.items() if n in grads})
+    assert c.err <= GRAD_RTOL, f"grad of {c.worst}: relative error {c.err:.2e}"
+
+
+def hf_each_alone(hf, sequences):
+    with torch.no_grad():
+        return torch.cat([hf(s[None]).logits[0] for s in sequences])
+
+
+# -- padded and packed, every CPU backend ---------------------------------------------------------
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_logits_loss_grads_equal_hf(hf, backend, side):
+    batch = pad_to_longest(seqs(), side=side)
+    # padding scores nothing, nor predicts anything: a left-padded row's last padding position would
+    # be scored against the first token, from a query that sees no key (each library's own value)
+    real = batch.attention_mask.bool()
+    labels = batch.input_ids.masked_fill(~real | ~F.pad(real, (1, 0))[:, :-1], -100)
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+    hf.zero_grad()
+    want = hf(**inputs)
+    want.loss.backward()
+    m = ours(hf, backend[0], **backend[1])
+    got = m(**inputs)
+    assert_close(got.logits[real], want.logits[real])
+    assert (got.loss - want.loss).abs() <= 1e-5  # a mean CE of O(5): fp32 rounding
+    got.loss.backward()
+    assert_grads_close(m, hf)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
+def test_packed_sequences_equal_each_sequence_alone(hf, backend):
+    m = ours(hf, backend[0], **backend[1])
+    with torch.no_grad():
+        packed = m(**pack(seqs()).model_inputs()).logits
+        jagged = m(nested(seqs())).logits
+    want = hf_each_alone(hf, seqs())
+    assert_close(packed[0], want, "packed logits")
+    assert_close(jagged.values(), want, "nested logits")
+
+
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
+def test_packed_training_step_equals_hf_padded(hf, backend):
+    padded = pad_to_longest(seqs())
+    hf.zero_grad()
+    want = hf(padded.input_ids, attention_mask=padded.attention_mask, labels=padded.labels).loss
+    want.backward()
+    m = ours(hf, backend[0], **backend[1]).train()  # dropout is 0: train() changes nothing but the fused loss
+    batch = pack(seqs())
+    got = m(**batch.model_inputs(), labels=batch.labels)
+    assert got.logits is None  # train mode: the loss is fused with the LM head
+    assert (got.loss - want).abs() <= 1e-5
+    got.loss.backward()
+    assert_grads_close(m, hf)
+
+
+# -- rotary schedules, grouped-query attention, head width, windows ----------------------------
+ROPES = {
+    "default": dict(rope_type="default", rope_theta=10000.0),
+    "linear": dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+    "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
+    "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8),
+    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8),
+    "longrope": dict(rope_type="longrope", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+                     short_factor=[1.0 + 0.1 * i for i in range(4)], long_factor=[2.0 + 0.3 * i for i in range(4)]),
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_every_rope_type_equals_hf_past_the_original_context(rope):
+    """Sequences of 40 tokens: past max_position_embeddings (dynamic grows its base) and past
+    original_max_position_embeddings (longrope switches to its long factors)."""
+    hf = hf_model("llama", rope_parameters=ROPES[rope], head_dim=None, max_position_embeddings=24)
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3))
+    hf.zero_grad()
+    want = hf(ids, labels=ids)
+    want.loss.backward()
+    m = ours(hf, "sdpa")
+    got = m(ids, labels=ids)
+    assert_close(got.logits, want.logits)
+    got.loss.backward()
+    assert_grads_close(m, hf)
+
+
+# -- generate, the KV cache ----------------------------------------------------------------------
+GENERATE = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=20),
+            "beams": dict(do_sample=False, num_beams=3)}
+
+
+@pytest.mark.parametrize("kind", list(GENERATE))
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+def test_generate_equals_hf_token_for_token(hf, kind, attn):
+    """Left-padded prompts, 12 new tokens: past the window (4) of the sliding layouts, whose
+    transformers cache keeps only the keys the window still sees."""
+    m = ours(hf, attn)
+    b = pad_to_longest(seqs(), side="left")
+    kw = dict(attention_mask=b.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
+    torch.manual_seed(7)
+    got = m.generate(b.input_ids, **kw)
+    torch.manual_seed(7)
+    want = hf.generate(b.input_ids, **kw)
+    assert torch.equal(got, want)
+
+
+def test_cache_continuation_equals_full_forward(hf):
+    m = ours(hf, "sdpa")
+    ids = seqs((11,))[0][None]
+    first = m(ids[:, :6], use_cache=True)
+    step = m(ids[:, 6:], past_key_values=first.past_key_values)
+    with torch.no_grad():
+        assert_close(step.logits, hf(ids).logits[:, 6:])
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def test_save_pretrained_is_read_by_transformers_and_back(hf, tmp_path):
+    m = ours(hf, "sdpa")
+    m.save_pretrained(tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(back) is type(hf)
+    ids = seqs((9,))[0][None]
+    with torch.no_grad():
+        assert_close(back(ids).logits, hf(ids).logits)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # several shards and an index
+    again = fastzoo.create(hf.config.model_type, pretrained=tmp_path / "hf")
+    with torch.no_grad():
+        assert_close(again(ids).logits, hf(ids).logits)
+
+
+def test_state_dict_with_overrides_in_hf_names():
+    """A bare state dict fixes the sizes; what it cannot show (heads, rotary, epsilon) is passed by HF's names."""
+    hf = hf_model("llama", head_dim=None, rope_parameters=None, attention_bias=False, mlp_bias=False)
+    m = fastzoo.create("llama", pretrained=hf.state_dict(), num_attention_heads=4, num_key_value_heads=BASE["num_key_value_heads"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6).eval()
+    ids = seqs((9,))[0][None]
+    with torch.no_grad():
+        assert_close(m(ids).logits, hf(ids).logits)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_local_experts", 8), ("add_cross_attention", True), ("vision_config", {"model_type": "clip"}),
+    ("rope_parameters", {"rope_type": "mrope", "rope_theta": 10000.0}),
+])
+def test_configs_fastzoo_does_not_reproduce_are_refused_naming_the_field(tmp_path, field, value):
+    hf = hf_model("llama")
+    hf.save_pretrained(tmp_path)
+    cfg = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    with pytest.raises((CheckpointError, ConfigError), match=field if field != "rope_parameters" else "mrope"):
+        fastzoo.create("llama", pretrained=tmp_path)
+
+
+def test_unknown_rope_type_override_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="rope_parameters"):
+        fastzoo.create("llama", **BASE, rope_parameters={"rope_type": "su", "rope_theta": 1.0})
+
+
+def test_loss_function_takes_the_output_object():
+    m = fastzoo.create("llama", **BASE).eval()
+    ids = seqs((9,))[0][None]
+    out = m(ids)
+    assert torch.equal(causal_lm_loss(out, ids), causal_lm_loss(out.logits, ids))
+    with pytest.raises(ValueError, match="logits"):
+        causal_lm_loss(m.train()(ids, labels=ids), ids)  # train mode with labels: no logits (fused loss)
