@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Accuracy parity on real data: ``python benchmarks/accuracy_parity.py --config configs/accuracy_<run>.yaml``.
-See :mod:`fastzoo.bench.accuracy`."""
+See :mod:`fastzoo.accuracy.runs`."""
 import sys
 
-from fastzoo.bench.accuracy import main
+from fastzoo.accuracy.runs import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,12 +17,15 @@
 #
 # Wheels, prepared on a machine with network access, from the repository root:
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl xformers==0.0.35
-# flash-attn, FlashAttention-3 and Transformer Engine have no wheel small enough to carry: their
-# stages report them unavailable unless the machine has them.
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#       xformers==0.0.35 'flash-attn-4[cu13]==4.0.0b36' --no-deps   (then the same for flash-attn-4's
+#       dependencies: nvidia-cutlass-dsl, its libs, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops)
+# (match --python-version to the GPU machine's python). flash-attn 2, FlashAttention-3 and Transformer
+# Engine compile against torch and have no wheel to carry: their stages report them unavailable
+# unless the machine has them. A failed wheel install is a row of every stage's summary.
 #
-# Environment: PYTHON (default python3), STAGE_BUDGET seconds for the whole stage (default 420),
+# Environment: PYTHON (default python3), WHEELS (the wheel folder, default .whl), STAGE_BUDGET seconds for the whole stage (default 420),
 # BENCH_ARGS extra arguments for the bench stages (default: --quick with --cpu, none on GPU).
 set -uo pipefail
 
@@ -36,6 +39,7 @@ STAGES=(
   "parity-varlen:varlen automatic and each impl (torch, flash, xformers, flex)"
   "parity-fa2:FlashAttention-2 (flash-attn)"
   "parity-fa3:FlashAttention-3 (flash_attn_interface, Hopper)"
+  "parity-fa4:FlashAttention-4 (flash-attn-4, flash_attn.cute; Hopper / Blackwell)"
   "parity-te:Transformer Engine DotProductAttention"
   "parity-xformers:xFormers memory_efficient_attention"
   "bench-vit:ViT suite (benchmarks/run_all.py --only vit), eager rows"
@@ -81,9 +85,22 @@ export PYTHONDONTWRITEBYTECODE=1 TMPDIR="$WORK/tmp" XDG_CACHE_HOME="$WORK/cache"
   TORCHINDUCTOR_CACHE_DIR="$WORK/cache/inductor" TRITON_CACHE_DIR="$WORK/cache/triton" \
   TORCH_EXTENSIONS_DIR="$WORK/cache/torch_extensions" MPLCONFIGDIR="$WORK/cache/matplotlib" HF_HOME="$WORK/cache/hf" \
   PYTEST_ADDOPTS="-p no:cacheprovider"
-if [ "$MODE" != "--dry-run" ] && compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl >"$WORK/logs/install.log" 2>&1 \
-    && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+ROWS=()
+STATUS=0
+reason() {  # reason LOG: the line that says why a step failed (a refusal's own words before any table text)
+  { grep -m1 -o 'unavailable: [^|]*' "$1" || grep -m1 -E '^[A-Za-z_.]*(Error|Exception)\b|^E  |FAILED|^ERROR' "$1" \
+      || tail -n1 "$1"; } | cut -c1-200 | tr '|' '/'
+}
+WHEELS=${WHEELS:-.whl}
+if [ "$MODE" != "--dry-run" ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
+  t0=$SECONDS
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WHEELS"/*.whl >"$WORK/logs/install_wheels.log" 2>&1; then
+    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+    ROWS+=("| install_wheels | ok: $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS/ | $((SECONDS - t0)) | logs/install_wheels.log |")
+  else
+    ROWS+=("| install_wheels | failed: $(reason "$WORK/logs/install_wheels.log") | $((SECONDS - t0)) | logs/install_wheels.log |")
+    STATUS=1
+  fi
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's fastzoo, not installed
 
@@ -103,8 +120,6 @@ fi
 RES="$WORK/results"
 BUDGET=${STAGE_BUDGET:-420}
 START=$SECONDS
-ROWS=()
-STATUS=0
 
 step() {  # step NAME CMD...: run with what is left of the stage's budget; log in logs/NAME.log
   local name=$1; shift
@@ -116,7 +131,7 @@ step() {  # step NAME CMD...: run with what is left of the stage's budget; log i
   rc=$?
   local verdict="ok"
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="timed out after ${left} s"; STATUS=1
-  elif [ $rc -ne 0 ]; then verdict="failed (rc=$rc): $(grep -m1 -E 'unavailable|Error|FAILED|error' "$WORK/logs/$name.log" | cut -c1-160 | tr '|' '/')"; STATUS=1
+  elif [ $rc -ne 0 ]; then verdict="failed (rc=$rc): $(reason "$WORK/logs/$name.log")"; STATUS=1
   fi
   ROWS+=("| $name | $verdict | $((SECONDS - t0)) | logs/$name.log |")
 }
@@ -143,11 +158,20 @@ import importlib, json, platform, torch
 info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
         'device': torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         'capability': list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None}
-for mod in ('triton', 'timm', 'transformers', 'xformers', 'flash_attn', 'flash_attn_interface', 'transformer_engine'):
+from importlib.metadata import version, PackageNotFoundError
+for dist in ('triton', 'timm', 'transformers', 'xformers', 'flash-attn', 'flash-attn-4', 'nvidia-cutlass-dsl',
+             'transformer-engine'):
     try:
-        info[mod] = getattr(importlib.import_module(mod), '__version__', 'installed')
+        info[dist] = version(dist)
+    except PackageNotFoundError:
+        info[dist] = 'not installed'
+for mod in ('xformers.ops', 'flash_attn.flash_attn_interface', 'flash_attn_interface', 'flash_attn.cute',
+            'transformer_engine.pytorch'):  # what the backends import
+    try:
+        importlib.import_module(mod)
+        info['import ' + mod] = 'ok'
     except Exception as e:
-        info[mod] = f'unavailable ({type(e).__name__})'
+        info['import ' + mod] = f'fails ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else \"\"})'
 json.dump(info, open('$RES/environment.json', 'w'), indent=2)
 print(json.dumps(info, indent=2))"
     step matrix "$PY" -m fastzoo.cli list
@@ -155,7 +179,9 @@ print(json.dumps(info, indent=2))"
     ;;
   tests)
     step pytest "$PY" -m pytest -q -rs --junitxml="$RES/pytest.xml" tests/test_attention.py tests/test_backends_thirdparty.py \
-      tests/test_varlen.py tests/test_giou.py tests/test_kv_cache_contract.py tests/test_backend_contract.py tests/test_explain.py
+      tests/test_varlen.py tests/test_giou.py tests/test_kv_cache_contract.py tests/test_backend_contract.py tests/test_explain.py \
+      tests/test_attention_gqa_window.py tests/test_flash_contract.py tests/test_kernel_declarations.py \
+      tests/test_triton_giou_contract.py
     ;;
   parity-eager) check eager "$DTYPES_ALL" eager ;;
   parity-sdpa)
@@ -171,6 +197,7 @@ print(json.dumps(info, indent=2))"
     ;;
   parity-fa2) check fa2 "$DTYPES_HALF" fa2 ;;
   parity-fa3) check fa3 "$DTYPES_HALF" fa3 ;;
+  parity-fa4) check fa4 "$DTYPES_HALF" fa4 ;;
   parity-te) check te "$DTYPES_HALF" te ;;
   parity-xformers) check xformers "$DTYPES_ALL" xformers ;;
   bench-vit) bench vit --no-compile ;;
@@ -195,6 +222,9 @@ SUMMARY="$WORK/summary.md"
   echo "| step | result | seconds | log |"
   echo "|---|---|---|---|"
   printf '%s\n' "${ROWS[@]}"
+  if [ "$STAGE" = env ] && [ -f "$RES/environment.json" ]; then  # the versions every later stage ran with
+    echo; echo '```json'; cat "$RES/environment.json"; echo; echo '```'
+  fi
 } >"$SUMMARY"
 cp -r "$RES/." "$DEST/"
 cp -r "$WORK/logs" "$DEST/logs"

@@ -25,6 +25,13 @@ def cmd_list(args) -> int:
     if args.markdown:  # the README's block: declarations only, not this machine's state
         print(markdown_table(capability_matrix(), [c for c in MATRIX_COLUMNS if c != "available here"]))
         return 0
+    if args.families:  # the README's model table
+        print(markdown_table(family_rows(), ["family", "task", "names", "examples", "refused"]))
+        return 0
+    if args.model and any(c in args.model for c in "*?["):  # a wildcard: the names it matches
+        for name in fastzoo.list_models(args.model):
+            print(f"{name:<40} {get_entry(name).description}")
+        return 0
     if args.model:  # what its config says about itself
         from fastzoo.models.config import KINDS
 
@@ -36,13 +43,26 @@ def cmd_list(args) -> int:
         rows = [{**r, "value here": repr(values[r["field"]])} for r in cls.describe()]
         print(markdown_table(rows, ["field", "kind", "type", "value here", "constraint", "meaning"]))
         return 0
-    print("Models:")
-    for name in fastzoo.list_models():
-        e = get_entry(name)
-        print(f"  {name:<14} {e.description}  [peer: {e.peer}]")
+    print("Models (`fastzoo list 'vit_*'` lists names with a wildcard):")
+    print(markdown_table(family_rows(), ["family", "task", "names", "examples", "refused"]))
     print("\nAttention backends (capabilities as declared; 'available here' is this machine):")
     print(markdown_table(capability_matrix(), MATRIX_COLUMNS))
     return 0
+
+
+def family_rows() -> list[dict]:
+    """Per family: how many names it answers to (aliases included), a few of them, and how many
+    of the original library's names for its kind it refuses (``fastzoo.create`` says why)."""
+    from fastzoo.registry import specs
+
+    rows = []
+    for spec in specs():
+        names = [v.name for v in spec.variants]
+        picks = sorted({names[round(i * (len(names) - 1) / 3)] for i in range(4)}, key=names.index) if names else []
+        count = sum(1 + len(v.aliases) for v in spec.variants)
+        rows.append({"family": spec.family, "task": spec.task, "names": count,
+                     "examples": " ".join(f"`{n}`" for n in picks), "refused": len(spec.refused)})
+    return rows
 
 
 def cmd_bench(args) -> int:
@@ -70,7 +90,9 @@ def _tour_args(p) -> None:
 
 
 def _list_args(p) -> None:
-    p.add_argument("model", nargs="?", help="a model name: list its config fields (kind, type, constraint, meaning)")
+    p.add_argument("model", nargs="?", help="a model name: list its config fields (kind, type, constraint, meaning); "
+                                            "a pattern with wildcards ('vit_*dinov2*'): the names it matches")
+    p.add_argument("--families", action="store_true", help="print only the model families table, for the README")
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 
 

@@ -604,7 +604,7 @@ def _image_inputs(model, batch, gen, caps, notes):
 
 def _token_inputs(model, batch, gen, caps, notes):
     cfg = model.config
-    S = min(32, cfg.n_positions)
+    S = min(32, model.n_positions or 32)  # a learned position table bounds the length; rotary does not
     lengths = [S - (i * S) // (2 * batch) for i in range(batch)]  # distinct lengths, all >= S/2
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
     ids_BS = torch.zeros(batch, S, dtype=torch.long)
@@ -630,3 +630,30 @@ def _token_inputs(model, batch, gen, caps, notes):
 
 # task -> the input forms a model of that task is compared on (see ModelSpec.task)
 _INPUTS = {"image-classification": _image_inputs, "causal-lm": _token_inputs}
+
+
+# -- training runs: differences already measured, against the same rule ----------------------------
+# The accuracy-parity runs (fastzoo.accuracy) compare whole training runs: loss curves, a final
+# metric, the loss and gradients of one batch from shared weights. The rule is this module's: in
+# fp32 a difference within its tolerance; in low precision within LOW_FACTOR times the original's
+# own difference in that dtype from the fp32 reference, plus the fp32 tolerance as the floor.
+def grad_error(g: dict, ref: dict) -> float:
+    """The worst parameter's relative gradient error, ``max|g - g_ref| / max(max|g_ref|, 1e-2 * G)``
+    (the module docstring's rule; a name missing on one side: inf)."""
+    return _grad_error(g, ref)[0]
+
+
+def curve_error(curve, ref) -> float:
+    """The largest absolute difference of two curves over their common steps (inf where a value
+    is not finite)."""
+    errs = [abs(a - b) for a, b in zip(curve, ref)]
+    return max((e if math.isfinite(e) else math.inf for e in errs), default=0.0)
+
+
+def compare_errors(name: str, err: float, bound: float, peer_err: float | None = None) -> Comparison:
+    """A measured difference from the fp32 reference against the rule: ``err <= bound`` in fp32;
+    in low precision, where the original in the same dtype differs from the reference by
+    ``peer_err``, ``err <= LOW_FACTOR * peer_err + bound``."""
+    if peer_err is None:
+        return Comparison(name, err, bound)
+    return Comparison(name, err, LOW_FACTOR * peer_err + bound, peer_err)

@@ -20,10 +20,13 @@ class _KeyErrorWithMessage(FastzooError, KeyError):
 
 
 class UnknownModelError(_KeyErrorWithMessage):
-    def __init__(self, name: str, choices):
-        super().__init__(
-            f"unknown model {name!r}.{did_you_mean(name, choices)} Known models: {', '.join(sorted(choices))}."
-        )
+    def __init__(self, name: str, choices, reason: str = ""):
+        if reason:  # a name of the original library's that fastzoo knows and does not reproduce
+            super().__init__(f"model {name!r} is not reproduced by fastzoo: {reason}")
+            return
+        known = (f"Known models: {', '.join(sorted(choices))}." if len(choices) <= 20 else
+                 f"fastzoo.list_models(pattern) lists all {len(choices)} (e.g. list_models('{str(name)[:3]}*')).")
+        super().__init__(f"unknown model {name!r}.{did_you_mean(name, choices)} {known}")
 
 
 class UnknownBackendError(_KeyErrorWithMessage):
@@ -43,9 +46,10 @@ class UsageError(FastzooError, ValueError):
     line and exits with status 2."""
 
 
-class ConfigError(FastzooError, ValueError):
-    """A model config field has a value it cannot take (a wrong type, out of range, or at odds
-    with another field). ``fields`` names the field(s), so callers decide by key, not by text."""
+class ConfigError(UsageError):
+    """A config has a field it cannot take: a model config field with a wrong type, out of range or
+    at odds with another field, or a run file (YAML) that cannot be read, with an unknown or
+    mistyped field. ``fields`` names the field(s), so callers decide by key, not by text."""
 
     def __init__(self, message: str, *, fields=()):
         super().__init__(message)

@@ -89,7 +89,8 @@ def list_models(pattern: str | None = None) -> list[str]:
 def get_entry(name: str) -> ModelEntry:
     entries = _entries()
     if name not in entries:
-        raise UnknownModelError(name, entries)
+        reason = next((s.refused[name] for s in specs() if name in s.refused), "")
+        raise UnknownModelError(name, entries, reason)
     return entries[name]
 
 

@@ -1,14 +1,18 @@
-"""Text in and out of fastzoo's command lines, one of each: ``KEY=VALUE`` options, dtype
-names, and markdown tables. The bottom floor of the house: it imports nothing of fastzoo,
-so every layer (attention, the training scripts, the bench, the CLI) can use it."""
+"""Text in and out of fastzoo's command lines, one of each: ``KEY=VALUE`` options, YAML run
+files, dtype names, and markdown tables. The bottom floor of the house: it imports nothing of
+fastzoo but its errors, so every layer (attention, the training scripts, the bench, the CLI)
+can use it."""
 from __future__ import annotations
 
 import argparse
 import ast
 import math
 import os
+from pathlib import Path
 
 import torch
+
+from fastzoo.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -53,6 +57,40 @@ def parse_key_values(items, *, what: str = "--set") -> dict:
             raise ValueError(f"{what} {item!r}: write key=value, e.g. depth=2")
         out[key] = parse_value(text)
     return out
+
+
+def read_yaml(path, *, what: str = "--config", expect: str = "a mapping of field: value") -> dict:
+    """A YAML run file as a dict (an empty file: ``{}``); a :class:`ConfigError` naming ``what``
+    and the file when it cannot be read or is not a mapping."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{what} {path}: cannot read it as YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path}: expected {expect}, got {type(data).__name__}")
+    return data
+
+
+def set_dotted(raw: dict, items, *, what: str = "--set") -> dict:
+    """``["optim.lr=3e-4"]`` -> ``raw["optim"]["lr"] = 3e-4``: :func:`parse_key_values`, each key
+    dotted into the file's sections. A :class:`ConfigError` names ``what`` and the bad item."""
+    for item in items:
+        try:
+            (key, value), = parse_key_values([item], what=what).items()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        *parents, leaf = key.split(".")
+        node = raw
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{what} {item!r}: {p} is not a section")
+        node[leaf] = value
+    return raw
 
 
 def markdown_table(rows: list[dict], columns=None) -> str:

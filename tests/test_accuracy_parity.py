@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastzoo.bench.accuracy import ConfigError, load_config, run
+from fastzoo.accuracy.runs import load_config, run
+from fastzoo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = sorted((ROOT / "configs").glob("accuracy_*.yaml"))
@@ -38,14 +39,35 @@ def test_short_run_curves_agree_within_the_files_tolerance(path):
     for a in ran:
         assert len(a.train_loss) == 3 and a.eval_steps == [3]
         assert all(torch.isfinite(torch.tensor(a.train_loss)))
-    for a in [a for a in ran[1:] if a.status != "control"]:  # a rounding control arm is reported, not judged
+    by_name = {a.name: a for a in ran}
+    for arm, a in [(arm, a) for arm, a in zip(cfg.arms, report.arms) if a.status not in ("unavailable", "control", "peer")]:
+        # a rounding control and a precision's peer are reported, not judged
+        if arm is cfg.arms[0]:
+            continue
+        bound = _bounds(cfg, arm, by_name)
         for key in ("same_weights_loss", "same_weights_grad"):  # from the first arm's weights at step 0
-            assert a.same_weights["steps"] == [0] and a.diff[key] <= getattr(cfg.tolerance, key), f"{a.name}: {key} {a.diff[key]}"
+            assert a.same_weights["steps"] == [0] and a.diff[key] <= bound[key], f"{a.name}: {key} {a.diff[key]}"
         for key in ("train_loss", "eval_loss", "eval_metric"):
-            assert a.diff[key] <= getattr(cfg.tolerance, key), f"{a.name}: {key} differs by {a.diff[key]}"
+            assert a.diff[key] <= bound[key], f"{a.name}: {key} differs by {a.diff[key]}"
             # the diff is what it says: the max over the run of the absolute difference
             assert a.diff[key] == pytest.approx(max(abs(x - y) for x, y in zip(getattr(a, key), getattr(ref, key))))
+        assert a.bound == pytest.approx(bound)  # and it was judged against that bound
     assert report.agree
+    if any(arm.amp for arm in cfg.arms):  # the bf16 arms ran, beside their peer
+        assert sum(a.status == "peer" for a in report.arms) == 1
+        assert all(a.status == "ok" for arm, a in zip(cfg.arms, report.arms) if arm.amp and a.status != "peer")
+
+
+def _bounds(cfg, arm, by_name) -> dict:
+    """fp32: the file's tolerance; low precision: LOW_FACTOR x the peer's difference + that tolerance
+    (fastzoo.equivalence's rule for a dtype whose rounding is not the reference's)."""
+    from fastzoo.equivalence import LOW_FACTOR
+
+    tol = {k: getattr(cfg.tolerance, k) for k in ("train_loss", "eval_loss", "eval_metric", "same_weights_loss", "same_weights_grad")}
+    if not arm.amp:
+        return tol
+    peer = by_name[next(a.name for a in cfg.arms if a.amp == arm.amp)]
+    return {k: LOW_FACTOR * peer.diff[k] + t for k, t in tol.items()}
 
 
 def test_unavailable_arm_is_reported_not_hidden():
@@ -62,6 +84,9 @@ def test_unavailable_arm_is_reported_not_hidden():
     ("optim.schedule=linear", "schedule: 'linear' is not one of constant, cosine"),
     ("optim.warmup_steps=5000", "warmup_steps: must be >= 0 and below steps"),
     ("arms=[{name: a, nudge: 0.5}]", "nudge must be in [0, 0.01)"),
+    ("arms=[{name: a, amp: fp8}]", "amp='fp8': choose one of fp32, bf16, fp16"),
+    ("arms=[{name: a, amp: bf16}]", "the first arm ('a') is the fp32 reference"),
+    ("arms=[{name: a}, {name: b, attn: eager, amp: bf16}]", "the first in bf16, is that precision's peer"),
 ])
 def test_bad_fields_are_refused_by_name(assignment, needle):
     with pytest.raises(ConfigError) as e:
@@ -80,7 +105,8 @@ def test_cli_flags_override_and_a_bad_field_is_one_line_exit_2(tmp_path):
     assert good.returncode == 0, good.stderr[-2000:]
     data = json.loads((tmp_path / "accuracy_digits_resnet.json").read_text())
     assert data["config"]["steps"] == 2 and data["config"]["optim"]["batch_size"] == 4  # flags won over the file
-    assert [len(a["train_loss"]) for a in data["arms"]] == [2, 2] and data["agree"]
+    assert [len(a["train_loss"]) for a in data["arms"]] == [2] * len(data["config"]["arms"]) and data["agree"]
+    assert data["threads"] == 1 and len(data["load"]) == 2  # --threads' default; the run says where it ran
     assert (tmp_path / "accuracy_digits_resnet.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -128,7 +154,7 @@ def test_rounding_control_arm_is_reported_and_not_judged():
 
 
 def test_cosine_schedule_with_warmup():
-    from fastzoo.bench.accuracy import Optim, _scheduler
+    from fastzoo.accuracy.runs import Optim, _scheduler
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=1.0)
@@ -178,3 +204,17 @@ def test_kernel_giou_is_as_close_to_fp64_as_autograd_on_detector_like_boxes():
         if impl == "kernel":
             assert (grad[pad] == 0).all()  # padding: exactly no gradient
     assert err["kernel"].mean() <= 2 * err["torch"].mean()
+
+
+def test_the_results_readme_table_is_generated_from_the_committed_runs(tmp_path):
+    from fastzoo.accuracy.runs import SUMMARY_BEGIN, SUMMARY_END, summary_table, update_summary
+
+    folder = ROOT / "benchmarks" / "results" / "cpu-2core" / "accuracy"
+    text = (folder.parent / "README.md").read_text()
+    assert text.split(SUMMARY_BEGIN, 1)[1].split(SUMMARY_END, 1)[0].strip() == summary_table(folder)
+    runs = {json.loads(p.read_text())["config"]["name"] for p in folder.glob("*.json")}
+    assert all(f"({folder.name}/{name}.md)" in summary_table(folder) for name in runs)  # a row per run, linked
+    readme = tmp_path / "README.md"  # and the generator rewrites only its block
+    readme.write_text(f"before\n{SUMMARY_BEGIN}\nold table\n{SUMMARY_END}\nafter\n")
+    assert update_summary(readme, folder)
+    assert readme.read_text() == f"before\n{SUMMARY_BEGIN}\n{summary_table(folder)}\n{SUMMARY_END}\nafter\n"

@@ -15,8 +15,9 @@ FLOORS = [
     ("fastzoo.errors", "fastzoo.text", "fastzoo.files", "fastzoo.kernel_ranges"),
     ("fastzoo.losses", "fastzoo.attention", "fastzoo.layers", "fastzoo.weights"),
     ("fastzoo.models", "fastzoo.registry"),
-    ("fastzoo.data", "fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo"),
-    ("fastzoo.bench",),
+    ("fastzoo.data", "fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo.machine", "fastzoo.factories",
+     "fastzoo"),
+    ("fastzoo.bench", "fastzoo.accuracy"),
     ("fastzoo.cli",),
 ]
 

@@ -248,7 +248,7 @@ def test_lr_nan_on_the_command_line_is_refused_too(capsys, tmp_path):
                          ids=lambda p: p.name)
 def test_the_shipped_run_files_parse_with_every_field_typed(path):
     """The repo's own run files stay valid under the stricter typing (every value through its
-    option's type); the accuracy suites' files have their own reader (bench/accuracy.py)."""
+    option's type); the accuracy suites' files have their own schema (fastzoo/accuracy/runs.py)."""
     data = yaml.safe_load(path.read_text())
     assert isinstance(data, dict)
     if path.name.startswith("accuracy_"):

@@ -129,7 +129,7 @@ def test_report_json_markdown_and_plot(tmp_path):
     data = json.loads(report.write_json(tmp_path / "vit.json").read_text())
     assert data["suite"] == "vit" and data["device"].startswith("cpu-") and data["iters"] == 2
     assert {"torch", "timm", "transformers"} <= set(data["versions"])
-    assert data["config"]["tiny"] == ("vit_s16 with img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, "
+    assert data["config"]["tiny"] == ("vit_small_patch16_224 with img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, "
                                       "num_classes=10, 32x32 images")
     assert [r["label"] for r in data["rows"]] == ["timm (sdpa)", "timm (eager)", "fastzoo eager", "fastzoo sdpa"]
     for r in data["rows"]:
@@ -167,15 +167,15 @@ def test_cli_bench_rejects_unknown_backend_and_bad_set(capsys):
 
 
 def test_parity_train_short_run_agrees_across_backends():
-    from fastzoo.bench.train_parity import train_parity
+    from fastzoo.accuracy.backends import train_parity
 
     report = train_parity(["eager", "sdpa"], steps=15, batch_size=16, held_out=64, progress=False)
-    eager, sdpa = report.runs
+    eager, sdpa = report.arms
     assert eager.status == sdpa.status == "ok" and report.agree
-    assert len(sdpa.losses) == 15
+    assert len(sdpa.train_loss) == 15
     # fp32, same init and data order: the two runs differ only by rounding in attention.
-    assert max(abs(a - b) for a, b in zip(eager.losses, sdpa.losses)) <= 1e-4
-    assert sdpa.accuracy == pytest.approx(eager.accuracy, abs=0.02)
+    assert max(abs(a - b) for a, b in zip(eager.train_loss, sdpa.train_loss)) <= 1e-4
+    assert sdpa.final_metric == pytest.approx(eager.final_metric, abs=0.02)
 
 
 def test_giou_suite_every_layout_matches_torchvision():

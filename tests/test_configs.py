@@ -148,7 +148,7 @@ def test_recipe_finetune_vit(tmp_path):
 def test_recipe_finetune_gpt2(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from fastzoo.bench.realdata import bpe_tokenizer
+    from fastzoo.accuracy.data import bpe_tokenizer
 
     text = tmp_path / "train.txt"
     text.write_text("\n\n".join(f"paragraph {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(40)))

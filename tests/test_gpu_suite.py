@@ -86,3 +86,36 @@ def test_a_stage_refuses_to_overwrite_its_own_archive(tmp_path):
     (tmp_path / "env.tar.gz").write_bytes(b"")
     res = suite("env", tmp_path, "--dry-run")
     assert res.returncode == 2 and "exists" in res.stderr
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for python: names the device, fails pip installs, prints fastzoo check's table for a refused backend
+case "$*" in
+  *device_name*) echo cpu-test ;;
+  *"pip install"*) echo "ERROR: wheel.whl is not a supported wheel on this platform." >&2; exit 1 ;;
+  *"fastzoo.cli check"*)
+    echo "| backend | device | dtype | compared | max error | bound | original's own error | result |"
+    echo "|---|---|---|---|---|---|---|---|"
+    echo "| fa4 | cpu | fp32 |  |  |  |  | unavailable: attention backend 'fa4' needs the package(s) flash_attn.cute |"
+    exit 1 ;;
+esac
+"""
+
+
+def test_a_failed_step_names_the_refusal_and_a_failed_wheel_install_is_a_row(tmp_path):
+    """The summary says why a step failed (not the table's "max error" header), and a wheel that
+    did not install is a row of the summary, not silence."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "x-1.0-py3-none-any.whl").write_bytes(b"")
+    res = suite("parity-fa4", tmp_path / "out", "--cpu", env={"PYTHON": str(fake), "WHEELS": str(wheels)})
+    assert res.returncode == 1
+    summary = (tmp_path / "out" / "parity-fa4.md").read_text()
+    assert "| install_wheels | failed: ERROR: wheel.whl is not a supported wheel" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| fa4_")]
+    assert rows and all("unavailable: attention backend 'fa4' needs the package(s) flash_attn.cute" in r for r in rows)
+    assert "max error" not in summary
+

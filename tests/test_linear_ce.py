@@ -41,6 +41,27 @@ def test_block_holds_no_more_than_the_hidden_states_at_gpt2_size():
     assert (rows, cols) == (4096, 512) and rows * cols <= 4096 * 768
 
 
+def test_first_pass_block_fills_the_gradients_room_and_no_more():
+    """Before the gradients exist the first pass may hold as many logits as they will take: at
+    GPT-2's head 4096 x 9728 fp32 (152 MiB) against 159 MiB of gradients, 6 vocabulary blocks, not 99."""
+    from fastzoo.losses.linear_ce import lse_block
+
+    room = (50257 + 4096) * 768
+    rows, cols = lse_block(4096, 50257, 768, room)
+    assert (rows, cols) == (4096, 9728) and rows * cols <= room
+    assert lse_block(300, 5000, 32, 300 * 32) == logits_block(300, 5000, 32)  # no room: the second pass's block
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_wide_first_pass_matches_cross_entropy_of_the_logits(reduction):
+    """V = 5000: the first pass's [64, 2560] blocks (the last partial) and the second pass's [64, 512]."""
+    h, w, t = case(v=5000)
+    ref = value_and_grads(REF, h, w, t, reduction)
+    out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl="fused"), h, w, t, reduction)
+    for name, a, b in zip(("loss", "grad hidden", "grad weight"), out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)  # fp32, as below
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_value_and_grads_match_cross_entropy_of_the_logits(impl, reduction):

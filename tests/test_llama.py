@@ -1,6 +1,9 @@
 """The Llama layouts (Llama, Qwen2, Mistral) equal transformers' models on the same weights:
 logits and gradients (fp32 CPU) through every CPU attention backend, padded and packed; every
 rotary schedule; generate token for token; save_pretrained read back by transformers."""
+import copy
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,14 +12,14 @@ import transformers
 import fastzoo
 from fastzoo import equivalence
 from fastzoo.data import nested, pack, pad_to_longest
-from fastzoo.errors import CheckpointError, ConfigError
+from fastzoo.errors import BackendUnavailableError, CheckpointError, ConfigError
 from fastzoo.losses import causal_lm_loss
 
 LOGIT_TOL = equivalence.FP32_OUT_ATOL  # DESIGN.md: fp32 CPU, same weights (1e-4)
 GRAD_RTOL = equivalence.FP32_GRAD_RTOL  # gradients relative to each tensor's scale (fastzoo.equivalence's rule)
 V = 96
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, max_position_embeddings=32, attention_dropout=0.0)
+            num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0)
 # one config per layout, each exercising what that layout adds (window 4 < the longest sequence, 11)
 LAYOUTS = {
     # head_dim != hidden / heads, q/k/v/o and MLP biases, untied head, llama3 frequencies
@@ -24,8 +27,11 @@ LAYOUTS = {
         head_dim=12, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=8))),
-    # q/k/v biases, tied head
-    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    # q/k/v biases, tied head, sliding window on the upper layer only (max_window_layers)
+    "qwen2": (transformers.Qwen2Config, dict(
+        tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # sliding window on every layer
+    "mistral": (transformers.MistralConfig, dict(sliding_window=4, tie_word_embeddings=False)),
 }
 TRAIN_BACKENDS = [("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"}), ("nested", {}), ("varlen", {}),
                   ("varlen", {"impl": "cpu"})]
@@ -48,6 +54,18 @@ def hf(request):
 
 def ours(hf, attn="eager", **opts):
     return fastzoo.create(hf.config.model_type, attn=attn, attn_options=opts, pretrained=hf).eval()
+
+
+def ours_or_refused(hf, backend):
+    """The model on ``backend``, or None where the backend has no sliding window and the model
+    needs one: then create refuses it, naming the window (never a silent full attention)."""
+    name, opts = backend
+    windowed = getattr(hf.config, "sliding_window", None) is not None
+    if windowed and not fastzoo.attention.get_backend(name, **opts).capabilities.window:
+        with pytest.raises(BackendUnavailableError, match="sliding-window"):
+            ours(hf, name, **opts)
+        return None
+    return ours(hf, name, **opts)
 
 
 def seqs(lengths=(5, 11, 3)):
@@ -73,8 +91,11 @@ def hf_each_alone(hf, sequences):
 
 
 # -- padded and packed, every CPU backend ---------------------------------------------------------
-@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
-@pytest.mark.parametrize("side", ["right", "left"])
+# right padding on every backend that trains on CPU; left padding (generation's) on one of each kind
+PADDED = [(b, "right") for b in TRAIN_BACKENDS] + [(("sdpa", {}), "left"), (("varlen", {}), "left")]
+
+
+@pytest.mark.parametrize("backend, side", PADDED, ids=lambda x: IDS(x) if isinstance(x, tuple) else x)
 def test_padded_logits_loss_grads_equal_hf(hf, backend, side):
     batch = pad_to_longest(seqs(), side=side)
     # padding scores nothing, nor predicts anything: a left-padded row's last padding position would
@@ -85,7 +106,9 @@ def test_padded_logits_loss_grads_equal_hf(hf, backend, side):
     hf.zero_grad()
     want = hf(**inputs)
     want.loss.backward()
-    m = ours(hf, backend[0], **backend[1])
+    m = ours_or_refused(hf, backend)
+    if m is None:
+        return
     got = m(**inputs)
     assert_close(got.logits[real], want.logits[real])
     assert (got.loss - want.loss).abs() <= 1e-5  # a mean CE of O(5): fp32 rounding
@@ -95,7 +118,9 @@ def test_padded_logits_loss_grads_equal_hf(hf, backend, side):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS, ids=IDS)
 def test_packed_sequences_equal_each_sequence_alone(hf, backend):
-    m = ours(hf, backend[0], **backend[1])
+    m = ours_or_refused(hf, backend)
+    if m is None:
+        return
     with torch.no_grad():
         packed = m(**pack(seqs()).model_inputs()).logits
         jagged = m(nested(seqs())).logits
@@ -104,13 +129,16 @@ def test_packed_sequences_equal_each_sequence_alone(hf, backend):
     assert_close(jagged.values(), want, "nested logits")
 
 
-@pytest.mark.parametrize("backend", TRAIN_BACKENDS, ids=IDS)
+@pytest.mark.parametrize("backend", [("sdpa", {}), ("varlen", {}), ("nested", {})], ids=IDS)
 def test_packed_training_step_equals_hf_padded(hf, backend):
     padded = pad_to_longest(seqs())
     hf.zero_grad()
     want = hf(padded.input_ids, attention_mask=padded.attention_mask, labels=padded.labels).loss
     want.backward()
-    m = ours(hf, backend[0], **backend[1]).train()  # dropout is 0: train() changes nothing but the fused loss
+    m = ours_or_refused(hf, backend)
+    if m is None:
+        return
+    m.train()  # dropout is 0: train() changes nothing but the fused loss
     batch = pack(seqs())
     got = m(**batch.model_inputs(), labels=batch.labels)
     assert got.logits is None  # train mode: the loss is fused with the LM head
@@ -148,6 +176,28 @@ def test_every_rope_type_equals_hf_past_the_original_context(rope):
     assert_grads_close(m, hf)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, None), (4, 1, None), (2, 2, 24)])
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+def test_grouped_query_and_head_widths_equal_hf(heads, kv_heads, head_dim, attn):
+    hf = hf_model("mistral", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    batch = pad_to_longest(seqs(), side="left")
+    with torch.no_grad():
+        got = ours(hf, attn)(batch.input_ids, attention_mask=batch.attention_mask).logits
+        want = hf(batch.input_ids, attention_mask=batch.attention_mask).logits
+    real = batch.attention_mask.bool()
+    assert_close(got[real], want[real])
+
+
+def test_the_window_changes_the_function():
+    """Without a window each token would see all of its sequence: the window is really applied."""
+    hf = hf_model("mistral")
+    ids = seqs((11,))[0][None]
+    windowless = fastzoo.create("mistral", attn="eager", pretrained=hf, sliding_window=None).eval()
+    with torch.no_grad():
+        assert (windowless(ids).logits - hf(ids).logits)[:, 4:].abs().max() > 1e-3
+        assert_close(ours(hf)(ids).logits, hf(ids).logits)
+
+
 # -- generate, the KV cache ----------------------------------------------------------------------
 GENERATE = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=20),
             "beams": dict(do_sample=False, num_beams=3)}
@@ -175,6 +225,57 @@ def test_cache_continuation_equals_full_forward(hf):
     step = m(ids[:, 6:], past_key_values=first.past_key_values)
     with torch.no_grad():
         assert_close(step.logits, hf(ids).logits[:, 6:])
+
+
+def test_sliding_window_cache_layers_on_a_packed_only_backend_are_refused_naming_the_cache():
+    from transformers.cache_utils import DynamicCache
+
+    hf = hf_model("mistral")
+    m = ours(hf, "varlen")
+    b = pad_to_longest(seqs(), side="left")
+    cache = DynamicCache(config=hf.config)  # keeps only the last sliding_window - 1 keys
+    out = m(b.input_ids, attention_mask=b.attention_mask, past_key_values=cache)
+    mask = F.pad(b.attention_mask, (0, 1), value=1)
+    with pytest.raises(ValueError, match="past_key_values.*sliding-window"):
+        m(b.input_ids[:, :1], attention_mask=mask, past_key_values=out.past_key_values)
+
+
+# -- training with transformers' tools -------------------------------------------------------------
+def _trainer_losses(model, gradient_checkpointing: bool) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    ds = [{"input_ids": torch.randint(0, V, (int(n),), generator=g).tolist()} for n in torch.randint(4, 20, (12,), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3, logging_steps=1, report_to=[],
+        learning_rate=1e-3, seed=0, use_cpu=True, save_strategy="no", disable_tqdm=True,
+        gradient_checkpointing=gradient_checkpointing)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_with_flattening_and_gradient_checkpointing_matches_hf():
+    """transformers' Trainer, packed batches (DataCollatorWithFlattening), gradient checkpointing:
+    fastzoo's loss curve is HF's (HF's model trained the same way, padded inside its own kernels)."""
+    hf = hf_model("qwen2")
+    ref = _trainer_losses(copy.deepcopy(hf).train(), gradient_checkpointing=True)
+    model = ours(hf, "varlen").train()
+    got = _trainer_losses(model, gradient_checkpointing=True)
+    assert model.is_gradient_checkpointing
+    assert len(got) == len(ref) == 3
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4  # fp32, 3 AdamW steps apart from rounding
+
+
+def test_peft_lora_trains_only_the_adapters():
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft): LoRA is checked where it is")
+    hf = hf_model("llama")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    ours_lora, hf_lora = peft.get_peft_model(ours(hf), cfg), peft.get_peft_model(copy.deepcopy(hf), cfg)
+    trainable = {n for n, p in ours_lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    ids = seqs((9,))[0][None]
+    with torch.no_grad():
+        assert_close(ours_lora(input_ids=ids).logits, hf_lora(input_ids=ids).logits)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -70,3 +70,41 @@ def test_timm_swap_builds_fastzoo_with_timms_keywords():
         swap_timm.fastzoo_create_model("resnet50", pretrained=True)
     with pytest.raises(swap_timm.NotProvidedByFastzoo, match="no convnext"):
         swap_timm.fastzoo_create_model("convnext_tiny")
+
+
+# -- a peer's own training script (train_script.py) ---------------------------------------------
+import train_script  # noqa: E402
+
+_LOG = """Epoch: [0]  [0/6]  eta: 0:00:05  lr: 0.01  img/s: 4.1  loss: 1.3573 (1.3573)  acc1: 25.0 (25.0)
+Epoch: [0]  [1/6]  eta: 0:00:03  lr: 0.01  img/s: 5.0  loss: 1.3573 (1.8541)  acc1: 0.0 (12.5)
+Test:   Acc@1 16.667 Acc@5 83.333
+"""
+
+
+def test_train_script_help_runs_and_a_missing_checkout_is_one_line_exit_2(tmp_path):
+    script = SUITES / "train_script.py"
+    assert subprocess.run([sys.executable, str(script), "--help"], capture_output=True).returncode == 0
+    bad = subprocess.run([sys.executable, str(script), "torchvision", "--checkout", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--checkout" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_train_script_data_is_an_image_folder_with_enough_classes_for_top5(tmp_path):
+    import torchvision
+
+    root = train_script.make_image_folder(tmp_path)
+    train = torchvision.datasets.ImageFolder(root / "train")
+    val = torchvision.datasets.ImageFolder(root / "val")
+    assert len(train.classes) == len(val.classes) == train_script.CLASSES >= 5  # the script's Acc@5 needs 5
+    assert len(train) == 4 * train_script.CLASSES and len(val) == 2 * train_script.CLASSES
+
+
+def test_train_script_reads_the_logged_losses_and_tells_a_difference():
+    steps = [{"step": int(m[1]), "loss": m[2], "loss_mean": m[3]} for m in train_script.STEP.finditer(_LOG)]
+    assert steps == [{"step": 0, "loss": "1.3573", "loss_mean": "1.3573"},
+                     {"step": 1, "loss": "1.3573", "loss_mean": "1.8541"}]
+    run = {"steps": steps, "acc1": "16.667"}
+    assert train_script.compare(run, run)["printed_digits_identical"]
+    other = {"steps": [steps[0], {**steps[1], "loss_mean": "1.8542"}], "acc1": "16.667"}
+    c = train_script.compare(run, other)
+    assert not c["printed_digits_identical"] and c["max_loss_mean_diff"] == pytest.approx(1e-4)

@@ -166,19 +166,24 @@ def _tv_small(**kw):
     (lambda: timm.create_model("resnet26", global_pool="max"), "pool_type=max"),
     (lambda: _tv_small(norm_layer=lambda c: nn.BatchNorm2d(c, eps=1e-3)), "bn1 has eps=0.001"),
     (lambda: _tv_small(norm_layer=lambda c: nn.BatchNorm2d(c, momentum=0.01)), "momentum=0.01"),
+    (lambda: timm.create_model("resnet18", layers=(1, 1, 1, 1), output_stride=16), "layer4.0.conv1 has kernel/stride"),
+    (lambda: timm.create_model("resnet18", layers=(1, 1, 1, 1), act_layer="silu"), "layer1.0.act1 is a"),
+    (lambda: _tv_small(groups=32, width_per_group=4, replace_stride_with_dilation=[False, False, True]),
+     "layer4.0.conv2 has kernel/stride"),
 ], ids=["tv-dilation", "timm-os8", "timm-os16", "timm-silu", "timm-aa", "timm-dropblock", "timm-droppath",
-        "timm-droprate", "timm-maxpool", "bn-eps", "bn-momentum"])
-def test_live_module_that_is_not_v15_is_refused(build, needle):
+        "timm-droprate", "timm-maxpool", "bn-eps", "bn-momentum", "timm-basic-os16", "timm-basic-silu", "tv-resnext-dilation"])
+def test_live_module_of_another_function_is_refused(build, needle):
     """Same keys and shapes, another function: create and load_pretrained refuse it by name
     (the torchvision dilated case gave logits 4.15 apart when it loaded silently)."""
     peer = build()
-    with pytest.raises(CheckpointError, match="not the function of fastzoo's ResNet v1.5") as e:
+    with pytest.raises(CheckpointError, match="not the function of fastzoo's ResNet") as e:
         fastzoo.create("resnet50", pretrained=peer)
     assert needle in str(e.value) and "module.state_dict()" in str(e.value)
-    ours = fastzoo.create("resnet50", pretrained=peer.state_dict())  # weights alone: documented, read as v1.5
+    ours = fastzoo.create("resnet50", pretrained=peer.state_dict())  # weights alone: documented, read as the plain network
     with pytest.raises(CheckpointError, match="not the function"):
         fastzoo.load_pretrained(ours, peer)
-    det = fastzoo.create("boxdet_r50", layers=ours.config.layers, channels=ours.config.channels, hidden_dim=16, num_queries=2)
+    backbone = {k: getattr(ours.config, k) for k in ("block", "layers", "channels", "groups", "width_per_group")}
+    det = fastzoo.create("boxdet_r50", **backbone, hidden_dim=16, num_queries=2)
     with pytest.raises(CheckpointError, match="not the function"):
         det.load_backbone(peer)
 

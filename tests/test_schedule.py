@@ -36,7 +36,7 @@ def test_constant_after_warmup_and_no_warmup():
 
 
 def test_accuracy_parity_runs_use_this_schedule():
-    from fastzoo.bench.accuracy import Optim, _scheduler
+    from fastzoo.accuracy.runs import Optim, _scheduler
 
     opt = optimizer()
     acc = lrs(_scheduler(opt, Optim(batch_size=1, lr=1.0, schedule="cosine", warmup_steps=2), steps=6), opt, 6)

@@ -48,15 +48,17 @@ REFUSED, NOT_APPLICABLE, ORIGINAL_TOO, REAL_GAP, UNCLASSIFIED = (
 # stripped) -> (verdict, reason). Read from the recorded runs; a test not listed here whose
 # failure is not explained by the rules in `classify` comes out "unclassified".
 _ATTENTIONS = (REFUSED, "output_attentions: fastzoo's attention kernels return no weights; refused by name "
-                         "(GPT2LMHeadModel.forward)")
+                         "(the decoders' forward, models/decoder/causal_lm.py), none returned for config.output_attentions")
 _LOADING = (REFUSED, "transformers' loading options / loading info (output_loading_info, from_pretrained(None, "
                      "state_dict=)): fastzoo loads with create(pretrained=...), all or nothing, so there is no "
                      "partial-load report")
 _HF_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (GradientCheckpointingLayer modules, "
-                                 "_keep_in_fp32_modules, init_weights/post_init, base_model): fastzoo's GPT-2 is not a "
-                                 "PreTrainedModel by design (models/generation.py says why); the behaviour behind them "
-                                 "is tested in tests/test_gpt2_hf_api.py")
-HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {
+                                 "_keep_in_fp32_modules, init_weights/post_init, base_model, base_model_prefix): "
+                                 "fastzoo's decoders are not PreTrainedModels by design (models/decoder/generation.py "
+                                 "says why); the behaviour behind them is tested in tests/test_gpt2_hf_api.py and "
+                                 "tests/test_llama.py")
+# the verdicts every transformers causal-LM suite shares (GPT-2's, Llama's)
+HF_DECODER_VERDICTS: dict[str, tuple[str, str]] = {
     "test_attention_outputs": _ATTENTIONS,
     "test_model_outputs_equivalence": _ATTENTIONS,
     "test_retain_grad_hidden_states_attentions": _ATTENTIONS,
@@ -75,18 +77,9 @@ HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {
     "test_cannot_load_with_meta_device_context_manager": (
         REFUSED, "pretrained= inside a torch.device('meta') context is refused with fastzoo's own ValueError naming "
                  "it; the test expects transformers' RuntimeError text"),
-    "test_gpt2_scale_attn_by_inverse_layer_idx": (
-        REFUSED, "labels in train mode: the loss is fused with the LM head and .logits is None (documented in "
-                 "GPT2LMHeadModel.forward); the test reads .logits.shape of a training forward"),
-    "test_gpt2_reorder_and_upcast_attn": (
-        REFUSED, "as test_gpt2_scale_attn_by_inverse_layer_idx: fused train-mode loss, .logits is None (the test's "
-                 "config does not actually set reorder_and_upcast_attn: its prepare_config_and_inputs returns the "
-                 "config built before the flag)"),
-    "test_gpt2_sdpa_matches_eager_with_scaling_configs": (
-        REFUSED, "model.set_attn_implementation: transformers' switch; fastzoo's is model.set_attention(name)"),
     "test_inherits_generation_mixin": (
         REFUSED, "the class is not a GenerationMixin subclass: generate is transformers' GenerationMixin bound to "
-                 "the model on each call (models/generation.py), by design"),
+                 "the model on each call (models/decoder/generation.py), by design"),
     "test_gradient_checkpointing_backward_compatibility": (
         REFUSED, "legacy config.gradient_checkpointing=True at construction; fastzoo takes "
                  "gradient_checkpointing_enable()"),
@@ -99,8 +92,29 @@ HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {
     "test_all_tensors_are_parameter_or_buffer": _HF_INTERNALS,
     "test_init_weights_can_init_buffers": _HF_INTERNALS,
     "test_resize_embeddings_untied_no_reinit_on_post_init": _HF_INTERNALS,
+    "test_correct_missing_keys": _HF_INTERNALS,
+}
+HF_GPT2_VERDICTS: dict[str, tuple[str, str]] = {
+    **HF_DECODER_VERDICTS,
+    "test_gpt2_scale_attn_by_inverse_layer_idx": (
+        REFUSED, "labels in train mode: the loss is fused with the LM head and .logits is None (documented in "
+                 "GPT2LMHeadModel.forward); the test reads .logits.shape of a training forward"),
+    "test_gpt2_reorder_and_upcast_attn": (
+        REFUSED, "as test_gpt2_scale_attn_by_inverse_layer_idx: fused train-mode loss, .logits is None (the test's "
+                 "config does not actually set reorder_and_upcast_attn: its prepare_config_and_inputs returns the "
+                 "config built before the flag)"),
+    "test_gpt2_sdpa_matches_eager_with_scaling_configs": (
+        REFUSED, "model.set_attn_implementation: transformers' switch; fastzoo's is model.set_attention(name)"),
     "test_model_base_model_prefix": (NOT_APPLICABLE, "model.base_model is transformers' GPT2Model, which fastzoo does "
                                                      "not provide"),
+}
+
+HF_LLAMA_VERDICTS: dict[str, tuple[str, str]] = {
+    **HF_DECODER_VERDICTS,
+    "test_model_base_model_prefix": (NOT_APPLICABLE, "model.base_model is transformers' LlamaModel, which fastzoo does "
+                                                     "not provide"),
+    "test_tp_plan_matches_params": (NOT_APPLICABLE, "model.tp_plan: transformers' tensor-parallel plan; fastzoo's "
+                                                    "distributed training is DDP / FSDP (fastzoo.train.distributed)"),
 }
 
 TIMM_VERDICTS: dict[str, tuple[str, str]] = {
@@ -122,6 +136,13 @@ SUITES = {
         # logging) and TF32 flags; nothing in it selects or changes a model test
         "pytest_args": ["--noconftest"],
         "verdicts": HF_GPT2_VERDICTS,
+    },
+    "hf-llama": {
+        "title": "transformers' tests/models/llama/test_modeling_llama.py against fastzoo's Llama",
+        "target": "tests/models/llama/test_modeling_llama.py",
+        "plugin": "swap_hf_llama",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_LLAMA_VERDICTS,
     },
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",

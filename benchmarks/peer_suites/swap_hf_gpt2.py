@@ -146,9 +146,9 @@ class FastzooGPT2LMHeadModel(metaclass=_FastzooClassMeta):
 FastzooGPT2LMHeadModel.__name__ = FastzooGPT2LMHeadModel.__qualname__ = "GPT2LMHeadModel"
 
 
-def _not_provided(name: str) -> type:
+def _not_provided(name: str, only: str = "GPT2LMHeadModel") -> type:
     def refuse(*_a, **_k):
-        raise NotProvidedByFastzoo(f"fastzoo provides no {name} (only GPT2LMHeadModel)")
+        raise NotProvidedByFastzoo(f"fastzoo provides no {name} (only {only})")
 
     return type(name, (), {"__new__": lambda cls, *a, **k: refuse(), "from_pretrained": classmethod(refuse),
                            "_from_config": classmethod(refuse)})

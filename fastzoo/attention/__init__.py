@@ -26,6 +26,7 @@ _BUILTIN = {
     "flex": "fastzoo.attention.flex:FlexBackend",
     "fa2": "fastzoo.attention.flash:Fa2Backend",
     "fa3": "fastzoo.attention.flash:Fa3Backend",
+    "fa4": "fastzoo.attention.fa4:Fa4Backend",
     "te": "fastzoo.attention.te:TeBackend",
     "xformers": "fastzoo.attention.xformers:XformersBackend",
     "nested": "fastzoo.attention.nested:NestedBackend",
@@ -122,6 +123,9 @@ def _matrix_row(label: str, backend: AttentionBackend) -> dict:
     head = f"<= {caps.max_head_dim}" if caps.max_head_dim else "any"
     if caps.head_dim_multiple > 1:
         head += f", multiple of {caps.head_dim_multiple}"
+    for device, least, multiple in caps.head_dim_on:
+        head += "; on " + device + ": " + ", ".join(w for w in (f">= {least}" if least > 1 else "",
+                                                               f"multiple of {multiple}" if multiple > 1 else "") if w)
     return {
         "backend": label,
         "available here": "yes" if reason is None else f"no: {reason}",

@@ -43,8 +43,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import itertools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -74,6 +76,7 @@ class Capabilities:
     compile: bool = True
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
+    head_dim_on: tuple[tuple[str, int, int], ...] = ()  # (device, minimum, multiple): limits on that device only
     min_cuda_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()  # import names the backend needs
     install: str | None = None  # how to get those packages
@@ -163,9 +166,19 @@ class KernelProfile:
 
 
 def package_available(name: str) -> bool:
+    """Whether module ``name`` (dotted: the submodule a backend calls) is installed, found
+    without importing it or its parents (``importlib.util.find_spec`` would import the parents:
+    a kernel library's ``__init__`` on a machine that cannot use it)."""
+    parts = name.split(".")
     try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
+        top = sys.modules.get(parts[0])
+        spec = top.__spec__ if top is not None else importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None or spec.submodule_search_locations is None:
+                return False
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+        return spec is not None
+    except (ImportError, ValueError, AttributeError):
         return False
 
 
@@ -296,6 +309,10 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
         problems.append(f"supports head dim <= {caps.max_head_dim}, the model has {req.head_dim}")
     if req.head_dim % caps.head_dim_multiple:
         problems.append(f"needs a head dim divisible by {caps.head_dim_multiple}, the model has {req.head_dim}")
+    for device, least, multiple in caps.head_dim_on:
+        if dev == device and (req.head_dim < least or req.head_dim % multiple):
+            need = " and ".join(w for w in (f">= {least}" if least > 1 else "", f"divisible by {multiple}" if multiple > 1 else "") if w)
+            problems.append(f"needs a head dim {need} on {device}, the model has {req.head_dim}")
     if req.causal and not caps.causal:
         problems.append("has no causal masking, which this model needs")
     if req.padding_mask and not caps.padding_mask and not (req.unpads and caps.varlen):

@@ -86,14 +86,16 @@ class Fa2Backend(LibraryBackend):
         padding_mask=False,
         varlen=True,
         backward=("cuda",),
-        compile=True,  # flash-attn >= 2.6 registers its kernels as torch.library custom ops
+        compile=True,  # flash-attn >= 2.7 registers its kernels as torch.library custom ops (flash_attn::_flash_attn_forward)
         max_head_dim=256,
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned (flash-attn >= 2.1)
         gqa=True,  # k/v with fewer heads than q, as they are
         window=True,  # window_size=(left, right), flash-attn >= 2.3
         min_cuda_capability=(8, 0),
-        packages=("flash_attn",),
-        install="pip install flash-attn --no-build-isolation",
+        # the module called; flash-attn-4 installs a bare flash_attn/cute/ namespace, so `flash_attn` alone imports without FA2
+        packages=("flash_attn.flash_attn_interface",),
+        install=("pip install flash-attn --no-build-isolation (a source build against the installed torch: torch 2.14's headers "
+                 "need C++20, which flash-attn's -std=c++17 build lacks, flash-attention#2863; on Hopper/Blackwell use attn='fa4')"),
         verified="not verified on hardware",
     )
 
@@ -125,7 +127,9 @@ class Fa3Backend(LibraryBackend):
         window=True,
         min_cuda_capability=(9, 0),
         packages=("flash_attn_interface",),
-        install="cd flash-attention/hopper && pip install --no-build-isolation .",  # source build: no PyPI wheel
+        # no PyPI distribution: flash-attn's sdist ships hopper/ without its CUDA sources
+        install=("git clone https://github.com/Dao-AILab/flash-attention && cd flash-attention/hopper && "
+                 "pip install --no-build-isolation . (a source build; FA3 has no PyPI distribution)"),
         verified="not verified on hardware",
     )
 

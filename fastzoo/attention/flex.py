@@ -11,31 +11,49 @@ set_attention. On CPU PyTorch runs flex without a backward: a training forward f
 before it runs.
 
 Compiled FlexAttention on CPU (``compile=True``, or the model under ``torch.compile``) is
-refused: its C++ template was seen to give wrong results in about half of the runs tried
-with torch 2.14.1 (fastzoo issue 14); a few clean runs do not prove it correct. Uncompiled flex on CPU is exact (it runs the
-scores through eager ops) and stays available; compiled flex on CUDA (Triton) is unaffected.
+refused unless this torch has passed :mod:`fastzoo.attention.flex_cpu_repro` (compiled against
+uncompiled flex, torch only): PyTorch's C++ template was reported to give wrong results in
+about half of the runs with torch 2.14.1. ``python -m fastzoo.attention.flex_cpu_repro``
+stores the verdict; the refusal lifts for a torch whose verdict is ``correct``. Uncompiled
+flex on CPU is exact (it runs the scores through eager ops) and stays available; compiled flex
+on CUDA (Triton) is unaffected.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from fastzoo.attention import masks
+from fastzoo.attention import flex_cpu_repro, masks
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.errors import BackendUnavailableError
 
 _compiled_flex = {}
 
 
-CPU_COMPILE_REFUSAL = (
-    "compiled FlexAttention on CPU is refused: PyTorch's C++ flex template was seen to give wrong results "
-    "in about half of the runs tried (torch 2.14.1). Run flex uncompiled on CPU (compile=False, and do not "
-    "torch.compile the model), use another backend (sdpa, eager) under torch.compile, or compile on CUDA"
-)
+def cpu_compile_refusal() -> str | None:
+    """Why compiled flex on CPU is refused with this torch, or None once the reproducer's stored
+    verdict for it is ``correct`` (read once per process and cache location)."""
+    return _refusal_for(str(flex_cpu_repro.cache_path()))
 
 
-def _flex_fn(compile_: bool):
-    """``flex_attention``, compiled or not (compiled only on CUDA: see CPU_COMPILE_REFUSAL).
+@functools.lru_cache(maxsize=None)
+def _refusal_for(path: str) -> str | None:
+    verdict = flex_cpu_repro.stored_verdict()
+    if verdict is not None and verdict.get("verdict") == "correct":
+        return None
+    seen = ("no verdict for this torch yet" if verdict is None
+            else f"its verdict for this torch: wrong in {verdict.get('wrong')} of {verdict.get('runs')} runs")
+    return ("compiled FlexAttention on CPU is refused: PyTorch's C++ flex template was reported to give wrong results "
+            f"(torch 2.14.1); `python -m fastzoo.attention.flex_cpu_repro` tests torch {torch.__version__} and lifts "
+            f"the refusal if compiled and uncompiled flex agree ({seen}). Meanwhile run flex uncompiled on CPU "
+            "(compile=False, and do not torch.compile the model), use another backend (sdpa, eager) under "
+            "torch.compile, or compile on CUDA")
+
+
+def _flex_fn(compile_: bool, device_type: str):
+    """``flex_attention``, compiled or not (on CPU only where :func:`cpu_compile_refusal` allows it).
 
     Uncompiled (the CPU default) PyTorch warns once per process that the scores are
     materialised; that is true, so it is not silenced (a filter would also change the
@@ -45,20 +63,21 @@ def _flex_fn(compile_: bool):
     shape gets a specialised kernel and the first change of a size (a packed batch's T
     changes every step) recompiles once with that size symbolic, which flex's Triton
     template supports (flex marks only the head count and head dim static), instead of
-    recompiling per length until the recompile limit as ``dynamic=False`` does.
+    recompiling per length until the recompile limit as ``dynamic=False`` does. On CPU it is
+    ``dynamic=False``: the C++ template was seen to fail with symbolic lengths.
     """
     if not compile_:
         return flex_attention
-    if "cuda" not in _compiled_flex:
-        _compiled_flex["cuda"] = torch.compile(flex_attention, dynamic=None)
-    return _compiled_flex["cuda"]
+    if device_type not in _compiled_flex:
+        _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False)
+    return _compiled_flex[device_type]
 
 
 @torch.compiler.disable
 def _refuse_compiled_on_cpu(backend: "FlexBackend"):
     """Raised outside the graph: a ``raise`` traced by dynamo would only break the graph, and
     the eager re-run (no longer compiling) would then pass silently."""
-    raise BackendUnavailableError(backend._message([CPU_COMPILE_REFUSAL]))
+    raise BackendUnavailableError(backend._message([backend._cpu_refusal]))
 
 
 class FlexBackend(AttentionBackend):
@@ -70,10 +89,12 @@ class FlexBackend(AttentionBackend):
         score_mod=True,
         kv_cache=True,
         gqa=True,  # flex_attention(enable_gqa=True)
+        head_dim_on=(("cuda", 16, 1),),  # the Triton template's tiles: head dim >= 16
         window=True,  # the context's window joins its mask_mod
         dropout=False,
         backward=("cuda",),
-        verified="CPU fp32 inference, uncompiled (torch 2.14.1); compiled on CPU refused",
+        verified=("CPU fp32 inference, uncompiled (torch 2.14.1); compiled on CPU refused until "
+                  "`python -m fastzoo.attention.flex_cpu_repro` passes for the torch in use"),
     )
     options = {
         "score_mod": None, "mask_mod": None, "block_mask": None,
@@ -95,17 +116,19 @@ class FlexBackend(AttentionBackend):
             raise TypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got {type(bm).__name__}")
         if bm is not None and self.opts["mask_mod"] is not None:
             raise ValueError("give either block_mask or mask_mod, not both: a block_mask already holds its mask_mod")
+        self._cpu_refusal = cpu_compile_refusal()  # read here, not per call: a traced forward reads no file
         self._block_masks = {}  # (Sq, Sk, device) -> BlockMask for masks that do not depend on the batch
 
     def problems(self, req):
         problems = super().problems(req) + masks.request_problems(self.opts["mask_mod"], req)
-        if self.opts["compile"] and req.device in (None, "cpu"):  # None: the model's parameters are on the CPU
-            problems.append(CPU_COMPILE_REFUSAL)
+        refusal = self.opts["compile"] and req.device in (None, "cpu") and cpu_compile_refusal()  # None: CPU parameters
+        if refusal:
+            problems.append(refusal)
         return problems
 
     def check_call(self, q, k, ctx):
         super().check_call(q, k, ctx)
-        if not q.is_cuda and (self.opts["compile"] or torch.compiler.is_compiling()):
+        if not q.is_cuda and (self.opts["compile"] or torch.compiler.is_compiling()) and self._cpu_refusal:
             _refuse_compiled_on_cpu(self)
 
     def _block_mask(self, ctx, B, Sq, Sk, device):
@@ -137,5 +160,5 @@ class FlexBackend(AttentionBackend):
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         compile_ = self.opts["compile"]
         compile_ = q_BHSD.is_cuda if compile_ is None else compile_
-        return _flex_fn(compile_)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale,
+        return _flex_fn(compile_, q_BHSD.device.type)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale,
                                   enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])

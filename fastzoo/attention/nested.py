@@ -31,6 +31,7 @@ class NestedBackend(AttentionBackend):
     description = "jagged NestedTensor through SDPA (packed sequences)"
     capabilities = Capabilities(
         devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
+        head_dim_on=(("cuda", 1, 8),),  # jagged SDPA's flash / efficient kernels: head dim a multiple of 8
         verified="CPU fp32 (torch 2.14.1); CUDA jagged path not verified on hardware",
     )
 

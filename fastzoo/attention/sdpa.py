@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastzoo.attention import masks
-import torch
-
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile
+from fastzoo.errors import BackendUnavailableError
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -38,12 +38,13 @@ _KERNEL_CAPS = {
     "math": _BASE,
     "flash": dataclasses.replace(
         _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
-        verified="CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding / packed refused",
+        verified=("CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding, packed, KV cache and window "
+                  "refused (at create given the model's device, else per call)"),
     ),
     "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, gqa=False, verified="not verified on hardware"),
     "cudnn": dataclasses.replace(
         _BASE, devices={"cuda": HALF}, max_head_dim=128, min_cuda_capability=(8, 0), gqa=False,
-        verified="not verified on hardware",
+        verified="not verified on hardware; dropout in multiples of 1/16 only, >= 2 keys",
     ),
 }
 
@@ -95,6 +96,10 @@ class SdpaBackend(AttentionBackend):
 
     def problems(self, req):
         problems = super().problems(req)
+        if self.opts["sdpa_backend"] == "cudnn" and req.attn_dropout > 0 and not (req.attn_dropout * 16).is_integer():
+            problems.append(f"sdpa_backend='cudnn' takes attention dropout only in multiples of 1/16 (cuDNN's dropout), and "
+                            f"{req.attn_dropout_field}={req.attn_dropout:g}: use a multiple of 1/16 (e.g. 0.125), "
+                            "sdpa_backend='efficient' or None")
         needs = (("key-padding masks", req.padding_mask), ("packed sequences", req.varlen),
                  ("a bottom-right causal mask with a KV cache", req.kv_cache), ("a sliding window", req.window))
         if self._mask_free and req.device == "cuda" and any(need for _, need in needs):
@@ -112,6 +117,13 @@ class SdpaBackend(AttentionBackend):
                                  missing="no SDPA kernel seen")
         op = KERNEL_OPS.get((kernel, q.device.type), f"SDPA's {kernel} kernel")
         return KernelProfile(f"{self.label()}: {op}", f"^{re.escape(op)}$")
+
+    def check_call(self, q, k, ctx):
+        if self.opts["sdpa_backend"] == "cudnn" and k.shape[-2] == 1:
+            raise BackendUnavailableError(self._message([
+                "sdpa_backend='cudnn' refuses a key length of 1 (cuDNN attention needs >= 2 keys): use "
+                "sdpa_backend='efficient' or None for this call"] + self.problems(self.call_request(q, k, ctx))))
+        super().check_call(q, k, ctx)
 
     @property
     def _mask_free(self) -> bool:

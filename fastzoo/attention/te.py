@@ -46,8 +46,8 @@ class TeBackend(LibraryBackend):
         head_dim_multiple=8,  # cuDNN fused attention's requirement
         kv_cache=True,  # dense calls with fewer queries than keys use attn_mask_type="causal_bottom_right"
         min_cuda_capability=(8, 0),
-        packages=("transformer_engine",),
-        install="pip install --no-build-isolation 'transformer_engine[pytorch]'",
+        packages=("transformer_engine.pytorch",),  # the module called: `transformer_engine` alone imports without it
+        install="pip install --no-build-isolation 'transformer_engine[pytorch]' (compiles against the installed torch)",
         verified="not verified on hardware",
     )
 

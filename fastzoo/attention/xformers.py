@@ -74,7 +74,7 @@ class XformersBackend(LibraryBackend):
         compile=False,  # not declared torch.compile-safe by xFormers for training: expect graph breaks
         kv_cache=True,  # LowerTriangularFromBottomRightMask when there are fewer queries than keys
         min_cuda_capability=(6, 0),  # "NVIDIA GPUs with compute capability above 6.0 (P100+)"
-        packages=("xformers",),
+        packages=("xformers.ops",),  # the module called (memory_efficient_attention, fmha)
         install="pip install xformers",
         verified="not verified on hardware",
     )

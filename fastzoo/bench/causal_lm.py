@@ -17,6 +17,7 @@ fused LM-head loss) and ``eval`` adds ``generate`` with the KV cache.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -55,6 +56,9 @@ def causal_lm_suite(
         groups.append(_generate_group(m, batch, backends))
     config = {"model": m.describe(), "peer": f"{m.peer_label}, padded to the longest", "tokens/s": "real tokens only",
               "lengths": batch.lengths, "real tokens": batch.real}
+    padded, packed = m.flops(batch.lengths, max(batch.lengths), True), m.flops(batch.lengths, None, True)
+    if padded is not None:  # what packing can gain by skipping work alone
+        config["FLOP-ratio bound (train, padded to longest ÷ packed)"] = round(padded / packed, 3)
     return Suite(f"{entry.spec.family}_varlen", groups, config=config, device=device)
 
 
@@ -77,9 +81,11 @@ class _Models:
         return f"{self.bench.library} {what}" + (f" ({self.bench.peer_attention})" if self.bench.peer_attention else "")
 
     def describe(self) -> str:
-        changed = ", ".join(f"{k}={v}" for k, v in self.workload.config.items())
-        return (f"{self.entry.name}{' with ' + changed if changed else ''}; {self.workload.batch} sequences, "
-                f"lengths uniform in [1, {self.workload.max_len}]")
+        w = self.workload
+        changed = ", ".join(f"{k}={v}" for k, v in w.config.items())
+        lengths = (f"uniform in [1, {w.max_len}]" if w.median_len is None
+                   else f"log-normal (median {w.median_len}) in [16, {w.max_len}]")
+        return f"{self.entry.name}{' with ' + changed if changed else ''}; {w.batch} sequences, lengths {lengths}"
 
     def users_original(self, recipe: Recipe):
         m = copy.deepcopy(self.original)
@@ -122,7 +128,7 @@ class _Batch:
         from fastzoo.data import nested, pack
 
         g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(1, w.max_len + 1, (w.batch,), generator=g).tolist()
+        lengths = _lengths(w, g)
         seqs = [torch.randint(0, m.cfg.vocab_size, (n,), generator=g) for n in lengths]
         padded = {"longest": _pad(seqs, max(lengths)), "max": _pad(seqs, w.max_len)}
         packed = pack(seqs).to(device)
@@ -132,6 +138,16 @@ class _Batch:
                                                                max_seqlen=packed.max_seqlen), lambda out: _logits(out)[0], None)
         layouts["nested"] = _Layout((nested(seqs).to(device),), {}, _nested_view, None)
         return cls(seqs, lengths, sum(lengths), torch.cat(seqs).to(device), padded, layouts, packed)
+
+
+def _lengths(w: Workload, g: torch.Generator) -> list[int]:
+    """Uniform in [1, max_len]; with ``median_len``, log-normal (sigma 0.8) around it, clipped to
+    [16, max_len]: the shape of instruction-tuning data, where padding to the longest wastes most
+    of a batch."""
+    if w.median_len is None:
+        return torch.randint(1, w.max_len + 1, (w.batch,), generator=g).tolist()
+    z = torch.randn(w.batch, generator=g)
+    return [int(min(max(16, round(w.median_len * math.exp(0.8 * float(x)))), w.max_len)) for x in z]
 
 
 def _pad(seqs: list[torch.Tensor], width: int):
@@ -232,8 +248,7 @@ def _labels_group(m: _Models, batch: _Batch, backends) -> Group:
     """``model(..., labels=...).loss.backward()``: the original computes the logits and
     ``cross_entropy`` on them; fastzoo in train mode computes the loss from the hidden states
     with the fused ``linear_cross_entropy`` (no ``[tokens, vocabulary]`` logits)."""
-    from fastzoo.data.collate import IGNORE_INDEX
-    from fastzoo.losses import causal_lm_loss
+    from fastzoo.losses import IGNORE_INDEX, causal_lm_loss
 
     ids, mask = (t.to(m.device) for t in batch.padded["longest"])
     labels = ids.masked_fill(mask == 0, IGNORE_INDEX)  # HF's convention: padding not scored
@@ -246,6 +261,7 @@ def _labels_group(m: _Models, batch: _Batch, backends) -> Group:
         args, kwargs = inputs
         step = model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
                           items=batch.real, view=lambda out: out.loss.reshape(1))
+        step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs else ids.shape[1], True)
         if original:
             outputs = step.outputs
             step.outputs = lambda: in_fastzoo_names(m.spec, outputs(), m.names)

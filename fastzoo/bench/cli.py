@@ -222,14 +222,17 @@ def _precisions(suite) -> list[torch.dtype]:
 
 
 def _parity_train(args, device, dtype) -> int:
-    from fastzoo.bench.train_parity import check_model, train_parity
+    from fastzoo import files
+    from fastzoo.accuracy.backends import MODEL, train_parity
+    from fastzoo.registry import get_entry
 
-    check_model(args.model)
+    if get_entry(args.model).spec is not get_entry(MODEL).spec:
+        raise UsageError(f"--parity-train fine-tunes {MODEL}'s family; {args.model!r} is of another")
     steps = args.steps or (100 if args.quick else 300)
     report = train_parity(_backends(args.attn), steps=steps, device=device, dtype=dtype, progress=not args.no_progress)
     print(report.to_markdown())
     if args.json:
-        report.write_json(args.json)
+        files.write_json(args.json, report.to_dict())
     if args.plot:
         report.plot(args.plot)
     return 0 if report.agree else 1

@@ -28,8 +28,6 @@ user would pick instead). For each case the harness
 from __future__ import annotations
 
 import gc
-import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,6 +41,7 @@ from fastzoo.bench.limits import Limits, rate, si
 from fastzoo.bench.limits import share as share_of
 from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.machine import device_name, versions  # noqa: F401  (the suites and the tour record them)
 from fastzoo.text import dtype_name, markdown_table
 
 
@@ -351,30 +350,6 @@ def _fmt_err(r: Row) -> str:
     text = f"{r.max_err:.1e}"
     return text + (f" (grad {r.grad_err:.1e})" if r.grad_err is not None else "")
 
-
-
-# -- environment ----------------------------------------------------------------------------
-def device_name(device: torch.device | str) -> str:
-    """Folder name for results: "cpu-2core" or the GPU's name ("NVIDIA-H100-80GB-HBM3")."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-")
-    return f"{device.type}-{os.cpu_count()}core"
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "torchvision", "timm", "transformers", "fastzoo"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            if pkg == "fastzoo":
-                import fastzoo
-
-                out[pkg] = fastzoo.__version__
-    return out
 
 
 # -- running --------------------------------------------------------------------------------

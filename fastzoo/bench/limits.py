@@ -175,7 +175,7 @@ class Limits:
     def describe(self) -> str:
         """One line for a report: every limit with its setting."""
         gemm = ", ".join(f"{name} {si(v, 'FLOP/s')}" for name, v in self.gemm_flops.items())
-        bf16 = f" (bf16 on {' + '.join(self.bf16_units)})" if self.bf16_units else ""
+        bf16 = f" (bf16 on {' + '.join(self.bf16_units)})" if self.bf16_units and "bf16" in self.gemm_flops else ""
         return (f"same-run limits, {self.threads} threads: GEMM {self.gemm_size}^3 {gemm}{bf16}; copy "
                 f"{si(self.copy_bytes_per_s, 'B/s')} ({self.copy_large_bytes // 2**20} MiB buffers), "
                 f"{si(self.copy_cached_bytes_per_s, 'B/s')} in cache ({self.copy_cached_bytes // 2**10} KiB)")

@@ -1,4 +1,7 @@
-"""MLP activations by name, as timm's ``act_layer`` names them."""
+"""MLP activations by name: one table for the names timm's ``act_layer`` and transformers'
+``ACT2FN`` use (where both use a name, it means the same function)."""
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -10,5 +13,13 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-# timm ``act_layer`` name -> module class (exact GELU is timm's default)
-ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU}
+# name -> module class. "gelu" is exact GELU (timm's default, HF's "gelu"); "gelu_new" and
+# "gelu_pytorch_tanh" are transformers' names for OpenAI's tanh approximation.
+ACTIVATIONS = {
+    "gelu": nn.GELU,
+    "quick_gelu": QuickGELU,
+    "gelu_new": partial(nn.GELU, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(nn.GELU, approximate="tanh"),
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+}

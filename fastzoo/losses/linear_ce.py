@@ -5,15 +5,18 @@ The fused path follows Liger-Kernel's fused linear cross-entropy and Apple's Cut
 Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"):
 the logits are computed one ``[rows, cols]`` block at a time (tokens x vocabulary), never all
 at once. A first pass keeps each token's running ``logsumexp`` (online softmax); a second pass
-recomputes each block, turns it into ``softmax - onehot(target)`` in place and adds it into the
-gradients of ``hidden`` and ``weight`` right there, in the forward. The backward then only
-scales those saved gradients by the upstream gradient. The peak is the two gradients (which
-any path returns) plus one block no larger than ``hidden`` (at or below torch's chunked op).
+recomputes each block, turns it into ``softmax`` in place and adds it into the gradients of
+``hidden`` and ``weight`` right there, in the forward; the ``- onehot(target)`` part is added
+once after the blocks (the target's weight row into each token's gradient, the token's hidden
+state into its target's row), and each target's logit is its hidden state dotted with that row.
+The backward then only scales those saved gradients by the upstream gradient. The peak is the
+two gradients (which any path returns) plus one block no larger than ``hidden`` (at or below
+torch's chunked op). The first pass runs before the gradients exist, so its blocks may hold as
+many bytes as they will (:func:`lse_block`): at GPT-2's head six large matmuls instead of 99.
 The price is a fourth matmul: with ``block_bytes`` room for a ``[256, vocab]`` chunk the loss
 takes one pass over token chunks instead (Liger-Kernel's order: three matmuls, the weight's
 gradient read and rewritten per chunk), faster on a CPU for that chunk's memory
-(benchmarks/results/cpu-2core/linear_ce.md has both: at 4096 x 768 -> 50257 under load, two
-passes 167 MiB at 0.54x the logits path's speed, one pass 208 MiB at 1.00x).
+(benchmarks/results/cpu-2core/linear_ce.md has both).
 
 ``impl`` (all three compute the same function; tests compare them in value and gradient):
 
@@ -132,17 +135,36 @@ def _matmul_dtype(hidden, weight) -> torch.dtype:
 VOCAB_BLOCK = 512  # vocabulary columns per logits block: see logits_block
 
 
+WEIGHT_SHARE = 16  # the block may also hold a sixteenth of the weight's gradient: see logits_block
+
+
 def logits_block(n_tokens: int, vocab: int, width: int) -> tuple[int, int]:
     """(token rows, vocabulary columns) of the one logits block the fused path holds at a time.
 
     The block holds at most as many elements as the hidden states (``n_tokens x width``, torch's
-    "aspect ratio" rule), so the peak is the two gradients plus at most one more hidden-sized
-    tensor: 8 MiB at 4096 x 768 -> 50257 (``[4096, 512]``) next to the weight's 147 MiB gradient.
-    Columns: 512, as measured on CPU (benchmarks/results/cpu-2core/linear_ce.md: 256 and 1024 are
-    no faster); rows: a power of two, at least 64, filling the budget."""
+    "aspect ratio" rule) or a sixteenth of the weight's gradient, whichever is more, so the peak
+    is the two gradients plus at most one such tensor: 8 MiB at 4096 x 768 -> 50257
+    (``[4096, 512]``) next to the weight's 147 MiB gradient. At a narrow head and a large
+    vocabulary (1024 x 256 -> 128256) the hidden states alone would allow [512, 512] blocks, 502
+    small matmuls per pass; a sixteenth of the gradient, 8 MiB, gives [1024, 1536], 84.
+    Columns: 512, as measured on CPU (256 and 1024 were no faster), widened in steps of 512 once
+    every token is in the block; rows: a power of two, at least 64, filling the budget."""
+    budget = max(n_tokens * width, vocab * width // WEIGHT_SHARE)
     cols = min(VOCAB_BLOCK, vocab)
-    rows = max(64, 1 << (max(n_tokens * width // cols, 1).bit_length() - 1))
-    return min(rows, max(n_tokens, 1)), cols
+    rows = min(max(64, 1 << (max(budget // cols, 1).bit_length() - 1)), max(n_tokens, 1))
+    if rows == n_tokens:
+        cols = min(vocab, max(cols, budget // rows // VOCAB_BLOCK * VOCAB_BLOCK))
+    return rows, cols
+
+
+def lse_block(n_tokens: int, vocab: int, width: int, room: int) -> tuple[int, int]:
+    """(token rows, vocabulary columns) of the first pass's block when the gradients are computed
+    right after it: it runs before they exist, so it may hold ``room`` logits, as many bytes as
+    the gradients will take, without raising the peak -- fewer, larger matmuls. Rows as
+    :func:`logits_block`'s; columns a multiple of its, filling the room."""
+    rows, cols = logits_block(n_tokens, vocab, width)
+    wide = room // rows // VOCAB_BLOCK * VOCAB_BLOCK
+    return rows, min(vocab, max(cols, wide))
 
 
 ONE_PASS_ROWS = 256  # tokens per chunk of the one-pass path: fewer re-read the weight too often
@@ -208,34 +230,44 @@ class _Block:
         return self.flat_acc[: block.numel()].view(block.shape).copy_(block)
 
 
-def _logsumexp_pass(h_ND, w_VD, safe_t_N, rows: int, cols: int, acc: torch.dtype):
-    """Per token: ``logsumexp`` of its logits and the logit of its target, one block at a time
-    (a running max and sum of exponentials, as in online softmax)."""
+def _logsumexp_pass(h_ND, w_VD, rows: int, cols: int, acc: torch.dtype):
+    """Per token, the ``logsumexp`` of its logits, one block at a time (a running max and sum of
+    exponentials, as in online softmax)."""
     n, v = h_ND.shape[0], w_VD.shape[0]
     buf = _Block(min(rows, n) * cols, h_ND.dtype, acc, h_ND.device)
     lse_N = torch.empty(n, dtype=acc, device=h_ND.device)
-    picked_N = torch.zeros(n, dtype=acc, device=h_ND.device)
     for s, e in _spans(n, rows):
-        t_c = safe_t_N[s:e]
         m_c = torch.full((e - s,), float("-inf"), dtype=acc, device=h_ND.device)
         z_c = torch.zeros(e - s, dtype=acc, device=h_ND.device)
         for a, b in _spans(v, cols):
             logits = buf.acc(torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a)))
-            in_block = (t_c >= a) & (t_c < b)
-            picked = logits.gather(1, (t_c - a).clamp(0, b - a - 1)[:, None]).squeeze(1)
-            picked_N[s:e] += torch.where(in_block, picked, 0.0)
             m_new = torch.maximum(m_c, logits.amax(1))
-            z_c = z_c * (m_c - m_new).exp() + logits.sub_(m_new[:, None]).exp_().sum(1)
+            z_c = z_c.mul_((m_c - m_new).exp_()).add_(logits.sub_(m_new[:, None]).exp_().sum(1))
             m_c = m_new
         lse_N[s:e] = m_c + z_c.log()
-    return lse_N, picked_N
+    return lse_N
+
+
+TARGET_ROWS = 512  # tokens per step of the target terms below: a [512, D] temporary at most
+
+
+def _target_logits(h_ND, w_VD, safe_t_N, acc: torch.dtype):
+    """Per token, the logit of its target: its hidden state dotted with the target's row of the
+    weight, rounded to the matmuls' dtype as the logits blocks are."""
+    picked_N = torch.empty(h_ND.shape[0], dtype=acc, device=h_ND.device)
+    for s, e in _spans(h_ND.shape[0], TARGET_ROWS):
+        dot = (h_ND[s:e].to(acc) * w_VD[safe_t_N[s:e]].to(acc)).sum(1)
+        picked_N[s:e] = dot.to(h_ND.dtype).to(acc)
+    return picked_N
 
 
 def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool, rows: int, cols: int,
                acc: torch.dtype):
-    """Gradients of ``sum_i scale_N[i] * loss_i`` with respect to h and w, one logits block at a time:
-    ``d loss / d logits = softmax - onehot(target)``, the softmax read from the saved ``lse_N``. The
-    vocabulary is the outer loop, so each block of the weight's gradient is written once, whole."""
+    """Gradients of ``sum_i scale_N[i] * loss_i`` with respect to h and w: ``d loss / d logits =
+    softmax - onehot(target)``. The softmax part one logits block at a time, read from the saved
+    ``lse_N``, the vocabulary the outer loop so that each block of the weight's gradient is
+    written once, whole; the onehot part once, after the blocks (a row of the weight per token for
+    h, the token's hidden state added into its target's row for w)."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
     low = h_ND.dtype != acc
@@ -245,12 +277,9 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
     grad_w = torch.empty(v, d, dtype=acc, device=h_ND.device) if want_w else None
     for a, b in _spans(v, cols):
         for s, e in _spans(n, rows):
-            t_c = safe_t_N[s:e]
             logits = torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a))
             g = buf.acc(logits)
             g.sub_(lse_N[s:e, None]).exp_().mul_(scale_N[s:e, None])  # softmax, scaled per token
-            in_block = (t_c >= a) & (t_c < b)
-            g.scatter_add_(1, (t_c - a).clamp(0, b - a - 1)[:, None], -(scale_N[s:e] * in_block)[:, None])
             g = logits.copy_(g) if low else g  # the matmuls' dtype
             if want_h:
                 if low:
@@ -264,7 +293,26 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
                     grad_w[a:b].addmm_(g.T, h_ND[s:e])
                 else:
                     torch.mm(g.T, h_ND[s:e], out=grad_w[a:b])
+    del buf, logits, g  # the block's room is the onehot part's
+    for s, e in _spans(n, TARGET_ROWS):  # - onehot(target), scaled per token
+        c = scale_N[s:e, None]
+        if want_h:
+            grad_h[s:e].sub_(w_VD[safe_t_N[s:e]].to(acc) * c)
+        if want_w:
+            grad_w.index_add_(0, safe_t_N[s:e], h_ND[s:e].to(acc) * c, alpha=-1)
     return grad_h, grad_w
+
+
+def _first_block(ctx, h, w, reduction: str, acc: torch.dtype) -> tuple[int, int]:
+    """The first pass's block: :func:`lse_block` when the gradients follow in this forward (room:
+    their bytes), else the second pass's (:func:`logits_block`)."""
+    n, d = h.shape
+    v = w.shape[0]
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if reduction == "none" or not (want_h or want_w):
+        return logits_block(n, v, d)
+    per_logit = h.dtype.itemsize + (acc.itemsize if acc != h.dtype else 0)  # the block, and its copy in acc
+    return lse_block(n, v, d, (want_w * v + want_h * n) * d * acc.itemsize // per_logit)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -287,8 +335,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block = reduction, h_dtype, w_dtype, (rows, cols, acc)
         one_pass = one_pass_rows(h.shape[0], w.shape[0], acc, block_bytes) if reduction != "none" else None
         if one_pass is None:
-            lse_N, picked_N = _logsumexp_pass(h, w, safe_t_N, rows, cols, acc)
-            loss_N = torch.where(valid_N, lse_N - picked_N, 0.0)
+            lse_N = _logsumexp_pass(h, w, *_first_block(ctx, h, w, reduction, acc), acc)
+            loss_N = torch.where(valid_N, lse_N - _target_logits(h, w, safe_t_N, acc), 0.0)
         if reduction == "none":
             ctx.save_for_backward(h, w, safe_t_N, valid_N, lse_N)
             return loss_N

@@ -45,7 +45,8 @@ class Workload:
     config: Mapping = field(default_factory=dict)  # changes to the variant's config ({}: the variant as it is)
     batch: int = 8  # images, or sequences
     img_size: int | None = None  # images' side, for a model whose config has none (a convnet)
-    max_len: int | None = None  # causal LM: sequence lengths drawn uniformly from [1, max_len]
+    max_len: int | None = None  # causal LM: sequence lengths drawn uniformly from [1, max_len] ...
+    median_len: int | None = None  # ... or log-normally around this median, clipped to [16, max_len]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class ModelSpec:
     ``attended`` (query, key) pairs computed); the benchmarks report achieved FLOP/s against the
     same-run GEMM peak with it. ``bench``: the family's benchmark workloads and recipes
     (:class:`BenchSettings`; None: no model suite).
+    ``refused``: names the original library gives to architectures of this kind that the
+    family does not reproduce, each with the options it would need (``create`` says so).
     """
 
     family: str
@@ -97,6 +100,7 @@ class ModelSpec:
     shallow: Callable[[dict], dict] | None = None
     flops: Callable[..., int] | None = None
     bench: BenchSettings | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
 
     def __post_init__(self):
         if self.task not in TASKS:

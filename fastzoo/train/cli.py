@@ -10,7 +10,8 @@ from pathlib import Path
 
 from fastzoo.errors import FastzooError, UsageError
 from fastzoo.text import (
-    USER_ERRORS, ArgumentParser, error_line, non_negative_float, non_negative_int, parse_key_values, positive_int, show_traceback,
+    USER_ERRORS, ArgumentParser, error_line, non_negative_float, non_negative_int, parse_key_values, positive_int, read_yaml,
+    show_traceback,
 )
 
 __all__ = ["UsageError", "create_model", "parse_args", "positive_int", "run_main", "train_parser"]
@@ -84,14 +85,7 @@ def read_run_config(parser: argparse.ArgumentParser, path: Path, argv: list[str]
     command line gives another member of that group (the command line wins)."""
     import difflib
 
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"--config {path}: cannot read it as YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    data = read_yaml(path, expect="a mapping of option: value")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     out = {}
     for key, value in data.items():

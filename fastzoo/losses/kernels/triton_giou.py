@@ -15,12 +15,16 @@ Arithmetic matches the C++ CPU kernel (``giou_cpu.cpp``) operation for operation
 - divisions are IEEE round-to-nearest (``div_rn``; Triton's default fp32 ``/`` is approximate)
   and no multiply-adds are fused (``enable_fp_fusion=False``; the C++ is built with
   ``-ffp-contract=off``);
-- the masked sum accumulates in fp64 (per block, then over blocks), as the C++ kernel does.
+- the masked sum accumulates in fp64 (per block, then over blocks), as the C++ kernel does;
+- offsets are int64 (:func:`block_rows`): past 2^29 boxes the element offsets pass 2^31;
+- each launch runs under its tensors' device (``torch.cuda.device``), not the current GPU.
 
 Not verified on GPU hardware here; ``tests/test_giou.py`` runs these kernels under Triton's CPU
 interpreter (``TRITON_INTERPRET=1``) against torchvision.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -40,6 +44,14 @@ except ImportError as e:  # a CUDA tensor reached the fused GIoU op on a machine
 
 BLOCK = 256
 NONE, SUM, MEAN = 0, 1, 2  # reduction codes of the masked op
+
+
+@triton.jit
+def block_rows(BLOCK: tl.constexpr):
+    # int64: the element offset rows * 4 passes 2^31 at 2^29 boxes, where int32 wraps
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.static_assert(rows.dtype == tl.int64)
+    return rows
 
 
 @triton.jit
@@ -69,6 +81,15 @@ def giou_loss_rows(x1, y1, x2, y2, x1g, y1g, x2g, y2g, eps):
     union = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter
     area_c = (tl.maximum(x2, x2g) - tl.minimum(x1, x1g)) * (tl.maximum(y2, y2g) - tl.minimum(y1, y1g))
     return 1.0 - (div(inter, union + eps) - div(area_c - union, area_c + eps))
+
+
+@triton.jit
+def stored(x, ptr):
+    # to the gradient's dtype (the input's); fp64 -> bf16 goes through fp32: the one-step
+    # conversion gave NaN (seen under TRITON_INTERPRET; bf16 predictions with fp64 targets)
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return x.to(tl.float32).to(tl.bfloat16)
+    return x.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -102,16 +123,16 @@ def store_giou_grads(gpred_ptr, gtarget_ptr, rows, mask, g, x1, y1, x2, y2, x1g,
     ty2 = tl.where(y2g > y2, 1.0, tl.where(y2g == y2, 0.5, 0.0))
     if STORE_PRED:  # stores cast to the gradient's dtype (the input's)
         out = gpred_ptr + rows * 4
-        tl.store(out + 0, -g_iw * tx1 - g_cw * (1 - tx1) - g_union * h1, mask=mask)
-        tl.store(out + 1, -g_ih * ty1 - g_ch * (1 - ty1) - g_union * w1, mask=mask)
-        tl.store(out + 2, g_iw * tx2 + g_cw * (1 - tx2) + g_union * h1, mask=mask)
-        tl.store(out + 3, g_ih * ty2 + g_ch * (1 - ty2) + g_union * w1, mask=mask)
+        tl.store(out + 0, stored(-g_iw * tx1 - g_cw * (1 - tx1) - g_union * h1, out), mask=mask)
+        tl.store(out + 1, stored(-g_ih * ty1 - g_ch * (1 - ty1) - g_union * w1, out), mask=mask)
+        tl.store(out + 2, stored(g_iw * tx2 + g_cw * (1 - tx2) + g_union * h1, out), mask=mask)
+        tl.store(out + 3, stored(g_ih * ty2 + g_ch * (1 - ty2) + g_union * w1, out), mask=mask)
     if STORE_TARGET:
         out = gtarget_ptr + rows * 4
-        tl.store(out + 0, -g_iw * (1 - tx1) - g_cw * tx1 - g_union * h2, mask=mask)
-        tl.store(out + 1, -g_ih * (1 - ty1) - g_ch * ty1 - g_union * w2, mask=mask)
-        tl.store(out + 2, g_iw * (1 - tx2) + g_cw * tx2 + g_union * h2, mask=mask)
-        tl.store(out + 3, g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2, mask=mask)
+        tl.store(out + 0, stored(-g_iw * (1 - tx1) - g_cw * tx1 - g_union * h2, out), mask=mask)
+        tl.store(out + 1, stored(-g_ih * (1 - ty1) - g_ch * ty1 - g_union * w2, out), mask=mask)
+        tl.store(out + 2, stored(g_iw * (1 - tx2) + g_cw * tx2 + g_union * h2, out), mask=mask)
+        tl.store(out + 3, stored(g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2, out), mask=mask)
 
 
 @triton.jit
@@ -124,7 +145,7 @@ def row_valid(mask_ptr, rows, in_range, x1g, y1g, x2g, y2g, HAS_MASK: tl.constex
 
 @triton.jit
 def giou_fwd_kernel(pred_ptr, target_ptr, loss_ptr, eps_ptr, n, CT: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = block_rows(BLOCK)
     mask = rows < n
     eps = tl.load(eps_ptr)
     x1, y1, x2, y2 = load_box(pred_ptr, rows, mask, CT)
@@ -135,7 +156,7 @@ def giou_fwd_kernel(pred_ptr, target_ptr, loss_ptr, eps_ptr, n, CT: tl.constexpr
 @triton.jit
 def giou_bwd_kernel(grad_ptr, pred_ptr, target_ptr, gpred_ptr, gtarget_ptr, eps_ptr, n,
                     CT: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = block_rows(BLOCK)
     mask = rows < n
     eps = tl.load(eps_ptr)
     g = tl.load(grad_ptr + rows, mask=mask, other=0.0).to(CT)
@@ -147,7 +168,7 @@ def giou_bwd_kernel(grad_ptr, pred_ptr, target_ptr, gpred_ptr, gtarget_ptr, eps_
 @triton.jit
 def giou_masked_fwd_kernel(pred_ptr, target_ptr, mask_ptr, out_ptr, sum_ptr, count_ptr, eps_ptr, n,
                            HAS_MASK: tl.constexpr, REDUCE: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = block_rows(BLOCK)
     in_range = rows < n
     eps = tl.load(eps_ptr)
     x1, y1, x2, y2 = load_box(pred_ptr, rows, in_range, CT)
@@ -165,7 +186,7 @@ def giou_masked_fwd_kernel(pred_ptr, target_ptr, mask_ptr, out_ptr, sum_ptr, cou
 def giou_masked_bwd_kernel(grad_ptr, pred_ptr, target_ptr, mask_ptr, gpred_ptr, gtarget_ptr, eps_ptr, n,
                            HAS_MASK: tl.constexpr, PER_ROW: tl.constexpr, STORE_PRED: tl.constexpr,
                            STORE_TARGET: tl.constexpr, CT: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = block_rows(BLOCK)
     in_range = rows < n
     eps = tl.load(eps_ptr)
     if PER_ROW:
@@ -189,9 +210,12 @@ def giou_masked_bwd_kernel(grad_ptr, pred_ptr, target_ptr, mask_ptr, gpred_ptr, 
                      STORE_PRED, STORE_TARGET)
 
 
-def _launch(kernel, n: int, *args, **meta):
-    # enable_fp_fusion=False: no fused multiply-adds, so values round as the CPU kernel's
-    kernel[(triton.cdiv(n, BLOCK),)](*args, BLOCK=BLOCK, enable_fp_fusion=False, **meta)
+def _launch(kernel, n: int, device: torch.device, *args, **meta):
+    """Launch on ``device``'s GPU (Triton launches on the current one: on a multi-GPU machine a
+    tensor on cuda:1 would otherwise be read by a kernel on cuda:0)."""
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:  # enable_fp_fusion=False: no fused multiply-adds, so values round as the CPU kernel's
+        kernel[(triton.cdiv(n, BLOCK),)](*args, BLOCK=BLOCK, enable_fp_fusion=False, **meta)
 
 
 def _ct(dtype: torch.dtype):
@@ -208,7 +232,7 @@ def forward(pred: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tenso
     n = pred.numel() // 4
     loss = torch.empty(pred.shape[:-1], device=pred.device, dtype=ct)
     if n:
-        _launch(giou_fwd_kernel, n, pred, target, loss, _eps(eps, ct, pred.device), n, CT=_ct(ct))
+        _launch(giou_fwd_kernel, n, pred.device, pred, target, loss, _eps(eps, ct, pred.device), n, CT=_ct(ct))
     return loss
 
 
@@ -218,7 +242,7 @@ def backward(grad: torch.Tensor, pred: torch.Tensor, target: torch.Tensor, eps: 
     n = pred.numel() // 4
     gp, gt = torch.empty_like(pred), torch.empty_like(target)
     if n:
-        _launch(giou_bwd_kernel, n, grad.contiguous(), pred, target, gp, gt, _eps(eps, ct, pred.device), n, CT=_ct(ct))
+        _launch(giou_bwd_kernel, n, pred.device, grad.contiguous(), pred, target, gp, gt, _eps(eps, ct, pred.device), n, CT=_ct(ct))
     return gp, gt
 
 
@@ -231,7 +255,7 @@ def masked_forward(pred, target, mask, eps: float, reduction: int) -> torch.Tens
     sums = torch.zeros(blocks, device=pred.device, dtype=torch.float64)
     counts = torch.zeros(blocks, device=pred.device, dtype=torch.int64)
     if n:
-        _launch(giou_masked_fwd_kernel, n, pred, target, mask if mask is not None else target, out, sums, counts, _eps(eps, ct, pred.device),
+        _launch(giou_masked_fwd_kernel, n, pred.device, pred, target, mask if mask is not None else target, out, sums, counts, _eps(eps, ct, pred.device),
                 n, HAS_MASK=mask is not None, REDUCE=reduction != NONE, CT=_ct(ct))
     if reduction == NONE:
         return out
@@ -255,7 +279,7 @@ def masked_backward(grad, pred, target, mask, eps: float, reduction: int, need_p
     if reduction == MEAN:
         valid = mask if mask is not None else ~((target[..., 2] < target[..., 0]) | (target[..., 3] < target[..., 1]))
         g = (g.double() / valid.sum().clamp_min(1)).to(ct)
-    _launch(giou_masked_bwd_kernel, n, g.reshape(-1), pred, target, mask if mask is not None else target,
+    _launch(giou_masked_bwd_kernel, n, pred.device, g.reshape(-1), pred, target, mask if mask is not None else target,
             gp if need_pred else pred, gt if need_target else target, _eps(eps, ct, pred.device), n,
             HAS_MASK=mask is not None, PER_ROW=reduction == NONE, STORE_PRED=need_pred, STORE_TARGET=need_target,
             CT=_ct(ct))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastzoo.errors import CheckpointError
+from fastzoo.models.boxdet.config import BACKBONE_FIELDS
 from fastzoo.models.resnet.convert import ResNetConverter
 
 
@@ -32,8 +33,7 @@ class BoxDetConverter:
             "num_classes": state["class_embed.weight"].shape[0] - 1,  # the last logit is "no object"
             "num_queries": state["query_embed.weight"].shape[0],
             "hidden_dim": state["query_embed.weight"].shape[1],
-            "layers": backbone["layers"],
-            "channels": backbone["channels"],
+            **{name: backbone[name] for name in BACKBONE_FIELDS},
         }
 
 

@@ -1,4 +1,9 @@
-"""A set-prediction box detector on ResNet-50: DETR's head and loss without its transformer.
+"""A set-prediction box detector on a ResNet: DETR's head and loss without its transformer.
+
+The backbone is any of the ResNet family's sizes (config fields ``block``, ``layers``,
+``channels``, ``groups``, ``width_per_group``, as ``ResNetConfig``'s; ResNet-50 by default):
+``fastzoo.create("boxdet_r50", **fastzoo.registry.get_entry("resnext50_32x4d").config)``, or read from
+the checkpoint given as ``pretrained=``. The head projects the backbone's C5 channels.
 
 After Carion et al. 2020, "End-to-End Object Detection with Transformers" (DETR): a fixed
 set of ``num_queries`` learned queries each predicts one box and a class among

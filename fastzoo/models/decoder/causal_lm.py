@@ -17,6 +17,7 @@ model), which hands everything to :meth:`CausalLM.causal_lm_forward`. Shared her
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -152,9 +153,8 @@ class CausalLM(CausalLMConventions, FastzooModel):
 
     def check_kv_cache(self):
         """Refuse a KV cache on a backend that cannot attend with one, before running."""
-        from fastzoo.attention import AttnRequest
-
-        self.attention_backend.check(AttnRequest(**{**self.attention_needs(), "kv_cache": True}))
+        # the model's own request, with its device and dtype (sdpa's flash kernel takes a KV cache on CPU, not on CUDA)
+        self.attention_backend.check(dataclasses.replace(self.attention_request(), kv_cache=True))
 
     def _logits(self, h, seqs, logits_to_keep):
         if not logits_to_keep:
@@ -198,9 +198,10 @@ class CausalLM(CausalLMConventions, FastzooModel):
         return {"scale": first.scale, "dropout_p": first.attn_dropout_p if self.training else 0.0}
 
     # -- conventions ------------------------------------------------------------------------
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
-        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs)
-        self.body.checkpoint_kwargs = self._checkpoint_kwargs
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
+                                      offload: bool = False):
+        super().gradient_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)
+        self.body.checkpoint_kwargs, self.body.checkpoint_every = self._checkpoint_kwargs, every_n_layers
 
     def gradient_checkpointing_disable(self):
         super().gradient_checkpointing_disable()

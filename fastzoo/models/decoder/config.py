@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-
-from torch import nn
-
 from fastzoo.errors import ConfigError
 from fastzoo.layers.rotary import REQUIRED, ROPE_TYPES
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 
 
-# HF ACT2FN names -> the activation module. "gelu_new" is OpenAI's tanh approximation.
-ACTIVATIONS = {
-    "gelu_new": partial(nn.GELU, approximate="tanh"),
-    "gelu_pytorch_tanh": partial(nn.GELU, approximate="tanh"),
-    "gelu": nn.GELU,
-    "relu": nn.ReLU,
-    "silu": nn.SiLU,
-}
+# the activations (HF ACT2FN names) the decoders take, from the one table in fastzoo.layers.activations
+HF_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu")
 
 
 @dataclass
@@ -35,7 +25,7 @@ class GPT2Config(ModelConfig):
     n_head: int = changes_function(12, "attention heads; n_embd must divide by it", ge=1)
     n_inner: int | None = weights_decide(None, "MLP hidden width; None: 4 * n_embd", ge=1,
                                          compare=lambda c: c.n_inner or 4 * c.n_embd)
-    activation_function: str = changes_function("gelu_new", "MLP activation (HF ACT2FN name)", choices=tuple(ACTIVATIONS))
+    activation_function: str = changes_function("gelu_new", "MLP activation (HF ACT2FN name)", choices=HF_ACTIVATIONS)
     resid_pdrop: float = free(0.1, "dropout after the attention and MLP projections", ge=0, le=1)
     embd_pdrop: float = free(0.1, "dropout after the embeddings", ge=0, le=1)
     attn_pdrop: float = free(0.1, "attention dropout", ge=0, le=1)
@@ -83,7 +73,7 @@ class LlamaConfig(ModelConfig):
         ge=1, compare=lambda c: c.kv_heads)
     head_dim: int | None = changes_function(None, "width of a head; None: hidden_size // num_attention_heads", ge=2,
                                             compare=lambda c: c.head_size)
-    hidden_act: str = changes_function("silu", "gated MLP activation (HF ACT2FN name)", choices=tuple(ACTIVATIONS))
+    hidden_act: str = changes_function("silu", "gated MLP activation (HF ACT2FN name)", choices=HF_ACTIVATIONS)
     max_position_embeddings: int = changes_function(
         2048, "context length the rotary schedule is set for (dynamic / yarn / longrope read it); longer inputs run",
         ge=1)

@@ -59,6 +59,11 @@ class UnpaddedCache:
         k_BHKD, v_BHKD = self.cache.update(*padded, layer_idx)
         if self.keys is None:
             return k_1HTD, v_1HTD
+        if k_BHKD.shape[2] != self.keys.seqlen:
+            raise ValueError(
+                f"past_key_values: layer {layer_idx} of the cache returned {k_BHKD.shape[2]} keys per row, not all "
+                "of them (a sliding-window layer: DynamicCache(config=...) of a windowed model); a packed-only "
+                "backend reads every key: pass DynamicCache() without a config, or use a backend with a padding mask")
         B, H, K, D = k_BHKD.shape
         return [x.transpose(1, 2).reshape(B * K, H, D).index_select(0, self.keys.indices).transpose(0, 1)[None]
                 for x in (k_BHKD, v_BHKD)]
@@ -164,6 +169,12 @@ class CausalLMConventions:
         is checked before the first token: pass ``use_cache=False`` to decode without it."""
         if kwargs.get("use_cache", self.generation_config.use_cache):
             self.check_kv_cache()
+            if kwargs.get("past_key_values") is None and not self.attention_backend.capabilities.padding_mask:
+                from transformers.cache_utils import DynamicCache
+
+                # a packed-only backend reads the cache through UnpaddedCache, which needs every key:
+                # no sliding-window layers (transformers' default cache for a windowed config)
+                kwargs["past_key_values"] = DynamicCache()
         return self._generator().generate(*args, **kwargs)
 
     @property
@@ -188,11 +199,18 @@ class CausalLMConventions:
         return self.get_input_embeddings().weight.dtype
 
     # -- training plumbing -----------------------------------------------------------------
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
-        """Recompute each block's activations in the backward (``torch.utils.checkpoint``,
-        non-reentrant unless ``gradient_checkpointing_kwargs`` says otherwise). As in
-        transformers, the KV cache is off while training with it."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
+                                      offload: bool = False):
+        """Recompute blocks' activations in the backward (``torch.utils.checkpoint``, non-reentrant
+        unless ``gradient_checkpointing_kwargs`` says otherwise): every block, or every
+        ``every_n_layers``-th (transformers' Trainer passes it). As in transformers, the KV cache is
+        off while training with it. ``offload=True`` (activations kept in CPU memory) is refused."""
+        if offload:
+            raise ValueError("offload=True: fastzoo's decoders do not offload checkpointed activations; leave it False")
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
         self._checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        self._checkpoint_every = every_n_layers
         self._gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self):

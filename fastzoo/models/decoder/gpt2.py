@@ -20,9 +20,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.layers.activations import ACTIVATIONS
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.base import write_pretrained
-from fastzoo.models.decoder.config import ACTIVATIONS, GPT2Config
+from fastzoo.models.decoder.config import GPT2Config
 from fastzoo.models.decoder.causal_lm import CausalLM
 
 
@@ -97,7 +98,8 @@ class GPT2Model(nn.Module):
         self.drop = nn.Dropout(cfg.embd_pdrop)
         self.h = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.checkpoint_kwargs = None  # set: recompute each block in the backward
+        self.checkpoint_kwargs = None  # set: recompute blocks in the backward (every checkpoint_every-th)
+        self.checkpoint_every = 1
 
     def forward(self, tokens, pos, ctx: AttnContext, cache=None, token_type_ids=None):
         """Hidden states of every layer: embeddings, each block's output but the last, ln_f (HF's)."""
@@ -106,8 +108,8 @@ class GPT2Model(nn.Module):
         if token_type_ids is not None:  # HF: token types are looked up in the token embedding
             x_BSD = x_BSD + self.wte(token_type_ids)
         hidden = [self.drop(x_BSD)]
-        for block in self.h:
-            if self.checkpoint_kwargs is not None:
+        for i, block in enumerate(self.h):
+            if self.checkpoint_kwargs is not None and i % self.checkpoint_every == 0:
                 hidden.append(checkpoint(block, hidden[-1], ctx, **self.checkpoint_kwargs))
             else:
                 hidden.append(block(hidden[-1], ctx, cache))

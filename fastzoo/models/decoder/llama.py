@@ -22,13 +22,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.layers.activations import ACTIVATIONS
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.mlp import GatedMlp
 from fastzoo.layers.norm import RMSNorm
 from fastzoo.layers.rotary import RotaryEmbedding, apply_rotary
 from fastzoo.models.base import write_pretrained
 from fastzoo.models.decoder.causal_lm import CausalLM
-from fastzoo.models.decoder.config import ACTIVATIONS, LlamaConfig
+from fastzoo.models.decoder.config import LlamaConfig
 from fastzoo.models.decoder.convert import LLAMA_LAYOUTS, hf_config
 
 
@@ -99,15 +100,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_size, cfg.max_position_embeddings)
-        self.checkpoint_kwargs = None  # set: recompute each block in the backward
+        self.checkpoint_kwargs = None  # set: recompute blocks in the backward (every checkpoint_every-th)
+        self.checkpoint_every = 1
 
     def forward(self, tokens, pos, ctx: AttnContext, cache=None):
         """Hidden states of every layer: embeddings, each block's output but the last, norm (HF's)."""
         x_BSD = self.embed_tokens(tokens) if not tokens.is_floating_point() else tokens
         rope = self.rotary_emb(pos, x_BSD.dtype)
         hidden = [x_BSD]
-        for layer in self.layers:
-            if self.checkpoint_kwargs is not None:
+        for i, layer in enumerate(self.layers):
+            if self.checkpoint_kwargs is not None and i % self.checkpoint_every == 0:
                 hidden.append(checkpoint(layer, hidden[-1], rope, ctx, **self.checkpoint_kwargs))
             else:
                 hidden.append(layer(hidden[-1], rope, ctx, cache))

@@ -33,9 +33,14 @@ def gpt2_flops(cfg, *, tokens: int, attended: int, train: bool = True) -> int:
     return forward * (3 if train else 1)
 
 
-def _gpt2(name: str, hf: str, n_embd: int, n_layer: int, n_head: int, what: str) -> Variant:
+def _gpt2(name: str, n_embd: int, n_layer: int, n_head: int, what: str) -> Variant:
+    """A GPT-2 size under Hugging Face's model id, also spelled ``openai-community/<id>`` (its hub
+    organisation) and with an underscore (``gpt2_medium``); the name picks the architecture, no hub
+    is contacted."""
+    aliases = (f"openai-community/{name}",) + ((name.replace("-", "_"),) if "-" in name else ())
     return Variant(name, dict(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head),
-                   f"GPT-2 {what}, as Hugging Face's {hf} (GPT2LMHeadModel)", f"transformers GPT2LMHeadModel ({hf})")
+                   f"GPT-2 {what}, as Hugging Face's {name} (GPT2LMHeadModel)", f"transformers GPT2LMHeadModel ({name})",
+                   aliases=aliases)
 
 
 GPT2_SPEC = ModelSpec(
@@ -43,8 +48,10 @@ GPT2_SPEC = ModelSpec(
     task="causal-lm",
     model=GPT2LMHeadModel,
     variants=(
-        _gpt2("gpt2", "gpt2", 768, 12, 12, "small (124M)"),
-        _gpt2("gpt2_medium", "gpt2-medium", 1024, 24, 16, "medium (355M)"),
+        _gpt2("gpt2", 768, 12, 12, "small (124M)"),
+        _gpt2("gpt2-medium", 1024, 24, 16, "medium (355M)"),
+        _gpt2("gpt2-large", 1280, 36, 20, "large (774M)"),
+        _gpt2("gpt2-xl", 1600, 48, 25, "XL (1.5B)"),
         Variant("distilgpt2", dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=6, n_head=12),
                 "DistilGPT-2 (82M), as Hugging Face's distilgpt2 (GPT2LMHeadModel)",
                 "transformers GPT2LMHeadModel (distilgpt2)", aliases=("distilbert/distilgpt2",)),
@@ -90,6 +97,10 @@ def _llama(name: str, hf: str, what: str, **config) -> Variant:
                    f"transformers {LLAMA_LAYOUTS[config['model_type']]} ({hf})")
 
 
+# The CPU benchmark's Llama: 4 layers x 256 wide, 8 query heads sharing 2 key/value heads, SwiGLU 8/3 wide.
+_LLAMA_SMALL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=680, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=32000)
+
 LLAMA_SPEC = ModelSpec(
     family="llama",
     task="causal-lm",
@@ -119,9 +130,10 @@ LLAMA_SPEC = ModelSpec(
     flops=llama_flops,
     bench=BenchSettings(
         variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
-        sizes={"bench": Workload("Llama 3.2 layout 4x256, 8 seqs in [1,512]", dict(
-                   num_hidden_layers=4, hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2),
-                   batch=8, max_len=512),
+        sizes={"bench": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-1024 tokens (median 128)", _LLAMA_SMALL, batch=8,
+                                 max_len=1024, median_len=128),
+               "tour": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-512 tokens (median 64)", _LLAMA_SMALL, batch=8,
+                                max_len=512, median_len=64),
                "quick": Workload("tiny Llama", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                                    num_attention_heads=4, num_key_value_heads=2), batch=4, max_len=32)}),
 )

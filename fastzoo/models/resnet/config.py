@@ -1,4 +1,4 @@
-"""ResNet config: torchvision ``ResNet``'s sizes under timm's field names."""
+"""ResNet config: torchvision ``ResNet``'s sizes under torchvision's and timm's field names."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +6,13 @@ from dataclasses import dataclass
 from fastzoo.errors import ConfigError
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 
-EXPANSION = 4  # a bottleneck's output has 4x the channels of its 3x3 conv
+EXPANSION = {"basic": 1, "bottleneck": 4}  # a block's output channels per unit of its stage's ``channels``
+
+
+def bottleneck_width(planes: int, groups: int, width_per_group: int) -> int:
+    """Channels of a bottleneck's 3x3 conv: torchvision's ``int(planes * width_per_group / 64) * groups``."""
+    return int(planes * (width_per_group / 64.0)) * groups
+
 
 @dataclass
 class ResNetConfig(ModelConfig):
@@ -16,8 +22,16 @@ class ResNetConfig(ModelConfig):
                                       ge=0)
     global_pool: str = changes_function("avg", "pooling before fc: 'avg', or '' (none: forward_head returns the "
                                         "feature map; needs num_classes=0)", choices=("avg", ""))
-    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "bottleneck blocks per stage (ResNet-50)", ge=1, le=MAX_BLOCKS)
-    channels: tuple[int, ...] = weights_decide((64, 128, 256, 512), "3x3 width per stage (timm's name); out = 4x", ge=1)
+    block: str = weights_decide("bottleneck", "residual block: 'basic' (two 3x3, ResNet-18/34) or 'bottleneck' "
+                                "(1x1, 3x3, 1x1; v1.5: the stride on the 3x3)", choices=tuple(EXPANSION))
+    layers: tuple[int, ...] = weights_decide((3, 4, 6, 3), "blocks per stage (ResNet-50)", ge=1, le=MAX_BLOCKS)
+    channels: tuple[int, ...] = weights_decide((64, 128, 256, 512), "stage width (timm's name, torchvision's "
+                                               "planes): a stage outputs channels x 1 (basic) or x 4 (bottleneck)", ge=1)
+    groups: int = weights_decide(1, "groups of each bottleneck's 3x3 conv (ResNeXt's cardinality; timm: "
+                                 "cardinality); basic blocks: 1", ge=1)
+    width_per_group: int = weights_decide(64, "a bottleneck's 3x3 conv has int(channels * width_per_group / 64) "
+                                          "* groups channels (timm: base_width; 128: Wide ResNet); basic blocks: 64",
+                                          ge=1)
     in_chans: int = weights_decide(3, "image channels", ge=1)
     channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")
     zero_init_residual: bool = free(False, "init each block's last BN to 0 (init only)")
@@ -30,7 +44,20 @@ class ResNetConfig(ModelConfig):
         if self.global_pool == "" and self.num_classes:
             raise ConfigError(f"global_pool='' (no pooling) needs num_classes=0, got num_classes={self.num_classes}",
                               fields=("global_pool", "num_classes"))
+        if self.block == "basic" and (self.groups, self.width_per_group) != (1, 64):
+            raise ConfigError(f"block='basic' has groups=1 and width_per_group=64 (torchvision's and timm's "
+                              f"BasicBlock), got groups={self.groups}, width_per_group={self.width_per_group}",
+                              fields=("block", "groups", "width_per_group"))
+        if self.block == "bottleneck" and min(bottleneck_width(c, self.groups, self.width_per_group)
+                                              for c in self.channels) < 1:
+            raise ConfigError(f"channels={self.channels} with width_per_group={self.width_per_group} leaves a "
+                              f"bottleneck without 3x3 channels (int(channels * width_per_group / 64) is 0)",
+                              fields=("channels", "width_per_group"))
+
+    @property
+    def expansion(self) -> int:
+        return EXPANSION[self.block]
 
     @property
     def num_features(self) -> int:
-        return self.channels[-1] * EXPANSION
+        return self.channels[-1] * self.expansion

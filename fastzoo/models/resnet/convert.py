@@ -1,6 +1,6 @@
 """torchvision checkpoints. fastzoo's ResNet uses torchvision's module names, so
-conversion is a check that the keys are a bottleneck ResNet's, plus reading from the
-weights what they fix of the architecture.
+conversion is a check that the keys are a ResNet's, plus reading from the weights what they
+fix of the architecture (block, depth, widths, groups).
 
 BatchNorm buffers: fastzoo's BatchNorm2d layers keep ``num_batches_tracked`` as
 torchvision and timm do, and it goes out on export. Old checkpoints saved without it
@@ -10,7 +10,7 @@ does when loading them; it only matters with ``momentum=None``, which no ResNet 
 Live modules. Dilation, the activation, anti-aliasing, drop-block / drop-path and BN's
 eps / momentum change the function but not the keys, so a live torchvision / timm ResNet
 is checked module by module (:func:`check_resnet_module`) and refused where it differs from
-fastzoo's ResNet v1.5. A state dict cannot be checked: it is read as the plain v1.5 network.
+fastzoo's ResNet. A state dict cannot be checked: it is read as the plain network.
 """
 from __future__ import annotations
 
@@ -20,38 +20,48 @@ import torch
 from torch import nn
 
 from fastzoo.errors import CheckpointError
+from fastzoo.models.resnet.config import EXPANSION
 
 _BLOCK = re.compile(r"^layer(\d+)\.(\d+)\.conv1\.weight$")
-_CONV = re.compile(r"^layer(\d+)\.(\d+)\.(conv1|conv2|conv3|downsample\.0)$")
+_CONV = re.compile(r"^(layer\d+\.\d+)\.(conv1|conv2|conv3|downsample\.0)$")
 # Module types whose function is fixed by their weights and the hyper-parameters checked below.
 _ROOTS = {"torchvision.models.resnet.ResNet", "timm.models.resnet.ResNet"}
-_BLOCKS = {"torchvision.models.resnet.Bottleneck", "timm.models.resnet.Bottleneck"}
+_BLOCKS = {f"{lib}.models.resnet.{cls}": kind for lib in ("torchvision", "timm")
+           for cls, kind in (("BasicBlock", "basic"), ("Bottleneck", "bottleneck"))}
 _PLAIN = (nn.Sequential, nn.ReLU, nn.Identity, nn.Flatten, nn.Linear)
 _FROZEN_BN = "torchvision.ops.misc.FrozenBatchNorm2d"
+_1x1, _3x3 = ((1, 1), (0, 0)), ((3, 3), (1, 1))  # kernel, padding
+# per block kind, each conv's (kernel, padding) and whether it carries the block's stride
+_BLOCK_CONVS = {
+    "basic": {"conv1": (_3x3, True), "conv2": (_3x3, False), "downsample.0": (_1x1, True)},
+    "bottleneck": {"conv1": (_1x1, False), "conv2": (_3x3, True), "conv3": (_1x1, False), "downsample.0": (_1x1, True)},
+}
 
 
 def _type_name(m: nn.Module) -> str:
     return f"{type(m).__module__}.{type(m).__name__}"
 
 
-def _expected_conv(name: str):
-    """(kernel, stride, padding, dilation) of conv ``name`` in ResNet v1.5, or None if not a conv."""
+def _expected_conv(name: str, blocks: dict[str, str]):
+    """(kernel, stride, padding, dilation) of conv ``name`` in fastzoo's ResNet, whose blocks are
+    ``blocks`` (name -> 'basic' / 'bottleneck'), or None if it has no such conv."""
     if name == "conv1":
         return (7, 7), (2, 2), (3, 3), (1, 1)
     m = _CONV.match(name)
-    if m is None:
+    if m is None or m[1] not in blocks or m[2] not in _BLOCK_CONVS[blocks[m[1]]]:
         return None
-    s = 2 if int(m[2]) == 0 and int(m[1]) > 1 else 1  # v1.5: each later stage's first block downsamples
-    if m[3] == "conv2":
-        return (3, 3), (s, s), (1, 1), (1, 1)
-    return (1, 1), ((s, s) if m[3] == "downsample.0" else (1, 1)), (0, 0), (1, 1)
+    (kernel, padding), strided = _BLOCK_CONVS[blocks[m[1]]][m[2]]
+    stage, index = (int(i) for i in m[1][len("layer"):].split("."))
+    s = 2 if strided and index == 0 and stage > 1 else 1  # each later stage's first block downsamples
+    return kernel, (s, s), padding, (1, 1)
 
 
 def check_resnet_module(module: nn.Module) -> bool:
-    """Raise CheckpointError unless the live ``module`` computes fastzoo's ResNet v1.5 (what
-    its keys cannot show: strides, dilation, activation, pooling, extra layers, BN settings).
-    Returns whether its BatchNorms are torchvision's FrozenBatchNorm2d (-> ``frozen_bn``)."""
+    """Raise CheckpointError unless the live ``module`` computes fastzoo's ResNet (what its keys
+    cannot show: strides, dilation, activation, pooling, extra layers, BN settings). Returns
+    whether its BatchNorms are torchvision's FrozenBatchNorm2d (-> ``frozen_bn``)."""
     problems, frozen = [], set()
+    blocks = {name: _BLOCKS[_type_name(m)] for name, m in module.named_modules() if _type_name(m) in _BLOCKS}
     for name, m in module.named_modules():
         kind = _type_name(m)
         where = name or "the root"
@@ -63,13 +73,15 @@ def check_resnet_module(module: nn.Module) -> bool:
         elif kind in _BLOCKS:
             pass  # its children are checked one by one (timm's drop_block / aa / drop_path among them)
         elif type(m) is nn.Conv2d:
-            want = _expected_conv(name)
+            want = _expected_conv(name, blocks)
             got = (m.kernel_size, m.stride, m.padding, m.dilation)
+            # only a bottleneck's 3x3 is grouped, by as many groups as its weight shows (ResNeXt)
+            grouped = name.endswith(".conv2") and blocks.get(name.rsplit(".", 1)[0]) == "bottleneck"
             if want is None:
                 problems.append(f"an extra conv {name}")
-            elif got != want or m.groups != 1 or m.padding_mode != "zeros":
+            elif got != want or (m.groups != 1 and not grouped) or m.padding_mode != "zeros":
                 problems.append(f"{name} has kernel/stride/padding/dilation {got}, groups {m.groups}, "
-                                f"padding_mode {m.padding_mode}; v1.5 has {want}, 1, zeros")
+                                f"padding_mode {m.padding_mode}; fastzoo has {want}, {'any' if grouped else 1}, zeros")
         elif type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm) or kind == _FROZEN_BN:
             frozen.add(kind == _FROZEN_BN)
             if m.eps != 1e-5:
@@ -93,16 +105,16 @@ def check_resnet_module(module: nn.Module) -> bool:
     if problems:
         shown = "; ".join(problems[:6]) + (f"; ... and {len(problems) - 6} more" if len(problems) > 6 else "")
         raise CheckpointError(
-            f"live {type(module).__name__} module: not the function of fastzoo's ResNet v1.5 (stride 2 in each later "
-            f"stage's first 3x3, no dilation, ReLU, BatchNorm eps 1e-5): {shown}. Its keys fit, but loading it would "
-            f"silently change the network; to take its weights into the plain v1.5 network anyway, pass "
-            f"module.state_dict()."
+            f"live {type(module).__name__} module: not the function of fastzoo's ResNet (torchvision's: stride 2 in "
+            f"each later stage's first block, on a bottleneck's 3x3 (v1.5), no dilation, ReLU, BatchNorm eps 1e-5): "
+            f"{shown}. Its keys fit, but loading it would silently change the network; to take its weights into the "
+            f"plain network anyway, pass module.state_dict()."
         )
     return frozen == {True}
 
 
 class ResNetConverter:
-    """Bottleneck ResNet (v1.5) state dicts: torchvision's and timm's are the same keys."""
+    """ResNet state dicts (basic or bottleneck blocks): torchvision's and timm's are the same keys."""
 
     def __init__(self, format: str):
         self.format = format
@@ -110,7 +122,7 @@ class ResNetConverter:
     @staticmethod
     def matches(state: dict) -> bool:
         w = state.get("conv1.weight")  # a 7x7 stem: not timm's deep-stem variants (conv1.0 ...)
-        return w is not None and w.ndim == 4 and w.shape[-1] == 7 and "layer1.0.conv3.weight" in state
+        return w is not None and w.ndim == 4 and w.shape[-1] == 7 and "layer1.0.conv2.weight" in state
 
     @staticmethod
     def to_fastzoo(state: dict) -> dict:
@@ -130,9 +142,11 @@ class ResNetConverter:
 
     @staticmethod
     def infer_config(state: dict, module=None) -> dict:
-        """Blocks per stage and stage widths (so ResNet-101/152 and slim variants load), input
-        channels, and the classifier size (0 when the checkpoint has no ``fc``); from a live
-        module also ``frozen_bn`` (after checking that it is a v1.5 ResNet at all)."""
+        """What the keys fix: the block (a ``conv3`` means bottlenecks), blocks per stage, stage
+        widths (a bottleneck's output / 4, a basic block's 3x3), the 3x3's ``groups`` (from its
+        weight's input channels) and ``width_per_group`` (the smallest that gives the first stage's
+        3x3 width), input channels, and the classifier size (0 when the checkpoint has no ``fc``);
+        from a live module also ``frozen_bn`` (after checking that it is fastzoo's ResNet at all)."""
         depth: dict[int, int] = {}
         for k in state:
             m = _BLOCK.match(k)
@@ -141,11 +155,20 @@ class ResNetConverter:
                 depth[stage] = max(depth.get(stage, 0), block + 1)
         stages = sorted(depth)
         out = {"frozen_bn": check_resnet_module(module)} if module is not None else {}
+        if "layer1.0.conv3.weight" in state:
+            channels = tuple(state[f"layer{s}.0.conv3.weight"].shape[0] // EXPANSION["bottleneck"] for s in stages)
+            width, per_group = state[f"layer{stages[0]}.0.conv2.weight"].shape[:2]  # [width, width / groups, 3, 3]
+            shape = dict(block="bottleneck", groups=width // per_group,
+                         width_per_group=-(-64 * per_group // channels[0]))  # int(c * wpg / 64) = per_group
+        else:
+            channels = tuple(state[f"layer{s}.0.conv2.weight"].shape[0] for s in stages)
+            shape = dict(block="basic", groups=1, width_per_group=64)
         return {
             **out,
+            **shape,
             "num_classes": state["fc.weight"].shape[0] if "fc.weight" in state else 0,
             "layers": tuple(depth[s] for s in stages),
-            "channels": tuple(state[f"layer{s}.0.conv2.weight"].shape[0] for s in stages),
+            "channels": channels,
             "in_chans": state["conv1.weight"].shape[1],
         }
 

@@ -1,17 +1,20 @@
-"""ResNet (He et al. 2016, "Deep Residual Learning for Image Recognition"), bottleneck v1.5.
+"""ResNet (He et al. 2016, "Deep Residual Learning for Image Recognition"), as torchvision's
+``ResNet``: basic blocks (ResNet-18/34) or bottlenecks v1.5 (ResNet-50/101/152), with the
+bottleneck's 3x3 conv grouped (ResNeXt, Xie et al. 2017) or widened (Wide ResNet, Zagoruyko &
+Komodakis 2016).
 
 v1.5 puts the stride of a downsampling bottleneck on the 3x3 conv (``conv2``), not on
-the first 1x1 -- what torchvision's and timm's ``resnet50`` do. Module names are
-torchvision's (``conv1``, ``bn1``, ``layer1..4.N.{conv1,bn1,conv2,bn2,conv3,bn3}``,
-``downsample.0/1``, ``fc``); timm's ``resnet50`` uses the same names, so checkpoints of
-both load key for key (``fastzoo/weights/torchvision.py``, ``fastzoo/weights/timm.py``).
+the first 1x1 -- what torchvision's and timm's ResNets do. Module names are torchvision's
+(``conv1``, ``bn1``, ``layer1..4.N.{conv1,bn1,conv2,bn2[,conv3,bn3]}``, ``downsample.0/1``,
+``fc``); timm's ResNets use the same parameter names, so checkpoints of both load key for key
+(``convert.py``).
 
 What the weights cannot say. Dilation (torchvision's ``replace_stride_with_dilation``,
 timm's ``output_stride=8/16``), the activation, anti-aliasing, drop-block / drop-path and
 BatchNorm's eps / momentum change the function but not the keys or shapes. A *live*
 torchvision / timm module is checked for all of them and refused (``CheckpointError``)
-where it is not this ResNet-50 v1.5; a state dict or file cannot be checked, so it is
-read as the plain v1.5 network (stride 2 in each stage's first 3x3, no dilation, ReLU).
+where it is not this network; a state dict or file cannot be checked, so it is
+read as the plain network (stride 2 in each stage's first 3x3, no dilation, ReLU).
 
 ``frozen_bn=True`` makes every BatchNorm use its running statistics in train mode too and
 leaves its affine parameters untrained -- torchvision's ``FrozenBatchNorm2d``, as DETR's
@@ -27,28 +30,58 @@ import torch
 from torch import nn
 
 from fastzoo.models.base import FastzooModel
-from fastzoo.models.resnet.config import EXPANSION, ResNetConfig
+from fastzoo.models.resnet.config import EXPANSION, ResNetConfig, bottleneck_width
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
 
 torch.fx.wrap("check_images")  # symbolic tracing records the input check as one call (see timm_api)
 
 
-class Bottleneck(nn.Module):
-    """1x1 reduce -> 3x3 (stride here: v1.5) -> 1x1 expand, plus the shortcut, then ReLU."""
+class BasicBlock(nn.Module):
+    """3x3 (stride here) -> 3x3, plus the shortcut, then ReLU (ResNet-18/34)."""
+
+    expansion = EXPANSION["basic"]
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1):
         super().__init__()
-        out = planes * EXPANSION
-        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, out, 1, bias=False)
+        self.downsample = _shortcut(inplanes, planes, stride)
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn2
+
+    def forward(self, x):
+        # torchvision's op order, so FX graph node names (create_feature_extractor) are its too
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + shortcut)
+
+
+class Bottleneck(nn.Module):
+    """1x1 reduce -> 3x3 in ``groups`` groups (stride here: v1.5) -> 1x1 expand, plus the shortcut,
+    then ReLU. ResNeXt (Xie et al. 2017) groups the 3x3; Wide ResNet (Zagoruyko & Komodakis 2016)
+    widens it (``width_per_group``)."""
+
+    expansion = EXPANSION["bottleneck"]
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, groups: int = 1, width_per_group: int = 64):
+        super().__init__()
+        width, out = bottleneck_width(planes, groups, width_per_group), planes * self.expansion
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=groups, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(out)
         self.relu = nn.ReLU(inplace=True)
-        self.downsample = None
-        if stride != 1 or inplanes != out:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+        self.downsample = _shortcut(inplanes, out, stride)
+
+    def last_bn(self) -> nn.BatchNorm2d:
+        return self.bn3
 
     def forward(self, x):
         # torchvision's op order, so FX graph node names (create_feature_extractor) are its too
@@ -57,6 +90,34 @@ class Bottleneck(nn.Module):
         out = self.bn3(self.conv3(out))
         shortcut = x if self.downsample is None else self.downsample(x)
         return self.relu(out + shortcut)
+
+
+def _shortcut(inplanes: int, out: int, stride: int) -> nn.Sequential | None:
+    """The projection shortcut (1x1 conv with the block's stride, BN) where the shape changes, else None."""
+    if stride == 1 and inplanes == out:
+        return None
+    return nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+
+
+def _block(cfg: ResNetConfig, inplanes: int, planes: int, stride: int = 1) -> nn.Module:
+    if cfg.block == "basic":
+        return BasicBlock(inplanes, planes, stride)
+    return Bottleneck(inplanes, planes, stride, cfg.groups, cfg.width_per_group)
+
+
+def _timm_block(architecture: str | None) -> str | None:
+    """The block kind timm's ``architecture`` builds: its entrypoint fixes it, and timm's
+    ``model_args`` cannot name a class. Asked of timm itself, on the meta device (nothing allocated)."""
+    if not architecture:
+        return None
+    import timm
+
+    try:
+        with torch.device("meta"):
+            first = timm.create_model(architecture, pretrained=False, layers=(1, 1, 1, 1)).layer1[0]
+    except (RuntimeError, TypeError, AttributeError):  # not one of timm's ResNets
+        return None
+    return {"BasicBlock": "basic", "Bottleneck": "bottleneck"}.get(type(first).__name__)
 
 
 class ResNet(TimmModelAPI, FastzooModel):
@@ -81,9 +142,10 @@ class ResNet(TimmModelAPI, FastzooModel):
         inplanes = stem
         for i, (n, planes) in enumerate(zip(cfg.layers, cfg.channels)):
             stride = 1 if i == 0 else 2
-            blocks = [Bottleneck(inplanes, planes, stride)] + [Bottleneck(planes * EXPANSION, planes) for _ in range(n - 1)]
+            out = planes * cfg.expansion
+            blocks = [_block(cfg, inplanes, planes, stride)] + [_block(cfg, out, planes) for _ in range(n - 1)]
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
-            inplanes = planes * EXPANSION
+            inplanes = out
             self.feature_info.append(dict(num_chs=inplanes, reduction=4 * 2**i, module=f"layer{i + 1}"))
         self.num_stages = len(cfg.layers)
         self.inplanes = inplanes  # torchvision's attribute: its FPN helper (_resnet_fpn_extractor) sizes from it
@@ -116,8 +178,8 @@ class ResNet(TimmModelAPI, FastzooModel):
                 nn.init.zeros_(m.bias)
         if self.config.zero_init_residual:
             for m in self.modules():
-                if isinstance(m, Bottleneck):
-                    nn.init.zeros_(m.bn3.weight)
+                if isinstance(m, (BasicBlock, Bottleneck)):
+                    nn.init.zeros_(m.last_bn().weight)
 
     def _stem(self, images_BCHW: torch.Tensor) -> torch.Tensor:
         images_BCHW = check_images(images_BCHW, self.config.in_chans, weight=self.conv1.weight)
@@ -134,7 +196,7 @@ class ResNet(TimmModelAPI, FastzooModel):
         return x
 
     def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        """The last stage's feature map (C5 for ResNet-50: [B, 2048, H/32, W/32])."""
+        """The last stage's feature map (C5: [B, num_features, H/32, W/32]; 2048 channels for ResNet-50)."""
         x = self.maxpool(self._stem(images_BCHW))
         for i in range(self.num_stages):
             x = self._stage(i, x)
@@ -197,8 +259,12 @@ class ResNet(TimmModelAPI, FastzooModel):
         c = self.config
         if c.frozen_bn:  # timm's ResNet has no frozen BatchNorm: in train mode it would be another function
             return None
-        return {"layers": list(c.layers), "channels": list(c.channels), "in_chans": c.in_chans,
-                "num_classes": c.num_classes, "global_pool": c.global_pool}
+        if _timm_block(self.pretrained_cfg.get("architecture")) != c.block:  # e.g. resnet50's cfg on basic blocks
+            return None
+        # timm's names: cardinality = groups, base_width = width_per_group; the block comes with the architecture
+        return {"layers": list(c.layers), "channels": list(c.channels), "cardinality": c.groups,
+                "base_width": c.width_per_group, "in_chans": c.in_chans, "num_classes": c.num_classes,
+                "global_pool": c.global_pool}
 
     def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
         """A fresh ``fc`` for ``num_classes`` (0: none) and pooling ``global_pool`` ('avg', or ''

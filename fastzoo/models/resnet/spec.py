@@ -3,37 +3,60 @@ from __future__ import annotations
 
 from torch import nn
 
+from fastzoo.models.resnet.config import ResNetConfig, bottleneck_width
 from fastzoo.models.resnet.convert import RESNET, TIMM_RESNET
 from fastzoo.models.resnet.model import ResNet
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
+TORCHVISION_CHANNELS = (64, 128, 256, 512)  # torchvision's stage widths (its ResNet has no argument for them)
+
 
 def torchvision_resnet(cfg: dict) -> nn.Module:
-    """torchvision's ResNet (bottleneck v1.5) on fastzoo config fields."""
-    from torchvision.models.resnet import Bottleneck, ResNet as TorchvisionResNet
+    """torchvision's ``ResNet`` on fastzoo config fields (torchvision's names: block, layers,
+    groups, width_per_group, num_classes)."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet as TorchvisionResNet
 
-    if tuple(cfg.get("channels", (64, 128, 256, 512))) != (64, 128, 256, 512):
-        raise ValueError(f"channels={cfg['channels']}: torchvision's ResNet has the stage widths 64, 128, 256, 512")
-    return TorchvisionResNet(Bottleneck, list(cfg.get("layers", (3, 4, 6, 3))), num_classes=cfg.get("num_classes", 1000))
+    c = ResNetConfig.from_dict(cfg)
+    if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3:
+        raise ValueError(f"channels={c.channels}, in_chans={c.in_chans}: torchvision's ResNet has the stage widths "
+                         f"{TORCHVISION_CHANNELS} and 3 input channels")
+    block = BasicBlock if c.block == "basic" else Bottleneck
+    return TorchvisionResNet(block, list(c.layers), num_classes=c.num_classes, groups=c.groups,
+                             width_per_group=c.width_per_group)
 
 
 def flops(cfg, *, batch: int, img_size: int, train: bool = True) -> int:
-    """Conv and fc FLOPs of one step on ``batch`` square images (2 per multiply-add)."""
+    """Conv and fc FLOPs of one step on ``batch`` square images (2 per multiply-add; grouped
+    convs count their own channels only)."""
     side = img_size // 4  # after the stride-2 stem and the max-pool
-    total = 2 * (img_size // 2) ** 2 * cfg.in_chans * 64 * 49
-    inplanes = 64
-    for stage, (blocks, width) in enumerate(zip(cfg.layers, cfg.channels)):
+    stem = cfg.channels[0]
+    total = 2 * (img_size // 2) ** 2 * cfg.in_chans * stem * 49
+    inplanes = stem
+    for stage, (blocks, planes) in enumerate(zip(cfg.layers, cfg.channels)):
+        out = planes * cfg.expansion
         for b in range(blocks):
             stride = 2 if b == 0 and stage > 0 else 1
             out_side = side // stride
-            total += 2 * side**2 * inplanes * width  # conv1 1x1 (before the stride)
-            total += 2 * out_side**2 * width * width * 9  # conv2 3x3
-            total += 2 * out_side**2 * width * width * 4  # conv3 1x1
-            if b == 0:
-                total += 2 * out_side**2 * inplanes * width * 4  # downsample
-            inplanes, side = width * 4, out_side
+            if cfg.block == "basic":
+                total += 2 * out_side**2 * 9 * (inplanes * planes + planes * planes)  # two 3x3 (stride on the first)
+            else:
+                width = bottleneck_width(planes, cfg.groups, cfg.width_per_group)
+                total += 2 * side**2 * inplanes * width  # conv1 1x1 (before the stride)
+                total += 2 * out_side**2 * width * (width // cfg.groups) * 9  # conv2 3x3, grouped
+                total += 2 * out_side**2 * width * out  # conv3 1x1
+            if b == 0 and (stride != 1 or inplanes != out):
+                total += 2 * out_side**2 * inplanes * out  # downsample 1x1
+            inplanes, side = out, out_side
     total += 2 * inplanes * cfg.num_classes
     return batch * total * (3 if train else 1)
+
+
+def _variant(name: str, layers: tuple[int, ...], what: str, block: str = "bottleneck", groups: int = 1,
+             width_per_group: int = 64) -> Variant:
+    config = dict(block=block, layers=layers, channels=TORCHVISION_CHANNELS, groups=groups,
+                  width_per_group=width_per_group)
+    return Variant(name, config, f"{what}, as torchvision's and timm's {name}", f"torchvision {name} / timm {name}",
+                   timm=name)
 
 
 SPEC = ModelSpec(
@@ -41,9 +64,20 @@ SPEC = ModelSpec(
     task="image-classification",
     model=ResNet,
     variants=(
-        Variant("resnet50", dict(layers=(3, 4, 6, 3), channels=(64, 128, 256, 512)),
-                "ResNet-50 (bottleneck v1.5), as torchvision's and timm's resnet50", "torchvision resnet50 / timm resnet50",
-                timm="resnet50"),
+        _variant("resnet18", (2, 2, 2, 2), "ResNet-18 (basic blocks)", block="basic"),
+        _variant("resnet34", (3, 4, 6, 3), "ResNet-34 (basic blocks)", block="basic"),
+        _variant("resnet50", (3, 4, 6, 3), "ResNet-50 (bottleneck v1.5)"),
+        _variant("resnet101", (3, 4, 23, 3), "ResNet-101 (bottleneck v1.5)"),
+        _variant("resnet152", (3, 8, 36, 3), "ResNet-152 (bottleneck v1.5)"),
+        _variant("wide_resnet50_2", (3, 4, 6, 3), "Wide ResNet-50-2 (bottleneck 3x3 twice as wide)", width_per_group=128),
+        _variant("wide_resnet101_2", (3, 4, 23, 3), "Wide ResNet-101-2 (bottleneck 3x3 twice as wide)",
+                 width_per_group=128),
+        _variant("resnext50_32x4d", (3, 4, 6, 3), "ResNeXt-50 32x4d (3x3 in 32 groups of 4)", groups=32,
+                 width_per_group=4),
+        _variant("resnext101_32x8d", (3, 4, 23, 3), "ResNeXt-101 32x8d (3x3 in 32 groups of 8)", groups=32,
+                 width_per_group=8),
+        _variant("resnext101_64x4d", (3, 4, 23, 3), "ResNeXt-101 64x4d (3x3 in 64 groups of 4)", groups=64,
+                 width_per_group=4),
     ),
     converters=(RESNET, TIMM_RESNET),
     tiny=dict(layers=(1, 1, 1, 1), num_classes=10),

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastzoo.errors import ConfigError
-from fastzoo.layers import ACTIVATIONS
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 
 POOLS = ("token", "avg", "")
@@ -34,7 +33,7 @@ class ViTConfig(ModelConfig):
     init_values: float | None = weights_decide(None, "LayerScale init; None: no LayerScale",
                                                compare=lambda c: c.init_values is not None)  # the init is overwritten
     norm_eps: float = changes_function(1e-6, "LayerNorm epsilon", gt=0)
-    act_layer: str = changes_function("gelu", "MLP activation (quick_gelu: OpenAI CLIP)", choices=tuple(ACTIVATIONS))
+    act_layer: str = changes_function("gelu", "MLP activation (quick_gelu: OpenAI CLIP)", choices=("gelu", "quick_gelu"))
     patch_embed: str = free("conv", "patch projection as a Conv2d or reshape + Linear: the same function",
                             choices=("conv", "linear"))
     drop_rate: float = free(0.0, "dropout before the head", ge=0, le=1)

@@ -30,7 +30,7 @@ class _TimmViT:
         """Config fields the checkpoint decides.
 
         A live timm ``VisionTransformer`` states its whole architecture, as a config.json
-        does: every field is read from it (see :func:`_from_live_timm`), and timm options
+        does: every field is read from it (see :func:`read_live_timm`), and timm options
         fastzoo's ViT does not implement are refused with :class:`CheckpointError`.
 
         From a bare state dict only what the keys fix is read: the head (``num_classes``),
@@ -47,7 +47,7 @@ class _TimmViT:
         """
         out = _from_keys(state)
         if module is not None and type(module).__module__.startswith("timm."):
-            out.update(_from_live_timm(module))
+            out.update(read_live_timm(module))
         return out
 
 
@@ -66,7 +66,7 @@ def _from_keys(state: dict) -> dict:
     if "pos_embed" in state:
         n = state["pos_embed"].shape[1]
         prefix = int(out["class_token"]) + out["reg_tokens"]
-        for cand in (n - prefix, n):  # with / without prefix tokens in the embedding
+        for cand in (c for c in (n - prefix, n) if c > 0):  # with / without prefix tokens in the embedding
             side = math.isqrt(cand)
             if side * side == cand:
                 out["img_size"] = side * patch
@@ -99,7 +99,7 @@ def _mlp_ratio(dim: int, hidden: int) -> float:
     return ratio if int(dim * ratio) == hidden else math.nextafter(ratio, math.inf)
 
 
-def _refusals(m) -> list[str]:
+def refusals(m) -> list[str]:
     """timm options this live VisionTransformer uses that fastzoo's ViT does not reproduce."""
     from timm.models.vision_transformer import VisionTransformer
 
@@ -161,9 +161,9 @@ def _refusals(m) -> list[str]:
     return out
 
 
-def _from_live_timm(m) -> dict:
+def read_live_timm(m) -> dict:
     """Every config field, read from a live timm VisionTransformer (refusing what fastzoo lacks)."""
-    refused = _refusals(m)
+    refused = refusals(m)
     if refused:
         raise CheckpointError(
             f"live timm {type(m).__name__}: uses what fastzoo's ViT does not implement, so it cannot compute the "

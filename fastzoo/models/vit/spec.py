@@ -1,18 +1,30 @@
-"""The ViT family as the rest of fastzoo reads it: variants, converters, tiny config, the original."""
+"""The ViT family as the rest of fastzoo reads it: variants, converters, tiny config, the original.
+
+The variants are timm's names for the ``VisionTransformer`` architectures fastzoo reproduces,
+derived from timm's registry (:mod:`fastzoo.models.vit.timm_names`); the timm names it does
+not reproduce are refused with the timm options they would need."""
 from __future__ import annotations
+
+from functools import partial
 
 from torch import nn
 
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
+from fastzoo.models.vit import timm_names
+from fastzoo.models.vit.config import ViTConfig
 from fastzoo.models.vit.convert import VIT
 from fastzoo.models.vit.model import VisionTransformer
 
 
 def timm_vit(cfg: dict) -> nn.Module:
     """timm's VisionTransformer on fastzoo config fields, attention in plain PyTorch (the reference)."""
+    from timm.layers import LayerNorm
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-    model = TimmViT(**{k: v for k, v in cfg.items() if k != "patch_embed"})  # fastzoo's choice of projection, same function
+    kwargs = {k: v for k, v in cfg.items() if k not in ("patch_embed", "norm_eps")}  # patch_embed: fastzoo's choice
+    if "norm_eps" in cfg:  # timm takes the epsilon inside its norm layer
+        kwargs["norm_layer"] = partial(LayerNorm, eps=cfg["norm_eps"])
+    model = TimmViT(**kwargs)
     for m in model.modules():
         if hasattr(m, "fused_attn"):
             m.fused_attn = False
@@ -26,10 +38,27 @@ def timm_as_users_run_it(model: nn.Module) -> nn.Module:
             m.fused_attn = True
     return model
 
+SHORT = {"vit_small_patch16_224": "vit_s16", "vit_base_patch16_224": "vit_b16", "vit_large_patch16_224": "vit_l16"}
 
-def _variant(name: str, timm: str, embed_dim: int, depth: int, num_heads: int, what: str) -> Variant:
-    return Variant(name, dict(img_size=224, patch_size=16, embed_dim=embed_dim, depth=depth, num_heads=num_heads),
-                   f"{what} at 224x224, as timm's {timm}", f"timm {timm}", timm=timm)
+
+def _describe(name: str, cfg: ViTConfig) -> str:
+    """One line from the config: sizes, then what sets it apart from the original ViT."""
+    side = cfg.img_size[0] if cfg.img_size[0] == cfg.img_size[1] else "x".join(map(str, cfg.img_size))
+    traits = [t for t, on in (("pre-norm", cfg.pre_norm), ("QuickGELU", cfg.act_layer == "quick_gelu"),
+                              (f"{cfg.reg_tokens} registers", cfg.reg_tokens), ("LayerScale", cfg.init_values is not None),
+                              ("no class token", not cfg.class_token), (f"{cfg.global_pool or 'no'} pooling", cfg.global_pool != "token"),
+                              ("no head", not cfg.num_classes)) if on]
+    return (f"ViT D={cfg.embed_dim} x {cfg.depth} blocks, {cfg.num_heads} heads, patch {cfg.patch_size}, {side} px"
+            f"{'; ' + ', '.join(traits) if traits else ''}: timm's {name}")
+
+
+def _timm_variant(name: str, derived: dict) -> Variant:
+    config = derived["config"]
+    return Variant(name, config, _describe(name, ViTConfig.from_dict(dict(config))), f"timm {name}",
+                   aliases=(SHORT[name],) if name in SHORT else (), timm=name)
+
+
+_TIMM = timm_names.load()
 
 
 def flops(cfg, *, batch: int, img_size: int | None = None, train: bool = True) -> int:
@@ -49,18 +78,15 @@ SPEC = ModelSpec(
     family="vit",
     task="image-classification",
     model=VisionTransformer,
-    variants=(
-        _variant("vit_s16", "vit_small_patch16_224", 384, 12, 6, "ViT-S/16"),
-        _variant("vit_b16", "vit_base_patch16_224", 768, 12, 12, "ViT-B/16"),
-        _variant("vit_l16", "vit_large_patch16_224", 1024, 24, 16, "ViT-L/16"),
-    ),
+    variants=tuple(_timm_variant(name, derived) for name, derived in _TIMM["variants"].items()),
+    refused={name: "; ".join(reasons) for name, reasons in _TIMM["refused"].items()},
     converters=(VIT,),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
     bench=BenchSettings(
-        variant="vit_s16", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",
+        variant="vit_small_patch16_224", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",
         sizes={"bench": Workload("", batch=8),
                "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=4),
                "quick": Workload("tiny ViT", dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,

@@ -1,7 +1,7 @@
 """Accuracy parity on real data: does a fast kernel change what a model learns?
 
 One run file (``configs/accuracy_*.yaml``) names a model, its size (``overrides``), the data
-(:mod:`fastzoo.bench.realdata`: digits, digits on a canvas, Python's help text), the optimiser,
+(:mod:`fastzoo.accuracy.data`: digits, digits on a canvas, Python's help text), the optimiser,
 the number of steps and the tolerance, and the *arms*: the original library's model (timm,
 torchvision, Hugging Face) and fastzoo with each attention backend, input layout or GIoU
 mode. Every arm starts from the same weights (the original's, loaded into fastzoo), sees the
@@ -42,17 +42,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastzoo.errors import BackendUnavailableError, FastzooError
+from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, grad_error
+from fastzoo.errors import BackendUnavailableError, ConfigError, FastzooError
 from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
+from fastzoo.machine import device_name, load_average, versions
+from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
 from fastzoo.train.schedule import DECAYS, warmup_schedule
 
-TASKS = ("digits", "digits_canvas", "pydoc_text")
+TASKS = ("digits", "digits_canvas", "pydoc_text", "quadrant")
 LAYOUTS = ("padded", "packed", "nested")
-
-
-class ConfigError(FastzooError, ValueError):
-    """A run file that cannot be used: unknown field, wrong type, bad value. One line, exit 2."""
 
 
 # -- the run file -------------------------------------------------------------------------------
@@ -68,6 +67,9 @@ class Arm:
     # one fp32 ulp). It shows how far two runs drift from a rounding-size difference alone; reported,
     # never judged against the tolerance.
     nudge: float = 0.0
+    # Train and evaluate under autocast to this dtype ("bf16"; weights and optimiser stay fp32). The
+    # first arm of a precision runs the first arm's model in it: the precision's peer (see _compare).
+    amp: str | None = None
 
 
 @dataclass
@@ -180,41 +182,43 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
             raise ConfigError(f"{where}: arm {a.name!r}: layout {a.layout!r} is not one of {', '.join(LAYOUTS)}")
         if a.loss is not None and a.loss not in GIOU_LAYOUTS:
             raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_LAYOUTS)}")
+        if a.amp is not None:
+            try:
+                parse_dtype(a.amp, what="amp")
+            except ValueError as e:
+                raise ConfigError(f"{where}: arm {a.name!r}: {e}") from None
+    first = cfg.arms[0]
+    if _precision(first) != "fp32":
+        raise ConfigError(f"{where}: the first arm ({first.name!r}) is the fp32 reference: it takes no amp")
+    for amp, peer in _peers(cfg.arms).items():
+        if _kind(peer) != _kind(first):
+            raise ConfigError(f"{where}: arm {peer.name!r}, the first in {amp}, is that precision's peer: it must run "
+                              f"the first arm's model ({first.name!r}) and differ from it only in amp")
     return cfg
 
 
-def set_field(raw: dict, assignment: str) -> None:
-    """``optim.lr=3e-4`` -> raw["optim"]["lr"] = 3e-4 (the value read as YAML)."""
-    import yaml
+def _precision(arm: Arm) -> str:
+    return "fp32" if arm.amp is None else dtype_name(parse_dtype(arm.amp))
 
-    key, sep, text = assignment.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--set {assignment!r}: write FIELD=VALUE, e.g. optim.lr=3e-4")
-    *parents, leaf = key.split(".")
-    node = raw
-    for p in parents:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {assignment!r}: {p} is not a section")
-    value = yaml.safe_load(text)
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string; a number was meant
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    node[leaf] = value
+
+def _kind(arm: Arm) -> tuple:
+    return arm.original, arm.attn, arm.layout, arm.loss, arm.model_kwargs, arm.nudge
+
+
+def _peers(arms) -> dict:
+    """Low precision -> its peer, the first arm in that precision (the first arm's model run in it).
+    Its difference from the first arm is what the precision alone costs; another arm in that
+    precision may differ from the first arm by LOW_FACTOR times as much (fastzoo.equivalence)."""
+    peers = {}
+    for a in arms:
+        if _precision(a) != "fp32":
+            peers.setdefault(_precision(a), a)
+    return peers
 
 
 def load_config(path, assignments=()) -> RunConfig:
     """Read a run file; ``assignments`` (``FIELD=VALUE``, dotted into sections) override its fields."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"--config {path}: cannot read it as YAML: {e}") from e
-    for a in assignments:
-        set_field(raw, a)
+    raw = set_dotted(read_yaml(path), assignments)
     return _check(_build(RunConfig, raw, str(path)), str(path))
 
 
@@ -222,13 +226,16 @@ def load_config(path, assignments=()) -> RunConfig:
 @dataclass
 class ArmResult:
     name: str
-    status: str = "ok"  # ok | drifts | disagrees | unavailable | control (a rounding control arm, not judged)
+    # ok | drifts | disagrees | unavailable | control (a rounding control) | peer (the first arm in a low
+    # precision) | unjudged (low precision without its peer); control and peer are reported, not judged
+    status: str = "ok"
     note: str = ""
     train_loss: list = field(default_factory=list)
     eval_steps: list = field(default_factory=list)
     eval_loss: list = field(default_factory=list)
     eval_metric: list = field(default_factory=list)
     diff: dict = field(default_factory=dict)  # vs the first arm: max abs difference of each curve
+    bound: dict = field(default_factory=dict)  # what each diff was judged against (the tolerance; low precision: the rule)
     first_over: int | None = None  # first step whose training loss is off the first arm's by more than the tolerance
     same_weights: dict = field(default_factory=dict)  # {"steps", "loss", "loss_diff", "grad_err"}: from the first arm's parameters
     seconds: float = 0.0
@@ -245,6 +252,8 @@ class AccuracyReport:
     device: str
     versions: dict
     arms: list
+    threads: int = 1
+    load: list = field(default_factory=list)  # 1-minute load average at the start and the end of the run
 
     @property
     def agree(self) -> bool:
@@ -262,10 +271,10 @@ class AccuracyReport:
                 continue
             m = a.final_metric
             met = "" if goal is None or m is None else (" (goal met)" if m >= goal else f" (below the {100 * goal:.0f}% goal)")
-            d = a.diff
+            d = {key: _d(a, key, tol) for key in ("train_loss", "eval_loss", "eval_metric", "same_weights_loss", "same_weights_grad")}
             lines.append(f"| {a.name} | {a.status} | {a.train_loss[-1]:.4f} | {a.eval_loss[-1]:.4f} | "
-                         f"{100 * m:.1f}%{met} | {_d(d, 'train_loss')} | {_d(d, 'eval_loss')} | {_d(d, 'eval_metric')} | "
-                         f"{_d(d, 'same_weights_loss')} / {_d(d, 'same_weights_grad')} | {a.seconds:.0f} s |")
+                         f"{100 * m:.1f}%{met} | {d['train_loss']} | {d['eval_loss']} | {d['eval_metric']} | "
+                         f"{d['same_weights_loss']} / {d['same_weights_grad']} | {a.seconds:.0f} s |")
         return "\n".join(lines)
 
     def to_markdown(self) -> str:
@@ -273,17 +282,22 @@ class AccuracyReport:
         sw = ("" if tol.get("same_weights_loss") is None and tol.get("same_weights_grad") is None else
               f"; from the first arm's weights (step 0 and every {c['eval_every']} steps): loss "
               f"{tol.get('same_weights_loss')}, gradients {tol.get('same_weights_grad')} (worst parameter, relative)")
-        notes = "".join(f"\n- {a.name}: {a.status}: {a.note}" for a in self.arms if a.status in ("drifts", "disagrees"))
+        notes = "".join(f"\n- {a.name}: {a.status}: {a.note}" for a in self.arms if a.note)
+        low = "" if not _peers([Arm(**a) for a in c["arms"]]) else (
+            f" An arm under autocast (amp) is held to {LOW_FACTOR:g}x the difference of its precision's peer (the first "
+            f"arm's model in that precision) from the fp32 first arm, plus the fp32 tolerance (fastzoo.equivalence's rule).")
         return (f"### {c['name']}: {c['description']}\n\n"
-                f"Device **{self.device}**, fp32, {c['steps']} steps, batch {c['optim']['batch_size']}, "
+                f"Device **{self.device}**, {self.threads} thread(s), load {' -> '.join(f'{x:.1f}' for x in self.load)}; "
+                f"{c['steps']} steps, batch {c['optim']['batch_size']}, "
                 f"AdamW lr {c['optim']['lr']}{_schedule(c['optim'])}, seed {c['seed']}; every arm from the same weights and batches. "
                 f"Tolerance vs the first arm (max over the run): train loss {tol['train_loss']}, held-out loss "
-                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}. "
+                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}.{low} "
                 f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n{notes}\n")
 
     def to_dict(self) -> dict:
-        return {"config": self.config, "metric": self.metric, "device": self.device, "versions": self.versions,
-                "agree": self.agree, "arms": [dataclasses.asdict(a) for a in self.arms]}
+        return {"config": self.config, "metric": self.metric, "device": self.device, "threads": self.threads,
+                "load": self.load, "versions": self.versions, "agree": self.agree,
+                "arms": [dataclasses.asdict(a) for a in self.arms]}
 
     def plot(self, path) -> Path:
         import matplotlib
@@ -321,8 +335,12 @@ def _schedule(o: dict) -> str:
     return (" cosine-decayed to 0" if o.get("schedule") == "cosine" else "") + warm
 
 
-def _d(diff: dict, key: str) -> str:
-    return f"{diff[key]:.1e}" if key in diff else "-"
+def _d(arm: ArmResult, key: str, tol: dict) -> str:
+    """A diff cell; with its bound where that is not the file's tolerance (an arm in low precision)."""
+    if key not in arm.diff:
+        return "-"
+    bound = arm.bound.get(key)
+    return f"{arm.diff[key]:.1e}" + ("" if bound is None or bound == tol.get(key) else f" (<= {bound:.1e})")
 
 
 # -- arms: build, train, evaluate -----------------------------------------------------------------
@@ -363,7 +381,7 @@ def _models(cfg: RunConfig, device):
                     raise ConfigError(f"arm {arm.name!r}: {cfg.model} has no original library model")
                 m = copy.deepcopy(original)
             elif original is not None:
-                m = fastzoo.create(cfg.model, attn=arm.attn or "sdpa", pretrained=copy.deepcopy(original), **arm.model_kwargs)
+                m = _fastzoo(cfg, arm, copy.deepcopy(original), device)
             else:
                 m = fastzoo.create(cfg.model, **{**cfg.overrides, **({"loss": arm.loss} if arm.loss else {}), **arm.model_kwargs})
                 m.load_state_dict(init.state_dict())
@@ -373,6 +391,16 @@ def _models(cfg: RunConfig, device):
         except BackendUnavailableError as e:
             out.append(str(e).split(". Available on this machine")[0])
     return out
+
+
+def _fastzoo(cfg: RunConfig, arm: Arm, original, device):
+    """fastzoo's model of this arm on the original's weights. Its attention backend is checked
+    for the dtype it computes in (the arm's autocast dtype: a bf16-only kernel serves a bf16 arm)."""
+    import fastzoo
+
+    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **arm.model_kwargs)
+    amp = _precision(arm)
+    return m.set_attention(arm.attn or "sdpa", device=device, dtype=None if amp == "fp32" else parse_dtype(amp))
 
 
 @torch.no_grad()
@@ -413,18 +441,29 @@ class DigitsTask(Task):
     """Classification of the upsampled digits: cross-entropy, held-out accuracy."""
 
     def __init__(self, cfg: RunConfig, device):
-        from fastzoo.bench.realdata import digits
+        from fastzoo.accuracy.data import digits
 
         self.train, self.test = digits(cfg.data.img_size, test_fraction=cfg.data.test_fraction, seed=cfg.seed)
         self.n, self.device = len(self.train.y), device
 
     def loss(self, arm, model, idx):
-        return F.cross_entropy(model(self.train.x[idx].to(self.device)), self.train.y[idx].to(self.device))
+        return F.cross_entropy(model(self.train.x[idx].to(self.device)).float(), self.train.y[idx].to(self.device))
 
     @torch.no_grad()
     def evaluate(self, arm, model):
         logits = torch.cat([model(x.to(self.device)).float().cpu() for x in self.test.x.split(256)])
         return F.cross_entropy(logits, self.test.y).item(), (logits.argmax(-1) == self.test.y).float().mean().item()
+
+
+class QuadrantTask(DigitsTask):
+    """Which quadrant of a noisy image is brighter (synthetic, ``data.n_train`` / ``n_test`` images)."""
+
+    def __init__(self, cfg: RunConfig, device):
+        from fastzoo.accuracy.data import quadrants
+
+        g = torch.Generator().manual_seed(cfg.seed)
+        self.train, self.test = quadrants(cfg.data.n_train, g, cfg.data.img_size), quadrants(cfg.data.n_test, g, cfg.data.img_size)
+        self.n, self.device = cfg.data.n_train, device
 
 
 class TextTask(Task):
@@ -433,7 +472,7 @@ class TextTask(Task):
     metric = "next-token accuracy"
 
     def __init__(self, cfg: RunConfig, device):
-        from fastzoo.bench.realdata import bpe_tokenizer, pydoc_documents
+        from fastzoo.accuracy.data import bpe_tokenizer, pydoc_documents
 
         docs = pydoc_documents()
         tok = bpe_tokenizer(docs, cfg.data.vocab_size)
@@ -506,7 +545,7 @@ class CanvasTask(Task):
     metric = "mAP@0.5"
 
     def __init__(self, cfg: RunConfig, device):
-        from fastzoo.bench.realdata import digits_canvas
+        from fastzoo.accuracy.data import digits_canvas
 
         d = cfg.data
         self.train, self.test = digits_canvas(d.n_train, d.n_test, canvas=d.img_size, max_digits=d.max_digits,
@@ -541,15 +580,14 @@ class CanvasTask(Task):
         return total / n, float(mean_ap.compute()["map_50"])
 
 
-TASK_CLASSES = {"digits": DigitsTask, "pydoc_text": TextTask, "digits_canvas": CanvasTask}
+TASK_CLASSES = {"digits": DigitsTask, "pydoc_text": TextTask, "digits_canvas": CanvasTask, "quadrant": QuadrantTask}
 
 
 def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyReport:
     from tqdm.auto import tqdm
 
-    from fastzoo.bench.harness import device_name, versions
-
     device = torch.device(device)
+    load = [load_average()]
     task = TASK_CLASSES[cfg.task](cfg, device)
     batches = _batches(task.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
     models = _models(cfg, device)
@@ -575,7 +613,8 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
             r.seconds = time.perf_counter() - t0
     _same_weights(cfg, task, batches, models, results, snapshots or [])
     _compare(cfg, results)
-    return AccuracyReport(_as_dict(cfg), task.metric, device_name(device), versions(), results)
+    return AccuracyReport(_as_dict(cfg), task.metric, device_name(device), versions(), results,
+                          threads=torch.get_num_threads(), load=load + [load_average()])
 
 
 def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | None = None):
@@ -587,7 +626,8 @@ def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | 
         if snapshots is not None and (step - 1) % cfg.eval_every == 0:
             snapshots.append((step - 1, copy.deepcopy(model)))
         model.train()
-        loss = task.loss(arm, model, idx)
+        with _autocast(arm, task.device):
+            loss = task.loss(arm, model, idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -595,23 +635,28 @@ def _train(cfg, task, arm, model, batches, r: ArmResult, bar, snapshots: list | 
         r.train_loss.append(loss.item())
         if step % cfg.eval_every == 0 or step == len(batches):
             model.eval()
-            el, em = task.evaluate(arm, model)
+            with _autocast(arm, task.device):
+                el, em = task.evaluate(arm, model)
             r.eval_steps.append(step)
             r.eval_loss.append(el)
             r.eval_metric.append(em)
         bar.update(1)
 
 
+def _autocast(arm: Arm, device):
+    """The arm's autocast (``amp``), or a no-op context in fp32."""
+    amp = _precision(arm)
+    return torch.autocast(torch.device(device).type, dtype=parse_dtype(amp), enabled=amp != "fp32")
+
+
 def _load_weights(cfg: RunConfig, arm: Arm, ref_arm: Arm, snapshot, trained):
     """A copy of this arm's model holding the first arm's parameters ``snapshot`` (a model of the
     first arm's kind), built the way the arm was built at step 0; None if it cannot be."""
-    import fastzoo
-
     if arm.original:
         return copy.deepcopy(snapshot) if ref_arm.original else None
     if ref_arm.original:  # the original library's model -> fastzoo, the same conversion as at step 0
-        return fastzoo.create(cfg.model, attn=arm.attn or "sdpa", pretrained=copy.deepcopy(snapshot),
-                              **arm.model_kwargs).to(next(trained.parameters()).device)
+        device = next(trained.parameters()).device
+        return _fastzoo(cfg, arm, copy.deepcopy(snapshot), device).to(device)
     m = copy.deepcopy(trained)
     m.load_state_dict(snapshot.state_dict())
     return m
@@ -620,7 +665,8 @@ def _load_weights(cfg: RunConfig, arm: Arm, ref_arm: Arm, snapshot, trained):
 def _loss_and_grads(task, arm, model, idx):
     model.train()
     model.zero_grad(set_to_none=True)
-    loss = task.loss(arm, model, idx)
+    with _autocast(arm, task.device):
+        loss = task.loss(arm, model, idx)
     loss.backward()
     return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -647,7 +693,8 @@ def _same_weights(cfg, task, batches, models, results, snapshots) -> None:
             sw["steps"].append(step)
             sw["loss"].append(loss)
             sw["loss_diff"].append(abs(loss - ref_loss))
-            sw["grad_err"].append(_grad_err(grads, ref_as_arm))
+            sw["grad_err"].append(grad_error({n: grads.get(n, torch.zeros_like(g)) for n, g in ref_as_arm.items()},
+                                             ref_as_arm))
 
 
 def _as_arm(cfg, arm, ref_arm, snapshot, ref_grads: dict, trained) -> dict:
@@ -661,50 +708,54 @@ def _as_arm(cfg, arm, ref_arm, snapshot, ref_grads: dict, trained) -> dict:
     return {n: p.detach() for n, p in _load_weights(cfg, arm, ref_arm, g, trained).named_parameters()}
 
 
-def _grad_err(grads: dict, ref: dict) -> float:
-    """Worst parameter's max|grad - ref| / max|ref| (the rule of ``fastzoo check``), parameters
-    matched by name."""
-    worst = 0.0
-    for n, g in ref.items():
-        other = grads.get(n, torch.zeros_like(g))
-        if other.shape != g.shape:
-            raise ConfigError(f"same-weights check: {n} has shape {tuple(other.shape)}, the first arm's {tuple(g.shape)}")
-        scale = g.abs().max().item()
-        d = (other.float() - g.float()).abs().max().item()
-        worst = max(worst, d / scale if scale > 0 else d)
-    return worst
-
-
 def _compare(cfg: RunConfig, results: list[ArmResult]) -> None:
+    """Each arm against the first, by fastzoo.equivalence's rule: an fp32 arm within the file's
+    tolerance; an arm in low precision within LOW_FACTOR times its precision's peer's difference
+    plus that tolerance. The peers and rounding controls are reported, not judged."""
     ran = [(a, r) for a, r in zip(cfg.arms, results) if r.status == "ok"]
     if not ran:
         return
     ref, tol = ran[0][1], cfg.tolerance
+    peers = {amp: a.name for amp, a in _peers(cfg.arms).items()}
+    by_name = {r.name: r for _, r in ran}
     for arm, r in ran[1:]:
-        r.diff = {key: max(abs(a - b) for a, b in zip(getattr(r, key), getattr(ref, key)))
-                  for key in ("train_loss", "eval_loss", "eval_metric")}
-        r.first_over = next((i for i, (a, b) in enumerate(zip(r.train_loss, ref.train_loss), 1)
-                             if not abs(a - b) <= tol.train_loss), None)
-        if arm.nudge:
-            r.status, r.note = "control", f"initial weights x (1 +- {arm.nudge:g}): the drift rounding alone causes"
-            continue
-        over = [f"{k} {r.diff[k]:.2g} > {getattr(tol, k)}" for k in r.diff if not r.diff[k] <= getattr(tol, k)]
-        sw_over, checked = [], False
+        r.diff = {key: curve_error(getattr(r, key), getattr(ref, key)) for key in ("train_loss", "eval_loss", "eval_metric")}
         if r.same_weights:
             r.diff["same_weights_loss"] = max(r.same_weights["loss_diff"])
             r.diff["same_weights_grad"] = max(r.same_weights["grad_err"])
-            for key in ("same_weights_loss", "same_weights_grad"):
-                limit = getattr(tol, key)
-                if limit is not None:
-                    checked = True
-                    if not r.diff[key] <= limit:
-                        sw_over.append(f"{key} {r.diff[key]:.2g} > {limit}")
-        if sw_over or (over and not checked):
-            r.status, r.note = "disagrees", "; ".join(sw_over + over)
-        elif over:
-            r.status = "drifts"
-            r.note = (f"same weights: loss within {r.diff['same_weights_loss']:.1e}, grads within "
-                      f"{r.diff['same_weights_grad']:.1e}; free-running: {'; '.join(over)} (first at step {r.first_over})")
+        amp = _precision(arm)
+        if arm.nudge:
+            r.status, r.note = "control", f"initial weights x (1 +- {arm.nudge:g}): the drift rounding alone causes"
+        elif amp != "fp32" and peers[amp] == arm.name:
+            r.status = "peer"
+            r.note = (f"{ran[0][0].name} in {amp}: what {amp} alone changes; the other {amp} arms may differ "
+                      f"{LOW_FACTOR:g}x as much, plus the fp32 tolerance")
+        elif amp != "fp32" and by_name.get(peers[amp], ArmResult("")).status != "peer":
+            r.status, r.note = "unjudged", f"no {amp} peer ran: nothing to bound its {amp} difference by"
+        else:
+            _judge(r, tol, by_name[peers[amp]] if amp != "fp32" else None)
+        r.first_over = next((i for i, (a, b) in enumerate(zip(r.train_loss, ref.train_loss), 1)
+                             if not abs(a - b) <= r.bound.get("train_loss", tol.train_loss)), None)
+        if r.status == "drifts":
+            r.note += f" (first at step {r.first_over})"
+
+
+def _judge(r: ArmResult, tol: Tolerance, peer: ArmResult | None) -> None:
+    """``ok``, ``drifts`` or ``disagrees`` (module docstring) from the arm's differences and bounds."""
+    comps = {key: compare_errors(key, err, limit, None if peer is None else peer.diff.get(key))
+             for key, err in r.diff.items() if (limit := getattr(tol, key)) is not None}
+    r.bound = {key: c.bound for key, c in comps.items()}
+    over = {k: f"{k} {c.err:.2g} > {c.bound:.2g}" for k, c in comps.items() if not c.passed}
+    curves = [v for k, v in over.items() if not k.startswith("same_weights")]
+    same = [v for k, v in over.items() if k.startswith("same_weights")]
+    if same or (curves and not any(k.startswith("same_weights") for k in comps)):
+        r.status, r.note = "disagrees", "; ".join(same + curves)
+    elif curves:
+        r.status = "drifts"
+        r.note = (f"same weights: loss within {r.diff['same_weights_loss']:.1e}, grads within "
+                  f"{r.diff['same_weights_grad']:.1e}; free-running: {'; '.join(curves)}")
+    elif peer is not None:
+        r.note = f"within {LOW_FACTOR:g}x {peer.name}'s difference from the fp32 reference, plus the fp32 tolerance"
 
 
 def _as_dict(cfg: RunConfig) -> dict:
@@ -712,9 +763,48 @@ def _as_dict(cfg: RunConfig) -> dict:
 
 
 def results_dir(device) -> Path:
-    from fastzoo.bench.harness import device_name
-
     return Path("benchmarks") / "results" / device_name(torch.device(device)) / "accuracy"
+
+
+# -- the results README's table -------------------------------------------------------------------
+SUMMARY_BEGIN = "<!-- accuracy: generated from accuracy/*.json by benchmarks/accuracy_parity.py -->"
+SUMMARY_END = "<!-- /accuracy -->"
+
+
+def summary_table(folder) -> str:
+    """One row per committed run (``<folder>/*.json``): steps, threads and load, each arm's status
+    and final held-out metric, whether the arms agree. The results README shows it."""
+    from fastzoo.text import markdown_table
+
+    rows = []
+    for path in sorted(Path(folder).glob("*.json")):
+        r = json.loads(path.read_text())
+        c, arms = r["config"], r["arms"]
+        metric = lambda a: "-" if not a["eval_metric"] else f"{100 * a['eval_metric'][-1]:.2f}%"  # noqa: E731
+        rows.append({
+            "run": f"[{c['description']}]({Path(folder).name}/{path.stem}.md)",
+            "steps": c["steps"],
+            "threads, load": (f"{r['threads']}, {' -> '.join(f'{x:.1f}' for x in r['load'])}" if "load" in r
+                              else "1, not recorded"),
+            "arm: status": "; ".join(f"{a['name']}: {a['status']}" for a in arms),
+            "final held-out metric": "; ".join(f"{a['name']} {metric(a)}" for a in arms if a["status"] != "unavailable"),
+            "agree": "yes" if r["agree"] else "**no**",
+        })
+    return markdown_table(rows)
+
+
+def update_summary(readme, folder) -> bool:
+    """Rewrite the table between :data:`SUMMARY_BEGIN` and :data:`SUMMARY_END` in ``readme`` from
+    ``folder``'s runs; False (nothing written) where the README has no such block."""
+    from fastzoo import files
+
+    readme = Path(readme)
+    text = readme.read_text() if readme.exists() else ""
+    if SUMMARY_BEGIN not in text or SUMMARY_END not in text:
+        return False
+    head, rest = text.split(SUMMARY_BEGIN, 1)
+    files.write_text(readme, f"{head}{SUMMARY_BEGIN}\n{summary_table(folder)}\n{SUMMARY_END}{rest.split(SUMMARY_END, 1)[1]}")
+    return True
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -748,5 +838,5 @@ def main(argv=None) -> int:
     (out / f"{cfg.name}.md").write_text(report.to_markdown())
     report.plot(out / f"{cfg.name}.png")
     print(report.to_markdown())
-    print(f"wrote {out / cfg.name}.json, .md and .png")
+    print(f"wrote {out / cfg.name}.json, .md and .png" + (", and the table in ../README.md" if update_summary(out.parent / "README.md", out) else ""))
     return 0 if report.agree else 1

@@ -1,10 +1,12 @@
-"""Real data that ships inside installed packages, for accuracy parity without a download.
+"""Data for the accuracy-parity runs: real data that ships inside installed packages (nothing is
+downloaded), and one synthetic task.
 
 - :func:`digits`: scikit-learn's handwritten digits (``sklearn.datasets.load_digits``: 1,797
   8x8 greyscale scans from the UCI "Optical Recognition of Handwritten Digits" set),
   upsampled for a ViT / ResNet and split into train and test with a seed.
 - :func:`digits_canvas`: the same digits placed on a larger canvas, each with its tight box
   and class: a small detection set (train canvases from train digits, test from test digits).
+- :func:`quadrants`: synthetic noisy images with one quadrant brightened; the label is the quadrant.
 - :func:`pydoc_documents`: English text shipped inside Python (``pydoc_data.topics``, the
   language reference pages ``help()`` prints), split into paragraphs; :func:`bpe_tokenizer`
   trains a byte-level BPE on it offline with Hugging Face ``tokenizers``.
@@ -46,6 +48,18 @@ def digits(img_size: int = 32, *, test_fraction: float = 0.2, seed: int = 0) -> 
         x = F.interpolate(x[:, None], size=(img_size, img_size), mode="bilinear", align_corners=False)
         out.append(Split(((x - 0.5) / 0.5).expand(-1, 3, -1, -1).contiguous(), y))
     return out[0], out[1]
+
+
+def quadrants(n: int, g: torch.Generator, img_size: int = 32) -> Split:
+    """Noisy images (unit Gaussian) with one quadrant brightened by 1; the label is the quadrant.
+    It needs the position embedding and attention across patches; a small ViT learns it in ~300 steps."""
+    labels = torch.randint(0, 4, (n,), generator=g)
+    images = torch.randn(n, 3, img_size, img_size, generator=g)
+    half = img_size // 2
+    for i, q in enumerate(labels.tolist()):
+        r0, c0 = (q // 2) * half, (q % 2) * half
+        images[i, :, r0:r0 + half, c0:c0 + half] += 1.0
+    return Split(images, labels)
 
 
 @dataclass
