@@ -457,6 +457,16 @@ def test_enable_input_require_grads_gives_frozen_embeddings_hfs_gradients(hf):
     assert all(p.grad is None for k, p in m.named_parameters() if k.startswith("transformer.h."))
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_peft_lora_trains_only_the_adapters_as_on_hf(hf, layout):
+    """peft's LoRA on c_attn and c_fc (HF's Conv1D there, fastzoo's Linear here: the adapters have
+    the same shapes either way): HF's adapters, the base frozen, HF's loss and adapter gradients."""
+    b = batch()
+    packed = pack([row[:n] for row, n in zip(b.input_ids, b.attention_mask.sum(1))])  # right padding
+    inputs = dict(**packed.model_inputs(), labels=packed.labels) if layout == "packed" else {}
+    conftest.assert_lora_equals_original(ours(hf, "varlen"), copy.deepcopy(hf), ["c_attn", "c_fc"], b, **inputs)
+
+
 def test_prepare_inputs_for_generation_is_transformers_and_generate_from_embeddings_equals_hf(hf):
     """HF's generation tests read prepare_inputs_for_generation's signature (inputs_embeds) and
     generate from inputs_embeds; model.config answers what they read of a config."""
