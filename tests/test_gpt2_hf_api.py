@@ -562,11 +562,13 @@ def test_causal_lm_loss_validates_cu_seqlens(cu):
 
 
 def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
-    from fastzoo.bench import gpt2
+    from fastzoo.bench.causal_lm import causal_lm_suite
     from fastzoo.bench.harness import run_suite
+    from fastzoo.models.spec import Workload
+    from fastzoo.registry import get_entry
 
-    setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
-    suite = gpt2.gpt2_suite(setting, backends=["sdpa", "varlen", "nested"], modes=("eval",))
+    workload = Workload("tiny", dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64), batch=3, max_len=12)
+    suite = causal_lm_suite(get_entry("gpt2"), workload, backends=["sdpa", "varlen", "nested"], modes=("eval",))
     suite.groups = [g for g in suite.groups if "generate" in g.name]
     report = run_suite(suite, warmup=0, iters=1, progress=False)
     rows = [r for r in report.rows if "generate" in r.group]
