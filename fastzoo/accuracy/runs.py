@@ -47,6 +47,7 @@ from fastzoo.errors import BackendUnavailableError, ConfigError, FastzooError, U
 from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 from fastzoo.machine import device_name, load_average, versions
+from fastzoo.registry import get_entry
 from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
 from fastzoo.train.schedule import DECAYS, warmup_schedule
 
@@ -171,8 +172,6 @@ def _typed(f: dataclasses.Field, value, where: str):
 def _check(cfg: RunConfig, where: str) -> RunConfig:
     if cfg.task not in TASKS:
         raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(TASKS)}")
-    from fastzoo.registry import get_entry
-
     try:
         kind = get_entry(cfg.model).spec.task
     except UnknownModelError as e:
@@ -355,14 +354,11 @@ def _d(arm: ArmResult, key: str, tol: dict) -> str:
 
 # -- arms: build, train, evaluate -----------------------------------------------------------------
 def _original(cfg: RunConfig):
-    """The original library's model of ``cfg.model``, built from its config and ``cfg.overrides`` as
-    its users run it (the spec's ``Original``); None for a family without one (the box detector: its
-    arms differ in the loss)."""
-    from fastzoo.registry import get_entry
-
+    """The original library's model of ``cfg.model``, built from its config and ``cfg.overrides``, as
+    its users run it (the family's spec); None for a family without one (the box detector: its arms
+    differ in the loss)."""
     entry = get_entry(cfg.model)
-    original = entry.spec.original
-    return None if original is None else original.as_used({**entry.config, **cfg.overrides})
+    return entry.spec.original_as_users_run_it({**entry.config, **cfg.overrides})
 
 
 def _models(cfg: RunConfig, device):
@@ -476,8 +472,6 @@ class TextTask(Task):
 
         docs = pydoc_documents()
         tok = bpe_tokenizer(docs, cfg.data.vocab_size)
-        from fastzoo.registry import get_entry
-
         if len(tok) > {**get_entry(cfg.model).config, **cfg.overrides}["vocab_size"]:
             raise ConfigError(f"overrides.vocab_size must be >= the tokenizer's {len(tok)} ids")
         seqs = []

@@ -35,13 +35,6 @@ class Original:
     build: Callable[[dict], nn.Module]  # config fields -> the original at random init (reference kernels)
     description: str  # "timm VisionTransformer (eager attention)"
     attn_dropout_field: str | None = None  # the field zeroed for a deterministic comparison
-    # config fields -> the same model on the library's default kernels, as its users run it (what the
-    # accuracy runs train); None where the library has no kernel choice (then ``build``)
-    in_use: Callable[[dict], nn.Module] | None = None
-
-    def as_used(self, cfg: dict) -> nn.Module:
-        """The original as its users run it, at random init."""
-        return (self.in_use or self.build)(cfg)
 
 
 @dataclass(frozen=True)
@@ -112,6 +105,15 @@ class ModelSpec:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"ModelSpec({self.family!r}): task={self.task!r}; one of {', '.join(TASKS)}")
+
+    def original_as_users_run_it(self, cfg: dict) -> nn.Module | None:
+        """The original library's model on config fields ``cfg`` at random init, on the kernels its
+        users get (``original.build``, then ``bench.peer``); None for a family without an original."""
+        if self.original is None:
+            return None
+        model = self.original.build(cfg)
+        peer = self.bench.peer if self.bench is not None else None
+        return model if peer is None else peer(model)
 
     @property
     def config_class(self) -> type:

@@ -2,8 +2,6 @@
 Mistral): variants, converters, tiny configs, the originals, FLOP counts."""
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
@@ -13,12 +11,11 @@ from fastzoo.models.decoder.llama import LlamaForCausalLM
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
 
-def hf_gpt2(cfg: dict, *, reference: bool = True) -> nn.Module:
-    """transformers' GPT2LMHeadModel on fastzoo config fields; ``reference``: eager attention, else
-    transformers' default (as its users run it)."""
+def hf_gpt2(cfg: dict) -> nn.Module:
+    """transformers' GPT2LMHeadModel on fastzoo config fields, eager attention (the reference)."""
     from transformers import GPT2Config, GPT2LMHeadModel as HFGPT2
 
-    return HFGPT2(GPT2Config(**cfg, **({"attn_implementation": "eager"} if reference else {})))
+    return HFGPT2(GPT2Config(**cfg, attn_implementation="eager"))
 
 
 def hf_as_users_run_it(model: nn.Module) -> nn.Module:
@@ -61,8 +58,7 @@ GPT2_SPEC = ModelSpec(
     ),
     converters=(GPT2, GPT2_FASTZOO),
     tiny=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
-    original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop",
-                      in_use=partial(hf_gpt2, reference=False)),
+    original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
     shallow=lambda cfg: {**cfg, "n_layer": 1, "vocab_size": 512, "n_positions": 64},
     flops=gpt2_flops,
     bench=BenchSettings(
@@ -75,16 +71,15 @@ GPT2_SPEC = ModelSpec(
 )
 
 
-def hf_llama(cfg: dict, *, reference: bool = True) -> nn.Module:
-    """transformers' model of the config's layout (``model_type``) on fastzoo config fields;
-    ``reference``: eager attention, else transformers' default (as its users run it)."""
+def hf_llama(cfg: dict) -> nn.Module:
+    """transformers' model of the config's layout (``model_type``) on fastzoo config fields,
+    eager attention (the reference)."""
     import transformers
 
     from fastzoo.models.decoder.config import LlamaConfig
 
     hf_cfg = hf_config(LlamaConfig.from_dict(cfg))
-    if reference:
-        hf_cfg._attn_implementation = "eager"
+    hf_cfg._attn_implementation = "eager"  # else transformers picks its default (SDPA)
     return getattr(transformers, LLAMA_LAYOUTS[hf_cfg.model_type])(hf_cfg).to(torch.float32)
 
 
@@ -132,7 +127,7 @@ LLAMA_SPEC = ModelSpec(
     tiny=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64),
     original=Original(hf_llama, "transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (eager attention)",
-                      "attention_dropout", in_use=partial(hf_llama, reference=False)),
+                      "attention_dropout"),
     shallow=lambda cfg: {**cfg, "num_hidden_layers": 1, "vocab_size": 512},  # rotary: no position table to shrink
     flops=llama_flops,
     bench=BenchSettings(

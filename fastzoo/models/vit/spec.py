@@ -16,9 +16,8 @@ from fastzoo.models.vit.convert import VIT
 from fastzoo.models.vit.model import VisionTransformer
 
 
-def timm_vit(cfg: dict, *, reference: bool = True) -> nn.Module:
-    """timm's VisionTransformer on fastzoo config fields; ``reference``: attention in plain PyTorch,
-    else timm's own choice (its fused kernel, as its users run it)."""
+def timm_vit(cfg: dict) -> nn.Module:
+    """timm's VisionTransformer on fastzoo config fields, attention in plain PyTorch (the reference)."""
     from timm.layers import LayerNorm
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
@@ -27,7 +26,7 @@ def timm_vit(cfg: dict, *, reference: bool = True) -> nn.Module:
         kwargs["norm_layer"] = partial(LayerNorm, eps=cfg["norm_eps"])
     model = TimmViT(**kwargs)
     for m in model.modules():
-        if reference and hasattr(m, "fused_attn"):
+        if hasattr(m, "fused_attn"):
             m.fused_attn = False
     return model
 
@@ -83,8 +82,7 @@ SPEC = ModelSpec(
     refused={name: "; ".join(reasons) for name, reasons in _TIMM["refused"].items()},
     converters=(VIT,),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
-    original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate",
-                      in_use=partial(timm_vit, reference=False)),
+    original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
     bench=BenchSettings(
