@@ -44,11 +44,15 @@ def dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def compile_modes(quick: bool, device: torch.device, compile: bool | None = None) -> tuple[bool, ...]:
-    """Compiled rows on GPU; on a 2-core CPU compiling every case would take longer than the suite."""
+def recipes_for(entry, quick: bool, device: torch.device, compile: bool | None = None) -> list:
+    """Every recipe worth trying for the family here (fp32 and the device's low precision, its
+    memory formats), compiled too on GPU and on CPU without --quick (compiling every case on a
+    2-core CPU in a quick run would take longer than the suite)."""
+    from fastzoo.bench.recipes import recipes
+
     if compile is None:
         compile = not (device.type == "cpu" and quick)
-    return (False, True) if compile else (False,)
+    return recipes(entry.spec.bench, device, compile=compile)
 
 
 def save(report: Report, out: Path, stem: str) -> Report:

@@ -8,14 +8,19 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
 
-from _common import compile_modes, parser, save, setup, timing  # noqa: E402
+from _common import parser, recipes_for, save, setup, timing  # noqa: E402
 from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.resnet import resnet_suite  # noqa: E402
+from fastzoo.bench.image_classification import image_classification_suite  # noqa: E402
+from fastzoo.models.spec import Workload  # noqa: E402
+from fastzoo.registry import get_entry  # noqa: E402
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):
-    suite = resnet_suite(compile_modes=compile_modes(quick, device, compile), batch_size=2 if quick else (8 if device.type == "cpu" else 128),
-                         img_size=128 if quick else 224, device=device)
+    entry = get_entry("resnet50")
+    workload = Workload(f"ResNet-50 at {128 if quick else 224}", batch=2 if quick else (8 if device.type == "cpu" else 128),
+                        img_size=128 if quick else 224)
+    suite = image_classification_suite(entry, [workload], backends=[], modes=("eval", "train"),
+                                       recipes=recipes_for(entry, quick, device, compile), device=device)
     return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "resnet50")
 
 

@@ -22,13 +22,14 @@ import giou  # noqa: E402
 import linear_ce  # noqa: E402
 import matcher  # noqa: E402
 import gpt2_varlen  # noqa: E402
+import llama_packed  # noqa: E402
 import resnet  # noqa: E402
 import vit  # noqa: E402
 from _common import dtype_for, parser, setup  # noqa: E402
 from fastzoo.bench.harness import device_name, versions  # noqa: E402
 from fastzoo.accuracy.backends import train_parity  # noqa: E402
 
-SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "giou": giou.run, "matcher": matcher.run,
+SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "llama_packed": llama_packed.run, "giou": giou.run, "matcher": matcher.run,
           "linear_ce": linear_ce.run, "resnet50": resnet.run}
 
 

@@ -14,20 +14,34 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
 
 import fastzoo  # noqa: E402
-from _common import compile_modes, dtype_for, parser, save, setup, timing  # noqa: E402
+from _common import parser, recipes_for, save, setup, timing  # noqa: E402
 from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.vit import ARTICLE_SETTINGS, QUICK_SETTINGS, vit_suite  # noqa: E402
+from fastzoo.bench.image_classification import image_classification_suite  # noqa: E402
+from fastzoo.models.spec import Workload  # noqa: E402
+from fastzoo.registry import get_entry  # noqa: E402
+
+MODEL = "vit_l16"
+
+
+def _sizes(embed_dim, depth, num_heads, patch_size):
+    return dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads, patch_size=patch_size, num_classes=1000)
+
+
+# The articles' configurations: ViT-L/16 shape at 224, and a long-sequence ViT at patch 4.
+ARTICLE = [Workload("L/16 224", _sizes(1024, 24, 16, 16)), Workload("long seq, patch 4", _sizes(768, 6, 12, 4))]
+# Quick (2-core CPU in minutes): the same layer shapes with fewer layers and, for the long
+# one, patch 8; a ViT's step time is linear in depth, so backend ratios carry over.
+QUICK = [Workload("L/16 224, 2 of 24 layers", _sizes(1024, 2, 16, 16), batch=2),
+         Workload("long seq, 1 of 6 layers, patch 8", _sizes(768, 1, 12, 8), batch=2)]
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):
-    suite = vit_suite(
-        QUICK_SETTINGS if quick else ARTICLE_SETTINGS,
-        backends=fastzoo.list_attention(available_only=True),
-        compile_modes=compile_modes(quick, device, compile),
-        batch_size=2 if quick else (8 if device.type == "cpu" else 32),
-        device=device,
-        dtype=dtype_for(device),
-    )
+    entry = get_entry(MODEL)
+    batch = 2 if quick else (8 if device.type == "cpu" else 32)
+    workloads = [w.__class__(w.name, w.config, batch=batch) for w in (QUICK if quick else ARTICLE)]
+    suite = image_classification_suite(entry, workloads, backends=fastzoo.list_attention(available_only=True),
+                                       modes=("eval", "train"), recipes=recipes_for(entry, quick, device, compile),
+                                       device=device, masks=True)
     return save(run_suite(suite, **timing(quick, device), progress=progress, note=note), out, "vit")
 
 

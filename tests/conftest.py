@@ -65,3 +65,34 @@ def backends(*, backward: bool = False, device: str = "cpu", **needs) -> list[tu
 def backend_id(b) -> str:
     name, options = b
     return name + "".join(f"-{v}" for v in options.values())
+
+
+def assert_lora_equals_original(ours: nn.Module, original: nn.Module, target_modules: list[str], batch, **inputs):
+    """peft's LoRA on fastzoo's model and on the original: the same adapters (the original's module
+    names), the base frozen, and from the same adapter weights the same loss and adapter gradients
+    on ``batch`` (a ``PaddedBatch``); ``inputs``: fastzoo's own form of the batch, labels included,
+    where it takes another (packed); the padded batch by default. Returns the two peft models."""
+    from fastzoo import equivalence
+
+    peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
+
+    def lora():  # one config each: peft adapts its copy to the layer it wraps (Conv1D's fan_in_fan_out)
+        # init_lora_weights=False: lora_B random too; peft's default B = 0 would leave lora_A without a gradient
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, lora_dropout=0.0, init_lora_weights=False)
+
+    theirs = peft.get_peft_model(original, lora())
+    mine = peft.get_peft_model(ours, lora())
+    peft.set_peft_model_state_dict(mine, peft.get_peft_model_state_dict(theirs))
+    trainable = {n for n, p in mine.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in theirs.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    want = theirs(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
+    want.backward()
+    got = mine(**(inputs or dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels))).loss
+    got.backward()
+    assert (got - want).abs() <= 1e-5  # a mean cross-entropy in fp32, summed in another order
+    grads = {n: p.grad for n, p in mine.named_parameters() if n in trainable}
+    c = equivalence.compare_grads("adapter grads", grads, {n: p.grad for n, p in theirs.named_parameters() if n in trainable})
+    assert c.err <= equivalence.FP32_GRAD_RTOL, f"grad of {c.worst}: relative error {c.err:.2e}"
+    assert all(p.grad is None for n, p in mine.named_parameters() if n not in trainable)  # the base is frozen
+    return mine, theirs

@@ -56,7 +56,7 @@ BENCH = {
     "unknown backend": (["bench", "vit_s16", "--attn", "flsh"], ["unknown attention backend 'flsh'"]),
     "empty backend list": (["bench", "vit_s16", "--attn", ","], ["--attn"]),
     "unknown dtype": (["bench", "vit_s16", "--dtype", "fp13"], ["--dtype", "fp13"]),
-    "parity-train of a GPT-2": (["bench", "gpt2", "--parity-train"], ["--parity-train", "not a ViT"]),
+    "parity-train of a GPT-2": (["bench", "gpt2", "--parity-train"], ["--parity-train", "vit_s16", "gpt2"]),
 }
 
 

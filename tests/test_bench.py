@@ -11,10 +11,17 @@ import torch
 import fastzoo
 from fastzoo.attention import Capabilities
 from fastzoo.bench import Case, Group, Step, Suite, measure, run_suite, speedup, summarize
+from fastzoo.bench.image_classification import image_classification_suite
 from fastzoo.equivalence import compare_cases
-from fastzoo.bench.vit import ViTSetting, vit_suite
+from fastzoo.models.spec import Workload
+from fastzoo.registry import get_entry
 
-TINY_VIT = ViTSetting("tiny", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
+TINY_VIT = Workload("tiny", dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10), batch=2)
+TINY_GPT2 = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+
+
+def vit_suite(backends, modes):
+    return image_classification_suite(get_entry("vit_s16"), [TINY_VIT], backends=backends, modes=modes)
 
 
 @pytest.fixture(autouse=True)
@@ -101,13 +108,13 @@ def wrong_backend():
 
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_a_backend_failing_parity_is_reported_and_not_timed(wrong_backend, mode):
-    suite = vit_suite([TINY_VIT], backends=["eager", "sdpa", "wrong_for_bench_test"], modes=(mode,), batch_size=2)
+    suite = vit_suite(["eager", "sdpa", "wrong_for_bench_test"], (mode,))
     report = run_suite(suite, warmup=1, iters=2, progress=False)
     rows = {r.label: r for r in report.rows}
     wrong = rows["fastzoo wrong_for_bench_test"]
     assert wrong.status == "failed parity" and "not timed" in wrong.note
     assert wrong.median_s is None and wrong.speedup is None and wrong.max_err > 1e-2
-    assert len(wrong_backend) == TINY_VIT.depth  # one parity forward through each layer, no timed run
+    assert len(wrong_backend) == TINY_VIT.config["depth"]  # one parity forward through each layer, no timed run
     for label in ("fastzoo eager", "fastzoo sdpa", "timm (sdpa)", "timm (eager)"):
         assert rows[label].status == "ok", rows[label].note
         assert rows[label].max_err <= 1e-4  # fp32 CPU logits, fastzoo.equivalence's rule
@@ -117,12 +124,13 @@ def test_a_backend_failing_parity_is_reported_and_not_timed(wrong_backend, mode)
 
 
 def test_report_json_markdown_and_plot(tmp_path):
-    suite = vit_suite([TINY_VIT], backends=["eager", "sdpa"], modes=("eval",), batch_size=2)
+    suite = vit_suite(["eager", "sdpa"], ("eval",))
     report = run_suite(suite, warmup=0, iters=2, progress=False, note="loaded machine")
     data = json.loads(report.write_json(tmp_path / "vit.json").read_text())
     assert data["suite"] == "vit" and data["device"].startswith("cpu-") and data["iters"] == 2
     assert {"torch", "timm", "transformers"} <= set(data["versions"])
-    assert data["config"]["tiny"] == "2 layers x 2 heads x 16 dims, 32/8 (16 tokens)"
+    assert data["config"]["tiny"] == ("vit_small_patch16_224 with img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, "
+                                      "num_classes=10, 32x32 images")
     assert [r["label"] for r in data["rows"]] == ["timm (sdpa)", "timm (eager)", "fastzoo eager", "fastzoo sdpa"]
     for r in data["rows"]:
         assert r["status"] == "ok" and r["median_s"] > 0 and r["throughput"] == pytest.approx(2 / r["median_s"])
@@ -219,11 +227,12 @@ def test_matcher_suite_detr_and_fastzoo_agree():
 
 
 def test_gpt2_suite_packed_matches_padded():
-    from fastzoo.bench import gpt2
+    from fastzoo.bench.causal_lm import causal_lm_suite
 
-    setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
+    workload = Workload("tiny", TINY_GPT2, batch=3, max_len=12)
     backends = [b for b in ("eager", "sdpa", "varlen", "nested") if b in fastzoo.list_attention(available_only=True)]
-    report = run_suite(gpt2.gpt2_suite(setting, backends=backends, modes=("train",)), warmup=0, iters=1, progress=False)
+    suite = causal_lm_suite(get_entry("gpt2"), workload, backends=backends, modes=("train",))
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
     for r in report.rows:
         assert r.status in ("ok", "unavailable"), (r.label, r.note)
         if r.status == "ok":
@@ -234,10 +243,10 @@ def test_gpt2_suite_packed_matches_padded():
 def test_gpt2_training_step_with_labels_matches_the_logits_loss():
     """The training-step row: ``model(..., labels=...).loss.backward()``; fastzoo's fused loss
     (padded and packed) equals HF's loss on the logits, and the gradients too."""
-    from fastzoo.bench.gpt2 import GPT2Setting, gpt2_suite
+    from fastzoo.bench.causal_lm import causal_lm_suite
 
-    suite = gpt2_suite(GPT2Setting("tiny", 2, 32, 2, 3, 16, vocab_size=300), backends=["eager", "sdpa", "varlen"],
-                       modes=("train",))
+    workload = Workload("tiny", dict(n_layer=2, n_embd=32, n_head=2, vocab_size=300), batch=3, max_len=16)
+    suite = causal_lm_suite(get_entry("gpt2"), workload, backends=["eager", "sdpa", "varlen"], modes=("train",))
     suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
     report = run_suite(suite, warmup=0, iters=1, progress=False)
     assert len(report.rows) == 6 and any("packed (varlen)" in r.label for r in report.rows)

@@ -457,6 +457,16 @@ def test_enable_input_require_grads_gives_frozen_embeddings_hfs_gradients(hf):
     assert all(p.grad is None for k, p in m.named_parameters() if k.startswith("transformer.h."))
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_peft_lora_trains_only_the_adapters_as_on_hf(hf, layout):
+    """peft's LoRA on c_attn and c_fc (HF's Conv1D there, fastzoo's Linear here: the adapters have
+    the same shapes either way): HF's adapters, the base frozen, HF's loss and adapter gradients."""
+    b = batch()
+    packed = pack([row[:n] for row, n in zip(b.input_ids, b.attention_mask.sum(1))])  # right padding
+    inputs = dict(**packed.model_inputs(), labels=packed.labels) if layout == "packed" else {}
+    conftest.assert_lora_equals_original(ours(hf, "varlen"), copy.deepcopy(hf), ["c_attn", "c_fc"], b, **inputs)
+
+
 def test_prepare_inputs_for_generation_is_transformers_and_generate_from_embeddings_equals_hf(hf):
     """HF's generation tests read prepare_inputs_for_generation's signature (inputs_embeds) and
     generate from inputs_embeds; model.config answers what they read of a config."""
@@ -569,11 +579,13 @@ def test_causal_lm_loss_validates_cu_seqlens(cu):
 
 
 def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
-    from fastzoo.bench import gpt2
+    from fastzoo.bench.causal_lm import causal_lm_suite
     from fastzoo.bench.harness import run_suite
+    from fastzoo.models.spec import Workload
+    from fastzoo.registry import get_entry
 
-    setting = gpt2.GPT2Setting("tiny", n_layer=1, n_embd=32, n_head=2, num_seqs=3, max_len=12, vocab_size=64)
-    suite = gpt2.gpt2_suite(setting, backends=["sdpa", "varlen", "nested"], modes=("eval",))
+    workload = Workload("tiny", dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64), batch=3, max_len=12)
+    suite = causal_lm_suite(get_entry("gpt2"), workload, backends=["sdpa", "varlen", "nested"], modes=("eval",))
     suite.groups = [g for g in suite.groups if "generate" in g.name]
     report = run_suite(suite, warmup=0, iters=1, progress=False)
     rows = [r for r in report.rows if "generate" in r.group]

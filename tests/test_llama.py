@@ -4,6 +4,7 @@ rotary schedule; generate token for token; save_pretrained read back by transfor
 import copy
 import tempfile
 
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,16 +267,20 @@ def test_trainer_with_flattening_and_gradient_checkpointing_matches_hf():
     assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4  # fp32, 3 AdamW steps apart from rounding
 
 
-def test_peft_lora_trains_only_the_adapters():
-    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft): LoRA is checked where it is")
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_peft_lora_trains_only_the_adapters_as_on_hf(layout):
+    """peft's LoRA on attention and MLP projections: HF's adapters, the base frozen, HF's loss and
+    adapter gradients (packed: fastzoo's packed batch against HF's padded one); merged, HF's logits."""
     hf = hf_model("llama")
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    ours_lora, hf_lora = peft.get_peft_model(ours(hf), cfg), peft.get_peft_model(copy.deepcopy(hf), cfg)
-    trainable = {n for n, p in ours_lora.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    ids = seqs((9,))[0][None]
+    batch = pad_to_longest(seqs())
+    packed = pack(seqs())
+    inputs = dict(**packed.model_inputs(), labels=packed.labels) if layout == "packed" else {}
+    mine, theirs = conftest.assert_lora_equals_original(ours(hf, "varlen"), copy.deepcopy(hf), ["q_proj", "v_proj", "down_proj"],
+                                                        batch, **inputs)
+    merged, hf_merged = mine.merge_and_unload(), theirs.merge_and_unload()
+    assert isinstance(merged, type(ours(hf)))  # peft hands back fastzoo's model, adapters folded in
     with torch.no_grad():
-        assert_close(ours_lora(input_ids=ids).logits, hf_lora(input_ids=ids).logits)
+        assert_close(merged(**packed.model_inputs()).logits[0], hf_each_alone(hf_merged, seqs()))
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from fastzoo.accuracy.runs import AccuracyReport, Arm, Data, Optim, RunConfig, T
 from fastzoo.equivalence import FP32_GRAD_RTOL
 from fastzoo.text import dtype_name
 
+MODEL = "vit_s16"  # the model --parity-train fine-tunes, at SMALL_VIT's size
 # Small enough to train a few hundred steps on a 2-core CPU in well under a minute (timm's names).
 SMALL_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=4, global_pool="avg",
                  class_token=False)
@@ -38,7 +39,7 @@ def backend_parity_config(backends: list[str], *, steps: int = 300, batch_size: 
     arms = [Arm("eager", attn="eager")] + ([Arm(f"eager {amp}", attn="eager", amp=amp)] if amp else [])
     arms += [Arm(b if amp is None else f"{b} {amp}", attn=b, amp=amp) for b in backends if b != "eager"]
     return RunConfig(
-        name="parity_train", task="quadrant", model="vit_s16", overrides=dict(SMALL_VIT), arms=arms,
+        name="parity_train", task="quadrant", model=MODEL, overrides=dict(SMALL_VIT), arms=arms,
         data=Data(img_size=SMALL_VIT["img_size"], n_train=steps * batch_size, n_test=held_out),
         optim=Optim(batch_size=batch_size, lr=lr), steps=steps, eval_every=max(1, steps // 5), tolerance=TOLERANCE,
         seed=seed, description="ViT " + ", ".join(f"{k}={v}" for k, v in SMALL_VIT.items())

@@ -1,14 +1,14 @@
 """``fastzoo bench MODEL``: parity-gated timing of every requested attention backend vs the peer.
 
-Examples::
+Examples (NAME: a model from `fastzoo list`; its family's spec says which suite and recipes)::
 
-    fastzoo bench vit_b16 --attn all --quick
-    fastzoo bench vit_b16 --attn sdpa,flex --mode train --device cuda --dtype bf16 --compile --json out.json --plot out.png
-    fastzoo bench gpt2 --attn all --quick          # padded vs nested vs packed, real tokens/s
+    fastzoo bench NAME --attn all --quick           # every attention backend vs the original, fp32
+    fastzoo bench NAME --mode train --dtype all     # every precision worth trying here (and memory format)
+    fastzoo bench NAME --attn sdpa,flex --mode train --device cuda --dtype bf16 --compile --json out.json --plot out.png
     fastzoo bench giou                              # GIoU loss implementations vs torchvision
     fastzoo bench linear_ce                         # the LM head's loss: fused vs logits vs torch's chunked op
     fastzoo bench matcher                           # the detector's Hungarian matcher, before / after
-    fastzoo bench vit_s16 --parity-train --plot curves.png
+    fastzoo bench NAME --parity-train --plot curves.png   # a small model of the family fine-tuned per backend
 """
 from __future__ import annotations
 
@@ -19,18 +19,21 @@ import warnings
 import torch
 
 from fastzoo.errors import UsageError
-from fastzoo.text import DTYPES, non_negative_int, parse_key_values, positive_int
+from fastzoo.text import DTYPES, dtype_name, non_negative_int, parse_key_values, positive_int
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("model", help="a model name from `fastzoo list` (vit_*, gpt2*, resnet50), or a loss suite: giou, linear_ce, matcher")
+    p.add_argument("model", help="a model name from `fastzoo list` (image classifiers, causal LMs), or a loss suite: "
+                   "giou, linear_ce, matcher")
     p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]; eager is always added")
     p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--batch-size", type=positive_int, help="images per step (ViT, ResNet) or sequences (GPT-2)")
+    p.add_argument("--dtype", choices=("auto", "all", *DTYPES), default="auto",
+                   help="auto: fp32 on CPU, bf16 on CUDA; all: every precision worth trying here (bf16 autocast on a "
+                        "CPU with AVX512-BF16 or AMX); bf16 on a CPU runs under autocast")
+    p.add_argument("--batch-size", type=positive_int, help="images or sequences per step")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="batch 2, 1 warm-up + 3 timed runs: minutes on a 2-core CPU")
     p.add_argument("--warmup", type=non_negative_int, help="untimed steps first (default 3; quick 1)")
@@ -92,59 +95,92 @@ def _backends(spec: str) -> list[str]:
 LOSS_SUITES = ("giou", "linear_ce", "matcher")  # `fastzoo bench NAME` for the loss suites
 
 
-def _family(model: str) -> str:
-    if model in LOSS_SUITES:
-        return model
+def build_suite(args, device: torch.device, dtype: torch.dtype | None):
+    """The suite for ``args.model``: a loss suite by name, else the suite of the model's task."""
+    overrides = parse_key_values(args.overrides, what="--set")
+    if args.model in LOSS_SUITES:
+        return _loss_suite(args, device, dtype or torch.float32, overrides)
     from fastzoo.registry import get_entry
 
-    return get_entry(model).model_class.family
+    entry = get_entry(args.model)
+    if entry.spec.bench is None or entry.spec.task not in MODEL_SUITES:
+        raise UsageError(f"model {args.model!r} ({entry.spec.task}) has no benchmark suite; suites: "
+                         f"{', '.join(MODEL_SUITES)} models, and {', '.join(LOSS_SUITES)}")
+    workload = _workload(entry, args, overrides)
+    return MODEL_SUITES[entry.spec.task](entry, workload, args=args, device=device, recipes=_recipes(entry, args, device, dtype))
 
 
-def build_suite(args, device: torch.device, dtype: torch.dtype):
-    family = _family(args.model)
-    overrides = parse_key_values(args.overrides, what="--set")
-    modes, compile_modes = (args.mode,), (args.compile,)
-    if family == "vit":
-        from fastzoo.bench.vit import setting_from_model, vit_suite
+def _recipes(entry, args, device, dtype):
+    """--dtype all: every precision worth trying here; else the one asked (auto: fp32 on CPU, bf16
+    on CUDA; bf16 on a CPU is autocast). Memory formats the family's spec names; --compile: compiled."""
+    from fastzoo.bench.recipes import recipes
 
-        setting = _replace(setting_from_model(args.model), overrides)
-        return vit_suite([setting], backends=_backends(args.attn), modes=modes, compile_modes=compile_modes,
-                         batch_size=args.batch_size or (2 if args.quick else 8), device=device, dtype=dtype, masks=False)
-    if family == "gpt2":
-        from fastzoo.bench.gpt2 import TARGET_SETTING, gpt2_suite
+    if args.dtype == "all":
+        precisions = None
+    else:
+        low = dtype not in (None, torch.float32)
+        precisions = (("bf16 autocast" if device.type == "cpu" else dtype_name(dtype)) if low else "fp32",)
+    found = recipes(entry.spec.bench, device, precisions=precisions, compile=args.compile)
+    return [r for r in found if r.compiled == args.compile]
 
-        setting = _replace(TARGET_SETTING, {**({"num_seqs": args.batch_size} if args.batch_size else {}), **overrides})
-        return gpt2_suite(setting, backends=_backends(args.attn), modes=modes, compile_modes=compile_modes,
-                          device=device, dtype=dtype)
-    if family == "resnet":
-        import inspect
 
-        from fastzoo.bench.resnet import resnet_suite
+def _image_suite(entry, workload, *, args, device, recipes):
+    from fastzoo.bench.image_classification import image_classification_suite
 
-        free = {n: p.default for n, p in inspect.signature(resnet_suite).parameters.items() if n in ("img_size", "seed")}
-        unknown = sorted(set(overrides) - set(free))
-        if unknown:
-            raise UsageError(f"--set {unknown[0]}: the ResNet suite takes --set {' / '.join(free)} only")
-        for key, value in overrides.items():
-            _check_like(key, value, free[key])
-        return resnet_suite(modes=modes, compile_modes=compile_modes, bf16=(dtype == torch.bfloat16,),
-                            batch_size=args.batch_size or (2 if args.quick else 8), device=device, **overrides)
-    if family == "giou":
+    return image_classification_suite(entry, [workload], backends=_backends(args.attn), modes=(args.mode,),
+                                      recipes=recipes, device=device)
+
+
+def _causal_lm_suite(entry, workload, *, args, device, recipes):
+    from fastzoo.bench.causal_lm import causal_lm_suite
+
+    return causal_lm_suite(entry, workload, backends=_backends(args.attn), modes=(args.mode,), recipes=recipes,
+                           device=device)
+
+
+MODEL_SUITES = {"image-classification": _image_suite, "causal-lm": _causal_lm_suite}  # task -> its suite
+
+
+def _workload(entry, args, overrides: dict):
+    """The family's ``bench`` workload, changed by --set (config fields in the original's names, or
+    the workload's img_size / max_len), --batch-size and --quick (2 images a step)."""
+    from fastzoo.errors import ConfigError
+
+    w = entry.spec.bench.sizes["bench"]
+    cls = entry.spec.config_class
+    current = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    current.update({**entry.config, **w.config})
+    sizes = {k: getattr(w, k) for k in ("img_size", "max_len") if getattr(w, k) is not None}
+    unknown = sorted(set(overrides) - set(current) - set(sizes))
+    if unknown:
+        raise UsageError(f"--set {unknown[0]}: not a field of this suite's config; fields: {', '.join(sorted({*current, *sizes}))}")
+    for key, value in overrides.items():
+        _check_like(key, value, sizes[key] if key in sizes else current[key])
+    config = {**w.config, **{k: v for k, v in overrides.items() if k not in sizes}}
+    try:
+        cls.from_dict({**entry.config, **config})
+    except ConfigError as e:
+        raise UsageError(f"--set: {e}") from e
+    batch = args.batch_size or (2 if args.quick and entry.spec.task == "image-classification" else w.batch)
+    return dataclasses.replace(w, name=w.name or args.model, config=config, batch=batch,
+                               **{k: v for k, v in overrides.items() if k in sizes})
+
+
+def _loss_suite(args, device, dtype, overrides):
+    if args.model == "giou":
         from fastzoo.bench.giou import TARGET_SETTING, giou_suite
 
         setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
         return giou_suite(setting, device=device, dtype=dtype)
-    if family == "linear_ce":
+    if args.model == "linear_ce":
         from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite
 
         setting = _replace(TARGET_SETTING, {**({"tokens": args.batch_size} if args.batch_size else {}), **overrides})
         return linear_ce_suite(setting, device=device, dtype=dtype)
-    if family == "matcher":
-        from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite
+    from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite
 
-        setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
-        return matcher_suite(setting, device=device)
-    raise ValueError(f"model {args.model!r} (family {family!r}) has no benchmark suite yet")
+    setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
+    return matcher_suite(setting, device=device)
 
 
 def cmd_bench(args) -> int:
@@ -152,7 +188,7 @@ def cmd_bench(args) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     check_device(device, what="--device")
-    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" and args.dtype == "auto" else None)
     if args.threads:
         torch.set_num_threads(args.threads)
     # The table says when flex runs uncompiled; PyTorch's multi-line warning would bury the progress bar.
@@ -160,10 +196,13 @@ def cmd_bench(args) -> int:
     if args.parity_train:
         return _parity_train(args, device, dtype)
     from fastzoo.bench.harness import run_suite
+    from fastzoo.bench import limits
 
     suite = build_suite(args, device, dtype)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     iters = args.iters if args.iters is not None else (3 if args.quick else 10)
+    if args.model not in LOSS_SUITES:  # a model step beside the GEMM peak of each precision it ran in (a loss suite measures its own)
+        suite.limits = limits.measure(device, dtypes=_precisions(suite), quick=args.quick)
     report = run_suite(suite, warmup=warmup, iters=iters, progress=not args.no_progress)
     print(report.to_markdown(f"fastzoo bench {args.model}"))
     if args.json:
@@ -177,12 +216,18 @@ def cmd_bench(args) -> int:
     return 0 if report.ok else 1
 
 
+def _precisions(suite) -> list[torch.dtype]:
+    """The precisions a suite's groups run in: the GEMM peaks to measure beside them."""
+    return tuple(dict.fromkeys([suite.dtype, *(g.dtype for g in suite.groups if g.dtype is not None)]))
+
+
 def _parity_train(args, device, dtype) -> int:
     from fastzoo import files
-    from fastzoo.accuracy.backends import train_parity
+    from fastzoo.accuracy.backends import MODEL, train_parity
+    from fastzoo.registry import get_entry
 
-    if _family(args.model) != "vit":
-        raise UsageError(f"--parity-train is implemented for the ViT family; {args.model!r} is not a ViT")
+    if get_entry(args.model).spec is not get_entry(MODEL).spec:
+        raise UsageError(f"--parity-train fine-tunes {MODEL}'s family; {args.model!r} is of another")
     steps = args.steps or (100 if args.quick else 300)
     report = train_parity(_backends(args.attn), steps=steps, device=device, dtype=dtype, progress=not args.no_progress)
     print(report.to_markdown())

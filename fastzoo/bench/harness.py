@@ -15,12 +15,15 @@ user would pick instead). For each case the harness
    (``torch.cuda.max_memory_allocated`` on GPU; ``n/a`` on CPU, where PyTorch keeps no
    allocator statistics and process RSS would mostly measure other things),
 4. divides the peer's median step time by the case's: the speed-up vs the peer, timed in
-   the same run, so that a loaded machine shifts both sides alike;
+   the same run, so that a loaded machine shifts both sides alike; and the original's under
+   the group's own recipe by the case's (``vs_original``: ``Case(original=True)``);
 5. sets each figure beside the machine's limit, where the suite measured them
    (:mod:`fastzoo.bench.limits`, same run): a step that declares its FLOPs gets its FLOP/s as a
-   share of the GEMM peak in its dtype; one that declares its bytes, its bytes/s as a share of
-   the copy bandwidth; and in a group with a floor case (``Case(floor=True)``: one autograd call
-   on the same tensors, timed with the others) every row gets its time ÷ the floor's.
+   share of the GEMM peak in its precision; one that declares its bytes, its bytes/s as a share of
+   the copy bandwidth; in a group with a floor case (``Case(floor=True)``: one autograd call
+   on the same tensors, timed with the others) every row gets its time ÷ the floor's; and a case
+   doing less work than the peer (packed sequences: no padding) gets the FLOP-ratio bound of
+   its speed-up (the peer's FLOPs ÷ its own).
 """
 from __future__ import annotations
 
@@ -116,6 +119,8 @@ class Case:
     compiled: bool = False
     same_names: bool = True  # parameter names equal the reference's (False: a peer library naming its own)
     floor: bool = False  # the group's floor (limits.autograd_floor_step), not a competitor: rows get time ÷ its time
+    original: bool = False  # the original library under the group's recipe: the "same recipe" speed-ups are against it
+    dtype: torch.dtype | None = None  # this case's precision when not the group's (the fp32 peer of a bf16 group)
 
 
 @dataclass
@@ -165,6 +170,13 @@ class Row:
     byte_rate: float | None = None  # bytes/s at the median
     bandwidth_share: float | None = None  # of the same-run copy bandwidth (large buffers)
     vs_floor: float | None = None  # median ÷ the floor row's median (1.0: at the floor)
+    precision: str = "fp32"  # the case's compute precision: its parity rule and its GEMM peak
+    out_bound: float | None = None  # the parity bounds the errors were held to
+    grad_bound: float | None = None
+    original: bool = False
+    vs_original: float | None = None  # speed-up vs the original under the same recipe
+    first_step_s: float | None = None  # compiled: the parity pass, compilation included
+    work_bound: float | None = None  # the peer's FLOPs ÷ this case's: the speed-up less work alone would give
 
 
 @dataclass
@@ -261,7 +273,8 @@ def row_cells(r: Row) -> dict:
     timed = r.median_s is not None
     return {
         "backend": r.label,
-        "compiled": "yes" if r.compiled else "no",
+        "compiled": ("yes" + (f" (first step {_fmt_time(r.first_step_s)})" if r.first_step_s is not None else ""))
+        if r.compiled else "no",
         "step time (median, min-max)": (
             f"{_fmt_time(r.median_s)} ({_fmt_time(r.min_s)}-{_fmt_time(r.max_s)})" if timed else f"{r.status}: {_short(r.note)}"
         ),
@@ -272,33 +285,48 @@ def row_cells(r: Row) -> dict:
     }
 
 
-LIMIT_COLUMNS = ("time ÷ floor", "share of GEMM peak", "share of copy bandwidth")
+LIMIT_COLUMNS = ("time ÷ floor", "share of GEMM peak", "share of copy bandwidth", "FLOP-ratio bound")
+
+
+def _has_bound(r: Row) -> bool:
+    return r.work_bound is not None and abs(r.work_bound - 1) > 1e-3
 
 
 def limit_columns(rows: list[Row]) -> list[str]:
     """The limit columns some row of ``rows`` has a figure for (none: the table is as before)."""
     have = {"time ÷ floor": any(r.vs_floor is not None for r in rows),
             "share of GEMM peak": any(r.flop_share is not None for r in rows),
-            "share of copy bandwidth": any(r.bandwidth_share is not None for r in rows)}
+            "share of copy bandwidth": any(r.bandwidth_share is not None for r in rows),
+            "FLOP-ratio bound": any(_has_bound(r) for r in rows)}
     return [c for c in LIMIT_COLUMNS if have[c]]
 
 
 def limit_cells(r: Row, columns: list[str]) -> dict:
     cells = {"time ÷ floor": "floor" if r.floor and r.vs_floor is not None else _fmt_opt(r.vs_floor, "{:.2f}x"),
-             "share of GEMM peak": _fmt_rate(r.flop_share, r.flop_rate, "FLOP/s"),
-             "share of copy bandwidth": _fmt_rate(r.bandwidth_share, r.byte_rate, "B/s")}
+             "share of GEMM peak": _fmt_rate(r.flop_share, r.flop_rate, "FLOP/s") + (
+                 f" of {r.precision}" if r.flop_share is not None else ""),
+             "share of copy bandwidth": _fmt_rate(r.bandwidth_share, r.byte_rate, "B/s"),
+             "FLOP-ratio bound": bound_text(r) or "-"}
     return {c: cells[c] for c in columns}
 
 
+def bound_text(r: Row) -> str:
+    """``1.83x (speed-up ÷ bound 1.08)``: a case doing less work than the peer, and how its speed-up compares."""
+    if not _has_bound(r):
+        return ""
+    return f"{r.work_bound:.2f}x" + (f" (speed-up ÷ bound {r.speedup / r.work_bound:.2f})" if r.speedup is not None else "")
+
+
 def limit_note(r: Row) -> str:
-    """The chart's note beside a bar: time ÷ floor, or the share of the limit."""
+    """The chart's note beside a bar: time ÷ floor, or the share of the limit; the FLOP-ratio bound."""
+    bound = f", bound {r.work_bound:.2f}x" if _has_bound(r) else ""
     if r.vs_floor is not None and not r.floor:
         return f", {r.vs_floor:.2f}x floor"
     if r.flop_share is not None:
-        return f", {r.flop_share:.0%} of GEMM peak"
+        return f", {r.flop_share:.0%} of {r.precision} GEMM peak" + bound
     if r.bandwidth_share is not None:
         return f", {r.bandwidth_share:.0%} of copy bw"
-    return ""
+    return bound
 
 
 def _fmt_opt(value: float | None, fmt: str) -> str:
@@ -383,14 +411,15 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             order = {c.label + str(c.compiled): i for i, c in enumerate(group.cases)}
             rows.sort(key=lambda r: order[r.label + str(r.compiled)])
             _fill_speedups(rows)
-            _fill_limits(rows, suite.limits, group.dtype or suite.dtype)
+            _fill_limits(rows, suite.limits)
             report.rows += rows
     return report
 
 
 def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
     """Build the case and gate it on parity: (row, its outputs, the step to time or None, warm-up left)."""
-    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit, floor=case.floor)
+    row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit, floor=case.floor,
+              precision=dtype_name(case.dtype or group.dtype or suite.dtype), original=case.original)
     try:
         step = case.build()
     except (Unavailable, BackendUnavailableError) as e:
@@ -405,14 +434,16 @@ def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
         nonlocal got
         parity_ran = ref is not None and step.outputs is not None
         if parity_ran:
+            t0 = time.perf_counter()
             got = step.outputs()
+            row.first_step_s = time.perf_counter() - t0 if case.compiled else None
             low = (group.dtype or suite.dtype) != torch.float32
             peer = (got if case.reference else ref_in_dtype) if low else None
             if low and peer is None:
                 raise Unavailable("low-precision parity needs the eager reference case in this group")
             comps = compare_cases(ref, got, peer, same_names=case.same_names)
-            row.max_err = comps[0].err
-            row.grad_err = comps[1].err if len(comps) > 1 else None
+            row.max_err, row.out_bound = comps[0].err, comps[0].bound
+            row.grad_err, row.grad_bound = (comps[1].err, comps[1].bound) if len(comps) > 1 else (None, None)
             failed = [c for c in comps if not c.passed]
             if failed:
                 row.status = "failed parity"
@@ -494,25 +525,29 @@ def _time_interleaved(pending: list, iters: int, suite: Suite) -> None:
 
 
 def _fill_speedups(rows: list[Row]) -> None:
-    peer = next((r for r in rows if r.peer and r.median_s is not None), None)
-    if peer is None:
-        return
-    for r in rows:
-        if r.median_s is not None:
-            r.speedup = speedup(peer.median_s, r.median_s)
+    """Speed-ups vs the peer, and vs the original under the group's recipe."""
+    for flag, attr in (("peer", "speedup"), ("original", "vs_original")):
+        base = next((r for r in rows if getattr(r, flag) and r.median_s is not None), None)
+        for r in rows:
+            if base is not None and r.median_s is not None:
+                setattr(r, attr, speedup(base.median_s, r.median_s))
 
 
-def _fill_limits(rows: list[Row], limits: Limits | None, dtype: torch.dtype) -> None:
+def _fill_limits(rows: list[Row], limits: Limits | None) -> None:
     """Each timed row beside the limits: time ÷ the group's floor row; FLOP/s and bytes/s as
-    shares of the same-run GEMM peak (in ``dtype``) and copy bandwidth."""
+    shares of the same-run GEMM peak (in the row's precision) and copy bandwidth; the peer's
+    FLOPs ÷ the row's (the FLOP-ratio bound of its speed-up)."""
     floor = next((r for r in rows if r.floor and r.median_s is not None), None)
-    peak = limits.gemm_peak(dtype) if limits is not None else None
+    peer = next((r for r in rows if r.peer and r.flop_rate is not None), None)
     for r in rows:
         if r.median_s is None:
             continue
         if floor is not None:
             r.vs_floor = r.median_s / floor.median_s
+        peak = limits.gemm_flops.get(r.precision) if limits is not None else None
         if r.flop_rate is not None and peak is not None:
             r.flop_share = share_of(r.flop_rate, peak)
+        if r.flop_rate is not None and peer is not None:
+            r.work_bound = (peer.flop_rate * peer.median_s) / (r.flop_rate * r.median_s)
         if r.byte_rate is not None and limits is not None:
             r.bandwidth_share = share_of(r.byte_rate, limits.copy_bytes_per_s)

@@ -56,6 +56,7 @@ def detr_match(boxes_BQ4, logits_BQK, targets, cost_class=1.0, cost_bbox=5.0, co
 def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", seed: int = 0) -> Suite:
     import fastzoo
     from fastzoo.bench.giou import random_boxes
+    from fastzoo.registry import specs
     from fastzoo.data.boxes import collate_boxes
 
     device, s = torch.device(device), setting
@@ -65,9 +66,10 @@ def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", see
                             [torch.randint(0, s.num_classes, (n,), generator=g) for n in counts]).to(device)
     outputs = {"boxes": random_boxes(s.images * s.queries, g).view(s.images, s.queries, 4).to(device),
                "logits": torch.randn(s.images, s.queries, s.num_classes + 1, generator=g).to(device)}
-    # only the matcher runs: a detector with the smallest backbone carries the config (DETR's cost weights)
-    det = fastzoo.create("boxdet_r50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=32,
-                         num_queries=s.queries, num_classes=s.num_classes, matcher="hungarian").to(device)
+    # only the matcher runs: the detector's tiny config carries its settings (DETR's cost weights)
+    spec = next(spec for spec in specs() if spec.task == "detection")
+    det = fastzoo.create(spec.variants[0].name, **{**spec.tiny, "num_queries": s.queries, "num_classes": s.num_classes,
+                                                   "matcher": "hungarian"}).to(device)
 
     def step(match) -> Step:
         return Step(run=lambda: match(), items=s.images,

@@ -64,3 +64,16 @@ def model_step(
 
 def classification_loss(labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda logits: nn.functional.cross_entropy(logits.float(), labels)
+
+
+def in_fastzoo_names(spec, outputs: dict, names) -> dict:
+    """An original library's step outputs with its gradients under fastzoo's parameter names
+    ``names`` (the family's weight converter, transposes included), so every gradient is
+    compared; a name the converter fills twice (a tied head) is kept once, as fastzoo holds it."""
+    from fastzoo.weights import Source, find_converter
+
+    grads = {k[len("grad:"):]: v for k, v in outputs.items() if k.startswith("grad:")}
+    if not grads:
+        return outputs
+    converted = find_converter(spec, Source(grads, "the original's gradients")).to_fastzoo(grads)
+    return {"output": outputs["output"], **{f"grad:{k}": v for k, v in converted.items() if k in names}}

@@ -1,22 +1,25 @@
 """``fastzoo tour``: what fastzoo is for, measured on this machine in a few minutes.
 
-For each of the four models, the tour builds the original (timm ``VisionTransformer``, Hugging
-Face ``GPT2LMHeadModel``, ``torchvision.models.resnet50``, ``torchvision.ops``' GIoU loss)
-with random weights (no hub), builds fastzoo from it, and runs one training step (forward +
-backward) through :func:`fastzoo.bench.harness.run_suite`:
+For every family whose spec has tour settings (``ModelSpec.bench``), the tour builds the
+original with random weights (no hub), builds fastzoo from it, and runs one training step
+(forward + backward) of the suite of the family's task through
+:func:`fastzoo.bench.harness.run_suite`, under every recipe worth trying here
+(:mod:`fastzoo.bench.recipes`: fp32; bf16 autocast where the device computes bf16 natively;
+channels_last where the family's spec says so; ``torch.compile`` with ``--compile``):
 
-1. parity: every fastzoo path against the original in fp32 on identical weights and inputs
-   (max |diff| of the logits / loss, and the worst parameter's relative gradient error; the
-   rule of ``fastzoo check``); a path that fails is reported and not timed;
-2. speed: each fastzoo path that passed, timed in the same run as what a user of the
-   original writes (timm with its fused SDPA attention, HF padded to the longest sequence,
-   torchvision, torchvision's GIoU on the concatenated real pairs);
-3. the recommendation: per model, the fastest path that passed parity, as the
-   ``attn=`` / ``loss=`` to pass here.
+1. parity: every fastzoo path against the original on identical weights and inputs (max |diff|
+   of the logits / loss, and the worst parameter's relative gradient error; the rule of
+   ``fastzoo check``: fp32 within 1e-4, a low precision within 3x the original's own error in
+   it); a path that fails is reported and not timed;
+2. speed: each fastzoo path that passed, timed in the same run (interleaved rounds on a CPU) as
+   the original as its users run it (fp32, eager, the library's default attention) and as the
+   original under the same recipe; beside each figure its limit: the share of the same-run
+   GEMM peak in its precision, and for packed sequences the FLOP-ratio bound;
+3. the recommendation: per model, the fastest path that passed parity, with its recipe.
 
-On CUDA the same suites run in bf16 (parity: 3x the original's own bf16 error, flash-attn's
-rule) with every backend installed there. Sizes: ``full`` (the default; a 2-core CPU in
-about two minutes) and ``tiny`` (seconds; what the tests run).
+A detector enters through its loss: the padded GIoU kernel against torchvision's GIoU.
+Sizes: ``tour`` (the default; about a minute and a half of a 2-core CPU) and ``quick``
+(seconds; ``--quick``, what CI runs).
 """
 from __future__ import annotations
 
@@ -27,56 +30,32 @@ from pathlib import Path
 import torch
 
 from fastzoo import files
-from fastzoo.bench.gpt2 import GPT2Setting
-from fastzoo.bench.giou import GIoUSetting
-from fastzoo.bench.harness import Case, Group, Report, Row, Suite, device_name, run_suite, versions
-from fastzoo.bench.vit import ViTSetting
+from fastzoo.bench import limits as machine
+from fastzoo.bench.harness import Report, Row, Suite, bound_text, device_name, run_suite, versions
+from fastzoo.bench.recipes import BASELINE, Recipe, recipes
 
-
-@dataclass(frozen=True)
-class TourSize:
-    vit: ViTSetting
-    vit_batch: int
-    gpt2: GPT2Setting
-    resnet_img: int
-    resnet_batch: int
-    giou: GIoUSetting
-    warmup: int
-    iters: int
-
-
-SIZES = {
-    # Layer shapes of the real models, truncated in depth (step time is linear in depth, so
-    # the ratios carry over); GPT-2 keeps its 50257-token vocabulary (its LM head is most of the
-    # step). Small batches, sequences of at most 128 tokens and 160-pixel ResNet images keep the
-    # whole tour under 3 minutes on a shared 2-core CPU.
-    "full": TourSize(vit=ViTSetting("ViT-S/16 224, 4 of 12 layers", 224, 16, 384, 4, 6), vit_batch=4,
-                     gpt2=GPT2Setting("GPT-2 4x256, 8 seqs of 1-128 tokens", 4, 256, 4, 8, 128),
-                     resnet_img=160, resnet_batch=4, giou=GIoUSetting("256 images x 256 slots", 256, 256, 4),
-                     warmup=1, iters=3),
-    "tiny": TourSize(vit=ViTSetting("tiny ViT", 32, 8, 64, 1, 4, num_classes=10), vit_batch=4,
-                     gpt2=GPT2Setting("tiny GPT-2", 1, 64, 4, 4, 32, vocab_size=256),
-                     resnet_img=64, resnet_batch=2, giou=GIoUSetting("16 images x 16 slots", 16, 16, 4),
-                     warmup=0, iters=1),
-}
+SIZES = ("tour", "quick")  # the keys of each family's BenchSettings.sizes the tour runs
+TIMING = {"tour": (1, 3), "quick": (0, 1)}  # warm-up, timed steps
+REAL_SHARE = 5  # the GIoU workload: 1 to slots / REAL_SHARE real boxes per image (about 10 % real), the rest padding
 
 
 @dataclass
 class Entry:
-    """One model of the tour: its suite, which row is the original, which rows are fastzoo paths
-    (label -> the code a user writes for it), and the group that decides the recommendation."""
+    """One model of the tour: its suite, which rows are fastzoo paths (label -> the code a user
+    writes), and the groups the recommendation is chosen from (name -> the recipe they ran)."""
 
     model: str
     original: str
     suite: Suite
     paths: dict[str, str]
-    decisive_group: str
+    groups: dict[str, Recipe]
+    device_type: str = "cpu"
 
 
 @dataclass
 class Recommendation:
     model: str
-    use: str  # the code to write, e.g. 'fastzoo.create("gpt2", attn="varlen") + fastzoo.data.pack(seqs)'
+    use: str  # the code to write: 'fastzoo.create(NAME, attn="varlen") on fastzoo.data.pack(seqs)' and its recipe
     row: Row | None
     peer: Row | None
 
@@ -85,11 +64,14 @@ class Recommendation:
             return f"{self.model}: no fastzoo path passed parity and ran here; see the table"
         r, p = self.row, self.peer
         vs = f"{r.speedup:.2f}x {p.label}" if r.speedup is not None and p is not None else "no timed original"
+        if r.vs_original is not None and not r.original and not (p is not None and p.original):
+            vs += f", {r.vs_original:.2f}x the original under the same recipe"
         grads = f", grads {r.grad_err:.0e}" if r.grad_err is not None else ""
-        return f"{self.model}: {self.use}  ({vs}; parity: logits {r.max_err:.0e}{grads})"
+        rule = f" ({r.precision} rule: <= {r.out_bound:.0e})" if r.precision != "fp32" and r.out_bound is not None else ""
+        return f"{self.model}: {self.use}  ({vs}; parity: logits {r.max_err:.0e}{grads}{rule})"
 
 
-# -- the four suites, configured for the tour ----------------------------------------------------
+# -- one entry per family, by task ---------------------------------------------------------------
 def _train_backends(device: torch.device) -> list[str]:
     """Attention backends that run and train on this device (eager, the reference, is never the answer)."""
     from fastzoo.attention import backend_class, list_attention
@@ -98,85 +80,55 @@ def _train_backends(device: torch.device) -> list[str]:
             if b != "eager" and device.type in backend_class(b).capabilities.backward]
 
 
-def _against_original(group: Group, fp32_group: Group, original: str) -> Group:
-    """Parity against the original library's model in fp32 (not fastzoo's eager reference):
-    the original, built by the same suite in fp32 from the same seed, is the reference; in the
-    run dtype it is also the low-precision peer."""
-    fp32_case = next(c for c in fp32_group.cases if c.label == original)
-    cases = [replace(c, reference=c.label == original) for c in group.cases]
-    return replace(group, cases=cases, reference=lambda: fp32_case.build().outputs())
+def _recipe_groups(suite: Suite, tried: list[Recipe]) -> dict[str, Recipe]:
+    """Group name -> its recipe, for the groups of the tried recipes (a group's name ends with its recipe's)."""
+    return {g.name: r for g in suite.groups for r in tried if g.name.endswith(f"| {r.name}")}
 
 
-def _vit(size: TourSize, device, dtype) -> Entry:
-    from fastzoo.bench.vit import vit_suite
+def _image_classification(spec, size, device, compile) -> Entry:
+    from fastzoo.bench.image_classification import image_classification_suite, use_code
+    from fastzoo.registry import get_entry
 
-    backends = _train_backends(device)
-    original = "timm (sdpa)"
-
-    def suite(dt):
-        return vit_suite([size.vit], backends=backends, modes=("train",), batch_size=size.vit_batch, device=device,
-                         dtype=dt, masks=False)
-
-    s, ref = suite(dtype), suite(torch.float32)
-    keep = {original} | {f"fastzoo {b}" for b in backends}
-    groups = [_against_original(replace(g, cases=[c for c in g.cases if c.label in keep]), rg, original)
-              for g, rg in zip(s.groups, ref.groups) if any(c.label == original for c in rg.cases)]
-    paths = {f"fastzoo {b}": f'fastzoo.create("vit_b16", attn="{b}", pretrained=timm_model)' for b in backends}
-    return Entry("vit", original, replace(s, groups=groups), paths, groups[0].name)
+    entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
+    suite = image_classification_suite(entry, [spec.bench.sizes[size]], backends=_train_backends(device), recipes=tried,
+                                       device=device, original_eager=False)
+    paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
+    return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, _recipe_groups(suite, tried), device.type)
 
 
-def _gpt2(size: TourSize, device, dtype) -> Entry:
-    from fastzoo.attention import backend_class
-    from fastzoo.bench.gpt2 import gpt2_suite
+def _causal_lm(spec, size, device, compile) -> Entry:
+    from fastzoo.bench.causal_lm import causal_lm_suite, use_code
+    from fastzoo.registry import get_entry
 
-    backends = _train_backends(device)
-    original = "HF padded to longest (sdpa)"
-
-    def suite(dt):
-        return gpt2_suite(size.gpt2, backends=backends, modes=("train",), device=device, dtype=dt)
-
-    s, ref = suite(dtype), suite(torch.float32)
-    if s.skipped:
-        return Entry("gpt2", original, s, {}, "")
-    paths = {}
-    for b in backends:
-        caps = backend_class(b).capabilities
-        if b == "nested":
-            paths["fastzoo nested"] = 'fastzoo.create("gpt2", attn="nested") on fastzoo.data.nested(seqs)'
-            continue
-        if caps.varlen:
-            paths[f"fastzoo packed ({b})"] = f'fastzoo.create("gpt2", attn="{b}") on fastzoo.data.pack(seqs)'
-        if caps.padding_mask:
-            paths[f"fastzoo padded to longest ({b})"] = (f'fastzoo.create("gpt2", attn="{b}") on '
-                                                        'fastzoo.data.pad_to_longest(seqs)')
-    keep = {original, *paths}
-    groups = [_against_original(replace(g, cases=[c for c in g.cases if c.label in keep]), rg, original)
-              for g, rg in zip(s.groups, ref.groups) if any(c.label == original for c in rg.cases)]
-    return Entry("gpt2", original, replace(s, groups=groups), paths, groups[0].name)
+    entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
+    suite = causal_lm_suite(entry, spec.bench.sizes[size], backends=_train_backends(device), modes=("train",),
+                            recipes=tried, device=device)
+    groups = _recipe_groups(suite, tried)
+    paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
+    # the logits step per recipe: the original (as its users run it, and under the recipe) and fastzoo's paths
+    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if c.peer or c.original or c.label in paths])
+                                   for g in suite.groups if g.name in groups])
+    return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, groups, device.type)
 
 
-def _resnet(size: TourSize, device, dtype) -> Entry:
-    from fastzoo.bench.resnet import resnet_suite
+def _detection(spec, size, device, compile) -> Entry:
+    """A detector's loss: the padded GIoU kernel against torchvision's GIoU on the real pairs."""
+    from fastzoo.bench.giou import GIoUSetting, giou_suite
 
-    low = dtype != torch.float32
-    # On CUDA both sides run channels_last + bf16 autocast (how CNNs train there); on CPU plain fp32.
-    s = resnet_suite(modes=("train",), channels_last=(device.type == "cuda",), bf16=(low,),
-                     batch_size=size.resnet_batch, img_size=size.resnet_img, device=device)
-    use = 'fastzoo.create("resnet50", pretrained=torchvision_model' + (", channels_last=True)" if device.type == "cuda" else ")")
-    return Entry("resnet50", "torchvision", s, {"fastzoo": use}, s.groups[0].name if s.groups else "")
-
-
-def _giou(size: TourSize, device, dtype) -> Entry:
-    from fastzoo.bench.giou import giou_suite
-
-    s = giou_suite(size.giou, device=device, dtype=dtype)
+    w = spec.bench.sizes[size]
+    s = giou_suite(GIoUSetting(w.name, w.batch, w.config["num_queries"], max(1, w.config["num_queries"] // REAL_SHARE)), device=device, limits=False)
+    name = spec.bench.variant
     modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
              "fastzoo padded kernel (validity from target)": "kernel"}
-    paths = {label: f'fastzoo.create("boxdet_r50", loss="{m}")' for label, m in modes.items()}
-    paths["fastzoo kernel"] = 'fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])'
-    paths["fastzoo padded kernel (mask)"] = 'fastzoo.losses.giou_loss_padded(pred, target, mask)'
+    paths = {label: f'fastzoo.create("{name}", loss="{m}")' for label, m in modes.items()}
+    paths["fastzoo kernel"] = "fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])"
+    paths["fastzoo padded kernel (mask)"] = "fastzoo.losses.giou_loss_padded(pred, target, mask)"
     paths["fastzoo kernel (pairs given)"] = 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'
-    return Entry("boxdet_r50 (GIoU loss)", "torchvision on concatenated real pairs", s, paths, s.groups[0].name)
+    return Entry(f"{name} (GIoU loss)", "torchvision on concatenated real pairs", s, paths, {s.groups[0].name: BASELINE},
+                 device.type)
+
+
+TASKS = {"image-classification": _image_classification, "causal-lm": _causal_lm, "detection": _detection}
 
 
 # -- running and reporting ----------------------------------------------------------------------
@@ -187,6 +139,7 @@ class TourResult:
     recommendations: list[Recommendation]
     date: str
     seconds: float
+    tried: list[str]  # the recipes' names
 
     @property
     def ok(self) -> bool:
@@ -198,21 +151,25 @@ class TourResult:
             r, p = rec.row, rec.peer
             out.append({
                 "model": e.model,
-                "original (what its users run)": e.original,
-                "fastzoo here": rec.use if r is not None else "-",
-                "logits max abs diff": f"{r.max_err:.1e}" if r is not None and r.max_err is not None else "-",
-                "grads (max rel. diff)": f"{r.grad_err:.1e}" if r is not None and r.grad_err is not None else "-",
+                "original (as its users run it)": e.original,
+                "fastzoo here (fastest that kept parity)": rec.use if r is not None else "-",
+                "parity: logits / grads": _parity(r),
                 "original step": _ms(p),
                 "fastzoo step": _ms(r),
                 "speed-up": f"**{r.speedup:.2f}x**" if r is not None and r.speedup is not None else "-",
+                "same recipe": f"{r.vs_original:.2f}x" if r is not None and r.vs_original is not None else "-",
+                "share of GEMM peak": _gemm_share(r),
+                "FLOP-ratio bound": bound_text(r) if r is not None and bound_text(r) else "-",
             })
         return out
 
     def header(self) -> str:
         rep = self.report
-        return (f"fastzoo tour on **{rep.device}** ({rep.threads} torch threads), {rep.dtype}, {self.date}; "
-                f"one training step (forward + backward), median of {rep.iters} after {rep.warmup} warm-up; "
-                f"torch {rep.versions.get('torch')}; {self.seconds:.0f} s in all.")
+        return (f"fastzoo tour on **{rep.device}** ({rep.threads} torch threads), {self.date}; one training step "
+                f"(forward + backward), median of {rep.iters} after {rep.warmup} warm-up, original and fastzoo in "
+                f"interleaved rounds; recipes tried: {'; '.join(self.tried)}; torch {rep.versions.get('torch')}; "
+                f"{self.seconds:.0f} s in all; {machine.Limits(**rep.limits).describe()}. Speed-up: vs the original as its users run it "
+                f"(fp32, eager); same recipe: vs the original under the recommended recipe.")
 
     def summary_table(self) -> str:
         from fastzoo.text import markdown_table
@@ -233,29 +190,49 @@ class TourResult:
                                     for r in self.recommendations]}
 
 
+def _parity(r: Row | None) -> str:
+    if r is None or r.max_err is None:
+        return "-"
+    text = f"{r.max_err:.1e}" + (f" / {r.grad_err:.1e}" if r.grad_err is not None else "")
+    return text + (f" (<= {r.out_bound:.0e}, {r.precision} rule)" if r.precision != "fp32" and r.out_bound else "")
+
+
+def _gemm_share(r: Row | None) -> str:
+    if r is None or r.flop_share is None:
+        return "-"
+    return f"{r.flop_share:.0%} ({machine.si(r.flop_rate, 'FLOP/s')} of the {r.precision} peak)"
+
+
 def _ms(r: Row | None) -> str:
     return f"{r.median_s * 1e3:.3g} ms" if r is not None and r.median_s is not None else "-"
 
 
 def recommend(entry: Entry, rows: list[Row]) -> Recommendation:
-    """The fastest fastzoo path of the decisive setting that passed parity (and was timed)."""
-    rows = [r for r in rows if r.group == entry.decisive_group]
-    peer = next((r for r in rows if r.peer), None)
+    """The fastest fastzoo path (highest speed-up vs the original as its users run it, timed in
+    its own group; the median where no speed-up was measured) among the recipes tried, of those
+    that passed parity."""
+    rows = [r for r in rows if r.group in entry.groups]
     ok = [r for r in rows if r.label in entry.paths and r.status == "ok" and r.median_s is not None]
-    best = min(ok, key=lambda r: r.median_s, default=None)
-    return Recommendation(entry.model, entry.paths[best.label] if best else "-", best, peer)
+    best = min(ok, key=lambda r: (-r.speedup if r.speedup is not None else 0.0, r.median_s), default=None)
+    if best is None:
+        return Recommendation(entry.model, "-", None, next((r for r in rows if r.peer), None))
+    recipe = entry.groups[best.group].code(entry.device_type)
+    peer = next((r for r in rows if r.peer and r.group == best.group), None)
+    return Recommendation(entry.model, entry.paths[best.label] + (f" + {recipe}" if recipe else ""), best, peer)
 
 
-def build_entries(size: str = "full", device="cpu", dtype: torch.dtype | None = None) -> list[Entry]:
+def build_entries(size: str = "tour", device="cpu", *, compile: bool = False) -> list[Entry]:
+    """One entry per family whose spec has tour settings, in the registry's order."""
+    from fastzoo.registry import specs
+
     if size not in SIZES:
         raise ValueError(f"size={size!r}: choose one of {', '.join(SIZES)}")
     device = torch.device(device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    s = SIZES[size]
-    return [_vit(s, device, dtype), _gpt2(s, device, dtype), _resnet(s, device, dtype), _giou(s, device, dtype)]
+    chosen = [s for s in specs() if s.bench is not None and size in s.bench.sizes and s.task in TASKS]
+    return [TASKS[s.task](s, size, device, compile) for s in sorted(chosen, key=lambda s: list(TASKS).index(s.task))]
 
 
-def run_tour(size: str = "full", *, device="cpu", dtype: torch.dtype | None = None, progress: bool = True) -> TourResult:
+def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progress: bool = True) -> TourResult:
     import time
     import warnings
 
@@ -266,22 +243,26 @@ def run_tour(size: str = "full", *, device="cpu", dtype: torch.dtype | None = No
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
     t0 = time.perf_counter()
     device = torch.device(device)
-    entries = build_entries(size, device, dtype)
-    s = SIZES[size]
+    entries = build_entries(size, device, compile=compile)
+    warmup, iters = TIMING[size]
+    tried = [r for e in entries for r in e.groups.values()]
+    limits = machine.measure(device, dtypes=tuple(dict.fromkeys(r.dtype for r in tried)), quick=size == "quick")
+    for e in entries:
+        e.suite.limits = limits
     total = sum(len(g.cases) for e in entries for g in e.suite.groups)
     reports = []
     with tqdm(total=total, desc="fastzoo tour", disable=not progress, dynamic_ncols=True, leave=False) as bar:
         for e in entries:
             bar.set_description(f"fastzoo tour: {e.model}")
-            reports.append(run_suite(e.suite, warmup=s.warmup, iters=s.iters, bar=bar, interleave=device.type == "cpu"))
+            reports.append(run_suite(e.suite, warmup=warmup, iters=iters, bar=bar, interleave=device.type == "cpu"))
     first = reports[0]
     config = {f"{e.model}": "; ".join(f"{k} {v}" for k, v in rep.config.items()) for e, rep in zip(entries, reports)}
     skipped = [f"{e.model}: {rep.skipped}" for e, rep in zip(entries, reports) if rep.skipped]
-    report = Report("fastzoo tour", first.device, first.dtype, config, s.warmup, s.iters, versions(), torch.get_num_threads(),
-                    [r for rep in reports for r in rep.rows], "; ".join(skipped) or None)
+    report = Report("fastzoo tour", first.device, first.dtype, config, warmup, iters, versions(), torch.get_num_threads(),
+                    [r for rep in reports for r in rep.rows], "; ".join(skipped) or None, limits=limits.to_dict())
     recs = [recommend(e, rep.rows) for e, rep in zip(entries, reports)]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return TourResult(report, entries, recs, date, time.perf_counter() - t0)
+    return TourResult(report, entries, recs, date, time.perf_counter() - t0, list(dict.fromkeys(r.name for r in tried)))
 
 
 def write(result: TourResult, out_dir) -> dict[str, Path]:
@@ -301,9 +282,10 @@ def default_out_dir(device) -> Path:
 
 # -- command line -------------------------------------------------------------------------------
 def add_args(p) -> None:
-    p.description = "Parity and speed of all four models against their originals on this machine, in minutes."
-    p.add_argument("--size", choices=tuple(SIZES), default="full", help="full: the real layer shapes, truncated in depth; "
-                   "tiny: seconds, for a smoke test")
+    p.description = "Parity and speed of every model against its original on this machine, in minutes."
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one timed step: seconds, a smoke test (CI)")
+    p.add_argument("--compile", action="store_true", help="also try torch.compile (inductor) where the family compiles: "
+                   "minutes of compilation on a small CPU, timed and reported")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--out", help="folder for tour.md, tour.json and the chart tour.png (default: fastzoo-tour/<device>)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads")
@@ -314,7 +296,7 @@ def cmd_tour(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run_tour(args.size, device=device, progress=not args.no_progress)
+    result = run_tour("quick" if args.quick else "tour", device=device, compile=args.compile, progress=not args.no_progress)
     paths = write(result, args.out or default_out_dir(device))
     print(result.header() + "\n")
     print(result.summary_table() + "\n")

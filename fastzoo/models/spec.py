@@ -38,6 +38,38 @@ class Original:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What a benchmark runs: config changes (original field names) and the inputs' sizes."""
+
+    name: str  # as the tables show it: "ViT-S/16 224, 4 of 12 layers"
+    config: Mapping = field(default_factory=dict)  # changes to the variant's config ({}: the variant as it is)
+    batch: int = 8  # images, or sequences
+    img_size: int | None = None  # images' side, for a model whose config has none (a convnet)
+    max_len: int | None = None  # causal LM: sequence lengths drawn uniformly from [1, max_len] ...
+    median_len: int | None = None  # ... or log-normally around this median, clipped to [16, max_len]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """How the benchmarks and the tour run a family: its workloads and the recipes worth trying.
+
+    ``sizes``: ``"bench"`` (``fastzoo bench NAME``), ``"tour"`` (``fastzoo tour``, about a
+    minute of CPU for every family together) and ``"quick"`` (``fastzoo tour --quick``: seconds,
+    what CI runs). ``peer`` turns the original as built by ``Original.build`` (reference kernels)
+    into the original as its users run it (timm's fused attention, Hugging Face's SDPA).
+    """
+
+    variant: str  # the variant the tour builds (its config is the base of every workload)
+    sizes: Mapping[str, Workload]
+    library: str  # the original's library as tables name it: "timm", "HF", "torchvision"
+    peer: Callable[[nn.Module], nn.Module] | None = None  # None: the original as built is what its users run
+    peer_attention: str | None = None  # the attention the peer runs ("sdpa"); None: the model has none
+    channels_last: bool = False  # NHWC is worth trying (convolutions)
+    compile: bool = True  # torch.compile is worth trying (the tour tries it with --compile)
+    deterministic: Mapping = field(default_factory=dict)  # config fields that make a training step deterministic (dropout 0)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One family, as the rest of the package sees it.
 
@@ -48,9 +80,12 @@ class ModelSpec:
     that keeps the family's widths' structure; ``original`` builds the reference model.
     ``shallow`` maps a variant's config to one of reduced depth (and shorter inputs or a smaller
     vocabulary where those are fields) with the same widths: what the tests compare with the
-    original for every name, in seconds rather than minutes. ``flops`` counts one training step's
-    FLOPs from a config and an input description (the benchmarks report achieved FLOP/s against
-    the machine's peak with it).
+    original for every name, in seconds rather than minutes. ``flops`` counts one step's FLOPs
+    from a config and the inputs' sizes, called per task as ``flops(cfg, batch=, img_size=,
+    train=)`` (image classification) or ``flops(cfg, tokens=, attended=, train=)`` (causal LM:
+    ``attended`` (query, key) pairs computed); the benchmarks report achieved FLOP/s against the
+    same-run GEMM peak with it. ``bench``: the family's benchmark workloads and recipes
+    (:class:`BenchSettings`; None: no model suite).
     ``refused``: names the original library gives to architectures of this kind that the
     family does not reproduce, each with the options it would need (``create`` says so).
     """
@@ -64,6 +99,7 @@ class ModelSpec:
     original: Original | None = None
     shallow: Callable[[dict], dict] | None = None
     flops: Callable[..., int] | None = None
+    bench: BenchSettings | None = None
     refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
 
     def __post_init__(self):

@@ -8,7 +8,7 @@ from torch import nn
 from fastzoo.models.decoder.convert import GPT2, GPT2_FASTZOO, LLAMA, LLAMA_LAYOUTS, hf_config
 from fastzoo.models.decoder.gpt2 import GPT2LMHeadModel
 from fastzoo.models.decoder.llama import LlamaForCausalLM
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
 
 def hf_gpt2(cfg: dict) -> nn.Module:
@@ -16,6 +16,12 @@ def hf_gpt2(cfg: dict) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel as HFGPT2
 
     return HFGPT2(GPT2Config(**cfg, attn_implementation="eager"))
+
+
+def hf_as_users_run_it(model: nn.Module) -> nn.Module:
+    """transformers' default attention: SDPA."""
+    model.set_attn_implementation("sdpa")
+    return model
 
 
 def gpt2_flops(cfg, *, tokens: int, attended: int, train: bool = True) -> int:
@@ -55,6 +61,13 @@ GPT2_SPEC = ModelSpec(
     original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
     shallow=lambda cfg: {**cfg, "n_layer": 1, "vocab_size": 512, "n_positions": 64},
     flops=gpt2_flops,
+    bench=BenchSettings(
+        variant="gpt2", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
+        deterministic=dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        sizes={"bench": Workload("4x256, 8 seqs in [1,512]", dict(n_layer=4, n_embd=256, n_head=4), batch=8, max_len=512),
+               "tour": Workload("GPT-2 4x256, 8 seqs of 1-128 tokens", dict(n_layer=4, n_embd=256, n_head=4), batch=8,
+                                max_len=128),
+               "quick": Workload("tiny GPT-2", dict(n_layer=1, n_embd=64, n_head=4, vocab_size=256), batch=4, max_len=32)}),
 )
 
 
@@ -84,6 +97,10 @@ def _llama(name: str, hf: str, what: str, **config) -> Variant:
                    f"transformers {LLAMA_LAYOUTS[config['model_type']]} ({hf})")
 
 
+# The CPU benchmark's Llama: 4 layers x 256 wide, 8 query heads sharing 2 key/value heads, SwiGLU 8/3 wide.
+_LLAMA_SMALL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=680, num_attention_heads=8,
+                    num_key_value_heads=2, vocab_size=32000)
+
 LLAMA_SPEC = ModelSpec(
     family="llama",
     task="causal-lm",
@@ -111,5 +128,13 @@ LLAMA_SPEC = ModelSpec(
     original=Original(hf_llama, "transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (eager attention)",
                       "attention_dropout"),
     flops=llama_flops,
+    bench=BenchSettings(
+        variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
+        sizes={"bench": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-1024 tokens (median 128)", _LLAMA_SMALL, batch=8,
+                                 max_len=1024, median_len=128),
+               "tour": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-512 tokens (median 64)", _LLAMA_SMALL, batch=8,
+                                max_len=512, median_len=64),
+               "quick": Workload("tiny Llama", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                                   num_attention_heads=4, num_key_value_heads=2), batch=4, max_len=32)}),
 )
 SPECS = (GPT2_SPEC, LLAMA_SPEC)

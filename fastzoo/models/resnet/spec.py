@@ -6,7 +6,7 @@ from torch import nn
 from fastzoo.models.resnet.config import ResNetConfig, bottleneck_width
 from fastzoo.models.resnet.convert import RESNET, TIMM_RESNET
 from fastzoo.models.resnet.model import ResNet
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 
 TORCHVISION_CHANNELS = (64, 128, 256, 512)  # torchvision's stage widths (its ResNet has no argument for them)
 
@@ -84,5 +84,9 @@ SPEC = ModelSpec(
     original=Original(torchvision_resnet, "torchvision ResNet"),
     shallow=lambda cfg: {**cfg, "layers": (1,) * len(cfg.get("layers", (3, 4, 6, 3)))},
     flops=flops,
+    bench=BenchSettings(
+        variant="resnet50", library="torchvision", channels_last=True,
+        sizes={"bench": Workload("", batch=8, img_size=224), "tour": Workload("ResNet-50 at 160 px", batch=4, img_size=160),
+               "quick": Workload("ResNet, 1 block a stage, 64 px", dict(layers=(1, 1, 1, 1)), batch=2, img_size=64)}),
 )
 SPECS = (SPEC,)

@@ -9,7 +9,7 @@ from functools import partial
 
 from torch import nn
 
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.models.vit import timm_names
 from fastzoo.models.vit.config import ViTConfig
 from fastzoo.models.vit.convert import VIT
@@ -30,6 +30,13 @@ def timm_vit(cfg: dict) -> nn.Module:
             m.fused_attn = False
     return model
 
+
+def timm_as_users_run_it(model: nn.Module) -> nn.Module:
+    """timm's default attention: fused (``F.scaled_dot_product_attention``)."""
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = True
+    return model
 
 SHORT = {"vit_small_patch16_224": "vit_s16", "vit_base_patch16_224": "vit_b16", "vit_large_patch16_224": "vit_l16"}
 
@@ -54,8 +61,9 @@ def _timm_variant(name: str, derived: dict) -> Variant:
 _TIMM = timm_names.load()
 
 
-def flops(cfg, *, batch: int, train: bool = True) -> int:
-    """Matmul FLOPs of one step on ``batch`` images (2 per multiply-add; a backward is twice a forward)."""
+def flops(cfg, *, batch: int, img_size: int | None = None, train: bool = True) -> int:
+    """Matmul FLOPs of one step on ``batch`` images (2 per multiply-add; a backward is twice a forward);
+    the images' side is the config's (``img_size``, when given, must equal it)."""
     side = (cfg.img_size,) * 2 if isinstance(cfg.img_size, int) else tuple(cfg.img_size)
     patches = (side[0] // cfg.patch_size) * (side[1] // cfg.patch_size)
     S, D = patches + int(cfg.class_token) + cfg.reg_tokens, cfg.embed_dim
@@ -77,5 +85,11 @@ SPEC = ModelSpec(
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
+    bench=BenchSettings(
+        variant="vit_small_patch16_224", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",
+        sizes={"bench": Workload("", batch=8),
+               "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=4),
+               "quick": Workload("tiny ViT", dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
+                                                  num_classes=10), batch=4)}),
 )
 SPECS = (SPEC,)
