@@ -43,7 +43,7 @@ def cmd_list(args) -> int:
         rows = [{**r, "value here": repr(values[r["field"]])} for r in cls.describe()]
         print(markdown_table(rows, ["field", "kind", "type", "value here", "constraint", "meaning"]))
         return 0
-    print("Models (`fastzoo list 'vit_*'` lists names with a wildcard):")
+    print("Models (`fastzoo list 'PATTERN*'` lists the names a wildcard pattern matches):")
     print(markdown_table(family_rows(), ["family", "task", "names", "examples", "refused"]))
     print("\nAttention backends (capabilities as declared; 'available here' is this machine):")
     print(markdown_table(capability_matrix(), MATRIX_COLUMNS))
@@ -91,7 +91,7 @@ def _tour_args(p) -> None:
 
 def _list_args(p) -> None:
     p.add_argument("model", nargs="?", help="a model name: list its config fields (kind, type, constraint, meaning); "
-                                            "a pattern with wildcards ('vit_*dinov2*'): the names it matches")
+                                            "a pattern with wildcards ('*patch14*'): the names it matches")
     p.add_argument("--families", action="store_true", help="print only the model families table, for the README")
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
 

@@ -189,7 +189,7 @@ def resolve_mask_mod(mask_mod, ctx: AttnContext, *, window: int, radius: int) ->
         return sliding_window(window, is_causal=ctx.causal)
     if mask_mod == "neighborhood":
         if ctx.grid_size is None:
-            raise ValueError("mask_mod='neighborhood' needs a 2-D token grid: only ViT models provide one")
+            raise ValueError("mask_mod='neighborhood' needs a 2-D token grid: only models of image patches provide one")
         return neighborhood(ctx.grid_size, radius, ctx.num_prefix_tokens)
     raise ValueError(f"mask_mod={mask_mod!r} is not a preset ({', '.join(MASK_PRESETS)}) nor a callable")
 
@@ -198,7 +198,7 @@ def request_problems(mask_mod, req) -> list[str]:
     """What a ``mask_mod`` option cannot do for the model described by ``req`` (an AttnRequest)."""
     if mask_mod == "neighborhood" and req.grid_2d is False:
         return ["mask_mod='neighborhood' needs a 2-D token grid (ctx.grid_size), and this model has none: "
-                "only ViT models give one"]
+                "only models of image patches give one"]
     return []
 
 

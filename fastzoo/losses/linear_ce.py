@@ -13,9 +13,10 @@ The backward then only scales those saved gradients by the upstream gradient. Th
 two gradients (which any path returns) plus one block no larger than ``hidden`` (at or below
 torch's chunked op). The first pass runs before the gradients exist, so its blocks may hold as
 many bytes as they will (:func:`lse_block`): at GPT-2's head six large matmuls instead of 99.
-The price is a fourth matmul: with ``block_bytes`` room for a ``[256, vocab]`` chunk the loss
-takes one pass over token chunks instead (Liger-Kernel's order: three matmuls, the weight's
-gradient read and rewritten per chunk), faster on a CPU for that chunk's memory
+The price is a fourth matmul: with ``block_bytes`` room for at least 256 tokens x the vocabulary the
+loss takes one pass over token chunks instead (Liger-Kernel's order: three matmuls, as many as the
+logits path; the softmax's ``1 / sum`` applied to the ``[rows, D]`` operands, never to the block),
+as fast as the logits path or faster on a CPU for a fraction of its memory
 (benchmarks/results/cpu-2core/linear_ce.md has both).
 
 ``impl`` (all three compute the same function; tests compare them in value and gradient):
@@ -62,10 +63,10 @@ def linear_cross_entropy(
 
     ``block_bytes`` (fused path): the most the one logits block may hold. Default: as much as
     ``hidden_ND`` (torch's rule), which keeps the peak at or below torch's chunked op: two passes
-    over ``[rows, 512]`` blocks (:func:`logits_block`). A budget with room for
-    :data:`ONE_PASS_ROWS` tokens x the whole vocabulary (in the accumulation dtype) takes one pass
-    over token chunks instead ("mean" / "sum"): three matmuls instead of four, faster on a CPU,
-    for that much more memory (benchmarks/results/cpu-2core/linear_ce.md has both).
+    over ``[rows, 512]`` blocks (:func:`logits_block`). A budget with room for at least
+    :data:`ONE_PASS_ROWS` tokens x the whole vocabulary (in the matmuls' dtype) takes one pass over
+    token chunks instead ("mean" / "sum"; :func:`one_pass_rows`): three matmuls instead of four,
+    faster on a CPU, for that much more memory (benchmarks/results/cpu-2core/linear_ce.md has both).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
@@ -167,44 +168,72 @@ def lse_block(n_tokens: int, vocab: int, width: int, room: int) -> tuple[int, in
     return rows, min(vocab, max(cols, wide))
 
 
-ONE_PASS_ROWS = 256  # tokens per chunk of the one-pass path: fewer re-read the weight too often
+ONE_PASS_ROWS = 256  # the fewest tokens per chunk of the one-pass path: fewer re-read the weight's gradient too often
+SOFTMAX_ROWS = 8  # rows per softmax step of the one-pass path: 4 MiB of fp32 at a 128k vocabulary, in cache
 
 
-def one_pass_rows(n_tokens: int, vocab: int, acc: torch.dtype, block_bytes: int | None) -> int | None:
-    """Token rows per chunk if ``block_bytes`` holds :data:`ONE_PASS_ROWS` x ``vocab`` logits (in
-    ``acc``), else None (two passes)."""
-    if block_bytes is None or block_bytes < ONE_PASS_ROWS * vocab * acc.itemsize:
+def one_pass_rows(n_tokens: int, vocab: int, dtype: torch.dtype, acc: torch.dtype, block_bytes: int | None) -> int | None:
+    """Token rows per chunk of the one-pass path: as many as ``block_bytes`` holds of ``[rows, vocab]``
+    logits in the matmuls' ``dtype`` (beside, below fp32, the ``[SOFTMAX_ROWS, vocab]`` scratch in
+    ``acc``), spread evenly over the chunks; None (two passes) if that is under
+    :data:`ONE_PASS_ROWS` tokens (or every token, when there are fewer)."""
+    if block_bytes is None:
         return None
-    return min(ONE_PASS_ROWS, max(n_tokens, 1))
+    scratch = SOFTMAX_ROWS * vocab * acc.itemsize if dtype != acc else 0
+    rows = (block_bytes - scratch) // (vocab * dtype.itemsize)
+    n = max(n_tokens, 1)
+    if rows < min(ONE_PASS_ROWS, n):
+        return None
+    chunks = -(-n // rows)
+    return -(-n // chunks)
 
 
-def _one_pass(h_ND, w_VD, safe_t_N, valid_N, scale_N, want_h: bool, want_w: bool, rows: int, acc: torch.dtype):
-    """Per-token loss and the gradients of ``sum_i scale_N[i] * loss_i`` in one pass over token
-    chunks: each chunk's ``[rows, V]`` logits turn into ``softmax - onehot`` in place and feed
-    both gradients at once (Liger-Kernel's order); the weight's gradient is read and rewritten
-    per chunk."""
+def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows: int, acc: torch.dtype):
+    """Per-token loss and the gradients of ``c * sum_i loss_i`` over the valid tokens, in one pass
+    over token chunks (Liger-Kernel's order: three matmuls). Each chunk's ``[rows, V]`` logits turn
+    into ``exp(logit - max)`` in place; the softmax's ``1 / sum`` is folded into per-row scales of
+    the ``[rows, D]`` operands and results, so the block is never normalised. The exponentials are
+    taken :data:`SOFTMAX_ROWS` rows at a time, below fp32 in an fp32 scratch written back in the
+    matmuls' dtype. One chunk (every token) writes the weight's gradient once, in the matmuls'
+    dtype, as the reference's backward does; several add into an ``acc`` accumulator."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
-    low = h_ND.dtype != acc
-    buf = _Block(min(rows, n) * v, h_ND.dtype, acc, h_ND.device)
-    loss_N = torch.zeros(n, dtype=acc, device=h_ND.device)
-    grad_h = torch.empty(n, d, dtype=h_ND.dtype, device=h_ND.device) if want_h else None
-    grad_w = torch.zeros(v, d, dtype=acc, device=h_ND.device) if want_w else None
+    dt = h_ND.dtype
+    low = dt != acc
+    block = torch.empty(min(rows, n) * v, dtype=dt, device=h_ND.device)
+    scratch = torch.empty(min(SOFTMAX_ROWS, rows, n) * v, dtype=acc, device=h_ND.device) if low else None
+    loss_N = torch.empty(n, dtype=acc, device=h_ND.device)
+    grad_h = torch.empty(n, d, dtype=acc, device=h_ND.device) if want_h else None
+    whole = rows >= n
+    grad_w = None
     for s, e in _spans(n, rows):
-        h_c, t_c = h_ND[s:e], safe_t_N[s:e, None]
-        logits_mm = torch.mm(h_c, w_VD.T, out=buf.mm(e - s, v))
-        logits = buf.acc(logits_mm)
-        picked = logits.gather(1, t_c).squeeze(1)
-        m = logits.amax(1, keepdim=True)
-        z = logits.sub_(m).exp_().sum(1, keepdim=True)
-        loss_N[s:e] = torch.where(valid_N[s:e], m.squeeze(1) + z.squeeze(1).log() - picked, 0.0)
-        logits.mul_(scale_N[s:e, None] / z)
-        logits.scatter_add_(1, t_c, -scale_N[s:e, None])
-        g = logits_mm.copy_(logits) if low else logits
-        if want_h:
-            torch.mm(g, w_VD, out=grad_h[s:e])
-        if want_w:
-            grad_w.add_(g.T @ h_c) if low else grad_w.addmm_(g.T, h_c)
+        t_c, valid_c = safe_t_N[s:e], valid_N[s:e]
+        logits = torch.mm(h_ND[s:e], w_VD.T, out=block[: (e - s) * v].view(e - s, v))
+        inv_z = torch.empty(e - s, 1, dtype=acc, device=h_ND.device)
+        for a, b in _spans(e - s, SOFTMAX_ROWS):
+            x = scratch[: (b - a) * v].view(b - a, v).copy_(logits[a:b]) if low else logits[a:b]
+            picked = x.gather(1, t_c[a:b, None]).squeeze(1)
+            m = x.amax(1, keepdim=True)
+            z = torch.exp(x.sub_(m), out=x).sum(1, keepdim=True)
+            loss_N[s + a:s + b] = torch.where(valid_c[a:b], m.squeeze(1) + z.squeeze(1).log() - picked, 0.0)
+            inv_z[a:b] = z.reciprocal()
+            if low:
+                logits[a:b].copy_(x)
+        k = valid_c.to(acc)[:, None] * c  # d (c * sum loss) / d loss_i
+        if want_h:  # (exp @ W) / z - W[target], per valid row
+            g = torch.mm(logits, w_VD).to(acc).mul_(inv_z).sub_(w_VD[t_c].to(acc))
+            grad_h[s:e] = g.mul_(k)
+        if want_w:  # exp^T @ (h / z) - onehot^T @ h, per valid row
+            h_k = h_ND[s:e].to(acc) * k
+            h_kz = (h_k * inv_z).to(dt)
+            if grad_w is None:  # the first chunk's product starts the gradient (in acc when more follow)
+                grad_w = torch.mm(logits.T, h_kz)
+                grad_w = grad_w if whole else grad_w.to(acc)
+            else:
+                grad_w.add_(logits.T @ h_kz) if low else grad_w.addmm_(logits.T, h_kz)
+            grad_w.index_add_(0, t_c, h_k.to(grad_w.dtype), alpha=-1)
+    if want_w and grad_w is None:  # no tokens
+        grad_w = torch.zeros_like(w_VD)
     return loss_N, grad_h, grad_w
 
 
@@ -333,7 +362,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
         rows, cols = logits_block(h.shape[0], w.shape[0], h.shape[1])
         ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block = reduction, h_dtype, w_dtype, (rows, cols, acc)
-        one_pass = one_pass_rows(h.shape[0], w.shape[0], acc, block_bytes) if reduction != "none" else None
+        one_pass = one_pass_rows(h.shape[0], w.shape[0], h.dtype, acc, block_bytes) if reduction != "none" else None
         if one_pass is None:
             lse_N = _logsumexp_pass(h, w, *_first_block(ctx, h, w, reduction, acc), acc)
             loss_N = torch.where(valid_N, lse_N - _target_logits(h, w, safe_t_N, acc), 0.0)
@@ -342,11 +371,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             return loss_N
         n_valid = valid_N.sum()
         # "mean": each counted token weighs 1/n_valid (no host sync; all ignored -> grads 0, loss nan)
-        scale_N = valid_N.to(acc) / n_valid.clamp_min(1) if reduction == "mean" else valid_N.to(acc)
+        c = 1 / n_valid.clamp_min(1).to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=h.device)
+        scale_N = valid_N.to(acc) * c
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = grad_w = None
         if one_pass is not None:
-            loss_N, grad_h, grad_w = _one_pass(h, w, safe_t_N, valid_N, scale_N, want_h, want_w, one_pass, acc)
+            loss_N, grad_h, grad_w = _one_pass(h, w, safe_t_N, valid_N, c, want_h, want_w, one_pass, acc)
         elif want_h or want_w:
             grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, want_h, want_w, rows, cols, acc)
         total = loss_N.sum()

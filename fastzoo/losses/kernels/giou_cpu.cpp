@@ -16,8 +16,10 @@
 //
 // Speed: the loops run on the calling thread (the extension is built without OpenMP, so
 // at::parallel_for would too): a detection batch is a few thousand real pairs, microseconds of
-// work, less than waking a thread pool. Boxes go through the math kLanes at a time, branch-free,
-// so that the compiler computes a block in a few vector instructions; the block functions are
+// work, less than waking a thread pool. Boxes go through the math kLanes at a time, one array per
+// coordinate (Lanes) and branch-free (every lane computes every value, then selects; built with
+// -fno-trapping-math so that a division under a select may too), so that the compiler computes a
+// block in a few vector instructions; the block functions are
 // compiled for AVX-512, AVX2 and baseline x86-64 and the loader picks one per machine
 // (target_clones). Every lane computes the scalar formula's operations in the same order, and
 // -ffp-contract=off keeps multiplies and adds apart, so every instruction set gives the same
@@ -71,7 +73,8 @@ template <typename acc_t>
 FZ_ALWAYS_INLINE acc_t giou_loss_one(const Box<acc_t>& a, const Box<acc_t>& b, acc_t e) {
   const acc_t iw = std::min(a.x2, b.x2) - std::max(a.x1, b.x1);
   const acc_t ih = std::min(a.y2, b.y2) - std::max(a.y1, b.y1);
-  const acc_t inter = ((iw > 0) & (ih > 0)) ? iw * ih : acc_t(0);
+  const acc_t iwh = iw * ih;  // computed in every lane, then selected: no branch in the block loops
+  const acc_t inter = ((iw > 0) & (ih > 0)) ? iwh : acc_t(0);
   const acc_t uni = (a.x2 - a.x1) * (a.y2 - a.y1) + (b.x2 - b.x1) * (b.y2 - b.y1) - inter;
   const acc_t area_c = (std::max(a.x2, b.x2) - std::min(a.x1, b.x1)) * (std::max(a.y2, b.y2) - std::min(a.y1, b.y1));
   return acc_t(1) - (inter / (uni + e) - (area_c - uni) / (area_c + e));
@@ -85,13 +88,15 @@ FZ_ALWAYS_INLINE void giou_grad_one(const Box<acc_t>& a, const Box<acc_t>& b, ac
   const acc_t iw = std::min(a.x2, b.x2) - std::max(a.x1, b.x1);
   const acc_t ih = std::min(a.y2, b.y2) - std::max(a.y1, b.y1);
   const bool overlap = (iw > 0) & (ih > 0);  // touching boxes: no intersection, no gradient
-  const acc_t inter = overlap ? iw * ih : acc_t(0);
+  const acc_t iwh = iw * ih;  // computed in every lane, then selected: no branch in the block loops
+  const acc_t inter = overlap ? iwh : acc_t(0);
   const acc_t uni = w1 * h1 + w2 * h2 - inter;
   const acc_t cw = std::max(a.x2, b.x2) - std::min(a.x1, b.x1);
   const acc_t ch = std::max(a.y2, b.y2) - std::min(a.y1, b.y1);
   const acc_t u = uni + e, c = cw * ch + e;
   const acc_t g_union = g * inter / (u * u) - g / c;
-  const acc_t g_inter = overlap ? -g / u - g_union : acc_t(0);
+  const acc_t g_inter_if = -g / u - g_union;
+  const acc_t g_inter = overlap ? g_inter_if : acc_t(0);
   const acc_t g_area_c = g * (uni + e) / (c * c);
   const acc_t g_iw = g_inter * ih, g_ih = g_inter * iw;
   const acc_t g_cw = g_area_c * ch, g_ch = g_area_c * cw;
@@ -107,6 +112,30 @@ FZ_ALWAYS_INLINE void giou_grad_one(const Box<acc_t>& a, const Box<acc_t>& b, ac
   gb.y2 = g_ih * (1 - ty2) + g_ch * ty2 + g_union * w2;
 }
 
+// A block's kLanes boxes coordinate by coordinate (x1 of every box, then y1, ...): the layout in
+// which each operation of the math is one vector instruction over the block. load / store
+// transpose from and to the [kLanes, 4] rows of the tensors.
+template <typename acc_t>
+struct Lanes {
+  acc_t x1[kLanes], y1[kLanes], x2[kLanes], y2[kLanes];
+  FZ_ALWAYS_INLINE void load(const acc_t* __restrict p_K4) {
+    for (int k = 0; k < kLanes; ++k) x1[k] = p_K4[4 * k], y1[k] = p_K4[4 * k + 1], x2[k] = p_K4[4 * k + 2], y2[k] = p_K4[4 * k + 3];
+  }
+  FZ_ALWAYS_INLINE void store(acc_t* __restrict p_K4) const {
+    for (int k = 0; k < kLanes; ++k) p_K4[4 * k] = x1[k], p_K4[4 * k + 1] = y1[k], p_K4[4 * k + 2] = x2[k], p_K4[4 * k + 3] = y2[k];
+  }
+  FZ_ALWAYS_INLINE Box<acc_t> box(int k) const { return {x1[k], y1[k], x2[k], y2[k]}; }
+  FZ_ALWAYS_INLINE void set(int k, bool on, const Box<acc_t>& d) {  // d, or 0 where the lane is padding
+    x1[k] = on ? d.x1 : acc_t(0), y1[k] = on ? d.y1 : acc_t(0), x2[k] = on ? d.x2 : acc_t(0), y2[k] = on ? d.y2 : acc_t(0);
+  }
+};
+
+// keep_K as 1 / 0 in the compute dtype: a lane select the vectoriser takes (a bool load it does not)
+template <typename acc_t>
+FZ_ALWAYS_INLINE void lanes_on(const bool* __restrict keep_K, acc_t* __restrict on_K) {
+  for (int k = 0; k < kLanes; ++k) on_K[k] = keep_K[k] ? acc_t(1) : acc_t(0);
+}
+
 // The block functions, one compiled copy per instruction set (FZ_SIMD_CLONES); overloads for the
 // two compute dtypes, as a function template cannot carry target_clones. A block is kLanes boxes
 // [kLanes, 4] (a_K4, b_K4) in the compute dtype; keep_K says which are real pairs: the others
@@ -114,27 +143,27 @@ FZ_ALWAYS_INLINE void giou_grad_one(const Box<acc_t>& a, const Box<acc_t>& b, ac
 #define FZ_BLOCK_FUNCTIONS(acc_t)                                                                              \
   FZ_SIMD_CLONES void loss_block(const acc_t* __restrict a_K4, const acc_t* __restrict b_K4,                   \
                                  const bool* __restrict keep_K, acc_t e, acc_t* __restrict loss_K) {           \
+    Lanes<acc_t> a, b;                                                                                         \
+    acc_t on_K[kLanes];                                                                                        \
+    a.load(a_K4), b.load(b_K4), lanes_on(keep_K, on_K);                                                        \
     for (int k = 0; k < kLanes; ++k) {                                                                         \
-      const Box<acc_t> a{a_K4[4 * k], a_K4[4 * k + 1], a_K4[4 * k + 2], a_K4[4 * k + 3]};                      \
-      const Box<acc_t> b{b_K4[4 * k], b_K4[4 * k + 1], b_K4[4 * k + 2], b_K4[4 * k + 3]};                      \
-      const acc_t loss = giou_loss_one(a, b, e);                                                               \
-      loss_K[k] = keep_K[k] ? loss : acc_t(0);                                                                 \
+      const acc_t loss = giou_loss_one(a.box(k), b.box(k), e);                                                 \
+      loss_K[k] = on_K[k] != acc_t(0) ? loss : acc_t(0);                                                       \
     }                                                                                                          \
   }                                                                                                            \
   FZ_SIMD_CLONES void grad_block(const acc_t* __restrict a_K4, const acc_t* __restrict b_K4,                   \
                                  const bool* __restrict keep_K, const acc_t* __restrict g_K, acc_t e,          \
                                  acc_t* __restrict ga_K4, acc_t* __restrict gb_K4) {                           \
+    Lanes<acc_t> a, b, ga, gb;                                                                                 \
+    acc_t on_K[kLanes];                                                                                        \
+    a.load(a_K4), b.load(b_K4), lanes_on(keep_K, on_K);                                                        \
     for (int k = 0; k < kLanes; ++k) {                                                                         \
-      const Box<acc_t> a{a_K4[4 * k], a_K4[4 * k + 1], a_K4[4 * k + 2], a_K4[4 * k + 3]};                      \
-      const Box<acc_t> b{b_K4[4 * k], b_K4[4 * k + 1], b_K4[4 * k + 2], b_K4[4 * k + 3]};                      \
       Box<acc_t> da, db;                                                                                       \
-      giou_grad_one(a, b, g_K[k], e, da, db);                                                                  \
-      const bool on = keep_K[k];                                                                               \
-      ga_K4[4 * k] = on ? da.x1 : acc_t(0), ga_K4[4 * k + 1] = on ? da.y1 : acc_t(0);                          \
-      ga_K4[4 * k + 2] = on ? da.x2 : acc_t(0), ga_K4[4 * k + 3] = on ? da.y2 : acc_t(0);                      \
-      gb_K4[4 * k] = on ? db.x1 : acc_t(0), gb_K4[4 * k + 1] = on ? db.y1 : acc_t(0);                          \
-      gb_K4[4 * k + 2] = on ? db.x2 : acc_t(0), gb_K4[4 * k + 3] = on ? db.y2 : acc_t(0);                      \
+      giou_grad_one(a.box(k), b.box(k), g_K[k], e, da, db);                                                   \
+      const bool on = on_K[k] != acc_t(0);                                                                     \
+      ga.set(k, on, da), gb.set(k, on, db);                                                                    \
     }                                                                                                          \
+    ga.store(ga_K4), gb.store(gb_K4);                                                                          \
   }
 FZ_BLOCK_FUNCTIONS(float)
 FZ_BLOCK_FUNCTIONS(double)

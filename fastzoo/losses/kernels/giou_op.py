@@ -87,8 +87,10 @@ def _load_cpp_kernel() -> str:
         from torch.utils.cpp_extension import load
 
         # -ffp-contract=off: no fused multiply-adds, so values round as torchvision's ops do.
+        # -fno-trapping-math: a division under a select may be computed in every lane (the block
+        # loops vectorise); no value changes, only which lanes raise FP flags nobody reads.
         load("fastzoo_giou_cpu", sources=[str(Path(__file__).with_name("giou_cpu.cpp"))],
-             extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False)
+             extra_cflags=["-O3", "-ffp-contract=off", "-fno-trapping-math"], is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: say so, once
         why = str(e) if len(str(e)) < 800 else f"{str(e)[:300]} ... {str(e)[-500:]}"  # a build log ends with its cause
         warnings.warn(f"fastzoo GIoU on CPU: building the C++ kernel failed ({type(e).__name__}: {why}); "
