@@ -106,6 +106,15 @@ class ModelSpec:
         if self.task not in TASKS:
             raise ValueError(f"ModelSpec({self.family!r}): task={self.task!r}; one of {', '.join(TASKS)}")
 
+    def original_as_users_run_it(self, cfg: dict) -> nn.Module | None:
+        """The original library's model on config fields ``cfg`` at random init, on the kernels its
+        users get (``original.build``, then ``bench.peer``); None for a family without an original."""
+        if self.original is None:
+            return None
+        model = self.original.build(cfg)
+        peer = self.bench.peer if self.bench is not None else None
+        return model if peer is None else peer(model)
+
     @property
     def config_class(self) -> type:
         return self.model.config_class
