@@ -89,7 +89,7 @@ class _Models:
 
     def users_original(self, recipe: Recipe):
         m = copy.deepcopy(self.original)
-        return prepare(self.bench.peer(m) if self.bench.peer else m, recipe, self.device)
+        return prepare(self.spec.as_users_run_it(m), recipe, self.device)
 
     def fastzoo(self, attn: str, recipe: Recipe):
         model = fastzoo.create(self.entry.name, attn="eager", pretrained=self.original)

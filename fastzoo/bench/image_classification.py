@@ -106,7 +106,7 @@ class _Models:
     def users_original(self):
         """The original as its users run it (the library's default attention)."""
         m = copy.deepcopy(self.original)
-        return self.bench.peer(m) if self.bench.peer else m
+        return self.spec.as_users_run_it(m)
 
     def step(self, model, mode: str, recipe: Recipe, *, original: bool = False, gate: bool = True):
         """The timed step; ``original``: gradients under fastzoo's names; ``gate=False``: not

@@ -78,6 +78,14 @@ def _train_backends(device: torch.device) -> list[str]:
             if b != "eager" and device.type in backend_class(b).capabilities.backward]
 
 
+def _dense_backends(device: torch.device) -> list[str]:
+    """The training backends that take a dense batch: a kernel for packed sequences (no padding
+    mask: nested, varlen) has nothing to skip in a batch of images of one size, only a conversion."""
+    from fastzoo.attention import backend_class
+
+    return [b for b in _train_backends(device) if backend_class(b).capabilities.padding_mask]
+
+
 def _recipe_groups(suite: Suite, tried: list[Recipe]) -> dict[str, Recipe]:
     """Group name -> its recipe, for the groups of the tried recipes (a group's name ends with its recipe's)."""
     return {g.name: r for g in suite.groups for r in tried if g.name.endswith(f"| {r.name}")}
@@ -88,7 +96,7 @@ def _image_classification(spec, size, device, compile) -> Entry:
     from fastzoo.registry import get_entry
 
     entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
-    suite = image_classification_suite(entry, [spec.bench.sizes[size]], backends=_train_backends(device), recipes=tried,
+    suite = image_classification_suite(entry, [spec.bench.sizes[size]], backends=_dense_backends(device), recipes=tried,
                                        device=device, original_eager=False)
     paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
     return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, _recipe_groups(suite, tried), device.type)

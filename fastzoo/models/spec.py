@@ -109,11 +109,13 @@ class ModelSpec:
     def original_as_users_run_it(self, cfg: dict) -> nn.Module | None:
         """The original library's model on config fields ``cfg`` at random init, on the kernels its
         users get (``original.build``, then ``bench.peer``); None for a family without an original."""
-        if self.original is None:
-            return None
-        model = self.original.build(cfg)
+        return None if self.original is None else self.as_users_run_it(self.original.build(cfg))
+
+    def as_users_run_it(self, original: nn.Module) -> nn.Module:
+        """An original built by ``original.build`` (reference kernels), switched to the kernels its
+        users get (``bench.peer``: timm's fused attention, Hugging Face's SDPA)."""
         peer = self.bench.peer if self.bench is not None else None
-        return model if peer is None else peer(model)
+        return original if peer is None else peer(original)
 
     @property
     def config_class(self) -> type:
