@@ -31,7 +31,8 @@ import torch
 
 from fastzoo import files
 from fastzoo.bench import limits as machine
-from fastzoo.bench.harness import Report, Row, Suite, bound_text, device_name, run_suite, versions
+from fastzoo.bench.harness import Report, Row, Suite, bound_text, run_suite
+from fastzoo.machine import device_name, versions
 from fastzoo.bench.recipes import BASELINE, Recipe, recipes
 
 SIZES = ("tour", "quick")  # the keys of each family's BenchSettings.sizes the tour runs
