@@ -256,6 +256,25 @@ def test_gpt2_training_step_with_labels_matches_the_logits_loss():
         assert r.peak_mem_mib is not None  # measured on CPU for this group
 
 
+def test_llama_length_mix_labels_rows_carry_the_flop_ratio_bound():
+    """The Llama workload's log-normal length mix (the spec's ``median_len``): lengths within
+    [16, max_len]; the packed labels row equals the padded original's loss and gradients, and its
+    FLOP-ratio bound is the spec's FLOPs padded to the longest over packed, as the config states."""
+    from fastzoo.bench.causal_lm import _lengths, causal_lm_suite
+
+    lengths = _lengths(Workload("mix", batch=256, max_len=300, median_len=40), torch.Generator().manual_seed(0))
+    assert min(lengths) == 16 and max(lengths) == 300 and 30 <= sorted(lengths)[128] <= 50  # clipped both ends; median near 40
+    entry = get_entry("llama")
+    workload = Workload("mix", dict(entry.spec.tiny), batch=4, max_len=48, median_len=20)
+    suite = causal_lm_suite(entry, workload, backends=["eager", "sdpa", "varlen"], modes=("train",))
+    suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    packed = next(r for r in report.rows if r.label == "fastzoo packed (varlen), labels: fused loss")
+    assert packed.status == "ok" and packed.max_err <= 1e-5 and packed.grad_err <= 1e-4
+    bound = suite.config["FLOP-ratio bound (train, padded to longest ÷ packed)"]
+    assert bound > 1 and packed.work_bound == pytest.approx(bound, rel=1e-3)
+
+
 def test_benchmark_scripts_import():
     """benchmarks/run_all.py imports every per-suite script (gpt2_varlen, vit, giou, ...), so its
     --help fails when a script names something the bench package does not have."""
