@@ -9,12 +9,13 @@ import re
 
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 
-VIT = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
-GPT2 = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-DET = dict(layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=16, num_queries=3, num_classes=4)
+VIT, GPT2 = TINY["vit"], TINY["gpt2"]
+DET = {**TINY["boxdet"], "num_classes": 4}  # the class range [0, 4) that the labels 9 and -1 below fall outside
+S, V, P = VIT["img_size"], GPT2["vocab_size"], GPT2["n_positions"]
 
 
 def state(model) -> dict:
@@ -31,21 +32,21 @@ def assert_refused(model, call, needle):
 
 
 IMAGES = {
-    "uint8": (lambda: torch.randint(0, 255, (2, 3, 16, 16), dtype=torch.uint8), "images are torch.uint8"),
-    "int64": (lambda: torch.randint(0, 255, (2, 3, 16, 16)), "images are torch.int64"),
-    "bool": (lambda: torch.ones(2, 3, 16, 16, dtype=torch.bool), "images are torch.bool"),
-    "complex": (lambda: torch.randn(2, 3, 16, 16, dtype=torch.complex64), "images are torch.complex64"),
-    "grey": (lambda: torch.randn(2, 1, 16, 16), "images have 1 channels"),
-    "channels last (NHWC)": (lambda: torch.randn(2, 16, 16, 3), "images have 16 channels"),
-    "a video": (lambda: torch.randn(1, 2, 3, 16, 16), "images must be [B, C, H, W]"),
-    "one image without a batch": (lambda: torch.randn(3, 16, 16), "images must be [B, C, H, W]"),
-    "another size": (lambda: torch.randn(2, 3, 48, 48), "images are 48x48"),
+    "uint8": (lambda: torch.randint(0, 255, (2, 3, S, S), dtype=torch.uint8), "images are torch.uint8"),
+    "int64": (lambda: torch.randint(0, 255, (2, 3, S, S)), "images are torch.int64"),
+    "bool": (lambda: torch.ones(2, 3, S, S, dtype=torch.bool), "images are torch.bool"),
+    "complex": (lambda: torch.randn(2, 3, S, S, dtype=torch.complex64), "images are torch.complex64"),
+    "grey": (lambda: torch.randn(2, 1, S, S), "images have 1 channels"),
+    "channels last (NHWC)": (lambda: torch.randn(2, S, S, 3), f"images have {S} channels"),
+    "a video": (lambda: torch.randn(1, 2, 3, S, S), "images must be [B, C, H, W]"),
+    "one image without a batch": (lambda: torch.randn(3, S, S), "images must be [B, C, H, W]"),
+    "another size": (lambda: torch.randn(2, 3, S + 16, S + 16), f"images are {S + 16}x{S + 16}"),
 }
 
 
 IMAGE_MODELS = {
     "vit": lambda: fastzoo.create("vit_s16", **VIT),
-    "resnet": lambda: fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=3),
+    "resnet": lambda: fastzoo.create("resnet50", **TINY["resnet"]),
 }
 
 
@@ -59,23 +60,23 @@ def test_bad_images_are_named_before_anything_runs(family, case):
 
 
 def test_vit_empty_batch_gives_empty_logits():
-    out = fastzoo.create("vit_s16", **VIT)(torch.randn(0, 3, 16, 16))
-    assert out.shape == (0, 3)
+    out = fastzoo.create("vit_s16", **VIT)(torch.randn(0, 3, S, S))
+    assert out.shape == (0, VIT["num_classes"])
 
 
-IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
 GPT2_BAD = {
-    "ids past the vocabulary": (dict(input_ids=IDS + 64), "input_ids must lie in [0, 64)"),
-    "negative ids": (dict(input_ids=IDS - 64), "input_ids must lie in [0, 64)"),
+    "ids past the vocabulary": (dict(input_ids=IDS + V), f"input_ids must lie in [0, {V})"),
+    "negative ids": (dict(input_ids=IDS - V), f"input_ids must lie in [0, {V})"),
     "float ids": (dict(input_ids=IDS.float()), "input_ids must be an integer tensor"),
     "bool ids": (dict(input_ids=IDS > 3), "input_ids must be an integer tensor"),
     "1-d ids": (dict(input_ids=IDS[0]), "input_ids must be [B, S]"),
     "3-d ids": (dict(input_ids=IDS[None]), "input_ids must be [B, S]"),
-    "longer than n_positions": (dict(input_ids=torch.zeros(1, 17, dtype=torch.long)), "n_positions=16"),
+    "longer than n_positions": (dict(input_ids=torch.zeros(1, P + 1, dtype=torch.long)), f"n_positions={P}"),
     "mask of another shape": (dict(input_ids=IDS, attention_mask=torch.ones(2, 7)), "attention_mask must be [2, 8]"),
     "mask of 2s": (dict(input_ids=IDS, attention_mask=torch.full((2, 8), 2)), "attention_mask must hold 0/1"),
-    "positions past n_positions": (dict(input_ids=IDS, position_ids=torch.arange(8)[None] + 10),
-                                   "position_ids must lie in [0, 16)"),
+    "positions past n_positions": (dict(input_ids=IDS, position_ids=torch.arange(8)[None] + P - 6),
+                                   f"position_ids must lie in [0, {P})"),
     "positions of another shape": (dict(input_ids=IDS, position_ids=torch.arange(7)[None]), "position_ids must be"),
     "max_seqlen without cu_seqlens": (dict(input_ids=IDS, max_seqlen=8), "max_seqlen goes with cu_seqlens"),
 }

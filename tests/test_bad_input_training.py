@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 from fastzoo.errors import CheckpointError
@@ -16,7 +17,7 @@ from fastzoo.train.progress import trim_log
 from fastzoo.train.rng import get_rng_state
 
 WORLD = D.World(rank=0, size=1, local_rank=0, device=torch.device("cpu"))
-GPT2 = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+GPT2 = TINY["gpt2"]
 
 
 def build(**overrides):
@@ -29,7 +30,7 @@ def build(**overrides):
 def ckpt(tmp_path):
     torch.manual_seed(3)
     model, opt, sched = build()
-    model(torch.randint(0, 64, (2, 8))).logits.sum().backward()
+    model(torch.randint(0, GPT2["vocab_size"], (2, 8))).logits.sum().backward()
     opt.step()
     return save_checkpoint(tmp_path / "checkpoint-1", model, opt, sched, TrainState(1, 0, 1), WORLD)
 
@@ -54,8 +55,9 @@ def test_a_good_checkpoint_resumes(ckpt):
 
 def test_resuming_with_another_architecture_names_the_field(ckpt):
     """n_head changes no shape: only the checkpoint's config.json can tell."""
-    with pytest.raises(CheckpointError, match="n_head: checkpoint 2 vs model 4"):
-        resume(ckpt, n_head=4)
+    heads = GPT2["n_head"]
+    with pytest.raises(CheckpointError, match=f"n_head: checkpoint {heads} vs model {heads // 2}"):
+        resume(ckpt, n_head=heads // 2)
     with pytest.raises(CheckpointError, match="layer_norm_epsilon"):
         resume(ckpt, layer_norm_epsilon=1e-3)
 
@@ -66,7 +68,7 @@ def test_resuming_with_other_dropout_warns(ckpt):
 
 
 def test_resuming_a_vit_checkpoint_into_gpt2_is_refused(tmp_path):
-    vit = fastzoo.create("vit_s16", img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+    vit = fastzoo.create("vit_s16", **TINY["vit"])
     opt = torch.optim.AdamW(vit.parameters())
     save_checkpoint(tmp_path / "c", vit, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), TrainState(), WORLD)
     with pytest.raises(CheckpointError, match="a vit checkpoint; this run trains a gpt2 model"):
@@ -191,13 +193,16 @@ def test_resume_with_another_n_head_is_one_line_from_the_script(tmp_path, capsys
 
     mod = _main("finetune_vit.py")
     common = ["--synthetic", "8", "-b", "4", "--workers", "0", "--steps", "1", "--output-dir", str(tmp_path)]
-    tiny = ["img_size=16", "patch_size=8", "embed_dim=32", "depth=1"]
+    vit = TINY["vit"]
+    tiny = [f"{k}={vit[k]}" for k in ("img_size", "patch_size", "embed_dim", "depth")]
+    heads = vit["num_heads"]
     with pytest.raises(SystemExit) as e:
-        mod.run_main(mod.main, [*common, "--model-kwargs", *tiny, "num_heads=2"])
+        mod.run_main(mod.main, [*common, "--model-kwargs", *tiny, f"num_heads={heads}"])
     assert e.value.code == 0
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        mod.run_main(mod.main, [*common, "--model-kwargs", *tiny, "num_heads=4", "--resume", str(tmp_path / "checkpoint-1")])
+        mod.run_main(mod.main, [*common, "--model-kwargs", *tiny, f"num_heads={heads // 2}",
+                                "--resume", str(tmp_path / "checkpoint-1")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert "num_heads: checkpoint 2 vs model 4" in err
+    assert f"num_heads: checkpoint {heads} vs model {heads // 2}" in err

@@ -14,13 +14,13 @@ import re
 
 import pytest
 import torch
+from conftest import TINY
 from safetensors.torch import save_file
 
 import fastzoo
 from fastzoo.errors import CheckpointError
 
-VIT = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
-GPT2 = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+VIT, GPT2 = TINY["vit"], TINY["gpt2"]
 
 
 def snapshot(model) -> dict:
@@ -119,7 +119,7 @@ def test_gpt2_lm_head_differing_from_the_embedding_is_refused_naming_both_keys()
         fastzoo.load_pretrained(model, state)
     assert_unchanged(model, before)
     with pytest.raises(CheckpointError, match="lm_head.weight differs"):
-        fastzoo.create("gpt2", pretrained=state, n_head=2)
+        fastzoo.create("gpt2", pretrained=state, n_head=GPT2["n_head"])
 
 
 def test_gpt2_tied_head_equal_or_absent_loads():

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -84,13 +85,13 @@ def test_use_block_runs_as_written(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)  # the block writes out/
     # timm's ViT-B/16 at a tiny size: the live module defines the architecture fastzoo builds
-    tiny = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+    tiny = TINY["vit"]
     timm_create = timm.create_model
     monkeypatch.setattr(timm, "create_model", lambda name, **kw: timm_create(name, **{**tiny, **kw}))
     ns = {}
     exec(python_block("## Use"), ns)
     m, ref = ns["m"].eval(), ns["ref"].eval()
-    x = torch.randn(1, 3, 32, 32)
+    x = torch.randn(1, 3, tiny["img_size"], tiny["img_size"])
     with torch.no_grad():
         assert (m(x) - ref(x)).abs().max() <= 1e-4  # fastzoo.equivalence's fp32 rule
     assert ns["timm_sd"].keys() == ref.state_dict().keys()

@@ -10,13 +10,14 @@ import stat
 
 import pytest
 import torch
+from conftest import TINY
 from safetensors.torch import load_file
 
 import fastzoo
 from fastzoo import files
 from fastzoo.cli import main as cli
 
-VIT = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+VIT = TINY["vit"]
 
 
 def disk_full(path, data: bytes = b"partial"):
@@ -137,7 +138,7 @@ def test_convert_over_its_own_source(tmp_path):
     timm_file = tmp_path / "timm.safetensors"
     assert cli(["convert", "vit_s16", str(tmp_path / "ck"), str(timm_file), "--to", "timm"]) == 0
     first = load_file(timm_file)
-    sets = ["--set", "embed_dim=32", "depth=1", "num_heads=2", "patch_size=8"]
+    sets = ["--set", *(f"{k}={VIT[k]}" for k in ("embed_dim", "depth", "num_heads", "patch_size"))]  # what a timm file cannot tell
     assert cli(["convert", "vit_s16", str(timm_file), str(timm_file), "--to", "timm", *sets]) == 0
     second = load_file(timm_file)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
