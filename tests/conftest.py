@@ -12,6 +12,13 @@ TINY = {spec.family: dict(spec.tiny) for spec in specs()}
 SPECS = {spec.family: spec for spec in specs()}
 
 
+def tiny_of(name: str) -> dict:
+    """The tiny config of the family the model ``name`` (``"vit_s16"``, ``"resnet50"``...) belongs to."""
+    from fastzoo.registry import get_entry
+
+    return dict(get_entry(name).spec.tiny)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
