@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from fastzoo import files
-from fastzoo.bench.harness import Report, device_name
+from fastzoo.bench.harness import Report
+from fastzoo.machine import device_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

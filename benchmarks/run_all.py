@@ -26,7 +26,7 @@ import llama_packed  # noqa: E402
 import resnet  # noqa: E402
 import vit  # noqa: E402
 from _common import dtype_for, parser, setup  # noqa: E402
-from fastzoo.bench.harness import device_name, versions  # noqa: E402
+from fastzoo.machine import device_name, versions  # noqa: E402
 from fastzoo.accuracy.backends import train_parity  # noqa: E402
 
 SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "llama_packed": llama_packed.run, "giou": giou.run, "matcher": matcher.run,

@@ -12,6 +12,13 @@ TINY = {spec.family: dict(spec.tiny) for spec in specs()}
 SPECS = {spec.family: spec for spec in specs()}
 
 
+def tiny_of(name: str) -> dict:
+    """The tiny config of the family the model ``name`` (``"vit_s16"``, ``"resnet50"``...) belongs to."""
+    from fastzoo.registry import get_entry
+
+    return dict(get_entry(name).spec.tiny)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -60,6 +67,28 @@ def backends(*, backward: bool = False, device: str = "cpu", **needs) -> list[tu
             if runs and all(getattr(caps, k) == v for k, v in needs.items()) and (name, options) not in out:
                 out.append((name, options))
     return out
+
+
+# generate's decoding strategies, as transformers' users ask for them
+GENERATE = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, temperature=0.8),
+    "top_k": dict(do_sample=True, top_k=5),
+    "top_p": dict(do_sample=True, top_p=0.7),
+    "beams": dict(num_beams=3),
+    "no_cache": dict(do_sample=False, use_cache=False),
+}
+
+
+def assert_generate_equals_original(ours: nn.Module, original: nn.Module, batch, kind: str):
+    """``generate`` with the ``kind`` strategy, 12 new tokens from the (left-)padded ``batch``:
+    fastzoo's tokens are the original's, token for token (sampling from the same seed)."""
+    kw = dict(attention_mask=batch.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
+    torch.manual_seed(7)
+    got = ours.generate(batch.input_ids, **kw)
+    torch.manual_seed(7)
+    want = original.generate(batch.input_ids, **kw)
+    assert torch.equal(got, want)
 
 
 def backend_id(b) -> str:

@@ -81,6 +81,8 @@ def test_unavailable_arm_is_reported_not_hidden():
     ("stepz=3", "unknown field 'stepz' (did you mean 'steps'?)"),
     ("steps=three", "steps: expected int"),
     ("task=imagenet", "task: 'imagenet' is not one of"),
+    ("model=gpt2", "model: gpt2 is causal-lm; task 'digits' trains image-classification models"),
+    ("model=vit_s99", "model: unknown model 'vit_s99'"),
     ("optim.schedule=linear", "schedule: 'linear' is not one of constant, cosine"),
     ("optim.warmup_steps=5000", "warmup_steps: must be >= 0 and below steps"),
     ("arms=[{name: a, nudge: 0.5}]", "nudge must be in [0, 0.01)"),

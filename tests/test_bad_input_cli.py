@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 from fastzoo.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_VIT = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("ck") / "vit"
-    fastzoo.create("vit_s16", **TINY_VIT).save_pretrained(path)
+    fastzoo.create("vit_s16", **TINY["vit"]).save_pretrained(path)
     return path
 
 

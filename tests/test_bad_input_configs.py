@@ -35,16 +35,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import tiny_of
 
 import fastzoo
 from fastzoo.errors import CheckpointError, ConfigError, UnknownFieldError
 
-TINY = {
-    "vit_s16": dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5),
-    "gpt2": dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16),
-    "resnet50": dict(layers=(1, 1, 1, 1), channels=(8, 8, 8, 8), num_classes=5),
-    "boxdet_r50": dict(layers=(1, 1, 1, 1), channels=(8, 8, 8, 8), num_queries=4, hidden_dim=16),
-}
+TINY = {name: tiny_of(name) for name in ("vit_s16", "gpt2", "resnet50", "boxdet_r50")}
 NAN, INF = float("nan"), float("inf")
 HUGE = 10**12
 
@@ -137,7 +133,7 @@ CONFIG_JSON = [
     ("vit_s16", lambda g: "", "not valid JSON"),
     ("vit_s16", lambda g: "[1, 2]", "holds a JSON list"),
     ("vit_s16", lambda g: "\xff\xfe garbage", "not valid JSON"),
-    ("vit_s16", lambda g: _edit(g, num_heads=5), "num_heads=5"),  # does not divide embed_dim=48
+    ("vit_s16", lambda g: _edit(g, num_heads=5), "num_heads=5"),  # does not divide the tiny embed_dim
     ("vit_s16", lambda g: _edit(g, num_heads=0), "num_heads=0"),
     ("vit_s16", lambda g: _edit(g, num_heads="3"), "num_heads='3'"),
     ("vit_s16", lambda g: _edit(g, num_heads=True), "num_heads=True"),

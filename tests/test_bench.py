@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 from fastzoo.attention import Capabilities
@@ -16,8 +17,7 @@ from fastzoo.equivalence import compare_cases
 from fastzoo.models.spec import Workload
 from fastzoo.registry import get_entry
 
-TINY_VIT = Workload("tiny", dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10), batch=2)
-TINY_GPT2 = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+TINY_VIT = Workload("tiny", dict(TINY["vit"]), batch=2)
 
 
 def vit_suite(backends, modes):
@@ -129,8 +129,9 @@ def test_report_json_markdown_and_plot(tmp_path):
     data = json.loads(report.write_json(tmp_path / "vit.json").read_text())
     assert data["suite"] == "vit" and data["device"].startswith("cpu-") and data["iters"] == 2
     assert {"torch", "timm", "transformers"} <= set(data["versions"])
-    assert data["config"]["tiny"] == ("vit_small_patch16_224 with img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, "
-                                      "num_classes=10, 32x32 images")
+    side = TINY_VIT.config["img_size"]  # every tiny size differs from vit_s16's, so each is named
+    sizes = ", ".join(f"{k}={v}" for k, v in TINY_VIT.config.items())
+    assert data["config"]["tiny"] == f"vit_small_patch16_224 with {sizes}, {side}x{side} images"
     assert [r["label"] for r in data["rows"]] == ["timm (sdpa)", "timm (eager)", "fastzoo eager", "fastzoo sdpa"]
     for r in data["rows"]:
         assert r["status"] == "ok" and r["median_s"] > 0 and r["throughput"] == pytest.approx(2 / r["median_s"])
@@ -229,7 +230,7 @@ def test_matcher_suite_detr_and_fastzoo_agree():
 def test_gpt2_suite_packed_matches_padded():
     from fastzoo.bench.causal_lm import causal_lm_suite
 
-    workload = Workload("tiny", TINY_GPT2, batch=3, max_len=12)
+    workload = Workload("tiny", TINY["gpt2"], batch=3, max_len=12)
     backends = [b for b in ("eager", "sdpa", "varlen", "nested") if b in fastzoo.list_attention(available_only=True)]
     suite = causal_lm_suite(get_entry("gpt2"), workload, backends=backends, modes=("train",))
     report = run_suite(suite, warmup=0, iters=1, progress=False)
@@ -245,7 +246,7 @@ def test_gpt2_training_step_with_labels_matches_the_logits_loss():
     (padded and packed) equals HF's loss on the logits, and the gradients too."""
     from fastzoo.bench.causal_lm import causal_lm_suite
 
-    workload = Workload("tiny", dict(n_layer=2, n_embd=32, n_head=2, vocab_size=300), batch=3, max_len=16)
+    workload = Workload("tiny", TINY["gpt2"], batch=3, max_len=16)
     suite = causal_lm_suite(get_entry("gpt2"), workload, backends=["eager", "sdpa", "varlen"], modes=("train",))
     suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
     report = run_suite(suite, warmup=0, iters=1, progress=False)
@@ -254,6 +255,25 @@ def test_gpt2_training_step_with_labels_matches_the_logits_loss():
         assert r.status == "ok", (r.label, r.note)
         assert r.max_err <= 1e-5 and r.grad_err <= 1e-4  # fp32 mean loss; gradients relative
         assert r.peak_mem_mib is not None  # measured on CPU for this group
+
+
+def test_llama_length_mix_labels_rows_carry_the_flop_ratio_bound():
+    """The Llama workload's log-normal length mix (the spec's ``median_len``): lengths within
+    [16, max_len]; the packed labels row equals the padded original's loss and gradients, and its
+    FLOP-ratio bound is the spec's FLOPs padded to the longest over packed, as the config states."""
+    from fastzoo.bench.causal_lm import _lengths, causal_lm_suite
+
+    lengths = _lengths(Workload("mix", batch=256, max_len=300, median_len=40), torch.Generator().manual_seed(0))
+    assert min(lengths) == 16 and max(lengths) == 300 and 30 <= sorted(lengths)[128] <= 50  # clipped both ends; median near 40
+    entry = get_entry("llama")
+    workload = Workload("mix", dict(entry.spec.tiny), batch=4, max_len=48, median_len=20)
+    suite = causal_lm_suite(entry, workload, backends=["eager", "sdpa", "varlen"], modes=("train",))
+    suite.groups = [g for g in suite.groups if g.name.endswith("train with labels")]
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    packed = next(r for r in report.rows if r.label == "fastzoo packed (varlen), labels: fused loss")
+    assert packed.status == "ok" and packed.max_err <= 1e-5 and packed.grad_err <= 1e-4
+    bound = suite.config["FLOP-ratio bound (train, padded to longest ÷ packed)"]
+    assert bound > 1 and packed.work_bound == pytest.approx(bound, rel=1e-3)
 
 
 def test_benchmark_scripts_import():

@@ -4,23 +4,24 @@ collation, backbone loading, and bad targets."""
 import pytest
 import torch
 import torchvision
+from conftest import TINY
 
 import fastzoo
 from fastzoo.data.boxes import collate_boxes, collate_detection
 from fastzoo.losses.giou import generalized_box_iou
 
-TINY = dict(layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=32)
+QUERIES = TINY["boxdet"]["num_queries"]
 
 
 def tiny(**kw):
-    return fastzoo.create("boxdet_r50", **{**TINY, "num_queries": 6, **kw})
+    return fastzoo.create("boxdet_r50", **{**TINY["boxdet"], **kw})
 
 
 def test_outputs_are_valid_boxes_and_logits():
     det = tiny(num_classes=3)
     out = det(torch.rand(2, 3, 64, 64))
     b = out["boxes"]
-    assert b.shape == (2, 6, 4) and out["logits"].shape == (2, 6, 4)  # C + 1 logits
+    assert b.shape == (2, QUERIES, 4) and out["logits"].shape == (2, QUERIES, 4)  # C + 1 logits
     assert (b >= 0).all() and (b <= 1).all()
     assert (b[..., 2] >= b[..., 0]).all() and (b[..., 3] >= b[..., 1]).all()
 
@@ -191,7 +192,7 @@ def test_bad_targets_and_options_raise():
         ([ok, torch.zeros(1, 5)], None, r"boxes\[1\] must be an \[n, 4\] tensor"),
         ([ok], None, "targets has 1 images but the outputs have 2"),
         ([ok, ok], [torch.tensor([0]), torch.tensor([2])], r"labels must be class ids in \[0, 2\)"),
-        ([ok, ok.repeat(7, 1)], None, "more than num_queries=6"),
+        ([ok, ok.repeat(QUERIES + 1, 1)], None, f"more than num_queries={QUERIES}"),
     ]
     for targets, labels, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -220,7 +221,7 @@ def test_default_normalisation_is_detrs():
     out = det(images)
     parts = det.loss_components(out, boxes, labels)
     tb = collate_boxes(boxes, labels)
-    target = torch.full((4, 6), 2)
+    target = torch.full((4, QUERIES), 2)
     target[tb.batch_index, tb.slot] = tb.labels
     ce = torch.nn.functional.cross_entropy(out["logits"].transpose(1, 2), target, torch.tensor([1.0, 1.0, 0.1]))
     assert parts["loss_ce"].item() == pytest.approx(ce.item(), rel=1e-6)  # sum order only
@@ -280,7 +281,8 @@ def test_collator_checks_labels_once_and_the_loss_trusts_it():
 
 
 def test_a_resnet_checkpoint_is_refused_as_a_whole_detector(tmp_path):
-    resnet = fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64))
+    backbone = {k: TINY["boxdet"][k] for k in ("layers", "channels")}  # the tiny detector's ResNet
+    resnet = fastzoo.create("resnet50", **backbone)
     torch.save(fastzoo.export_state_dict(resnet, "torchvision"), tmp_path / "r50.pth")
     with pytest.raises(fastzoo.errors.CheckpointError, match=r"ResNet checkpoint.*det.load_backbone\(source\)"):
         fastzoo.create("boxdet_r50", pretrained=tmp_path / "r50.pth")
@@ -291,7 +293,8 @@ def test_a_resnet_checkpoint_is_refused_as_a_whole_detector(tmp_path):
     assert torch.equal(det.backbone.conv1.weight, resnet.conv1.weight)
     torch.save(det.state_dict(), tmp_path / "det.pth")  # a plain state dict file of a detector loads whole
     again = fastzoo.create("boxdet_r50", pretrained=tmp_path / "det.pth")
-    assert again.config.num_classes == 3 and again.config.num_queries == 6 and again.config.hidden_dim == 32
+    assert again.config.num_classes == 3 and again.config.num_queries == QUERIES
+    assert again.config.hidden_dim == TINY["boxdet"]["hidden_dim"]
     assert all(torch.equal(v, det.state_dict()[k]) for k, v in again.state_dict().items())
 
 

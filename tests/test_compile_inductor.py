@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_of
 
 import fastzoo
 
@@ -22,18 +23,12 @@ def _cpp_compiler() -> str | None:
         return None
 
 
-TINY = {
-    "vit_s16": dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5),
-    "resnet50": dict(layers=(1, 1, 1, 1), channels=(16, 16, 16, 16), num_classes=5),
-}
-
-
 @pytest.mark.skipif(_cpp_compiler() is None, reason="inductor's CPU backend needs a C++ compiler (g++/clang++); none found")
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("name", ["vit_s16", "resnet50"])
 def test_inductor_fullgraph_computes_eagers_logits(name):
     """fp32 CPU, 1e-4 (fastzoo.equivalence's rule): inductor fuses and reorders float ops, so not bit for bit."""
     torch.manual_seed(0)
-    m = fastzoo.create(name, **TINY[name]).eval()
+    m = fastzoo.create(name, **tiny_of(name)).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     compiled = torch.compile(m, fullgraph=True)

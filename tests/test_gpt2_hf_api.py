@@ -176,16 +176,6 @@ def test_past_key_values_continuation_equals_full_forward(hf, attn):
     assert step.past_key_values.get_seq_length() == ids.shape[1]
 
 
-GENERATE = {
-    "greedy": dict(do_sample=False),
-    "sample": dict(do_sample=True, temperature=0.8),
-    "top_k": dict(do_sample=True, top_k=5),
-    "top_p": dict(do_sample=True, top_p=0.7),
-    "beams": dict(num_beams=3),
-    "no_cache": dict(do_sample=False, use_cache=False),
-}
-
-
 @pytest.mark.parametrize("attn", ["varlen", "nested"])
 def test_each_cached_decoding_step_gives_the_full_forwards_logits(hf, attn):
     """Prefill a left-padded batch, then feed one token per row at a time through the cache:
@@ -232,16 +222,9 @@ def test_generate_snippet_gives_hf_tokens_on_packed_backends(hf, tmp_path):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "varlen", "nested"])
-@pytest.mark.parametrize("kind", GENERATE)
+@pytest.mark.parametrize("kind", conftest.GENERATE)
 def test_generate_equals_hf_token_for_token_left_padded(hf, kind, attn):
-    m = ours(hf, attn)
-    b = batch(side="left")
-    kw = dict(attention_mask=b.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
-    torch.manual_seed(7)
-    got = m.generate(b.input_ids, **kw)
-    torch.manual_seed(7)
-    want = hf.generate(b.input_ids, **kw)
-    assert torch.equal(got, want)
+    conftest.assert_generate_equals_original(ours(hf, attn), hf, batch(side="left"), kind)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "varlen", "nested"])

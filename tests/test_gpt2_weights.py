@@ -4,12 +4,13 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import TINY as FAMILY_TINY
 from safetensors.torch import save_file
 
 import fastzoo
 from fastzoo.errors import CheckpointError
 
-TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, n_inner=96)
+TINY = {**FAMILY_TINY["gpt2"], "n_inner": 96}  # an MLP width other than 4 * n_embd: the config read back must carry it
 LOGIT_TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, same weights
 
 
@@ -20,7 +21,7 @@ def hf():
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+IDS = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))
 
 
 def assert_same_function(model, hf):
@@ -31,14 +32,15 @@ def assert_same_function(model, hf):
 
 def assert_config_from(model):
     c = model.config
-    assert (c.n_layer, c.n_embd, c.vocab_size, c.n_positions, c.n_inner) == (2, 64, 128, 64, 96)
+    fields = ("n_layer", "n_embd", "vocab_size", "n_positions", "n_inner")
+    assert tuple(getattr(c, k) for k in fields) == tuple(TINY[k] for k in fields)
 
 
 def test_save_pretrained_dir(hf, tmp_path):
     hf.save_pretrained(tmp_path)
     m = fastzoo.create("gpt2", attn="eager", pretrained=tmp_path)
     assert_config_from(m)
-    assert m.config.n_head == 4 and m.config.layer_norm_epsilon == 1e-6  # config.json decides the architecture
+    assert m.config.n_head == TINY["n_head"] and m.config.layer_norm_epsilon == 1e-6  # config.json decides the architecture
     assert_same_function(m, hf)
 
 
@@ -68,24 +70,25 @@ def test_single_file_needs_n_head_from_the_user(hf, tmp_path, suffix):
     path = tmp_path / f"w{suffix}"
     state = {k: v.clone().contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     torch.save(state, path) if suffix == ".bin" else save_file(state, str(path))
-    m = fastzoo.create("gpt2", attn="eager", pretrained=path, n_head=4, layer_norm_epsilon=1e-6)
+    m = fastzoo.create("gpt2", attn="eager", pretrained=path, n_head=TINY["n_head"], layer_norm_epsilon=1e-6)
     assert_config_from(m)
     assert_same_function(m, hf)
 
 
 def test_live_module_and_state_dict(hf):
     assert_same_function(fastzoo.create("gpt2", attn="sdpa", pretrained=hf), hf)
-    m = fastzoo.create("gpt2", attn="sdpa", pretrained=dict(hf.state_dict()), n_head=4, layer_norm_epsilon=1e-6)
+    m = fastzoo.create("gpt2", attn="sdpa", pretrained=dict(hf.state_dict()), n_head=TINY["n_head"], layer_norm_epsilon=1e-6)
     assert_same_function(m, hf)
 
 
 def test_gpt2model_keys_and_old_buffers(hf):
     """Keys without 'transformer.' (GPT2Model) and the attn.bias / attn.masked_bias buffers of old checkpoints."""
     state = {k[len("transformer."):]: v for k, v in hf.state_dict().items() if k.startswith("transformer.")}
-    for i in range(2):
-        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64, dtype=torch.bool))
+    n = TINY["n_positions"]
+    for i in range(TINY["n_layer"]):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, n, n, dtype=torch.bool))
         state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
-    m = fastzoo.create("gpt2", attn="eager", pretrained=state, n_head=4, layer_norm_epsilon=1e-6)
+    m = fastzoo.create("gpt2", attn="eager", pretrained=state, n_head=TINY["n_head"], layer_norm_epsilon=1e-6)
     assert_same_function(m, hf)
 
 
@@ -101,7 +104,7 @@ def test_export_loads_strictly_into_hf(hf):
 
 def test_fastzoo_state_dict_and_save_pretrained_round_trip(hf, tmp_path):
     m = fastzoo.create("gpt2", attn="eager", pretrained=hf)
-    again = fastzoo.create("gpt2", attn="eager", pretrained=m.state_dict(), n_head=4, layer_norm_epsilon=1e-6)
+    again = fastzoo.create("gpt2", attn="eager", pretrained=m.state_dict(), n_head=TINY["n_head"], layer_norm_epsilon=1e-6)
     assert_same_function(again, hf)
     m.save_pretrained(tmp_path)
     assert_same_function(fastzoo.create("gpt2", attn="eager", pretrained=tmp_path), hf)
@@ -111,7 +114,7 @@ def test_untied_lm_head_is_refused(hf):
     state = dict(hf.state_dict())
     state["lm_head.weight"] = state["lm_head.weight"] + 1
     with pytest.raises(CheckpointError, match="lm_head"):
-        fastzoo.create("gpt2", attn="eager", pretrained=state, n_head=4)
+        fastzoo.create("gpt2", attn="eager", pretrained=state, n_head=TINY["n_head"])
 
 
 @pytest.mark.parametrize("field, value", [

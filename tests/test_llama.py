@@ -200,23 +200,12 @@ def test_the_window_changes_the_function():
 
 
 # -- generate, the KV cache ----------------------------------------------------------------------
-GENERATE = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, top_k=20),
-            "beams": dict(do_sample=False, num_beams=3)}
-
-
-@pytest.mark.parametrize("kind", list(GENERATE))
+@pytest.mark.parametrize("kind", ["greedy", "top_k", "beams"])
 @pytest.mark.parametrize("attn", ["sdpa", "varlen"])
 def test_generate_equals_hf_token_for_token(hf, kind, attn):
     """Left-padded prompts, 12 new tokens: past the window (4) of the sliding layouts, whose
     transformers cache keeps only the keys the window still sees."""
-    m = ours(hf, attn)
-    b = pad_to_longest(seqs(), side="left")
-    kw = dict(attention_mask=b.attention_mask, max_new_tokens=12, pad_token_id=0, **GENERATE[kind])
-    torch.manual_seed(7)
-    got = m.generate(b.input_ids, **kw)
-    torch.manual_seed(7)
-    want = hf.generate(b.input_ids, **kw)
-    assert torch.equal(got, want)
+    conftest.assert_generate_equals_original(ours(hf, attn), hf, pad_to_longest(seqs(), side="left"), kind)
 
 
 def test_cache_continuation_equals_full_forward(hf):

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_of
 
 import fastzoo
 from fastzoo.cli import main
@@ -20,12 +21,7 @@ from fastzoo.models.decoder import GPT2Config
 from fastzoo.models.resnet import ResNetConfig
 from fastzoo.models.vit import ViTConfig
 
-TINY = {
-    "vit_s16": dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=5),
-    "gpt2": dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16),
-    "resnet50": dict(layers=[1, 1, 1, 1], channels=[4, 4, 8, 8], num_classes=5),
-    "boxdet_r50": dict(layers=[1, 1, 1, 1], channels=[4, 4, 8, 8], hidden_dim=16, num_queries=3),
-}
+TINY = {name: tiny_of(name) for name in ("vit_s16", "gpt2", "resnet50", "boxdet_r50")}
 CONFIGS = {"vit_s16": ViTConfig, "gpt2": GPT2Config, "resnet50": ResNetConfig, "boxdet_r50": BoxDetConfig}
 
 # model -> (field, bad value, what the message says)

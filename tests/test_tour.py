@@ -131,3 +131,12 @@ def test_no_recommendation_when_nothing_passed():
     entry = Entry("m", "orig", suite=None, paths={"a": "use a"}, groups={"g": BASELINE})
     rec = recommend(entry, [_row("orig", peer=True), _row("a", "failed parity")])
     assert rec.row is None and "no fastzoo path passed parity" in rec.line()
+
+
+def test_recommendation_line_shows_each_error_beside_its_bound():
+    from fastzoo.bench.tour import Recommendation
+
+    row = Row("g | bf16 autocast", "fastzoo sdpa", False, "ok", median_s=1.0, speedup=1.3, max_err=2.1e-3,
+              grad_err=6.9e-3, out_bound=6e-3, grad_bound=2e-2, precision="bf16 autocast")
+    line = Recommendation("m", "use", row, None).line()
+    assert "logits 2e-03 (<= 6e-03), grads 7e-03 (<= 2e-02), bf16 autocast rule" in line

@@ -1,8 +1,9 @@
 """Accuracy parity across attention backends: one initialisation fine-tuned with each.
 
-Speed is worthless if a kernel changes what a model learns. A small ViT learns a synthetic task
-(which quadrant of a noisy image is brighter) for a few hundred steps from identical weights,
-data and data order, once per attention backend: ``fastzoo bench vit_s16 --parity-train``. It is
+Speed is worthless if a kernel changes what a model learns. A small vision transformer (``MODEL``
+at the size ``SMALL`` gives it) learns a synthetic task (which quadrant of a noisy image is
+brighter) for a few hundred steps from identical weights, data and data order, once per attention
+backend: ``fastzoo bench vit_s16 --parity-train``. It is
 an accuracy run (:mod:`fastzoo.accuracy.runs`) built here instead of read from a file, so it is
 judged by the same rule: eager in fp32 is the first arm (the reference); in low precision (bf16
 on a GPU) eager in that dtype is the precision's peer, and every backend in it may differ from
@@ -17,9 +18,9 @@ from fastzoo.accuracy.runs import AccuracyReport, Arm, Data, Optim, RunConfig, T
 from fastzoo.equivalence import FP32_GRAD_RTOL
 from fastzoo.text import dtype_name
 
-MODEL = "vit_s16"  # the model --parity-train fine-tunes, at SMALL_VIT's size
+MODEL = "vit_s16"  # the model --parity-train fine-tunes, at the size SMALL gives it
 # Small enough to train a few hundred steps on a 2-core CPU in well under a minute (timm's names).
-SMALL_VIT = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=4, global_pool="avg",
+SMALL = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=4, global_pool="avg",
                  class_token=False)
 TOLERANCE = Tolerance(
     train_loss=0.05,  # free-running fp32 curves: rounding differences compound over the run, within this
@@ -39,16 +40,16 @@ def backend_parity_config(backends: list[str], *, steps: int = 300, batch_size: 
     arms = [Arm("eager", attn="eager")] + ([Arm(f"eager {amp}", attn="eager", amp=amp)] if amp else [])
     arms += [Arm(b if amp is None else f"{b} {amp}", attn=b, amp=amp) for b in backends if b != "eager"]
     return RunConfig(
-        name="parity_train", task="quadrant", model=MODEL, overrides=dict(SMALL_VIT), arms=arms,
-        data=Data(img_size=SMALL_VIT["img_size"], n_train=steps * batch_size, n_test=held_out),
+        name="parity_train", task="quadrant", model=MODEL, overrides=dict(SMALL), arms=arms,
+        data=Data(img_size=SMALL["img_size"], n_train=steps * batch_size, n_test=held_out),
         optim=Optim(batch_size=batch_size, lr=lr), steps=steps, eval_every=max(1, steps // 5), tolerance=TOLERANCE,
-        seed=seed, description="ViT " + ", ".join(f"{k}={v}" for k, v in SMALL_VIT.items())
+        seed=seed, description=f"{MODEL} with " + ", ".join(f"{k}={v}" for k, v in SMALL.items())
         + " on the quadrant task: one initialisation, every attention backend",
     )
 
 
 def train_parity(backends: list[str], *, device="cpu", progress: bool = True, **settings) -> AccuracyReport:
-    """Fine-tune the small ViT with each backend from one initialisation (``settings``: see
+    """Fine-tune the small MODEL with each backend from one initialisation (``settings``: see
     :func:`backend_parity_config`; default dtype bf16 on a GPU, fp32 on a CPU)."""
     device = torch.device(device)
     settings.setdefault("dtype", torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -43,14 +43,17 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, grad_error
-from fastzoo.errors import BackendUnavailableError, ConfigError, FastzooError
+from fastzoo.errors import BackendUnavailableError, ConfigError, FastzooError, UnknownModelError
 from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 from fastzoo.machine import device_name, load_average, versions
+from fastzoo.registry import get_entry
 from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
 from fastzoo.train.schedule import DECAYS, warmup_schedule
 
-TASKS = ("digits", "digits_canvas", "pydoc_text", "quadrant")
+# each data task -> the kind of model it trains (a family spec's ``task``)
+TASKS = {"digits": "image-classification", "digits_canvas": "detection", "pydoc_text": "causal-lm",
+         "quadrant": "image-classification"}
 LAYOUTS = ("padded", "packed", "nested")
 
 
@@ -60,7 +63,7 @@ class Arm:
     name: str  # shown in the table and the chart
     original: bool = False  # the original library's model (timm / torchvision / Hugging Face)
     attn: str | None = None  # fastzoo attention backend
-    layout: str | None = None  # GPT-2 input: padded | packed | nested
+    layout: str | None = None  # a decoder's input: padded | packed | nested
     loss: str | None = None  # box detector GIoU mode: per_sample | concat | padded | kernel
     model_kwargs: dict = field(default_factory=dict)  # extra fastzoo.create overrides for this arm
     # A rounding control: this arm's initial weights times (1 + nudge * random sign), e.g. 1e-7 (about
@@ -169,6 +172,12 @@ def _typed(f: dataclasses.Field, value, where: str):
 def _check(cfg: RunConfig, where: str) -> RunConfig:
     if cfg.task not in TASKS:
         raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(TASKS)}")
+    try:
+        kind = get_entry(cfg.model).spec.task
+    except UnknownModelError as e:
+        raise ConfigError(f"{where}.model: {e.args[0]}") from None
+    if kind != TASKS[cfg.task]:
+        raise ConfigError(f"{where}.model: {cfg.model} is {kind}; task {cfg.task!r} trains {TASKS[cfg.task]} models")
     if cfg.steps < 1 or cfg.eval_every < 1:
         raise ConfigError(f"{where}: steps and eval_every must be >= 1")
     if cfg.optim.schedule not in DECAYS:
@@ -345,24 +354,11 @@ def _d(arm: ArmResult, key: str, tol: dict) -> str:
 
 # -- arms: build, train, evaluate -----------------------------------------------------------------
 def _original(cfg: RunConfig):
-    """The original library's model for ``cfg.model``'s family, built from ``cfg.overrides``."""
-    from fastzoo.registry import get_entry
-
-    family = get_entry(cfg.model).model_class.family
-    o = dict(cfg.overrides)
-    if family == "vit":
-        from timm.models.vision_transformer import VisionTransformer
-
-        return VisionTransformer(**o)
-    if family == "resnet":
-        import torchvision
-
-        return torchvision.models.resnet50(**o)
-    if family == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        return GPT2LMHeadModel(GPT2Config(**o, attn_implementation="sdpa"))
-    return None  # the box detector has no original library model: its arms differ in the loss
+    """The original library's model of ``cfg.model``, built from its config and ``cfg.overrides``, as
+    its users run it (the family's spec); None for a family without one (the box detector: its arms
+    differ in the loss)."""
+    entry = get_entry(cfg.model)
+    return entry.spec.original_as_users_run_it({**entry.config, **cfg.overrides})
 
 
 def _models(cfg: RunConfig, device):
@@ -476,7 +472,7 @@ class TextTask(Task):
 
         docs = pydoc_documents()
         tok = bpe_tokenizer(docs, cfg.data.vocab_size)
-        if len(tok) > cfg.overrides.get("vocab_size", 50257):
+        if len(tok) > {**get_entry(cfg.model).config, **cfg.overrides}["vocab_size"]:
             raise ConfigError(f"overrides.vocab_size must be >= the tokenizer's {len(tok)} ids")
         seqs = []
         for d in docs:

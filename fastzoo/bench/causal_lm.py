@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import fastzoo
 from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe, prepare
-from fastzoo.bench.steps import check_mode, in_fastzoo_names, model_step
+from fastzoo.bench.steps import check_mode, compared_as, model_step
 from fastzoo.models.spec import Workload
 
 GENERATE_NEW_TOKENS = 32
@@ -89,7 +89,7 @@ class _Models:
 
     def users_original(self, recipe: Recipe):
         m = copy.deepcopy(self.original)
-        return prepare(self.bench.peer(m) if self.bench.peer else m, recipe, self.device)
+        return prepare(self.spec.as_users_run_it(m), recipe, self.device)
 
     def fastzoo(self, attn: str, recipe: Recipe):
         model = fastzoo.create(self.entry.name, attn="eager", pretrained=self.original)
@@ -184,12 +184,7 @@ def _step(m: _Models, batch: _Batch, model, mode: str, layout: str, recipe: Reci
     step = model_step(call, lay.args, mode=mode, loss=lambda out: F.cross_entropy(lay.view(out).float(), batch.targets),
                       items=batch.real, compile=recipe.compiled, view=lay.view)
     step.flops = m.flops(batch.lengths, lay.width, mode == "train")
-    if not gate:
-        step.outputs = None
-    elif original:
-        outputs = step.outputs
-        step.outputs = lambda: in_fastzoo_names(m.spec, outputs(), m.names)
-    return step
+    return compared_as(step, spec=m.spec, names=m.names, original=original, gate=gate)
 
 
 def _fastzoo_cases(m: _Models, batch: _Batch, mode: str, recipe: Recipe, backends) -> list[Case]:
@@ -262,10 +257,7 @@ def _labels_group(m: _Models, batch: _Batch, backends) -> Group:
         step = model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
                           items=batch.real, view=lambda out: out.loss.reshape(1))
         step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs else ids.shape[1], True)
-        if original:
-            outputs = step.outputs
-            step.outputs = lambda: in_fastzoo_names(m.spec, outputs(), m.names)
-        return step
+        return compared_as(step, spec=m.spec, names=m.names, original=original)
 
     def reference():  # fp32 logits materialised, the original's loss on them: the function both sides compute
         model = m.fastzoo("eager", BASELINE).train()

@@ -41,7 +41,7 @@ from fastzoo.bench.limits import Limits, rate, si
 from fastzoo.bench.limits import share as share_of
 from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.machine import device_name, versions  # noqa: F401  (the suites and the tour record them)
+from fastzoo.machine import device_name, versions
 from fastzoo.text import dtype_name, markdown_table
 
 

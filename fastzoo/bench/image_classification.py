@@ -21,7 +21,7 @@ import torch
 import fastzoo
 from fastzoo.bench.harness import Case, Group, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe, prepare, prepare_images
-from fastzoo.bench.steps import check_mode, classification_loss, in_fastzoo_names, model_step
+from fastzoo.bench.steps import check_mode, classification_loss, compared_as, model_step
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.spec import Workload
 
@@ -106,7 +106,7 @@ class _Models:
     def users_original(self):
         """The original as its users run it (the library's default attention)."""
         m = copy.deepcopy(self.original)
-        return self.bench.peer(m) if self.bench.peer else m
+        return self.spec.as_users_run_it(m)
 
     def step(self, model, mode: str, recipe: Recipe, *, original: bool = False, gate: bool = True):
         """The timed step; ``original``: gradients under fastzoo's names; ``gate=False``: not
@@ -115,12 +115,7 @@ class _Models:
         s = model_step(prepare(model, recipe, self.device), (x,), mode=mode, loss=self.loss, items=self.batch,
                        compile=recipe.compiled)
         s.flops = self.flops(mode)
-        if not gate:
-            s.outputs = None
-        elif original:
-            outputs = s.outputs
-            s.outputs = lambda: in_fastzoo_names(self.spec, outputs(), self.names)
-        return s
+        return compared_as(s, spec=self.spec, names=self.names, original=original, gate=gate)
 
     @cache
     def reference(self, mode: str, channels_last: bool, options=()):

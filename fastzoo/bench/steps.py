@@ -77,3 +77,15 @@ def in_fastzoo_names(spec, outputs: dict, names) -> dict:
         return outputs
     converted = find_converter(spec, Source(grads, "the original's gradients")).to_fastzoo(grads)
     return {"output": outputs["output"], **{f"grad:{k}": v for k, v in converted.items() if k in names}}
+
+
+def compared_as(step, *, spec, names, original: bool = False, gate: bool = True):
+    """What parity compares of ``step``: nothing (``gate=False``: a row checked in another group),
+    an original's outputs with its gradients under fastzoo's ``names`` (``original``), or the
+    step's own outputs."""
+    if not gate:
+        step.outputs = None
+    elif original:
+        outputs = step.outputs
+        step.outputs = lambda: in_fastzoo_names(spec, outputs(), names)
+    return step

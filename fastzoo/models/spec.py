@@ -106,6 +106,17 @@ class ModelSpec:
         if self.task not in TASKS:
             raise ValueError(f"ModelSpec({self.family!r}): task={self.task!r}; one of {', '.join(TASKS)}")
 
+    def original_as_users_run_it(self, cfg: dict) -> nn.Module | None:
+        """The original library's model on config fields ``cfg`` at random init, on the kernels its
+        users get (``original.build``, then ``bench.peer``); None for a family without an original."""
+        return None if self.original is None else self.as_users_run_it(self.original.build(cfg))
+
+    def as_users_run_it(self, original: nn.Module) -> nn.Module:
+        """An original built by ``original.build`` (reference kernels), switched to the kernels its
+        users get (``bench.peer``: timm's fused attention, Hugging Face's SDPA)."""
+        peer = self.bench.peer if self.bench is not None else None
+        return original if peer is None else peer(original)
+
     @property
     def config_class(self) -> type:
         return self.model.config_class

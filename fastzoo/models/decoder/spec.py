@@ -79,6 +79,7 @@ def hf_llama(cfg: dict) -> nn.Module:
     from fastzoo.models.decoder.config import LlamaConfig
 
     hf_cfg = hf_config(LlamaConfig.from_dict(cfg))
+    hf_cfg._attn_implementation = "eager"  # else transformers picks its default (SDPA)
     return getattr(transformers, LLAMA_LAYOUTS[hf_cfg.model_type])(hf_cfg).to(torch.float32)
 
 
@@ -127,6 +128,7 @@ LLAMA_SPEC = ModelSpec(
               num_key_value_heads=2, max_position_embeddings=64),
     original=Original(hf_llama, "transformers LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (eager attention)",
                       "attention_dropout"),
+    shallow=lambda cfg: {**cfg, "num_hidden_layers": 1, "vocab_size": 512},  # rotary: no position table to shrink
     flops=llama_flops,
     bench=BenchSettings(
         variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,

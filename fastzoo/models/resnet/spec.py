@@ -86,7 +86,7 @@ SPEC = ModelSpec(
     flops=flops,
     bench=BenchSettings(
         variant="resnet50", library="torchvision", channels_last=True,
-        sizes={"bench": Workload("", batch=8, img_size=224), "tour": Workload("ResNet-50 at 160 px", batch=4, img_size=160),
+        sizes={"bench": Workload("", batch=8, img_size=224), "tour": Workload("ResNet-50 at 160 px", batch=8, img_size=160),
                "quick": Workload("ResNet, 1 block a stage, 64 px", dict(layers=(1, 1, 1, 1)), batch=2, img_size=64)}),
 )
 SPECS = (SPEC,)

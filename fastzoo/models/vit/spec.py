@@ -88,7 +88,7 @@ SPEC = ModelSpec(
     bench=BenchSettings(
         variant="vit_small_patch16_224", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",
         sizes={"bench": Workload("", batch=8),
-               "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=4),
+               "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=8),
                "quick": Workload("tiny ViT", dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
                                                   num_classes=10), batch=4)}),
 )
