@@ -82,8 +82,8 @@ def test_one_pass_budget_matches_cross_entropy_of_the_logits(reduction):
     """block_bytes with room for 256 x V takes one pass over token chunks ("none" keeps two)."""
     from fastzoo.losses.linear_ce import one_pass_rows
 
-    assert one_pass_rows(N, V, torch.float32, torch.float32, ONE_PASS) == 150  # 300 tokens in two even chunks
-    assert one_pass_rows(N, V, torch.float32, torch.float32, ONE_PASS - 1) is None
+    assert one_pass_rows(N, V, torch.float32, ONE_PASS) == 150  # 300 tokens in two even chunks
+    assert one_pass_rows(N, V, torch.float32, ONE_PASS - 1) is None
     h, w, t = case()
     ref = value_and_grads(REF, h, w, t, reduction)
     out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl="fused", block_bytes=ONE_PASS),
@@ -94,15 +94,15 @@ def test_one_pass_budget_matches_cross_entropy_of_the_logits(reduction):
 
 @pytest.mark.parametrize("room, rows", [(300, 300), (256, 150)], ids=["one chunk", "two chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_pass_chunks_match_cross_entropy_of_the_logits(dtype, room, rows):
+def test_one_pass_chunks_match_cross_entropy_of_the_logits(dtype, room, rows, monkeypatch):
     """The one-pass path with every token in one chunk (the weight's gradient written once, in the
     matmuls' dtype) and in two (accumulated in fp32), in fp32 and under bf16 autocast (its softmax
-    in an fp32 scratch of SOFTMAX_ROWS rows, the last partial)."""
-    from fastzoo.losses.linear_ce import SOFTMAX_ROWS, one_pass_rows
+    in an fp32 scratch a few rows at a time, the last step partial)."""
+    import fastzoo.losses.linear_ce as lce
 
-    scratch = SOFTMAX_ROWS * V * 4 if dtype != torch.float32 else 0
-    budget = room * V * dtype.itemsize + scratch  # room for 256 rows: two even chunks of 150
-    assert one_pass_rows(N, V, dtype, torch.float32, budget) == rows and N % SOFTMAX_ROWS
+    monkeypatch.setattr(lce, "SCRATCH_BYTES", 64 * V * 4)  # 64 rows: 300 tokens in 5 steps
+    budget = room * V * dtype.itemsize  # room for 256 rows: two even chunks of 150
+    assert lce.one_pass_rows(N, V, dtype, budget) == rows and N % lce.scratch_rows(V, torch.float32)
     h, w, t = case()
     fp32 = value_and_grads(REF, h, w, t, "mean")
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):

@@ -109,13 +109,18 @@ def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
     def case(label, loss_of, **kw):
         return Case(label, lambda: loss_step(x, s, loss_of), **kw)
 
+    def fused(h, w, **kw):
+        # beside HF's loss, an fp32 loss as HF's (its logits upcast): autocast's convention for low-precision inputs
+        with torch.autocast(h.device.type, dtype=h.dtype, enabled=hf and h.dtype in (torch.bfloat16, torch.float16)):
+            return linear_cross_entropy(h, w, t, impl="fused", **kw)
+
     cases = [
         case(peer_label, peer, peer=True, reference=True),
         case("torch F.linear_cross_entropy (chunked)", lambda h, w: linear_cross_entropy(h, w, t, impl="torch")),
-        case("fastzoo linear_cross_entropy (fused)", lambda h, w: linear_cross_entropy(h, w, t, impl="fused")),
+        case("fastzoo linear_cross_entropy (fused)", fused),
+        case(f"fastzoo linear_cross_entropy (fused, one pass: block_bytes={s.one_pass_mib} MiB)",
+             lambda h, w: fused(h, w, block_bytes=s.one_pass_mib * 2**20)),
     ]
-    cases.append(case(f"fastzoo linear_cross_entropy (fused, one pass: block_bytes={s.one_pass_mib} MiB)",
-                      lambda h, w: linear_cross_entropy(h, w, t, impl="fused", block_bytes=s.one_pass_mib * 2**20)))
 
     def reference():
         return loss_step(x, s, lambda h, w: F.cross_entropy(h.float() @ w.float().T, t)).outputs()
@@ -139,6 +144,7 @@ def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", 
               "peer": "the logits materialised, F.cross_entropy on them (Hugging Face's ForCausalLMLoss at the "
                       "large vocabulary)",
               "torch op": "F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())",
+              "fastzoo beside HF": "bf16 / fp16 inputs under autocast: the matmuls in that dtype, the loss in fp32 as HF's",
               "peak memory": "tensors allocated during the step (torch profiler), inputs excluded",
               "FLOPs per step": "6 N D V (logits, grad of hidden, grad of weight)",
               "bytes per step": "hidden and weight read, their gradients written",

@@ -169,18 +169,19 @@ def lse_block(n_tokens: int, vocab: int, width: int, room: int) -> tuple[int, in
 
 
 ONE_PASS_ROWS = 256  # the fewest tokens per chunk of the one-pass path: fewer re-read the weight's gradient too often
-SOFTMAX_ROWS = 8  # rows per softmax step of the one-pass path: 4 MiB of fp32 at a 128k vocabulary, in cache
+# below fp32, the one-pass path's softmax runs in an fp32 scratch of this many bytes, a few rows at a
+# time: few enough steps that each op stays large (a 2-thread op on a loaded CPU pays a wake-up)
+SCRATCH_BYTES = 32 * 2**20
 
 
-def one_pass_rows(n_tokens: int, vocab: int, dtype: torch.dtype, acc: torch.dtype, block_bytes: int | None) -> int | None:
+def one_pass_rows(n_tokens: int, vocab: int, dtype: torch.dtype, block_bytes: int | None) -> int | None:
     """Token rows per chunk of the one-pass path: as many as ``block_bytes`` holds of ``[rows, vocab]``
-    logits in the matmuls' ``dtype`` (beside, below fp32, the ``[SOFTMAX_ROWS, vocab]`` scratch in
-    ``acc``), spread evenly over the chunks; None (two passes) if that is under
-    :data:`ONE_PASS_ROWS` tokens (or every token, when there are fewer)."""
+    logits in the matmuls' ``dtype``, spread evenly over the chunks; None (two passes) if that is
+    under :data:`ONE_PASS_ROWS` tokens (or every token, when there are fewer). Below fp32 the
+    softmax's fp32 scratch comes on top (:func:`scratch_rows`, at most :data:`SCRATCH_BYTES`)."""
     if block_bytes is None:
         return None
-    scratch = SOFTMAX_ROWS * vocab * acc.itemsize if dtype != acc else 0
-    rows = (block_bytes - scratch) // (vocab * dtype.itemsize)
+    rows = block_bytes // (vocab * dtype.itemsize)
     n = max(n_tokens, 1)
     if rows < min(ONE_PASS_ROWS, n):
         return None
@@ -188,20 +189,26 @@ def one_pass_rows(n_tokens: int, vocab: int, dtype: torch.dtype, acc: torch.dtyp
     return -(-n // chunks)
 
 
+def scratch_rows(vocab: int, acc: torch.dtype) -> int:
+    """Rows of the one-pass path's fp32 softmax scratch (below fp32): :data:`SCRATCH_BYTES` of them."""
+    return max(1, SCRATCH_BYTES // (vocab * acc.itemsize))
+
+
 def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows: int, acc: torch.dtype):
     """Per-token loss and the gradients of ``c * sum_i loss_i`` over the valid tokens, in one pass
     over token chunks (Liger-Kernel's order: three matmuls). Each chunk's ``[rows, V]`` logits turn
     into ``exp(logit - max)`` in place; the softmax's ``1 / sum`` is folded into per-row scales of
-    the ``[rows, D]`` operands and results, so the block is never normalised. The exponentials are
-    taken :data:`SOFTMAX_ROWS` rows at a time, below fp32 in an fp32 scratch written back in the
-    matmuls' dtype. One chunk (every token) writes the weight's gradient once, in the matmuls'
+    the ``[rows, D]`` operands and results, so the block is never normalised. Below fp32 the
+    exponentials are taken a few rows at a time in an fp32 scratch (:func:`scratch_rows`) and
+    written back in the matmuls' dtype. One chunk (every token) writes the weight's gradient once, in the matmuls'
     dtype, as the reference's backward does; several add into an ``acc`` accumulator."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
     dt = h_ND.dtype
     low = dt != acc
     block = torch.empty(min(rows, n) * v, dtype=dt, device=h_ND.device)
-    scratch = torch.empty(min(SOFTMAX_ROWS, rows, n) * v, dtype=acc, device=h_ND.device) if low else None
+    sub = scratch_rows(v, acc) if low else rows  # fp32: the whole chunk, in place
+    scratch = torch.empty(min(sub, rows, n) * v, dtype=acc, device=h_ND.device) if low else None
     loss_N = torch.empty(n, dtype=acc, device=h_ND.device)
     grad_h = torch.empty(n, d, dtype=acc, device=h_ND.device) if want_h else None
     whole = rows >= n
@@ -210,7 +217,7 @@ def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows
         t_c, valid_c = safe_t_N[s:e], valid_N[s:e]
         logits = torch.mm(h_ND[s:e], w_VD.T, out=block[: (e - s) * v].view(e - s, v))
         inv_z = torch.empty(e - s, 1, dtype=acc, device=h_ND.device)
-        for a, b in _spans(e - s, SOFTMAX_ROWS):
+        for a, b in _spans(e - s, sub):
             x = scratch[: (b - a) * v].view(b - a, v).copy_(logits[a:b]) if low else logits[a:b]
             picked = x.gather(1, t_c[a:b, None]).squeeze(1)
             m = x.amax(1, keepdim=True)
@@ -362,7 +369,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
         rows, cols = logits_block(h.shape[0], w.shape[0], h.shape[1])
         ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block = reduction, h_dtype, w_dtype, (rows, cols, acc)
-        one_pass = one_pass_rows(h.shape[0], w.shape[0], h.dtype, acc, block_bytes) if reduction != "none" else None
+        one_pass = one_pass_rows(h.shape[0], w.shape[0], h.dtype, block_bytes) if reduction != "none" else None
         if one_pass is None:
             lse_N = _logsumexp_pass(h, w, *_first_block(ctx, h, w, reduction, acc), acc)
             loss_N = torch.where(valid_N, lse_N - _target_logits(h, w, safe_t_N, acc), 0.0)

@@ -57,8 +57,8 @@ class BasicBlock(nn.Module):
         # torchvision's op order, so FX graph node names (create_feature_extractor) are its too
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        shortcut = x if self.downsample is None else self.downsample(x)
-        return self.relu(out + shortcut)
+        out += x if self.downsample is None else self.downsample(x)  # in place, as torchvision: one tensor fewer a block
+        return self.relu(out)
 
 
 class Bottleneck(nn.Module):
@@ -88,8 +88,8 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-        shortcut = x if self.downsample is None else self.downsample(x)
-        return self.relu(out + shortcut)
+        out += x if self.downsample is None else self.downsample(x)  # in place, as torchvision: one tensor fewer a block
+        return self.relu(out)
 
 
 def _shortcut(inplanes: int, out: int, stride: int) -> nn.Sequential | None:
