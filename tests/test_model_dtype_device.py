@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 from tests.test_peer_api import NARROW, RESNET_TINY, VIT_TINY
 
-BOXDET_TINY = dict(layers=(1, 1, 1, 1), num_queries=4, hidden_dim=32, **NARROW)
-IMAGE_MODELS = {"vit": ("vit_s16", VIT_TINY), "resnet": ("resnet50", {**RESNET_TINY, **NARROW}), "boxdet": ("boxdet_r50", BOXDET_TINY)}
+IMAGE_MODELS = {"vit": ("vit_s16", VIT_TINY), "resnet": ("resnet50", {**RESNET_TINY, **NARROW}), "boxdet": ("boxdet_r50", TINY["boxdet"])}
 LOW = [torch.float16, torch.bfloat16]
 
 
@@ -81,12 +81,12 @@ def test_images_on_another_device_than_the_weights_are_refused():
 
 
 # -- built on the meta device ----------------------------------------------------------------
-ALL_MODELS = {**IMAGE_MODELS, "gpt2": ("gpt2", dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))}
+ALL_MODELS = {**IMAGE_MODELS, "gpt2": ("gpt2", TINY["gpt2"])}
 
 
 def _inputs(kind):
     if kind == "gpt2":
-        return (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)),)
+        return (torch.randint(0, TINY["gpt2"]["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0)),)
     return (_images(),)
 
 

@@ -29,6 +29,7 @@ import timm
 import timm.data
 import timm.optim
 import torch
+from conftest import TINY
 from timm.utils import ModelEmaV3
 from torch import nn
 from torchvision.models._utils import IntermediateLayerGetter
@@ -39,8 +40,8 @@ import fastzoo
 
 TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, max abs difference of logits / features
 GRAD_RTOL = 1e-4  # per parameter, relative to its largest gradient
-VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
-RESNET_TINY = dict(layers=(1, 1, 1, 1), num_classes=5)
+VIT_TINY = {**TINY["vit"], "depth": 3}  # three blocks: the intermediates at indices [0, 2] below
+RESNET_TINY = TINY["resnet"]
 NARROW = dict(channels=(64, 32, 32, 32))  # narrow stages (timm takes widths; its stem stays 64, as here channels[0])
 
 
@@ -300,8 +301,8 @@ def test_features_only_getter_equals_timm(kind):
     """timm's test_model_forward_intermediates_features: feature_cls='getter'."""
     ref, _ = pair(kind)
     name, timm_name = ("vit_s16", "vit_small_patch16_224") if kind == "vit" else ("resnet50", "resnet50")
-    kw = {k: v for k, v in (VIT_TINY if kind == "vit" else {**RESNET_TINY, **NARROW}).items() if k != "num_classes"}
-    theirs = timm.create_model(timm_name, pretrained=False, features_only=True, feature_cls="getter", num_classes=5, **kw)
+    kw = dict(VIT_TINY) if kind == "vit" else {**RESNET_TINY, **NARROW}
+    theirs = timm.create_model(timm_name, pretrained=False, features_only=True, feature_cls="getter", **kw)
     theirs.model.load_state_dict(ref.state_dict(), strict=False)
     ours = fastzoo.create(name, pretrained=ref, features_only=True, feature_cls="getter")
     assert ours.feature_info.channels() == theirs.feature_info.channels()
@@ -511,7 +512,7 @@ def test_save_pretrained_is_read_by_timm_and_fastzoo(kind, tmp_path):
     kw = dict(VIT_TINY) if kind == "vit" else dict(RESNET_TINY, **NARROW)
     # timm's overlay rules: custom_load=False (vit_small's default tag is a JAX .npz, read by its own
     # loader) and the checkpoint's num_classes (else timm re-initialises the classifier)
-    overlay = dict(file=str(tmp_path / "model.safetensors"), custom_load=False, num_classes=5)
+    overlay = dict(file=str(tmp_path / "model.safetensors"), custom_load=False, num_classes=kw["num_classes"])
     by_file = timm.create_model(timm_name, pretrained=True, pretrained_cfg_overlay=overlay, **kw)
     by_dir = timm.create_model(f"local-dir:{tmp_path}", pretrained=True)  # architecture + pretrained_cfg from config.json
     again = fastzoo.create("vit_s16" if kind == "vit" else "resnet50", pretrained=tmp_path)

@@ -18,7 +18,8 @@ from fastzoo.errors import CheckpointError, UnknownModelError
 from test_vit import randomize_
 
 TINY = conftest.TINY["vit"]
-ARCH = dict(embed_dim=64, depth=2, num_heads=4, patch_size=8)  # what weights cannot tell
+ARCH = {k: TINY[k] for k in ("embed_dim", "depth", "num_heads", "patch_size")}  # what weights cannot tell
+SIDE = TINY["img_size"]
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def ref():
 
 
 def same_function(model, ref):
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, SIDE, SIDE)
     with torch.no_grad():
         return (model.eval()(x) - ref(x)).abs().max().item() <= 1e-4
 
@@ -52,7 +53,7 @@ def sources(ref, tmp_path):
 def test_every_source_loads_the_same_function(ref, tmp_path):
     for name, src in sources(ref, tmp_path).items():
         model = fastzoo.create("vit_b16", pretrained=src, **ARCH)
-        assert model.config.num_classes == 10, name  # read from the head
+        assert model.config.num_classes == TINY["num_classes"], name  # read from the head
         assert same_function(model, ref), name
 
 
@@ -151,18 +152,18 @@ def test_unknown_model_and_override_names_suggest():
     assert isinstance(e.value, KeyError)
     with pytest.raises(TypeError, match="unknown override 'num_class'.*Did you mean 'num_classes'"):
         fastzoo.create("vit_b16", num_class=10)
-    with pytest.raises(ValueError, match="img_size=\\(30, 30\\) is not divisible by patch_size=8"):
-        fastzoo.create("vit_b16", img_size=30, patch_size=8, embed_dim=64, depth=1, num_heads=4)
+    with pytest.raises(ValueError, match=f"img_size=\\(30, 30\\) is not divisible by patch_size={ARCH['patch_size']}"):
+        fastzoo.create("vit_b16", **{**ARCH, "img_size": 30})
     with pytest.raises(ValueError, match="global_pool='max'"):
         fastzoo.create("vit_b16", global_pool="max")
 
 
 def test_wrong_image_shape_is_named():
     model = fastzoo.create("vit_b16", **TINY)
-    with pytest.raises(ValueError, match="images are 48x48, the model was built for img_size=\\(32, 32\\)"):
+    with pytest.raises(ValueError, match=f"images are 48x48, the model was built for img_size=\\({SIDE}, {SIDE}\\)"):
         model(torch.randn(1, 3, 48, 48))
     with pytest.raises(ValueError, match="images must be \\[B, C, H, W\\]"):
-        model(torch.randn(3, 32, 32))
+        model(torch.randn(3, SIDE, SIDE))
 
 
 def test_bare_state_dict_with_arch_overrides_still_loads(ref):
@@ -213,7 +214,7 @@ def test_load_pretrained_refuses_a_save_pretrained_dir_of_another_function(ref, 
         fastzoo.load_pretrained(model, tmp_path / "avg")
 
 
-GPT2_TINY = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=64)
+GPT2_TINY = conftest.TINY["gpt2"]
 
 
 def test_load_pretrained_refuses_an_hf_gpt2_dir_of_another_function(tmp_path):
@@ -230,7 +231,7 @@ def test_load_pretrained_refuses_an_hf_gpt2_dir_of_another_function(tmp_path):
     assert "layer_norm_epsilon: checkpoint 0.001 vs model 1e-05" in msg
     assert "pdrop" not in msg
     built = fastzoo.create("gpt2", attn="eager", pretrained=tmp_path)  # the way the error points to
-    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, GPT2_TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (built.eval()(ids).logits - hf.eval()(ids).logits).abs().max() <= 1e-4  # fp32 CPU, fastzoo.equivalence's rule
 
@@ -238,9 +239,11 @@ def test_load_pretrained_refuses_an_hf_gpt2_dir_of_another_function(tmp_path):
 def test_gpt2_state_dict_that_does_not_fit_the_variant_says_what_to_pass():
     import transformers
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_TINY))
-    with pytest.raises(CheckpointError, match=r"n_embd=32.*not divisible by n_head=12.*pass n_head= to fastzoo.create"):
+    width, heads = GPT2_TINY["n_embd"], GPT2_TINY["n_head"]
+    assert width % 12  # the gpt2 YAML's n_head=12 must not divide the tiny width
+    with pytest.raises(CheckpointError, match=rf"n_embd={width}.*not divisible by n_head=12.*pass n_head= to fastzoo.create"):
         fastzoo.create("gpt2", pretrained=hf.state_dict())  # the gpt2 YAML has n_head=12
-    assert fastzoo.create("gpt2", pretrained=hf.state_dict(), n_head=4).config.n_embd == 32
+    assert fastzoo.create("gpt2", pretrained=hf.state_dict(), n_head=heads).config.n_embd == width
 
 
 # -- wrapped live modules --------------------------------------------------------------
@@ -297,7 +300,7 @@ def test_convert_cli_round_trips_to_timm_and_fastzoo(ref, tmp_path):
 
     src = tmp_path / "timm.pth"
     torch.save(ref.state_dict(), src)
-    sets = ["--set", "embed_dim=64", "depth=2", "num_heads=4", "patch_size=8"]
+    sets = ["--set", *(f"{k}={v}" for k, v in ARCH.items())]
     assert main(["convert", "vit_b16", str(src), str(tmp_path / "fz"), *sets]) == 0
     assert same_function(fastzoo.create("vit_b16", pretrained=tmp_path / "fz"), ref)
     assert main(["convert", "vit_b16", str(tmp_path / "fz"), str(tmp_path / "back.safetensors"), "--to", "timm"]) == 0
