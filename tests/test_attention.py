@@ -260,7 +260,7 @@ def test_function_backend_without_capabilities_gets_the_conservative_default():
         ref = model.set_attention("eager")(x)
     assert (out - ref).abs().max() <= 1e-4  # fp32 CPU, same weights
     with pytest.raises(BackendUnavailableError, match="has no causal masking"):
-        fastzoo.create("gpt2", attn="plain_fn", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        fastzoo.create("gpt2", attn="plain_fn", **conftest.TINY["gpt2"])
     with pytest.raises(BackendUnavailableError, match="attn_drop_rate=0.1: build it with attn_drop_rate=0.0"):
         fastzoo.create("vit_b16", attn="plain_fn", attn_drop_rate=0.1, **TINY)
 

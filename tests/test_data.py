@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY
 
 import fastzoo
 from fastzoo.data import IGNORE_INDEX, nested, pack, pack_stream, pad_to_longest, pad_to_max
@@ -125,7 +126,7 @@ def test_next_token_targets_shift_inside_each_sequence():
 
 
 def test_loss_takes_a_model_output_for_its_logits():
-    m = fastzoo.create("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=20, n_positions=16).eval()
+    m = fastzoo.create("gpt2", **TINY["gpt2"]).eval()
     b = pad_to_longest(SEQS)
     with torch.no_grad():
         out = m(b.input_ids, attention_mask=b.attention_mask)

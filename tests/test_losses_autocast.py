@@ -5,6 +5,7 @@ tolerance. And the README recipe ``train_boxdet.py --giou kernel --amp bf16``,
 at tiny size."""
 import pytest
 import torch
+from conftest import TINY
 from torchvision.ops import generalized_box_iou_loss as tv_giou_loss
 
 import fastzoo
@@ -91,8 +92,7 @@ def test_every_giou_path_under_autocast(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_detector_loss_under_autocast_matches_fp32(dtype):
-    model = fastzoo.create("boxdet_r50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=32,
-                           num_queries=6, matcher="order").eval()
+    model = fastzoo.create("boxdet_r50", **TINY["boxdet"], matcher="order").eval()
     assert model.config.loss == "kernel"  # the detector's default: the padded fused op
     g = torch.Generator().manual_seed(1)
     images = torch.randn(3, 3, 32, 32, generator=g)

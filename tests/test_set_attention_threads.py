@@ -11,10 +11,11 @@ import threading
 
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 
-VIT = dict(img_size=16, patch_size=8, embed_dim=32, depth=6, num_heads=2, num_classes=3)
+VIT = {**TINY["vit"], "depth": 6}  # many layers, so a switch caught half-way shows
 BACKENDS = ["eager", "sdpa"]
 TOL = 1e-5  # eager vs sdpa, fp32 CPU: the same function up to summation order
 
@@ -34,8 +35,8 @@ def layer_backends(model) -> set:
 
 
 def test_concurrent_switches_leave_every_layer_on_the_named_backend(fast_switching):
-    """Two threads switch at once, 200 times (before the fix ~8% of rounds ended with some
-    layers on one backend and the name saying the other)."""
+    """Two threads switch at once, 200 times (a switch that is not atomic ends some rounds with
+    some layers on one backend and the name saying the other)."""
     model = fastzoo.create("vit_s16", **{**VIT, "depth": 12})
     mixed = 0
     for _ in range(200):
@@ -56,7 +57,7 @@ def test_concurrent_switches_leave_every_layer_on_the_named_backend(fast_switchi
 
 def test_forwards_during_switches_compute_the_reference(fast_switching):
     model = fastzoo.create("vit_s16", attn="eager", **VIT).eval()
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 3, VIT["img_size"], VIT["img_size"])
     with torch.no_grad():
         ref = model(x)
     stop, errors, worst = threading.Event(), [], [0.0]
@@ -95,7 +96,7 @@ def test_a_refused_switch_changes_nothing_under_contention(fast_switching, monke
 
     monkeypatch.setattr(attention, "_REGISTRY", dict(attention._REGISTRY))  # registration undone after the test
     fastzoo.register_attention("not_causal", lambda q, k, v, ctx: v)  # declares no causal masking
-    model = fastzoo.create("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, attn="eager")
+    model = fastzoo.create("gpt2", **TINY["gpt2"], attn="eager")
     refused, stop = [], threading.Event()
 
     def bad():

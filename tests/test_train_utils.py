@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import TINY
 
 import fastzoo
 from fastzoo.errors import CheckpointError
@@ -49,14 +50,15 @@ def test_bits_equal_sees_nan_payload_and_last_bit():
 
 
 def _tiny_vit():
-    return fastzoo.create("vit_s16", img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
+    return fastzoo.create("vit_s16", **TINY["vit"])
 
 
 def test_checkpoint_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     model = _tiny_vit()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
-    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    side = TINY["vit"]["img_size"]
+    model(torch.randn(2, 3, side, side)).sum().backward()
     opt.step()
     sched.step()
     save_checkpoint(tmp_path / "ck", model, opt, sched, TrainState(step=5, epoch=1, batch_in_epoch=2), WORLD)
