@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 
 from fastzoo.train.cli import UsageError
 
@@ -131,7 +132,7 @@ def test_recipe_finetune_vit(tmp_path):
     import fastzoo
 
     pre = tmp_path / "vit"
-    fastzoo.create("vit_b16", img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=5).save_pretrained(pre)
+    fastzoo.create("vit_b16", **TINY["vit"]).save_pretrained(pre)
     for cls in ("a", "b"):
         for i in range(4):
             _png(tmp_path / "DATA" / "train" / cls / f"{i}.png", 20, hash((cls, i)) % 1000)
@@ -142,7 +143,8 @@ def test_recipe_finetune_vit(tmp_path):
     losses = logged_losses(out)
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
     cfg = json.loads((out / "checkpoint-2" / "config.json").read_text())
-    assert cfg["num_classes"] == 2 and cfg["embed_dim"] == 32  # the pretrained file's architecture, the folder's classes
+    # the pretrained file's architecture, the folder's classes
+    assert cfg["num_classes"] == 2 and cfg["embed_dim"] == TINY["vit"]["embed_dim"]
 
 
 def test_recipe_finetune_gpt2(tmp_path):
@@ -155,10 +157,10 @@ def test_recipe_finetune_gpt2(tmp_path):
     tok_dir = tmp_path / "gpt2_dir"
     tok = bpe_tokenizer([text.read_text()], vocab_size=300)
     tok.save_pretrained(tok_dir)
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=len(tok))).save_pretrained(tok_dir)
+    GPT2LMHeadModel(GPT2Config(**{**TINY["gpt2"], "vocab_size": len(tok)})).save_pretrained(tok_dir)
     out = tmp_path / "out"
     ok(run("finetune_gpt2.py", "--config", CONFIGS / "finetune_gpt2.yaml", "--pretrained", tok_dir, "--tokenizer", tok_dir,
-           "--train-files", text, "--max-tokens", "64", "-b", "2", "--output-dir", out, *TINY_RUN))
+           "--train-files", text, "--max-tokens", TINY["gpt2"]["n_positions"], "-b", "2", "--output-dir", out, *TINY_RUN))
     losses = logged_losses(out)
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
 

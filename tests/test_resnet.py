@@ -4,6 +4,7 @@ import pytest
 import timm
 import torch
 import torchvision
+from conftest import TINY
 from torch import nn
 
 import fastzoo
@@ -124,19 +125,20 @@ def test_deeper_and_slimmer_checkpoints_infer_their_shape():
     peer = torchvision.models.resnet101(num_classes=3)
     ours = fastzoo.create("resnet50", pretrained=peer)
     assert ours.config.layers == (3, 4, 23, 3)
-    slim = fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=5)
+    sizes = {**TINY["resnet"], "channels": (8, 16, 32, 64)}  # narrower than resnet50's stages: the weights must tell
+    slim = fastzoo.create("resnet50", **sizes)
     again = fastzoo.create("resnet50", pretrained=slim.state_dict())
-    assert again.config.layers == (1, 1, 1, 1) and again.config.channels == (8, 16, 32, 64)
+    assert again.config.layers == sizes["layers"] and again.config.channels == sizes["channels"]
 
 
 def test_attention_backend_choice_is_harmless():
-    r = fastzoo.create("resnet50", attn="eager", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64))
+    r = fastzoo.create("resnet50", attn="eager", **TINY["resnet"])
     r.set_attention("flex")  # nothing to switch in a ResNet
     assert r.attention_backend is None
 
 
 def test_bad_inputs_raise():
-    r = fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64))
+    r = fastzoo.create("resnet50", **TINY["resnet"])
     with pytest.raises(ValueError, match="images"):
         r(torch.randn(3, 64, 64))
     with pytest.raises(CheckpointError, match="not a resnet checkpoint"):
