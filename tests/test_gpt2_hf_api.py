@@ -567,7 +567,7 @@ def test_bench_generate_rows_time_hf_and_fastzoo_with_equal_tokens():
     from fastzoo.models.spec import Workload
     from fastzoo.registry import get_entry
 
-    workload = Workload("tiny", dict(n_layer=1, n_embd=32, n_head=2, vocab_size=64), batch=3, max_len=12)
+    workload = Workload("tiny", dict(TINY), batch=3, max_len=12)
     suite = causal_lm_suite(get_entry("gpt2"), workload, backends=["sdpa", "varlen", "nested"], modes=("eval",))
     suite.groups = [g for g in suite.groups if "generate" in g.name]
     report = run_suite(suite, warmup=0, iters=1, progress=False)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import TINY
 
 import fastzoo
 
@@ -41,14 +42,14 @@ def test_verdicts_baseline_first_then_refusal_then_table_else_unclassified():
 
 
 def test_hf_swap_builds_fastzoo_gpt2_computing_hfs_function():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(**TINY["gpt2"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg).eval()
     m = swap_hf_gpt2.FastzooGPT2LMHeadModel(cfg)
-    assert isinstance(m, fastzoo.models.decoder.GPT2LMHeadModel) and m.config.n_embd == 32 and m.config.vocab_size == 50
+    assert isinstance(m, fastzoo.models.decoder.GPT2LMHeadModel)
+    assert m.config.n_embd == cfg.n_embd and m.config.vocab_size == cfg.vocab_size
     m.load_state_dict(fastzoo.create("gpt2", pretrained=hf).state_dict())
-    ids = torch.randint(0, 50, (2, 7))
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
     assert (m.eval()(ids).logits - hf(ids).logits).abs().max() <= 1e-4
     assert swap_hf_gpt2.FastzooGPT2LMHeadModel.__name__ == "GPT2LMHeadModel"
     assert swap_hf_gpt2.FastzooGPT2LMHeadModel.can_generate()  # class look-ups are fastzoo's class's
