@@ -19,6 +19,12 @@ def tiny_of(name: str) -> dict:
     return dict(get_entry(name).spec.tiny)
 
 
+def model_kwargs(config: dict, *fields: str) -> list[str]:
+    """``fields`` of ``config`` (a tiny config) as command-line ``KEY=VALUE`` words (the scripts'
+    ``--model-kwargs``, ``fastzoo convert --set``)."""
+    return [f"{k}={config[k]}" for k in fields]
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, model_kwargs
 
 import fastzoo
 from fastzoo.errors import CheckpointError
@@ -193,9 +193,8 @@ def test_resume_with_another_n_head_is_one_line_from_the_script(tmp_path, capsys
 
     mod = _main("finetune_vit.py")
     common = ["--synthetic", "8", "-b", "4", "--workers", "0", "--steps", "1", "--output-dir", str(tmp_path)]
-    vit = TINY["vit"]
-    tiny = [f"{k}={vit[k]}" for k in ("img_size", "patch_size", "embed_dim", "depth")]
-    heads = vit["num_heads"]
+    tiny = model_kwargs(TINY["vit"], "img_size", "patch_size", "embed_dim", "depth")
+    heads = TINY["vit"]["num_heads"]
     with pytest.raises(SystemExit) as e:
         mod.run_main(mod.main, [*common, "--model-kwargs", *tiny, f"num_heads={heads}"])
     assert e.value.code == 0

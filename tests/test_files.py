@@ -10,7 +10,7 @@ import stat
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, model_kwargs
 from safetensors.torch import load_file
 
 import fastzoo
@@ -138,7 +138,7 @@ def test_convert_over_its_own_source(tmp_path):
     timm_file = tmp_path / "timm.safetensors"
     assert cli(["convert", "vit_s16", str(tmp_path / "ck"), str(timm_file), "--to", "timm"]) == 0
     first = load_file(timm_file)
-    sets = ["--set", *(f"{k}={VIT[k]}" for k in ("embed_dim", "depth", "num_heads", "patch_size"))]  # what a timm file cannot tell
+    sets = ["--set", *model_kwargs(VIT, "embed_dim", "depth", "num_heads", "patch_size")]  # what a timm file cannot tell
     assert cli(["convert", "vit_s16", str(timm_file), str(timm_file), "--to", "timm", *sets]) == 0
     second = load_file(timm_file)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

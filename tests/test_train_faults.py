@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, model_kwargs
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--model", "vit_s16", "--model-kwargs", "img_size=16", "patch_size=8", "embed_dim=32", "depth=1",
-        "num_heads=2", "drop_rate=0.1", "--synthetic", "16", "-b", "4", "--lr", "1e-3", "--workers", "0",
+ARGS = ["--model", "vit_s16",
+        "--model-kwargs", *model_kwargs(TINY["vit"], "img_size", "patch_size", "embed_dim", "depth", "num_heads"), "drop_rate=0.1", "--synthetic", "16", "-b", "4", "--lr", "1e-3", "--workers", "0",
         "--log-interval", "1", "--steps", "4", "--ckpt-interval", "1", "--keep-checkpoints", "0"]
 # Runs the script with torch.save (train_state.pt is the last file of a checkpoint) replaced
 # by one that writes half its bytes and then kills the process, on the checkpoint of step K.

@@ -17,15 +17,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, model_kwargs
 from safetensors.torch import load_file
 
 import fastzoo
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--lr", "1e-3", "--workers", "0", "--log-interval", "1"]
-VIT = ["--model", "vit_s16", "--model-kwargs", "img_size=16", "patch_size=8", "embed_dim=32", "depth=2", "num_heads=2",
+
+
+# The spec's tiny ViT, narrower and on 16px images: at 64 wide / 32px, two processes end two
+# steps with 2 weights past 1e-5 of one process's (Adam's first +-lr step on gradients at fp32
+# noise), and test_torchrun_two_gloo_processes_match_one allows none for the ViT.
+VIT_SIZES = {**TINY["vit"], "img_size": 16, "embed_dim": 32, "num_heads": 2}
+# the class count is the script's (--num-classes, the data) and the vocabulary the tokenizer's: neither is passed
+VIT = ["--model", "vit_s16",
+       "--model-kwargs", *model_kwargs(VIT_SIZES, "img_size", "patch_size", "embed_dim", "depth", "num_heads"),
        "--synthetic", "32", "-b", "8"]
-GPT2 = ["--model", "gpt2", "--model-kwargs", "n_layer=2", "n_embd=32", "n_head=2", "n_positions=64",
+GPT2 = ["--model", "gpt2", "--model-kwargs", *model_kwargs(TINY["gpt2"], "n_layer", "n_embd", "n_head", "n_positions"),
         "--max-tokens", "128", "-b", "2", "--validation-split-percentage", "10"]
 BOXDET = ["--model", "boxdet_r50", "--synthetic", "8", "--img-size", "32", "--num-queries", "4", "-b", "2"]
 # Randomness and train-mode state for the resume / NaN-capture runs: dropout (gpt2: 0.1 by
@@ -228,13 +237,13 @@ def test_boxdet_pretrained_takes_a_detector_or_a_resnet_backbone(tmp_path):
     """--pretrained: a ResNet checkpoint goes into the backbone (fc dropped, head fresh); a
     detector's state dict file or save_pretrained directory loads whole."""
     mod = _main("train_boxdet.py")
-    tiny = ["layers=(1, 1, 1, 1)", "channels=(8, 16, 32, 64)", "hidden_dim=16"]
+    tiny = model_kwargs(TINY["boxdet"], "layers", "channels", "hidden_dim")
 
     def build(pretrained):
         args = mod.build_parser().parse_args(["--synthetic", "4", "--model-kwargs", *tiny, "--pretrained", str(pretrained)])
         return mod.create_detector(args, "cpu", num_queries=3)
 
-    resnet = fastzoo.create("resnet50", layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), num_classes=5)
+    resnet = fastzoo.create("resnet50", **{k: TINY["boxdet"][k] for k in ("layers", "channels")}, num_classes=5)  # its backbone
     tv = fastzoo.export_state_dict(resnet, "torchvision")  # a torchvision-format file with an fc
     torch.save(tv, tmp_path / "r.pth")
     resnet.save_pretrained(tmp_path / "r_dir")

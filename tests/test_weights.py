@@ -300,7 +300,7 @@ def test_convert_cli_round_trips_to_timm_and_fastzoo(ref, tmp_path):
 
     src = tmp_path / "timm.pth"
     torch.save(ref.state_dict(), src)
-    sets = ["--set", *(f"{k}={v}" for k, v in ARCH.items())]
+    sets = ["--set", *conftest.model_kwargs(ARCH, *ARCH)]
     assert main(["convert", "vit_b16", str(src), str(tmp_path / "fz"), *sets]) == 0
     assert same_function(fastzoo.create("vit_b16", pretrained=tmp_path / "fz"), ref)
     assert main(["convert", "vit_b16", str(tmp_path / "fz"), str(tmp_path / "back.safetensors"), "--to", "timm"]) == 0
