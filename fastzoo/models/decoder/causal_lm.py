@@ -29,6 +29,13 @@ from fastzoo.models.base import FastzooModel
 from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
 
 
+# The logits block the training loss may hold: one pass over the LM head (the gradient computed
+# with the loss, no second matmul) wherever 256 tokens x the vocabulary fit, as in every decoder
+# vocabulary up to 262k tokens in fp32; the block stays under a third of the [tokens, vocab]
+# logits a loss on materialised logits holds (with its gradient) from about 600 tokens up.
+LM_HEAD_BLOCK_BYTES = 256 << 20
+
+
 class CausalLM(CausalLMConventions, FastzooModel):
     """Base of fastzoo's decoders (see the module docstring). A subclass sets ``body_name``
     (the attribute holding its layers: ``transformer`` / ``model``), ``output_class`` (the name
@@ -179,7 +186,8 @@ class CausalLM(CausalLMConventions, FastzooModel):
         h_ND = h.reshape(-1, h.shape[-1])
         logits = None
         if self.training:  # no logits: the loss is fused with the LM head
-            loss = linear_cross_entropy(h_ND, self.lm_head.weight, targets_N, ignore_index=IGNORE_INDEX, reduction=reduction)
+            loss = linear_cross_entropy(h_ND, self.lm_head.weight, targets_N, ignore_index=IGNORE_INDEX, reduction=reduction,
+                                        block_bytes=LM_HEAD_BLOCK_BYTES)
         else:
             logits_NV = self.lm_head(h_ND)
             loss = F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction=reduction)
