@@ -40,18 +40,22 @@ def causal_lm_suite(
     backends: list[str],
     modes=("eval", "train"),
     recipes=(BASELINE,),
+    steps=("logits", "labels"),
     device="cpu",
     seed: int = 0,
 ) -> Suite:
-    """``entry``: the registry entry whose variant ``workload`` changes."""
+    """``entry``: the registry entry whose variant ``workload`` changes. ``steps``: the logits
+    step (every layout, loss on the real tokens' logits) and, in train mode, the step as users
+    write it (``labels=``), each under every recipe."""
     device = torch.device(device)
     m = _Models(entry, workload, device, seed)
     batch = _Batch.draw(m, workload, device, seed)
     groups = []
     for mode in map(check_mode, modes):
-        groups += [_layouts_group(m, batch, mode, recipe, backends) for recipe in recipes]
-    if "train" in modes:
-        groups.append(_labels_group(m, batch, backends))
+        if "logits" in steps:
+            groups += [_layouts_group(m, batch, mode, recipe, backends) for recipe in recipes]
+    if "train" in modes and "labels" in steps:
+        groups += [_labels_group(m, batch, backends, recipe) for recipe in recipes]
     if "eval" in modes:
         groups.append(_generate_group(m, batch, backends))
     config = {"model": m.describe(), "peer": f"{m.peer_label}, padded to the longest", "tokens/s": "real tokens only",
@@ -239,10 +243,12 @@ def _layouts_group(m: _Models, batch: _Batch, mode: str, recipe: Recipe, backend
 
 
 # -- the training step as users write it: labels= ---------------------------------------------
-def _labels_group(m: _Models, batch: _Batch, backends) -> Group:
-    """``model(..., labels=...).loss.backward()``: the original computes the logits and
-    ``cross_entropy`` on them; fastzoo in train mode computes the loss from the hidden states
-    with the fused ``linear_cross_entropy`` (no ``[tokens, vocabulary]`` logits)."""
+def _labels_group(m: _Models, batch: _Batch, backends, recipe: Recipe = BASELINE) -> Group:
+    """``model(..., labels=...).loss.backward()`` under ``recipe``: the original computes the
+    logits and ``cross_entropy`` on them; fastzoo in train mode computes the loss from the hidden
+    states with the fused ``linear_cross_entropy`` (no ``[tokens, vocabulary]`` logits). Outside
+    fp32 the original as its users run it (fp32) is the peer, the original under the recipe the
+    precision's reference."""
     from fastzoo.losses import IGNORE_INDEX, causal_lm_loss
 
     ids, mask = (t.to(m.device) for t in batch.padded["longest"])
@@ -252,12 +258,12 @@ def _labels_group(m: _Models, batch: _Batch, backends) -> Group:
     packed = ((p.input_ids,), dict(position_ids=p.position_ids, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
                                    labels=p.labels))
 
-    def loss_step(model, inputs, original=False):
+    def loss_step(model, inputs, original=False, gate=True):
         args, kwargs = inputs
         step = model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
-                          items=batch.real, view=lambda out: out.loss.reshape(1))
+                          items=batch.real, view=lambda out: out.loss.reshape(1).float())
         step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs else ids.shape[1], True)
-        return compared_as(step, spec=m.spec, names=m.names, original=original)
+        return compared_as(step, spec=m.spec, names=m.names, original=original, gate=gate)
 
     def reference():  # fp32 logits materialised, the original's loss on them: the function both sides compute
         model = m.fastzoo("eager", BASELINE).train()
@@ -266,15 +272,23 @@ def _labels_group(m: _Models, batch: _Batch, backends) -> Group:
         return {"output": loss.detach().reshape(1),
                 **{f"grad:{n}": q.grad.detach().float().clone() for n, q in model.named_parameters() if q.grad is not None}}
 
-    cases = [Case(f"{m.peer_label}, labels", lambda: loss_step(m.users_original(BASELINE), padded, True), peer=True)]
+    baseline = recipe == BASELINE
+    if baseline:
+        cases = [Case(f"{m.peer_label}, labels", lambda: loss_step(m.users_original(BASELINE), padded, True), peer=True)]
+    else:
+        cases = [Case(f"{m.peer_label}, labels, fp32 eager", lambda: loss_step(m.users_original(BASELINE), padded, gate=False),
+                      peer=True, dtype=torch.float32),
+                 Case(f"{m.peer_label}, labels", lambda: loss_step(m.users_original(recipe), padded, True), reference=True,
+                      original=True)]
     for b in backends:
         caps = fastzoo.attention.backend_class(b).capabilities
         if caps.padding_mask and b in ("eager", "sdpa"):
             cases.append(Case(f"fastzoo padded to longest ({b}), labels: fused loss",
-                              lambda b=b: loss_step(m.fastzoo(b, BASELINE), padded), reference=b == "eager"))
+                              lambda b=b: loss_step(m.fastzoo(b, recipe), padded), reference=baseline and b == "eager"))
         if caps.varlen:
-            cases.append(Case(f"fastzoo packed ({b}), labels: fused loss", lambda b=b: loss_step(m.fastzoo(b, BASELINE), packed)))
-    return Group(f"{m.workload.name} | train with labels", cases, reference=reference, unit="tokens/s", cpu_memory=True)
+            cases.append(Case(f"fastzoo packed ({b}), labels: fused loss", lambda b=b: loss_step(m.fastzoo(b, recipe), packed)))
+    return Group(f"{m.workload.name} | train with labels | {recipe.name}", cases, reference=reference, unit="tokens/s",
+                 cpu_memory=True, dtype=recipe.dtype)
 
 
 # -- generate with the KV cache ----------------------------------------------------------------
@@ -344,15 +358,15 @@ class _Loop(torch.nn.Module):
 
 
 def use_code(entry, label: str) -> str | None:
-    """The code a user writes for the fastzoo case ``label`` of the logits step (None: another case)."""
+    """The code a user writes for the fastzoo case ``label`` (None: another case)."""
     import re
 
     create = 'fastzoo.create("{name}", attn="{b}")'.format
     if label == "fastzoo nested":
         return create(name=entry.name, b="nested") + " on fastzoo.data.nested(seqs)"
-    found = re.fullmatch(r"fastzoo (packed|padded to longest) \((\w+)\)", label)
+    found = re.fullmatch(r"fastzoo (packed|padded to longest) \((\w+)\)(, labels: fused loss)?", label)
     if found is None:
         return None
-    layout, backend = found.groups()
+    layout, backend, labels = found.groups()
     data = "pack" if layout == "packed" else "pad_to_longest"
-    return create(name=entry.name, b=backend) + f" on fastzoo.data.{data}(seqs)"
+    return create(name=entry.name, b=backend) + f" on fastzoo.data.{data}(seqs)" + (", labels=: the fused loss" if labels else "")

@@ -109,10 +109,10 @@ def _causal_lm(spec, size, device, compile) -> Entry:
 
     entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
     suite = causal_lm_suite(entry, spec.bench.sizes[size], backends=_train_backends(device), modes=("train",),
-                            recipes=tried, device=device)
+                            recipes=tried, steps=("labels",), device=device)
     groups = _recipe_groups(suite, tried)
     paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
-    # the logits step per recipe: the original (as its users run it, and under the recipe) and fastzoo's paths
+    # the step as users write it (labels=) per recipe: the original (as its users run it, and under the recipe) and fastzoo's paths
     suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if c.peer or c.original or c.label in paths])
                                    for g in suite.groups if g.name in groups])
     return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, groups, device.type)
@@ -208,7 +208,7 @@ def _errors(r: Row, fmt: str) -> str:
     def one(name, err, bound):
         return f"{name} {err:{fmt}}" + (f" (<= {bound:.0e})" if bound is not None else "")
 
-    parts = [one("logits", r.max_err, r.out_bound)]
+    parts = [one("loss" if "labels" in r.group else "logits", r.max_err, r.out_bound)]
     if r.grad_err is not None:
         parts.append(one("grads", r.grad_err, r.grad_bound))
     return ", ".join(parts) + f", {r.precision} rule"
