@@ -101,7 +101,7 @@ def loss_targets(reports: dict) -> list[str]:
                      f"{after.median_s * 1e3:.1f} ms after ({before.median_s / after.median_s:.1f}x), one host copy per batch")
     c = reports.get("linear_ce")
     if c is not None and not c.skipped:
-        head = c.rows[0].group  # GPT-2's head (the suite's second group is the Llama-3 vocabulary)
+        head = c.rows[0].group  # GPT-2's head (the suite's second group is the 128256-token vocabulary)
         rows = {r.label.split(" ")[0].rstrip(":"): r for r in c.rows if r.median_s and r.group == head}
         ref, ours, op = rows.get("reference"), rows.get("fastzoo"), rows.get("torch")
         if ref and ours and op and ref.peak_mem_mib and ours.peak_mem_mib and op.peak_mem_mib:

@@ -53,7 +53,7 @@ class LinearCESetting:
 
 TARGET_SETTING = LinearCESetting("4096 tokens, GPT-2 head", 4096, 768, 50257)
 # 256 MiB: every token in one chunk in bf16, two chunks in fp32; a third of the logits path's peak or less
-LLAMA3_SETTING = LinearCESetting("1024 tokens, Llama-3 vocabulary", 1024, 256, 128256, one_pass_mib=256)
+LARGE_VOCAB_SETTING = LinearCESetting("1024 tokens, 128256-token vocabulary", 1024, 256, 128256, one_pass_mib=256)
 
 
 @dataclass
@@ -129,7 +129,7 @@ def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
 
 
 def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32, seed: int = 0,
-                    limits: machine.Limits | bool = True, large_vocab: LinearCESetting | None = LLAMA3_SETTING) -> Suite:
+                    limits: machine.Limits | bool = True, large_vocab: LinearCESetting | None = LARGE_VOCAB_SETTING) -> Suite:
     """``setting`` against GPT-2's logits path, and ``large_vocab`` (None: left out) against
     Hugging Face's Llama loss. ``limits``: True measures them in this run (quick), or pass ones
     measured for several suites; False: no limit columns."""
