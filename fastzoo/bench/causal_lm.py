@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +52,12 @@ def causal_lm_suite(
     batch = _Batch.draw(m, workload, device, seed)
     groups = []
     for mode in map(check_mode, modes):
-        if "logits" in steps:
-            groups += [_layouts_group(m, batch, mode, recipe, backends) for recipe in recipes]
+        if "logits" in steps:  # one fp32 reference for every recipe's group
+            reference = cache(partial(_logits_reference, m, batch, mode))
+            groups += [_layouts_group(m, batch, mode, recipe, backends, reference) for recipe in recipes]
     if "train" in modes and "labels" in steps:
-        groups += [_labels_group(m, batch, backends, recipe) for recipe in recipes]
+        reference = cache(partial(_labels_reference, m, batch))
+        groups += [_labels_group(m, batch, backends, recipe, reference) for recipe in recipes]
     if "eval" in modes:
         groups.append(_generate_group(m, batch, backends))
     config = {"model": m.describe(), "peer": f"{m.peer_label}, padded to the longest", "tokens/s": "real tokens only",
@@ -232,45 +234,58 @@ def _original_cases(m: _Models, batch: _Batch, mode: str, recipe: Recipe) -> lis
             Case(f"{m.bench.library} loop, one sequence at a time", original("loop"), compiled=c)]
 
 
-def _layouts_group(m: _Models, batch: _Batch, mode: str, recipe: Recipe, backends) -> Group:
-    @cache
-    def reference():  # fastzoo eager in fp32, padded to the longest: sequence by sequence, the function of every case
-        return _step(m, batch, m.fastzoo("eager", BASELINE), mode, "longest", BASELINE).outputs()
+def _logits_reference(m: _Models, batch: _Batch, mode: str) -> dict:
+    """fastzoo eager in fp32, padded to the longest: sequence by sequence, the function of every case."""
+    return _step(m, batch, m.fastzoo("eager", BASELINE), mode, "longest", BASELINE).outputs()
 
+
+def _layouts_group(m: _Models, batch: _Batch, mode: str, recipe: Recipe, backends, reference) -> Group:
     cases = _original_cases(m, batch, mode, recipe) + _fastzoo_cases(m, batch, mode, recipe, backends)
     return Group(f"{m.workload.name} | {mode} | {recipe.name}", cases, reference=reference, unit="tokens/s",
                  dtype=recipe.dtype)
 
 
 # -- the training step as users write it: labels= ---------------------------------------------
-def _labels_group(m: _Models, batch: _Batch, backends, recipe: Recipe = BASELINE) -> Group:
+def _labels_inputs(m: _Models, batch: _Batch) -> tuple[tuple, tuple]:
+    """(args, kwargs) with ``labels``: the batch padded to the longest (HF's convention: padding
+    not scored) and packed."""
+    from fastzoo.losses import IGNORE_INDEX
+
+    ids, mask = (t.to(m.device) for t in batch.padded["longest"])
+    padded = ((ids,), {"attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)})
+    p = batch.packed
+    packed = ((p.input_ids,), dict(position_ids=p.position_ids, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
+                                   labels=p.labels))
+    return padded, packed
+
+
+def _labels_reference(m: _Models, batch: _Batch) -> dict:
+    """fp32 logits materialised, the original's loss on them: the function both sides compute."""
+    from fastzoo.losses import causal_lm_loss
+
+    (ids,), kwargs = _labels_inputs(m, batch)[0]
+    model = m.fastzoo("eager", BASELINE).train()
+    loss = causal_lm_loss(_logits(model(ids, attention_mask=kwargs["attention_mask"])).float(), kwargs["labels"])
+    loss.backward()
+    return {"output": loss.detach().reshape(1),
+            **{f"grad:{n}": q.grad.detach().float().clone() for n, q in model.named_parameters() if q.grad is not None}}
+
+
+def _labels_group(m: _Models, batch: _Batch, backends, recipe: Recipe, reference) -> Group:
     """``model(..., labels=...).loss.backward()`` under ``recipe``: the original computes the
     logits and ``cross_entropy`` on them; fastzoo in train mode computes the loss from the hidden
     states with the fused ``linear_cross_entropy`` (no ``[tokens, vocabulary]`` logits). Outside
     fp32 the original as its users run it (fp32) is the peer, the original under the recipe the
     precision's reference."""
-    from fastzoo.losses import IGNORE_INDEX, causal_lm_loss
-
-    ids, mask = (t.to(m.device) for t in batch.padded["longest"])
-    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)  # HF's convention: padding not scored
-    padded = ((ids,), {"attention_mask": mask, "labels": labels})
-    p = batch.packed
-    packed = ((p.input_ids,), dict(position_ids=p.position_ids, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
-                                   labels=p.labels))
+    padded, packed = _labels_inputs(m, batch)
+    width = padded[0][0].shape[1]
 
     def loss_step(model, inputs, original=False, gate=True):
         args, kwargs = inputs
         step = model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
                           items=batch.real, view=lambda out: out.loss.reshape(1).float())
-        step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs else ids.shape[1], True)
+        step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs else width, True)
         return compared_as(step, spec=m.spec, names=m.names, original=original, gate=gate)
-
-    def reference():  # fp32 logits materialised, the original's loss on them: the function both sides compute
-        model = m.fastzoo("eager", BASELINE).train()
-        loss = causal_lm_loss(_logits(model(ids, attention_mask=mask)).float(), labels)
-        loss.backward()
-        return {"output": loss.detach().reshape(1),
-                **{f"grad:{n}": q.grad.detach().float().clone() for n, q in model.named_parameters() if q.grad is not None}}
 
     baseline = recipe == BASELINE
     if baseline:

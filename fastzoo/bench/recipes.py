@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastzoo.bench.limits import cpu_bf16_units
 from fastzoo.text import DTYPES
 
 PRECISIONS = ("fp32", "bf16 autocast", "bf16", "fp16")
@@ -70,10 +71,7 @@ def native_bf16(device) -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return True
-    if device.type != "cpu":
-        return False
-    cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return device.type == "cpu" and bool(cpu_bf16_units())
 
 
 def low_precisions(device) -> tuple[str, ...]:
