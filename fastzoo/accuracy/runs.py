@@ -357,8 +357,12 @@ def _original(cfg: RunConfig):
     """The original library's model of ``cfg.model``, built from its config and ``cfg.overrides``, as
     its users run it (the family's spec); None for a family without one (the box detector: its arms
     differ in the loss)."""
-    entry = get_entry(cfg.model)
-    return entry.spec.original_as_users_run_it({**entry.config, **cfg.overrides})
+    return get_entry(cfg.model).spec.original_as_users_run_it(_model_config(cfg))
+
+
+def _model_config(cfg: RunConfig) -> dict:
+    """``cfg.model``'s config fields with the run's ``overrides``."""
+    return {**get_entry(cfg.model).config, **cfg.overrides}
 
 
 def _models(cfg: RunConfig, device):
@@ -472,7 +476,7 @@ class TextTask(Task):
 
         docs = pydoc_documents()
         tok = bpe_tokenizer(docs, cfg.data.vocab_size)
-        if len(tok) > {**get_entry(cfg.model).config, **cfg.overrides}["vocab_size"]:
+        if len(tok) > _model_config(cfg)["vocab_size"]:
             raise ConfigError(f"overrides.vocab_size must be >= the tokenizer's {len(tok)} ids")
         seqs = []
         for d in docs:
