@@ -20,9 +20,9 @@ class GPT2Config(ModelConfig):
 
     vocab_size: int = weights_decide(50257, "tokens in the vocabulary", ge=1)
     n_positions: int = weights_decide(1024, "longest sequence (learned position embeddings)", ge=1)
-    n_embd: int = weights_decide(768, "width D", ge=1)
+    n_embd: int = weights_decide(768, "width D", ge=1, multiple_of="n_head")
     n_layer: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
-    n_head: int = changes_function(12, "attention heads; n_embd must divide by it", ge=1)
+    n_head: int = changes_function(12, "attention heads", ge=1)
     n_inner: int | None = weights_decide(None, "MLP hidden width; None: 4 * n_embd", ge=1,
                                          compare=lambda c: c.n_inner or 4 * c.n_embd)
     activation_function: str = changes_function("gelu_new", "MLP activation (HF ACT2FN name)", choices=HF_ACTIVATIONS)
@@ -46,10 +46,6 @@ class GPT2Config(ModelConfig):
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
         return self
 
-    def validate(self):
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}", fields=("n_embd", "n_head"))
-
 
 LAYOUTS = ("llama", "qwen2", "mistral")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -67,9 +63,10 @@ class LlamaConfig(ModelConfig):
     hidden_size: int = weights_decide(4096, "width D", ge=1)
     intermediate_size: int = weights_decide(11008, "gated MLP hidden width", ge=1)
     num_hidden_layers: int = weights_decide(32, "decoder blocks", ge=1, le=MAX_BLOCKS)
-    num_attention_heads: int = changes_function(32, "query heads", ge=1)
+    num_attention_heads: int = changes_function(32, "query heads (a multiple of the key/value heads)", ge=1,
+                                                multiple_of="num_key_value_heads")
     num_key_value_heads: int | None = changes_function(
-        None, "key/value heads (grouped-query attention); divides num_attention_heads; None: num_attention_heads",
+        None, "key/value heads (grouped-query attention); None: num_attention_heads",
         ge=1, compare=lambda c: c.kv_heads)
     head_dim: int | None = changes_function(None, "width of a head; None: hidden_size // num_attention_heads", ge=2,
                                             compare=lambda c: c.head_size)
@@ -88,7 +85,7 @@ class LlamaConfig(ModelConfig):
         None, "attention window of sliding layers: a query sees itself and the sliding_window - 1 keys before it", ge=1)
     layer_types: tuple[str, ...] | None = changes_function(
         None, "per layer full_attention or sliding_attention (qwen2's max_window_layers); None: every layer sliding "
-              "if sliding_window is set, else full", compare=lambda c: tuple(c.window_of(i) for i in range(c.num_hidden_layers)))
+              "if sliding_window is set, else full", choices=LAYER_TYPES, compare=lambda c: tuple(c.window_of(i) for i in range(c.num_hidden_layers)))
     attention_dropout: float = free(0.0, "attention dropout", ge=0, le=1)
     initializer_range: float = free(0.02, "std of the initial weights", ge=0)
     bos_token_id: int | None = free(1, "beginning-of-text token id (generate)", ge=0)
@@ -138,9 +135,6 @@ class LlamaConfig(ModelConfig):
         if self.head_size % 2:
             raise ConfigError(f"head_dim={self.head_size}: rotary embeddings rotate pairs, the head width must be even",
                               fields=("head_dim",))
-        if self.num_attention_heads % self.kv_heads:
-            raise ConfigError(f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}",
-                              fields=("num_key_value_heads", "num_attention_heads"))
         if self.model_type != "llama" and (self.attention_bias or self.mlp_bias):
             raise ConfigError(f"attention_bias / mlp_bias: the {self.model_type} layout has fixed biases (qwen2: q/k/v "
                               "only; mistral: none); these are llama fields", fields=("attention_bias", "mlp_bias"))
@@ -148,7 +142,7 @@ class LlamaConfig(ModelConfig):
             raise ConfigError("sliding_window: the llama layout attends to every earlier key; model_type='mistral' or "
                               "'qwen2' has sliding windows", fields=("sliding_window", "model_type"))
         if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            if len(self.layer_types) != self.num_hidden_layers:
                 raise ConfigError(f"layer_types={list(self.layer_types)}: one of {', '.join(LAYER_TYPES)} per layer "
                                   f"({self.num_hidden_layers})", fields=("layer_types",))
             if self.model_type != "qwen2":
