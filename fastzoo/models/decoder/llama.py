@@ -96,7 +96,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # transformers' padding_idx: the pad token's row gets no gradient from the lookup
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None and cfg.pad_token_id < cfg.vocab_size else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.head_size, cfg.max_position_embeddings)
