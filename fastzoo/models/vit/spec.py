@@ -12,6 +12,7 @@ from torch import nn
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.models.vit import timm_names
 from fastzoo.models.vit.config import ViTConfig
+from fastzoo.models.vit import hf
 from fastzoo.models.vit.convert import VIT
 from fastzoo.models.vit.model import VisionTransformer
 
@@ -80,7 +81,7 @@ SPEC = ModelSpec(
     model=VisionTransformer,
     variants=tuple(_timm_variant(name, derived) for name, derived in _TIMM["variants"].items()),
     refused={name: "; ".join(reasons) for name, reasons in _TIMM["refused"].items()},
-    converters=(VIT,),
+    converters=(VIT, hf.HF_VIT),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
