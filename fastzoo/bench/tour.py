@@ -31,7 +31,8 @@ import torch
 
 from fastzoo import files
 from fastzoo.bench import limits as machine
-from fastzoo.bench.harness import Report, Row, Suite, bound_text, run_suite
+from fastzoo.bench.harness import Report, Row, Suite, run_suite
+from fastzoo.bench.report import bound_text
 from fastzoo.machine import device_name, versions
 from fastzoo.bench.recipes import BASELINE, Recipe, recipes
 
