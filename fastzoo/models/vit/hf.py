@@ -382,9 +382,10 @@ def hf_config_dict(config) -> dict:
 def _dinov2_ratio(D: int, hidden: int, swiglu: bool) -> float:
     """transformers' DINOv2 mlp_ratio that gives fastzoo's fc1 width ``hidden``."""
     if not swiglu:
-        return hidden / D
+        ratio = hidden / D
+        return int(ratio) if ratio.is_integer() else ratio  # transformers' field is an int where it can be
     ratio = hidden / D * 3 / 4  # 2 * int(int(D * r) * 2/3) rounded to 8 == hidden: try the ratio it came from
-    for r in (ratio, 4.0, hidden / D):
+    for r in (4, ratio, hidden / D):
         if 2 * _swiglu_hidden(D, r) == hidden:
             return r
     raise CheckpointError(f"mlp_layer='swiglu_packed' with fc1 width {hidden}: no transformers DINOv2 mlp_ratio gives it")

@@ -255,6 +255,11 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
             notes.append(f"img_size={self.config.img_size}: position embedding resampled (bicubic) to {self.patch_embed.grid_size}")
         return state, fresh, notes
 
+    def hf_pretrained(self) -> tuple[dict, dict]:
+        from fastzoo.models.vit import hf
+
+        return hf.hf_config_dict(self.config), hf.from_fastzoo(self.state_dict(), self.config)
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A fresh head for ``num_classes`` (0: none) on the model's device and dtype, and
         optionally another pooling ('token', 'avg', '' for none), as timm's. The final norm
