@@ -289,11 +289,14 @@ def _case_grads(d: dict) -> dict[str, torch.Tensor]:
 
 # -- comparing two models ----------------------------------------------------------------------
 def logits_of(out) -> torch.Tensor:
-    """The tensor a model returns: itself, ``.logits`` (HF outputs), ``["logits"]`` or the first element."""
+    """The tensor a model returns: itself, ``.logits`` (HF outputs), a tower's ``.pooler_output``
+    (transformers' vision towers), ``["logits"]`` or the first element."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "logits"):
         return out.logits
+    if getattr(out, "pooler_output", None) is not None:
+        return out.pooler_output
     if isinstance(out, Mapping):
         return out["logits"]
     if isinstance(out, (tuple, list)):

@@ -41,7 +41,7 @@ ARCHITECTURES = {
 _MODEL_TYPES = {"vit": "vit", "dinov2": "dinov2", "clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 _ACT_IN = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _ACT_OUT = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_tanh": "gelu_pytorch_tanh"}
-_WHOLE_MODEL = ("text_model.", "text_projection.", "logit_scale", "logit_bias")  # CLIPModel / SiglipModel, not the tower
+_WHOLE_MODEL = ("text_model.", "text_projection.", "visual_projection.", "logit_scale", "logit_bias")  # CLIPModel / SiglipModel, not the tower
 # the hub files' names (transformers 4) -> transformers 5's, for ViT and DeiT
 _OLD_VIT = [(r"encoder\.layer\.(\d+)\.", r"layers.\1."), (r"attention\.attention\.query\.", "attention.q_proj."),
             (r"attention\.attention\.key\.", "attention.k_proj."), (r"attention\.attention\.value\.", "attention.v_proj."),
@@ -384,8 +384,8 @@ def _dinov2_ratio(D: int, hidden: int, swiglu: bool) -> float:
     if not swiglu:
         ratio = hidden / D
         return int(ratio) if ratio.is_integer() else ratio  # transformers' field is an int where it can be
-    ratio = hidden / D * 3 / 4  # 2 * int(int(D * r) * 2/3) rounded to 8 == hidden: try the ratio it came from
-    for r in (4, ratio, hidden / D):
+    ratio = hidden / D * 3 / 4  # 2 * int(int(D * r) * 2/3) rounded to 8 == hidden: an int first (the config's type)
+    for r in (*range(1, 33), ratio, hidden / D):
         if 2 * _swiglu_hidden(D, r) == hidden:
             return r
     raise CheckpointError(f"mlp_layer='swiglu_packed' with fc1 width {hidden}: no transformers DINOv2 mlp_ratio gives it")
