@@ -226,8 +226,6 @@ def _clean(obj, origin: str) -> dict:
     return out
 
 
-
-
 def storage_problem(value: torch.Tensor) -> str | None:
     """Why ``value`` is not a dense tensor holding its values, or None."""
     if value.is_meta:
@@ -239,7 +237,6 @@ def storage_problem(value: torch.Tensor) -> str | None:
     if value.layout != torch.strided:
         return f"a {str(value.layout).replace('torch.', '')} tensor; make it dense first (tensor.to_dense())"
     return None
-
 
 
 def name_list(keys: list[str], limit: int = 12) -> str:

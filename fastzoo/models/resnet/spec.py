@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from fastzoo.models.resnet.config import ResNetConfig, bottleneck_width
 from fastzoo.models.resnet import hf
+from fastzoo.models.resnet.config import ResNetConfig, bottleneck_width
 from fastzoo.models.resnet.convert import RESNET, TIMM_RESNET
 from fastzoo.models.resnet.model import ResNet
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
+from fastzoo.tasks import IMAGE_CLASSIFICATION
 
 TORCHVISION_CHANNELS = (64, 128, 256, 512)  # torchvision's stage widths (its ResNet has no argument for them)
 
@@ -76,7 +77,7 @@ def _hf_variant(depth: int, block: str, layers: tuple[int, ...]) -> Variant:
 
 SPEC = ModelSpec(
     family="resnet",
-    task="image-classification",
+    task=IMAGE_CLASSIFICATION,
     model=ResNet,
     variants=(
         _variant("resnet18", (2, 2, 2, 2), "ResNet-18 (basic blocks)", block="basic"),
