@@ -6,6 +6,7 @@ from fastzoo.models.detr.config import DetrConfig
 from fastzoo.models.detr.convert import HF
 from fastzoo.models.detr.model import DetrForObjectDetection
 from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.tasks import DETECTION
 
 
 def build_original(cfg: dict):
@@ -22,7 +23,7 @@ def build_original(cfg: dict):
 R50 = dict(backbone="timm", layer_type="bottleneck", depths=(3, 4, 6, 3), hidden_sizes=(256, 512, 1024, 2048))
 SPEC = ModelSpec(
     family="detr",
-    task="detection",
+    task=DETECTION,
     model=DetrForObjectDetection,
     variants=(
         Variant("detr", dict(R50), "DETR ResNet-50 (COCO's 91 label ids, 100 queries, 6+6 layers)",
