@@ -41,17 +41,13 @@ forward with a message that names the missing piece.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import importlib.machinery
-import importlib.util
 import itertools
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 
+from fastzoo.attention.availability import package_available, unavailable  # noqa: F401  (re-exported)
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.text import dtype_name  # noqa: F401  (re-exported: backends name dtypes in messages)
 
@@ -163,23 +159,6 @@ class KernelProfile:
     fallbacks: tuple[tuple[str, str], ...] = ()
     missing: str | None = None
     checked: bool = True  # False: a user's backend, whose kernels fastzoo cannot know
-
-
-def package_available(name: str) -> bool:
-    """Whether module ``name`` (dotted: the submodule a backend calls) is installed, found
-    without importing it or its parents (``importlib.util.find_spec`` would import the parents:
-    a kernel library's ``__init__`` on a machine that cannot use it)."""
-    parts = name.split(".")
-    try:
-        top = sys.modules.get(parts[0])
-        spec = top.__spec__ if top is not None else importlib.util.find_spec(parts[0])
-        for i in range(1, len(parts)):
-            if spec is None or spec.submodule_search_locations is None:
-                return False
-            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
-        return spec is not None
-    except (ImportError, ValueError, AttributeError):
-        return False
 
 
 class AttentionBackend:
@@ -296,7 +275,7 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
     """The capability rule, written once: what of ``req`` a kernel declaring ``caps`` cannot
     serve. ``create`` / ``set_attention`` ask it with the model's request, every call with the
     call's own (:meth:`AttentionBackend.call_request`), and varlen's automatic pick with each
-    kernel's capabilities in turn. Availability on this machine is :func:`unavailable`."""
+    kernel's capabilities in turn. Availability on this machine is :func:`fastzoo.attention.availability.unavailable`."""
     problems = []
     at_call = req.at_call
     dev = req.device
@@ -370,7 +349,7 @@ def check_context(ctx: AttnContext, Sq: int, Sk: int) -> None:
         raise ValueError(f"window: a sliding window is a positive number of keys on a causal context (query i sees "
                          f"keys j with i - j < window), got window={ctx.window!r} with causal={ctx.causal}")
     if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
-        ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk))
+        ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk, ctx.causal))
 
 
 def check_offsets(name: str, first: int, shortest: int, last: int, total: int, what: str) -> None:
@@ -385,10 +364,10 @@ def check_offsets(name: str, first: int, shortest: int, last: int, total: int, w
         raise ValueError(f"{name} must end at {total} (the number of {what}), got {last}")
 
 
-def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> None:
+def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, causal: bool = True) -> None:
     """Refuse key offsets (``ctx.cu_seqlens_k``) that do not fit the keys, naming the argument:
-    as many sequences as the queries' offsets, from 0 to ``total_k``, each with at least as
-    many keys as queries. One host read; :meth:`AttentionBackend.__call__` runs it once per
+    as many sequences as the queries' offsets, from 0 to ``total_k``, each (causal: the queries
+    are its last positions) with at least as many keys as queries. One host read; :meth:`AttentionBackend.__call__` runs it once per
     forward, before any kernel reads past a sequence's end."""
     if cu_seqlens_k.ndim != 1 or cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_k must be [N+1] like cu_seqlens ({cu_seqlens_q.numel()} offsets), "
@@ -396,59 +375,9 @@ def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
     cu_k, cu_q = cu_seqlens_k.long().cpu(), cu_seqlens_q.long().cpu()
     len_k, len_q = cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1]
     check_offsets("cu_seqlens_k", int(cu_k[0]), int(len_k.min()), int(cu_k[-1]), total_k, "keys")
-    if bool((len_k < len_q).any()):
+    if causal and bool((len_k < len_q).any()):
         raise ValueError(f"cu_seqlens_k: each sequence needs at least as many keys as queries (the queries are "
                          f"its last positions), got key lengths {len_k.tolist()} for query lengths {len_q.tolist()}")
-
-
-def unavailable(caps: Capabilities) -> str | None:
-    """Why a backend with these capabilities cannot run on this machine at all, naming every
-    missing piece (package with its install command, device, GPU generation), or None.
-
-    Where nothing is missing it imports the packages once, to catch a wheel built for another
-    torch or CUDA: a backend reported available really runs. A package is never imported on
-    a machine that cannot use it. Cached: none of this changes within a process, and per-call
-    kernel choice (``varlen``) asks it on every forward.
-    """
-    return _unavailable(caps.packages, caps.install, tuple(caps.devices), caps.min_cuda_capability)
-
-
-@functools.lru_cache(maxsize=None)
-def _unavailable(packages, install, devices, min_cuda_capability) -> str | None:
-    problems = []
-    missing = [p for p in packages if not package_available(p)]
-    if missing:
-        how = f" (install: `{install}`)" if install else ""
-        problems.append(f"needs the package(s) {', '.join(missing)}, which are not installed{how}")
-    if not any(_device_present(d) for d in devices):
-        need = " or ".join(_DEVICE_WORDS.get(d, f"a {d} device") for d in devices)
-        problems.append(f"runs on {'/'.join(devices)} only: needs {need}, and this machine has none")
-    elif min_cuda_capability and set(devices) == {"cuda"} and torch.cuda.get_device_capability() < min_cuda_capability:
-        need, cc = (".".join(map(str, v)) for v in (min_cuda_capability, torch.cuda.get_device_capability()))
-        problems.append(f"needs a GPU of compute capability >= {need}; this one is {cc}")
-    if not problems:
-        for p in packages:
-            try:
-                importlib.import_module(p)
-            except Exception as e:  # an extension built for another torch raises ImportError, OSError, RuntimeError...
-                first = str(e).splitlines()[0] if str(e) else ""
-                problems.append(f"has {p} installed, but it does not import ({type(e).__name__}: {first}); "
-                                "reinstall it for this torch/CUDA")
-    return "; ".join(problems) or None
-
-
-_DEVICE_WORDS = {"cuda": "a CUDA GPU", "xla": "an XLA device (AWS Trainium/Inferentia2 through torch-neuronx)"}
-
-
-def _device_present(device_type: str) -> bool:
-    if device_type == "cpu":
-        return True
-    if device_type == "cuda":
-        return torch.cuda.is_available()
-    if device_type == "xla":  # torch has no torch.xla; torch_xla provides the device (not imported here: it is heavy)
-        return package_available("torch_xla")
-    mod = getattr(torch, device_type, None)
-    return bool(mod is not None and getattr(mod, "is_available", lambda: False)())
 
 
 # What a function registered without capabilities= is trusted with: a plain
