@@ -134,6 +134,13 @@ def _order(fields) -> list:
     return out
 
 
+def non_default(spec, cfg: dict) -> dict:
+    """The fields of ``cfg`` that differ from the config class's defaults (what an original's
+    builder is given: it need not know fields fastzoo adds with their neutral default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(spec.config_class)}
+    return {k: v for k, v in cfg.items() if k in spec.tiny or v != defaults.get(k)}
+
+
 @st.composite
 def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, redraws: int = 30):
     """A valid config (a dict of the original library's field names) of ``spec``'s family: each
@@ -166,7 +173,7 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, red
     for _ in range(redraws):
         try:
             cls.from_dict(dict(values))
-            return {k: v for k, v in values.items() if v != defaults[k] or k in spec.tiny}
+            return dict(values)
         except ConfigError as e:
             named = set(e.fields) or {draw(st.sampled_from([f.name for f in fields]))}
             for f in fields:  # a redrawn field's multiples are redrawn after it

@@ -31,7 +31,7 @@ import time
 import pytest
 import torch
 from conftest import SPECS, backends
-from fuzzing import count, examples, write_results
+from fuzzing import count, examples, non_default, write_results
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
@@ -39,12 +39,12 @@ import fastzoo
 from fastzoo import equivalence
 from fastzoo.attention import get_backend
 from fastzoo.data import pack
-from fastzoo.errors import BackendUnavailableError
+from fastzoo.errors import BackendUnavailableError, CheckpointError
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.weights import Source, find_converter
 
 TASKS = ("image-classification", "causal-lm")
-FAMILIES = [f for f, s in SPECS.items() if s.original is not None and s.task in TASKS]
+FAMILIES = [f for f, s in SPECS.items() if s.original is not None and s.task.name in TASKS]
 CPU_BACKENDS = backends()  # every backend and declared variant that runs on this CPU, forward-only ones too
 MAX_LEN = 24  # tokens per sequence (bounded by n_positions where the model has one)
 
@@ -147,6 +147,9 @@ def token_case(draw, model, train: bool):
     lab = ids.masked_fill(mask == 0, -100)
     if left:  # transformers scores a left-padded row's first token from the last pad's output (see the docstring)
         lab[torch.arange(batch), width - torch.tensor(lengths)] = -100
+    if form == "padded" and not left and draw(st.booleans(), label="labels at padding too"):
+        lab = ids.clone()  # transformers then also scores pad -> pad; fastzoo's pads predict nothing
+        lab[:, 1:][mask[:, :-1] == 0] = -100  # ... so the original is given those targets as ignored
     mask_arg = None if form == "full" else mask
     positions = None
     if left and draw(st.booleans(), label="positions from the mask"):
@@ -215,23 +218,28 @@ def _deterministic(spec) -> dict:
 
 def check_equivalence(family: str, data) -> None:
     spec = SPECS[family]
-    train = spec.task == "causal-lm" and data.draw(st.booleans(), label="train mode")
+    train = spec.task.name == "causal-lm" and data.draw(st.booleans(), label="train mode")
     from fuzzing import configs
 
     cfg = data.draw(configs(spec, fixed=_deterministic(spec) if train else None), label="config")
     precision = data.draw(st.sampled_from(["fp32", "bf16"]), label="precision")
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="weights seed"))
     try:
-        ref = spec.original.build(dict(cfg))
-    except (ValueError, AssertionError):  # the original cannot build it (torchvision's fixed stage widths,
-        # transformers' pad_token_id inside the vocabulary)
+        ref = spec.original.build(non_default(spec, cfg))
+    except Exception:  # noqa: BLE001 -- the original cannot build it (torchvision's fixed stage widths,
+        # transformers' pad_token_id inside the vocabulary, timm's fields of its own): nothing to compare
         count(f"equivalence/{family}", original_refused=1)
         assume(False)
-    if spec.task == "image-classification":
+    if spec.task.name == "image-classification":
         for m in ref.modules():  # BatchNorm statistics that random init leaves at 0 / 1
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
                 m.running_mean.normal_(0, 0.1), m.running_var.uniform_(0.75, 1.25)
-    ours = fastzoo.create(spec.variants[0].name, pretrained=ref, attn="eager")
+    try:
+        ours = fastzoo.create(spec.variants[0].name, pretrained=ref, attn="eager")
+    except CheckpointError as e:  # an original fastzoo says, by name, that it does not reproduce
+        assert "does not implement" in str(e) or "not reproduce" in str(e), e
+        count(f"equivalence/{family}", create_refused=1)
+        assume(False)
     with_attention = any(isinstance(m, UsesAttention) for m in ours.modules())
     smooth = not any(isinstance(m, torch.nn.ReLU) for m in ours.modules())  # see the module docstring
     ref.train(train)
@@ -241,7 +249,7 @@ def check_equivalence(family: str, data) -> None:
         import copy
 
         peer = copy.deepcopy(ref)
-    cases = (image_case(ours) if spec.task == "image-classification" else token_case(ours, train))
+    cases = (image_case(ours) if spec.task.name == "image-classification" else token_case(ours, train))
     failures, compared, refused = [], 0, 0
     for form, call, ref_call, needs in data.draw(cases, label="inputs"):
         seed = 7
