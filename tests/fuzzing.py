@@ -26,6 +26,7 @@ import types
 import typing
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
@@ -142,10 +143,12 @@ def non_default(spec, cfg: dict) -> dict:
 
 
 @st.composite
-def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, redraws: int = 30):
+def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30):
     """A valid config (a dict of the original library's field names) of ``spec``'s family: each
     field its ``base`` value (default: the spec's tiny config over the class defaults) or a
-    value drawn from its declaration; ``fixed``: fields left as given."""
+    value drawn from its declaration; ``fixed``: fields left as given. ``small``: a size the tiny
+    config leaves at a default above :data:`SMALL` (a ResNet's stage widths) is drawn up to
+    :data:`SMALL` too (for properties where the original, which may need the default, is not built)."""
     cls = spec.config_class
     hints = typing.get_type_hints(cls)
     fields = _order(dataclasses.fields(cls))
@@ -163,6 +166,9 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, red
         multiple = values.get(target) if target else None
         keep = draw(st.booleans())
         b = base[f.name]
+        if small and f.name not in spec.tiny and any(isinstance(v, int) and not isinstance(v, bool) and v > SMALL
+                                                     for v in (b if isinstance(b, tuple) else (b,))):
+            keep, b = False, tuple(min(v, SMALL) for v in b) if isinstance(b, tuple) else min(b, SMALL)
         if keep and (multiple is None or b is None or all(v % multiple == 0 for v in (b if isinstance(b, tuple) else (b,)))):
             values[f.name] = b
         else:
@@ -225,6 +231,13 @@ def count(prop: str, **n) -> None:
             c[k] = c.get(k, 0) + v
 
 
+def fail(prop: str, kind: str, message: str):
+    """Count a failure of ``kind`` (mismatches, bare_exceptions, half_loads, wrong_accepts, hangs)
+    for the results file, then fail the example."""
+    count(prop, **{kind: 1})
+    raise AssertionError(message)
+
+
 def results_path() -> Path | None:
     """Where the long profile writes its results (``FASTZOO_FUZZ_RESULTS`` overrides; the ci profile: nowhere)."""
     if os.environ.get("FASTZOO_FUZZ_RESULTS"):
@@ -236,18 +249,37 @@ def results_path() -> Path | None:
     return Path(__file__).resolve().parent.parent / "benchmarks" / "results" / device_name("cpu") / "fuzz.json"
 
 
-def write_results(prop: str, seconds: float, passed: bool) -> None:
+FAILURES = ("mismatches", "bare_exceptions", "half_loads", "wrong_accepts", "hangs")
+
+
+@pytest.fixture(autouse=True)
+def fuzz_results():
+    """Time each property test and merge the counters it added into the results file (long
+    profile); a test module imports it."""
+    before = {k: dict(v) for k, v in _COUNTS.items()}
+    start = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - start
+    for prop in [p for p in _COUNTS if _COUNTS[p] != before.get(p)]:
+        count(prop, seconds=elapsed)
+        write_results(prop)
+
+
+def write_results(prop: str) -> None:
     """Merge ``prop``'s counters, time and outcome into the results file."""
     path = results_path()
     if path is None:
         return
     with _LOCK:
         data = json.loads(path.read_text()) if path.is_file() else {"profile": PROFILE, "properties": {}}
-        row = dict(_COUNTS.get(prop, {}), seconds=round(seconds, 1), passed=passed)
+        row = {"examples": 0, **{k: 0 for k in FAILURES}, **_COUNTS.get(prop, {})}
+        row["seconds"] = round(row.get("seconds", 0.0), 1)
+        row["passed"] = not any(row[k] for k in FAILURES)
         data["properties"][prop] = row
         from fastzoo.machine import load_average, versions
 
-        data.update(threads=os.environ.get("OMP_NUM_THREADS"), versions=versions(), load_average=load_average())
+        data.update(threads=os.environ.get("OMP_NUM_THREADS"), versions=versions(), load_average=load_average(),
+                    examples_setting=os.environ.get("FASTZOO_FUZZ_EXAMPLES") or PROFILE)
         data["written"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -9,12 +9,12 @@ and leaves every other image's logits as a clean batch gives them.
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 from conftest import SPECS
-from fuzzing import configs, count, examples, just_outside, write_results
+from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
+from fuzzing import configs, count, examples, fail, just_outside
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,16 +28,17 @@ def _state(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _refused_by_name(call, names: tuple[str, ...], *, kinds=(ValueError,)) -> str:
+def _refused_by_name(prop, call, names: tuple[str, ...], *, kinds=(ValueError,)) -> str:
     """Run ``call``; it must raise one of ``kinds`` whose message names one of ``names``."""
     try:
         call()
     except kinds as e:
-        assert any(n in str(e) for n in names), f"{type(e).__name__} does not name {names}: {e}"
+        if not any(n in str(e) for n in names):
+            fail(prop, "bare_exceptions", f"{type(e).__name__} does not name {names}: {e}")
         return type(e).__name__
     except Exception as e:  # noqa: BLE001 -- any other exception is the failure this property looks for
-        raise AssertionError(f"bare {type(e).__name__} where a named refusal of {names} was due: {e}") from e
-    raise AssertionError(f"accepted; {names} should have been refused")
+        fail(prop, "bare_exceptions", f"bare {type(e).__name__} where a named refusal of {names} was due: {e}")
+    fail(prop, "wrong_accepts", f"accepted; {names} should have been refused")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -46,20 +47,22 @@ def _refused_by_name(call, names: tuple[str, ...], *, kinds=(ValueError,)) -> st
 def test_config_values_just_outside_a_constraint_are_refused_naming_the_field(family, data):
     spec = SPECS[family]
     field, bad = data.draw(st.sampled_from(just_outside(spec)), label="field, value")
-    cfg = data.draw(configs(spec), label="valid config")
+    cfg = data.draw(configs(spec, small=True), label="valid config")
     name = spec.variants[0].name
 
     def call():
         fastzoo.create(name, device="meta", **{**cfg, field: bad})
 
+    prop = f"invalid configs/{family}"
     try:
         call()
     except ConfigError as e:
-        assert field in e.fields, f"ConfigError names {e.fields}, not {field!r}: {e}"
+        if field not in e.fields:
+            fail(prop, "bare_exceptions", f"ConfigError names {e.fields}, not {field!r}: {e}")
     except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"{field}={bad!r}: {type(e).__name__} where a ConfigError naming it was due: {e}") from e
+        fail(prop, "bare_exceptions", f"{field}={bad!r}: {type(e).__name__} where a ConfigError naming it was due: {e}")
     else:
-        raise AssertionError(f"{field}={bad!r} was accepted")
+        fail(prop, "wrong_accepts", f"{field}={bad!r} was accepted")
     count(f"invalid configs/{family}", examples=1, refused=1)
 
 
@@ -136,15 +139,17 @@ INPUT_FAMILIES = [f for f in FAMILIES if SPECS[f].task.name in BAD_INPUTS]
 @given(data=st.data())
 def test_bad_inputs_are_refused_naming_the_argument_and_change_nothing(family, data):
     spec = SPECS[family]
-    cfg = data.draw(configs(spec), label="config")
+    cfg = data.draw(configs(spec, small=True), label="config")
     model = fastzoo.create(spec.variants[0].name, attn=data.draw(st.sampled_from(["eager", "sdpa"]), label="attn"), **cfg)
     model.train()
     before = _state(model)
     kind, call, names = BAD_INPUTS[spec.task.name](model, data.draw)
-    _refused_by_name(call, names, kinds=(ValueError, FastzooError))
+    prop = f"invalid inputs/{family}"
+    _refused_by_name(prop, call, names, kinds=(ValueError, FastzooError))
     after = model.state_dict()
     changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
-    assert not changed, f"{kind}: a refused call changed {changed[:4]}"
+    if changed:
+        fail(prop, "half_loads", f"{kind}: a refused call changed {changed[:4]}")
     count(f"invalid inputs/{family}", examples=1, refused=1)
 
 
@@ -156,7 +161,7 @@ IMAGE_FAMILIES = [f for f in FAMILIES if SPECS[f].task.name == "image-classifica
 @given(data=st.data())
 def test_a_non_finite_image_spoils_its_own_logits_only(family, data):
     spec = SPECS[family]
-    cfg = data.draw(configs(spec), label="config")
+    cfg = data.draw(configs(spec, small=True), label="config")
     model = fastzoo.create(spec.variants[0].name, **cfg).eval()
     side = getattr(model.config, "img_size", None) or (32, 32)
     B = data.draw(st.integers(2, 3), label="batch")
@@ -174,17 +179,9 @@ def test_a_non_finite_image_spoils_its_own_logits_only(family, data):
             count(f"non-finite images/{family}", examples=1, refused=1)
             return
     others = [i for i in range(B) if i != bad_image]
-    if out.shape[-1]:
-        assert not torch.isfinite(out[bad_image]).all(), "a non-finite pixel gave finite logits"
-    assert torch.allclose(out[others], clean[others], atol=1e-5, rtol=0), "a non-finite image changed another image's logits"
+    prop = f"non-finite images/{family}"
+    if out.shape[-1] and torch.isfinite(out[bad_image]).all():
+        fail(prop, "mismatches", "a non-finite pixel gave finite logits")
+    if not torch.allclose(out[others], clean[others], atol=1e-5, rtol=0):
+        fail(prop, "mismatches", "a non-finite image changed another image's logits")
     count(f"non-finite images/{family}", examples=1, isolated=1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _results():
-    start = time.perf_counter()
-    yield
-    from fuzzing import _COUNTS
-
-    for prop in [p for p in _COUNTS if p.startswith(("invalid", "non-finite"))]:
-        write_results(prop, time.perf_counter() - start, passed=True)
