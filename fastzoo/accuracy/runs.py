@@ -71,6 +71,10 @@ class Arm:
     # Train and evaluate under autocast to this dtype ("bf16"; weights and optimiser stay fp32). The
     # first arm of a precision runs the first arm's model in it: the precision's peer (see _compare).
     amp: str | None = None
+    # transformers' form of the model: with original, transformers' own class (ViTForImageClassification)
+    # on the original's weights; else fastzoo's model built from that transformers model (no name) and
+    # trained through transformers' call (pixel_values=, .logits)
+    hf: bool = False
 
 
 @dataclass
@@ -210,7 +214,7 @@ def _precision(arm: Arm) -> str:
 
 
 def _kind(arm: Arm) -> tuple:
-    return arm.original, arm.attn, arm.layout, arm.loss, arm.model_kwargs, arm.nudge
+    return arm.original, arm.attn, arm.layout, arm.loss, arm.model_kwargs, arm.nudge, arm.hf
 
 
 def _peers(arms) -> dict:
@@ -373,9 +377,12 @@ def _models(cfg: RunConfig, device):
     original = _original(cfg)
     init = None if original is not None else fastzoo.create(cfg.model, **cfg.overrides)
     out = []
+    hf = _as_transformers(cfg, original) if any(a.hf for a in cfg.arms) else None
     for arm in cfg.arms:
         try:
-            if arm.original:
+            if arm.hf:
+                m = copy.deepcopy(hf) if arm.original else fastzoo.create(pretrained=hf, attn=arm.attn or "sdpa")
+            elif arm.original:
                 if original is None:
                     raise ConfigError(f"arm {arm.name!r}: {cfg.model} has no original library model")
                 m = copy.deepcopy(original)
@@ -390,6 +397,21 @@ def _models(cfg: RunConfig, device):
         except BackendUnavailableError as e:
             out.append(str(e).split(". Available on this machine")[0])
     return out
+
+
+def _as_transformers(cfg: RunConfig, original):
+    """transformers' model of ``cfg.model`` (its ``save_pretrained`` form) on the original's weights."""
+    import transformers
+
+    import fastzoo
+
+    m = fastzoo.create(cfg.model, pretrained=original)
+    config, state = m.hf_pretrained()
+    hf_config = transformers.AutoConfig.for_model(**config)
+    hf_config._attn_implementation = "eager"
+    hf = getattr(transformers, config["architectures"][0])(hf_config)
+    hf.load_state_dict(state, strict=True)
+    return hf
 
 
 def _fastzoo(cfg: RunConfig, arm: Arm, original, device):
@@ -445,12 +467,17 @@ class DigitsTask(Task):
         self.train, self.test = digits(cfg.data.img_size, test_fraction=cfg.data.test_fraction, seed=cfg.seed)
         self.n, self.device = len(self.train.y), device
 
+    @staticmethod
+    def _logits(arm, model, x):
+        return model(pixel_values=x).logits if arm.hf else model(x)  # transformers' call for its arms
+
     def loss(self, arm, model, idx):
-        return F.cross_entropy(model(self.train.x[idx].to(self.device)).float(), self.train.y[idx].to(self.device))
+        logits = self._logits(arm, model, self.train.x[idx].to(self.device))
+        return F.cross_entropy(logits.float(), self.train.y[idx].to(self.device))
 
     @torch.no_grad()
     def evaluate(self, arm, model):
-        logits = torch.cat([model(x.to(self.device)).float().cpu() for x in self.test.x.split(256)])
+        logits = torch.cat([self._logits(arm, model, x.to(self.device)).float().cpu() for x in self.test.x.split(256)])
         return F.cross_entropy(logits, self.test.y).item(), (logits.argmax(-1) == self.test.y).float().mean().item()
 
 
@@ -648,6 +675,14 @@ def _autocast(arm: Arm, device):
 def _load_weights(cfg: RunConfig, arm: Arm, ref_arm: Arm, snapshot, trained):
     """A copy of this arm's model holding the first arm's parameters ``snapshot`` (a model of the
     first arm's kind), built the way the arm was built at step 0; None if it cannot be."""
+    if arm.hf:  # the original -> transformers' form (-> fastzoo built from it), as at step 0
+        if not ref_arm.original:
+            return None
+        import fastzoo
+
+        hf = _as_transformers(cfg, copy.deepcopy(snapshot))
+        m = hf if arm.original else fastzoo.create(pretrained=hf, attn=arm.attn or "sdpa")
+        return m.to(next(trained.parameters()).device)
     if arm.original:
         return copy.deepcopy(snapshot) if ref_arm.original else None
     if ref_arm.original:  # the original library's model -> fastzoo, the same conversion as at step 0

@@ -221,6 +221,13 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
     def get_classifier(self) -> nn.Module:
         return self.head
 
+    def get_input_embeddings(self) -> nn.Module:
+        """transformers' name for the patch embedding (what turns pixels into tokens)."""
+        return self.patch_embed
+
+    def get_output_embeddings(self) -> None:  # transformers': an image classifier has no tied output embedding
+        return None
+
     def timm_model_args(self) -> dict | None:
         c = self.config
         if c.norm_eps != 1e-6:  # timm's LayerNorm default; another eps cannot be written as JSON
