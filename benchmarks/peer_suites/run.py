@@ -137,13 +137,13 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_GPT2_VERDICTS,
     },
-    "hf-llama": {
-        "title": "transformers' tests/models/llama/test_modeling_llama.py against fastzoo's Llama",
-        "target": "tests/models/llama/test_modeling_llama.py",
+    **{f"hf-{layout}": {
+        "title": f"transformers' tests/models/{layout}/test_modeling_{layout}.py against fastzoo's {name}",
+        "target": f"tests/models/{layout}/test_modeling_{layout}.py",
         "plugin": "swap_hf_llama",
         "pytest_args": ["--noconftest"],
         "verdicts": HF_LLAMA_VERDICTS,
-    },
+    } for layout, name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"))},
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
         "target": "tests/test_models.py",
@@ -270,6 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--source", default="", help="where the checkout's tests came from (a line in the results)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the peer's own model")
+    p.add_argument("--reuse-baseline", action="store_true",
+                   help="take the run on the peer's own model from --out's <suite>-original.json (written by a full run)")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k forward")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
@@ -280,9 +282,15 @@ def main(argv=None) -> int:
     seconds = {}
     baseline = None
     with tempfile.TemporaryDirectory() as logs:
-        if not args.no_baseline:
+        kept = args.out / f"{args.suite}-original.json"
+        if args.reuse_baseline:
+            if not kept.is_file():
+                p.error(f"--reuse-baseline: {kept} does not exist (run once without it)")
+            baseline = json.loads(kept.read_text())["tests"]
+        elif not args.no_baseline:
             base, seconds["original"] = run_pytest(suite, args.checkout, False, args.pytest_args, Path(logs) / "base.log")
             baseline = base["tests"]
+            kept.write_text(json.dumps(base, indent=1, sort_keys=True) + "\n")
         swapped, seconds["fastzoo"] = run_pytest(suite, args.checkout, True, args.pytest_args, Path(logs) / "swap.log")
     results = swapped["tests"]
     write(args.out, args.suite, suite, results, baseline, swapped["deselected"], seconds, load,
