@@ -38,6 +38,8 @@ class GPT2Config(ModelConfig):
     pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
     use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
     output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                               "checkpointing on (as gradient_checkpointing_enable())")
 
     # what code written for transformers reads of any model's config (not fields: fixed here)
     is_encoder_decoder = False
@@ -96,6 +98,8 @@ class LlamaConfig(ModelConfig):
     pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
     use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
     output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                               "checkpointing on (as gradient_checkpointing_enable())")
 
     is_encoder_decoder = False
 
