@@ -89,9 +89,11 @@ def stand_in(hf_name: str, build, fastzoo_class, pretrained_name: str) -> type:
             return build(config, **_create_kwargs(kwargs))
 
         @classmethod
-        def from_pretrained(cls, path, *args, **kwargs):
+        def from_pretrained(cls, path=None, *args, **kwargs):
             import fastzoo
 
+            if path is None:  # transformers' keyword for it
+                path = kwargs.pop("pretrained_model_name_or_path", None)
             if args:
                 raise TypeError(f"from_pretrained: positional arguments after the path: {args}")
             return fastzoo.create(pretrained_name, pretrained=path, **_create_kwargs(kwargs))

@@ -105,7 +105,7 @@ def _image_classification(spec, size, device, compile) -> Entry:
 
 
 def _causal_lm(spec, size, device, compile) -> Entry:
-    from fastzoo.bench.causal_lm import causal_lm_suite, use_code
+    from fastzoo.bench.causal_lm import FLATTENED, causal_lm_suite, use_code
     from fastzoo.registry import get_entry
 
     entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
@@ -113,8 +113,10 @@ def _causal_lm(spec, size, device, compile) -> Entry:
                             recipes=tried, steps=("labels",), device=device)
     groups = _recipe_groups(suite, tried)
     paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
-    # the step as users write it (labels=) per recipe: the original (as its users run it, and under the recipe) and fastzoo's paths
-    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if c.peer or c.original or c.label in paths])
+    # the step as users write it (labels=) per recipe: the original (as its users run it, under the recipe, and on
+    # HF's own packing) and fastzoo's paths
+    kept = lambda c: c.peer or c.original or c.label in paths or FLATTENED in c.label  # noqa: E731
+    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if kept(c)])
                                    for g in suite.groups if g.name in groups])
     return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, groups, device.type)
 

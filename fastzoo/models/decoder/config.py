@@ -43,6 +43,7 @@ class GPT2Config(ModelConfig):
 
     # what code written for transformers reads of any model's config (not fields: fixed here)
     is_encoder_decoder = False
+    sub_configs = {}  # no vision / audio sub-models (transformers' composite configs have some)
 
     def get_text_config(self, decoder=None, encoder=None) -> "GPT2Config":
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
@@ -102,6 +103,7 @@ class LlamaConfig(ModelConfig):
                                                "checkpointing on (as gradient_checkpointing_enable())")
 
     is_encoder_decoder = False
+    sub_configs = {}  # no vision / audio sub-models (transformers' composite configs have some)
 
     def get_text_config(self, decoder=None, encoder=None) -> "LlamaConfig":
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
