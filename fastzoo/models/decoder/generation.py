@@ -51,9 +51,6 @@ def layer_cache(cache, seqs, past_length: int = 0):
     keeps it in transformers' padded layout for the unpadded (packed) tokens (:class:`UnpaddedCache`).
     A static cache (``StaticCache``: fixed-size layers) is read through :class:`FilledCache`."""
     if cache is not None and cache.is_compileable:
-        if any(cache.is_sliding):
-            raise ValueError("past_key_values: a static cache with sliding-window layers is not supported by fastzoo's "
-                             "decoders; use DynamicCache() (generate's default)")
         cache = FilledCache(cache, past_length + seqs.shape[1])
     if cache is None or seqs.form == "padded":
         return cache
@@ -68,7 +65,9 @@ class FilledCache:
     buffer) seen by the attention layers: :meth:`update` writes the new keys and values into the
     buffer and returns the ``length`` slots written so far (earlier steps + these), so the
     causal alignment and the key padding mask cover exactly the real keys, as with a
-    ``DynamicCache``. The unwritten slots are never read."""
+    ``DynamicCache``. The unwritten slots are never read. A sliding-window layer
+    (``StaticSlidingWindowLayer``) returns at most its window's keys, the newest last, as
+    ``DynamicSlidingWindowLayer`` does (the slice leaves them as they are)."""
 
     def __init__(self, cache, length: int):
         self.cache, self.length = cache, length
