@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
+from fastzoo.tasks import DETECTION
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", see
     outputs = {"boxes": random_boxes(s.images * s.queries, g).view(s.images, s.queries, 4).to(device),
                "logits": torch.randn(s.images, s.queries, s.num_classes + 1, generator=g).to(device)}
     # only the matcher runs: the detector's tiny config carries its settings (DETR's cost weights)
-    spec = next(spec for spec in specs() if spec.task == "detection")
+    spec = next(spec for spec in specs() if spec.task is DETECTION)
     det = fastzoo.create(spec.variants[0].name, **{**spec.tiny, "num_queries": s.queries, "num_classes": s.num_classes,
                                                    "matcher": "hungarian"}).to(device)
 
@@ -88,3 +89,12 @@ def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", see
     group = Group(f"{s.name} | matcher per step", cases, reference=lambda: {"output": detr().float()}, unit="images/s",
                   cpu_memory=True)
     return Suite("matcher", [group], config=config, device=device)
+
+
+BATCH_FIELD = "images"  # the setting's field --batch-size sets
+
+
+def cli_suite(setting, *, device, dtype) -> Suite:
+    """``fastzoo bench`` with this module's ``TARGET_SETTING`` changed by ``--set`` / ``--batch-size``."""
+    return matcher_suite(setting, device=device)
+

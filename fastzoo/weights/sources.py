@@ -65,6 +65,8 @@ def _read_module(module: nn.Module) -> Source:
         config = {"fastzoo_model": inner.model_name, "family": inner.family, **config.to_dict()}
     else:
         config = config.to_dict() if hasattr(config, "to_dict") else None
+        if config is not None:  # the class it was built as, where transformers' save_pretrained writes it
+            config["architectures"] = [type(inner).__name__]
     return Source(_clean(dict(inner.state_dict()), origin), origin, config, inner)
 
 
@@ -224,8 +226,6 @@ def _clean(obj, origin: str) -> dict:
     return out
 
 
-
-
 def storage_problem(value: torch.Tensor) -> str | None:
     """Why ``value`` is not a dense tensor holding its values, or None."""
     if value.is_meta:
@@ -237,7 +237,6 @@ def storage_problem(value: torch.Tensor) -> str | None:
     if value.layout != torch.strided:
         return f"a {str(value.layout).replace('torch.', '')} tensor; make it dense first (tensor.to_dense())"
     return None
-
 
 
 def name_list(keys: list[str], limit: int = 12) -> str:

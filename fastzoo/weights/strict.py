@@ -73,8 +73,6 @@ def _value_problem(value, target: torch.Tensor) -> str | None:
     return None
 
 
-
-
 def _tied_keys(own: dict) -> dict[str, list[str]]:
     """key -> the other keys of the model's state dict that are the same tensor."""
     groups: dict[tuple, list[str]] = {}
@@ -96,16 +94,12 @@ def _tie_problems(state: dict, tied: dict) -> list[str]:
     return out
 
 
-
-
 def load_into(model: nn.Module, state: dict, origin: str, allow_missing=()) -> None:
     check_state_dict(model, state, origin, allow_missing)
     own = model_state(model)
     with torch.no_grad():
         for k, v in state.items():
             own[k].copy_(v)
-
-
 
 
 def check_config(model, implied: dict, origin: str) -> None:
@@ -129,8 +123,6 @@ def check_config(model, implied: dict, origin: str) -> None:
             f"Differing fields ({len(diffs)}): {'; '.join(diffs)}. Build the model from the checkpoint instead: "
             f"fastzoo.create(name, pretrained=...) reads these fields from it."
         )
-
-
 
 
 def untied(state: dict) -> dict:

@@ -9,6 +9,7 @@ from fastzoo.models.decoder.convert import GPT2, GPT2_FASTZOO, LLAMA, LLAMA_LAYO
 from fastzoo.models.decoder.gpt2 import GPT2LMHeadModel
 from fastzoo.models.decoder.llama import LlamaForCausalLM
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
+from fastzoo.tasks import CAUSAL_LM
 
 
 def hf_gpt2(cfg: dict) -> nn.Module:
@@ -45,7 +46,7 @@ def _gpt2(name: str, n_embd: int, n_layer: int, n_head: int, what: str) -> Varia
 
 GPT2_SPEC = ModelSpec(
     family="gpt2",
-    task="causal-lm",
+    task=CAUSAL_LM,
     model=GPT2LMHeadModel,
     variants=(
         _gpt2("gpt2", 768, 12, 12, "small (124M)"),
@@ -104,7 +105,7 @@ _LLAMA_SMALL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=680,
 
 LLAMA_SPEC = ModelSpec(
     family="llama",
-    task="causal-lm",
+    task=CAUSAL_LM,
     model=LlamaForCausalLM,
     variants=(
         _llama("llama", "meta-llama/Llama-3.2-1B", "Llama 3.2 1B: grouped-query attention, llama3 rotary, tied head",
