@@ -8,7 +8,7 @@ DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
     tour="fastzoo.bench.giou:tour_entry",
-    parity={"digits_canvas": "fastzoo.accuracy.runs:CanvasTask"},
+    parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
     # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
     # the Hungarian matcher alone vs DETR's batch-wide cost
     suites={"set_loss": "fastzoo.bench.set_loss", "matcher": "fastzoo.bench.matcher"},
