@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the swap plugins beside this file name the layouts
+
+import swap_hf_llama  # noqa: E402
 ROOT = HERE.parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu-2core" / "peer_suites"
 
@@ -80,9 +83,20 @@ HF_DECODER_VERDICTS: dict[str, tuple[str, str]] = {
     "test_inherits_generation_mixin": (
         REFUSED, "the class is not a GenerationMixin subclass: generate is transformers' GenerationMixin bound to "
                  "the model on each call (models/decoder/generation.py), by design"),
-    "test_gradient_checkpointing_backward_compatibility": (
-        REFUSED, "legacy config.gradient_checkpointing=True at construction; fastzoo takes "
-                 "gradient_checkpointing_enable()"),
+    "test_sliding_window_mask": _ATTENTIONS,
+    "test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions": _ATTENTIONS,
+    "test_can_init_all_missing_weights": _LOADING,
+    "test_custom_4d_attention_mask": (
+        REFUSED, "a 4-D attention_mask (custom attention pattern) is refused by name (layers/sequence.py): fastzoo's "
+                 "decoders take the 2-D padding mask, packed sequences (cu_seqlens / restarting position_ids) and "
+                 "flex's mask_mod"),
+    "test_generate_compile_model_forward_fullgraph": (
+        REFUSED, "generate(compile_config=...): fastzoo refuses generate's automatic compilation by name (its static "
+                 "cache path reads the keys written so far, a shape that changes every step); torch.compile(model) "
+                 "compiles the forward, without graph breaks"),
+    "test_generate_compilation_all_outputs": (
+        REFUSED, "generate with compile_config (refused by name, as test_generate_compile_model_forward_fullgraph) and "
+                 "output_attentions=True (no attention weights)"),
     "test_gradient_checkpointing_enable_disable": _HF_INTERNALS,
     "test_training_gradient_checkpointing": _HF_INTERNALS,
     "test_training_gradient_checkpointing_use_reentrant_false": _HF_INTERNALS,
@@ -115,6 +129,15 @@ HF_LLAMA_VERDICTS: dict[str, tuple[str, str]] = {
                                                      "not provide"),
     "test_tp_plan_matches_params": (NOT_APPLICABLE, "model.tp_plan: transformers' tensor-parallel plan; fastzoo's "
                                                     "distributed training is DDP / FSDP (fastzoo.train.distributed)"),
+    **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
+        REAL_GAP, "the test reads model.config.head_dim for the cache's shape: fastzoo's one config of the Llama "
+                  "layouts keeps head_dim=None (hidden_size // num_attention_heads) where transformers' Qwen2Config "
+                  "has no head_dim at all (the test's default); generate with the static cache gives transformers' "
+                  "tokens (tests/test_decoder_transformers_flags.py)")),
+    **dict.fromkeys(("test_tp_forward", "test_tp_backward", "test_tp_generation"), (
+        NOT_APPLICABLE, "transformers' tensor parallelism (from_pretrained(tp_plan='auto') in spawned processes, "
+                        "which pickle the class by its transformers name); fastzoo's distributed training is DDP / "
+                        "FSDP (fastzoo.train.distributed)")),
 }
 
 TIMM_VERDICTS: dict[str, tuple[str, str]] = {
@@ -174,13 +197,14 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_GPT2_VERDICTS,
     },
-    "hf-llama": {
-        "title": "transformers' tests/models/llama/test_modeling_llama.py against fastzoo's Llama",
-        "target": "tests/models/llama/test_modeling_llama.py",
+    **{f"hf-{folder}": {
+        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {model_type}",
+        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
         "plugin": "swap_hf_llama",
-        "pytest_args": ["--noconftest"],
+        # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
+        "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
         "verdicts": HF_LLAMA_VERDICTS,
-    },
+    } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
     "hf-vit": {
         "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",
         "target": "tests/models/vit/test_modeling_vit.py",
@@ -321,6 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--source", default="", help="where the checkout's tests came from (a line in the results)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the peer's own model")
+    p.add_argument("--reuse-baseline", action="store_true",
+                   help="take the run on the peer's own model from --out's <suite>-original.json (written by a full run)")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k forward")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
@@ -331,9 +357,15 @@ def main(argv=None) -> int:
     seconds = {}
     baseline = None
     with tempfile.TemporaryDirectory() as logs:
-        if not args.no_baseline:
+        kept = args.out / f"{args.suite}-original.json"
+        if args.reuse_baseline:
+            if not kept.is_file():
+                p.error(f"--reuse-baseline: {kept} does not exist (run once without it)")
+            baseline = json.loads(kept.read_text())["tests"]
+        elif not args.no_baseline:
             base, seconds["original"] = run_pytest(suite, args.checkout, False, args.pytest_args, Path(logs) / "base.log")
             baseline = base["tests"]
+            kept.write_text(json.dumps(base, indent=1, sort_keys=True) + "\n")
         swapped, seconds["fastzoo"] = run_pytest(suite, args.checkout, True, args.pytest_args, Path(logs) / "swap.log")
     results = swapped["tests"]
     write(args.out, args.suite, suite, results, baseline, swapped["deselected"], seconds, load,

@@ -8,7 +8,9 @@ DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
     tour="fastzoo.bench.giou:tour_entry",
-    parity={"digits_canvas": "fastzoo.accuracy.runs:CanvasTask"},
-    suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher of its set loss, per training step
+    parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
+    # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
+    # the Hungarian matcher alone vs DETR's batch-wide cost
+    suites={"set_loss": "fastzoo.bench.set_loss", "matcher": "fastzoo.bench.matcher"},
     train_script="scripts/train_boxdet.py",
 )
