@@ -101,7 +101,7 @@ __all__ = [
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "kv cache", "gqa", "window", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
+                  "kv cache", "gqa", "window", "softcap", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -136,6 +136,7 @@ def _matrix_row(label: str, backend: AttentionBackend) -> dict:
         "kv cache": yes(caps.kv_cache),
         "gqa": "native" if caps.gqa else "k/v repeated",
         "window": yes(caps.window),
+        "softcap": yes(caps.softcap),
         "score_mod": yes(caps.score_mod),
         "dropout": yes(caps.dropout),
         "backward": "/".join(caps.backward) or "no",

@@ -68,7 +68,8 @@ _CAPS = {
     # the same kernels as the fa2 / xformers backends: one declaration
     "flash": Fa2Backend.capabilities,
     "xformers": XformersBackend.capabilities,
-    "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
+    "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), softcap=True,
+                                verified="CPU fp32 inference (torch 2.14.1)"),
     "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
 }
 _ORDER = {"cpu": ("cpu",), "cuda": ("torch", "flash", "xformers", "flex")}  # impl=None: first that fits
@@ -97,6 +98,7 @@ def _auto_capabilities() -> Capabilities:
         dropout=any(c.dropout for c in caps),
         kv_cache=any(c.kv_cache for c in caps),
         window=any(c.window for c in caps),
+        softcap=any(c.softcap for c in caps),
         backward=tuple(dev for dev, impls in present.items() if any(dev in _CAPS[i].backward for i in impls)),
         compile=all(c.compile for c in caps),
         max_head_dim=None if None in heads else max(heads),
@@ -279,5 +281,6 @@ class VarlenBackend(AttentionBackend):
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, **packing.seqlens(ctx, q_BHSD, k_BHSD).kwargs(),
                                causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx,
-                               **({"window": ctx.window} if ctx.window is not None else {}))  # impls with window only
+                               **({"window": ctx.window} if ctx.window is not None else {}),  # impls with window only
+                               **({"softcap": ctx.softcap} if ctx.softcap is not None else {}))  # ... softcap only
         return packing.from_THD(o_THD, q_BHSD.shape[0])

@@ -38,7 +38,7 @@ class FastzooModel(nn.Module):
         even for inference), so backends check that per call, before running. The attention
         dropout the layers are configured with is part of the request: a backend without
         dropout is refused for such a model, naming the config field to set to 0; so is a
-        layer's ``sliding_window`` (backends without ``window`` are refused).
+        layer's ``sliding_window`` (backends without ``window`` are refused) and ``softcap``.
         """
         from fastzoo.layers.attention import UsesAttention
 
@@ -53,7 +53,8 @@ class FastzooModel(nn.Module):
         most = max(layers, key=lambda m: m.attn_dropout_p, default=None)
         dropout = {} if most is None else {"attn_dropout": most.attn_dropout_p, "attn_dropout_field": most.attn_dropout_field}
         window = {"window": True} if any(m.sliding_window is not None for m in layers) else {}
-        return AttnRequest(device=device, dtype=dtype, **{**dropout, **window, **self.attention_needs()})
+        softcap = {"softcap": True} if any(m.softcap is not None for m in layers) else {}
+        return AttnRequest(device=device, dtype=dtype, **{**dropout, **window, **softcap, **self.attention_needs()})
 
     def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
         """Switch every attention layer to backend ``name`` (options are the backend's own).
