@@ -116,14 +116,15 @@ def export_state_dict(model, format: str) -> dict:
 def create(
     name: str,
     *,
-    attn: str = "sdpa",
+    attn: str | None = None,
     attn_options: dict | None = None,
     pretrained=None,
     device=None,
     dtype: torch.dtype | None = None,
     **overrides,
 ):
-    """Build model ``name`` with attention backend ``attn``.
+    """Build model ``name`` with attention backend ``attn`` (None: SDPA, or where SDPA cannot serve
+    the model, such as Gemma 2's soft-capped scores, the first of varlen, eager that can).
 
     ``overrides`` use the original library's field names (timm's for ViT, HF's for GPT-2).
     ``pretrained`` is any source :func:`fastzoo.load_pretrained` takes; the fields it decides
@@ -147,7 +148,8 @@ def create(
     entry = get_entry(name)
     dtype = _dtype_arg(dtype)
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
-    backend_class(attn)  # an unknown backend name fails before anything is built
+    if attn is not None:
+        backend_class(attn)  # an unknown backend name fails before anything is built
     on_meta = _placement(device, pretrained)
     src = weights.read_source(pretrained) if pretrained is not None else None
     if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)

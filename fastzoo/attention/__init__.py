@@ -93,10 +93,20 @@ def list_attention(available_only: bool = False) -> list[str]:
 
 AttentionBackend.available_here = staticmethod(lambda: list_attention(available_only=True))
 
+# What a model gets when no backend is named: SDPA, or where SDPA cannot serve the model
+# (soft-capped scores: Gemma 2) the first of these that can.
+DEFAULT_BACKENDS = ("sdpa", "varlen", "eager")
+
+
+def default_backend(req: AttnRequest) -> str:
+    """The backend a model gets when none is named (:data:`DEFAULT_BACKENDS`); "sdpa" when none
+    of them serves ``req``, whose refusal then names what is missing."""
+    return next((name for name in DEFAULT_BACKENDS if not get_backend(name).problems(req)), DEFAULT_BACKENDS[0])
+
 
 __all__ = [
     "AttentionBackend", "AttnContext", "AttnRequest", "Capabilities",
-    "backend_class", "capability_matrix", "get_backend", "list_attention", "register_attention",
+    "backend_class", "capability_matrix", "default_backend", "get_backend", "list_attention", "register_attention",
 ]
 
 

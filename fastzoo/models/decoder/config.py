@@ -111,7 +111,7 @@ class LlamaConfig(ModelConfig):
     attention_multiplier: float | None = changes_function(
         None, "granite: the attention scores' scale; None: 1/sqrt(head_dim)", gt=0)
     logits_scaling: float = changes_function(1.0, "granite: the logits are divided by it", gt=0)
-    query_pre_attn_scalar: float | None = changes_function(
+    query_pre_attn_scalar: int | None = changes_function(
         None, "gemma: the attention scores' scale is query_pre_attn_scalar^-0.5; None: head_dim", gt=0)
     attn_logit_softcapping: float | None = changes_function(
         None, "gemma2: attention scores soft-capped, cap * tanh(score / cap); None: not capped", gt=0)

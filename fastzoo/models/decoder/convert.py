@@ -264,8 +264,8 @@ def hf_to_fields(hf) -> dict:
         per_type_rope = isinstance(fields["rope_parameters"], dict) and "full_attention" in fields["rope_parameters"]
         if len(set(kinds)) > 1 and (fields["sliding_window"] is not None or per_type_rope):
             fields["layer_types"] = tuple(kinds)
-    if model_type == "smollm3" and not all(hf.no_rope_layers):
-        fields["no_rope_layers"] = tuple(hf.no_rope_layers)
+    if model_type == "smollm3":  # stated either way: a variant's own list must not outlive another depth
+        fields["no_rope_layers"] = None if all(hf.no_rope_layers) else tuple(hf.no_rope_layers)
     if model_type == "granite":
         fields["attention_multiplier"] = hf.attention_multiplier
     if layout.embed_scale:  # gemma

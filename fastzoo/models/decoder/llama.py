@@ -158,7 +158,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # transformers' padding_idx: the padding token's row gets no gradient
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None and cfg.pad_token_id < cfg.vocab_size else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=pad)
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = _norm(cfg, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.layout.embed_scale else None
@@ -244,6 +246,10 @@ class LlamaForCausalLM(CausalLM):
                 (nn.init.zeros_ if self.config.layout.gemma_norm else nn.init.ones_)(p)
             else:
                 nn.init.normal_(p, std=self.config.initializer_range)
+        pad = self.model.embed_tokens.padding_idx
+        if pad is not None:  # the padding token's embedding starts at 0, as transformers'
+            with torch.no_grad():
+                self.model.embed_tokens.weight[pad].zero_()
 
     def forward(
         self,

@@ -139,9 +139,6 @@ LLAMA_VARIANTS = (
            "llama-3.2-1b", **_LLAMA32, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32),
     _llama("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "Llama 3.2 3B", **_LLAMA32, hidden_size=3072, num_hidden_layers=28,
            num_attention_heads=24),
-    _llama("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "Llama 3.1 8B", **{
-        **_LLAMA32, "tie_word_embeddings": False, "rope_parameters": {**_LLAMA3_ROPE, "factor": 8.0},
-        "intermediate_size": 14336}, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32),
     _llama("qwen2", "Qwen/Qwen2-0.5B", "Qwen2 0.5B: q/k/v biases, grouped-query attention, tied head", "qwen2-0.5b",
            **_QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
            num_key_value_heads=2, max_position_embeddings=131072, tie_word_embeddings=True,
@@ -152,9 +149,6 @@ LLAMA_VARIANTS = (
     _llama("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", "Qwen2.5 1.5B", **_QWEN2, hidden_size=1536, intermediate_size=8960,
            num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072,
            tie_word_embeddings=True, rope_parameters=_rope(1000000.0)),
-    _llama("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen2.5 7B", **{**_QWEN2, "vocab_size": 152064}, hidden_size=3584,
-           intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-           max_position_embeddings=131072, rope_parameters=_rope(1000000.0)),
     _llama("mistral", "mistralai/Mistral-7B-v0.1", "Mistral 7B: sliding-window attention (4096), grouped-query",
            "mistral-7b-v0.1", model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
@@ -171,15 +165,10 @@ LLAMA_VARIANTS = (
     _llama("olmo2", "allenai/OLMo-2-0425-1B", "OLMo 2 1B: norms after attention and MLP, QK-norm over all heads",
            "olmo-2-0425-1b", **_OLMO2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
            num_attention_heads=16),
-    _llama("olmo-2-1124-7b", "allenai/OLMo-2-1124-7B", "OLMo 2 7B", **_OLMO2, hidden_size=4096, intermediate_size=11008,
-           num_hidden_layers=32, num_attention_heads=32),
     _llama("granite", "ibm-granite/granite-3.1-2b-base", "Granite 3.1 2B: embedding, residual, attention and logits "
            "multipliers", "granite-3.1-2b", "ibm-granite/granite-3.1-2b-instruct", **_GRANITE3, hidden_size=2048,
            intermediate_size=8192, attention_multiplier=0.015625, logits_scaling=8.0, max_position_embeddings=131072,
            rope_parameters=_rope(5000000.0)),
-    _llama("granite-3.1-8b", "ibm-granite/granite-3.1-8b-base", "Granite 3.1 8B", "ibm-granite/granite-3.1-8b-instruct",
-           **_GRANITE3, hidden_size=4096, intermediate_size=12800, attention_multiplier=0.0078125, logits_scaling=16.0,
-           max_position_embeddings=131072, rope_parameters=_rope(10000000.0)),
     _llama("smollm3", "HuggingFaceTB/SmolLM3-3B", "SmolLM3 3B: every fourth layer without rotary embeddings",
            "smollm3-3b", model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
            num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536,
@@ -188,8 +177,6 @@ LLAMA_VARIANTS = (
     _llama("phi3", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 mini 4k: fused qkv_proj and gate_up_proj, window 2047",
            "phi-3-mini-4k", **_PHI3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
            num_attention_heads=32, num_key_value_heads=32),
-    _llama("phi-3-medium-4k", "microsoft/Phi-3-medium-4k-instruct", "Phi-3 medium 4k", **_PHI3, hidden_size=5120,
-           intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10),
     _llama("gemma2", "google/gemma-2-2b", "Gemma 2 2B: soft-capping, alternating sliding (4096) and global layers, "
            "pre- and post-norms, GeGLU", "gemma-2-2b", "google/gemma-2-2b-it", **_GEMMA2, hidden_size=2304,
            intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
@@ -206,6 +193,15 @@ LLAMA_VARIANTS = (
            rope_parameters={"full_attention": _rope(1000000.0), "sliding_attention": _rope(10000.0)}),
 )
 
+def _shallow(cfg: dict) -> dict:
+    """One block (per-layer settings: the first block's), a 512-token vocabulary without the token
+    ids past it (rotary: no position table to shrink)."""
+    per_layer = {k: tuple(cfg[k][:1]) for k in ("layer_types", "no_rope_layers") if cfg.get(k) is not None}
+    ids = {k: None for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if any(i >= 512 for i in (cfg.get(k) if isinstance(cfg.get(k), tuple) else (cfg.get(k) or 0,)))}
+    return {**cfg, "num_hidden_layers": 1, "vocab_size": 512, **per_layer, **ids}
+
+
 # The CPU benchmark's Llama: 4 layers x 256 wide, 8 query heads sharing 2 key/value heads, SwiGLU 8/3 wide.
 _LLAMA_SMALL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=680, num_attention_heads=8,
                     num_key_value_heads=2, vocab_size=32000)
@@ -221,7 +217,7 @@ LLAMA_SPEC = ModelSpec(
     original=Original(hf_llama, "transformers' causal LM of the config's layout (LlamaForCausalLM, Qwen3ForCausalLM, "
                                 "Gemma2ForCausalLM ...; eager attention)",
                       "attention_dropout"),
-    shallow=lambda cfg: {**cfg, "num_hidden_layers": 1, "vocab_size": 512},  # rotary: no position table to shrink
+    shallow=lambda cfg: _shallow(cfg),
     flops=llama_flops,
     bench=BenchSettings(
         variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
