@@ -60,7 +60,7 @@ def family_rows() -> list[dict]:
         names = [v.name for v in spec.variants]
         picks = sorted({names[round(i * (len(names) - 1) / 3)] for i in range(4)}, key=names.index) if names else []
         count = sum(1 + len(v.aliases) for v in spec.variants)
-        rows.append({"family": spec.family, "task": spec.task, "names": count,
+        rows.append({"family": spec.family, "task": spec.task.name, "names": count,
                      "examples": " ".join(f"`{n}`" for n in picks), "refused": len(spec.refused)})
     return rows
 

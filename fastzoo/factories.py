@@ -6,8 +6,8 @@ After ``import fastzoo``, config-driven pipelines reach fastzoo by name:
     timm.create_model("fastzoo_resnet50", pretrained=True, pretrained_cfg_overlay=dict(file="model.safetensors"))
     torchvision.models.get_model("fastzoo_resnet50", weights=None, num_classes=10)
 
-Every registered name (aliases included) of a family whose task both factories build
-(``image-classification``, read from the specs) is registered as ``fastzoo_<name>``; keyword
+Every registered name (aliases included) of a family whose task both factories build (the
+task declares it: ``Task.factories``) is registered as ``fastzoo_<name>``; keyword
 arguments are the model's overrides, in timm's field names. timm's ``pretrained=True`` loads
 the local weights its pretrained config names (``file`` or ``state_dict``, e.g. from
 ``pretrained_cfg_overlay``); fastzoo never downloads, so a config naming only a hub or url is
@@ -26,15 +26,14 @@ from collections.abc import Callable
 
 from fastzoo.registry import create, get_entry, list_models
 
-__all__ = ["PREFIX", "TASK", "install", "names", "register_timm", "register_torchvision"]
+__all__ = ["PREFIX", "install", "names", "register_timm", "register_torchvision"]
 
 PREFIX = "fastzoo_"
-TASK = "image-classification"  # what timm's create_model and torchvision's get_model build
 
 
 def names() -> list[str]:
     """fastzoo's names (aliases included) that the factories carry, without the prefix."""
-    return [n for n in list_models() if get_entry(n).spec.task == TASK]
+    return [n for n in list_models() if get_entry(n).spec.task.factories]
 
 
 # -- timm -------------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def create(
         dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
     model, changed = _build(entry, src, overrides, device, dtype, on_meta)
     model.model_name = entry.name
-    if hasattr(model, "pretrained_cfg"):
+    if entry.spec.task.pretrained_cfg:
         known = weights.pretrained_cfg_of(src) if src is not None else None
         model.pretrained_cfg = known or timm_pretrained_cfg(entry.timm or model.timm_architecture)
     model.set_attention(attn, device=device, dtype=dtype, **(attn_options or {}))

@@ -14,8 +14,9 @@ PACKAGE = ROOT / "fastzoo"
 FLOORS = [
     ("fastzoo.errors", "fastzoo.text", "fastzoo.files", "fastzoo.kernel_ranges"),
     ("fastzoo.losses", "fastzoo.attention", "fastzoo.layers", "fastzoo.weights"),
+    ("fastzoo.data", "fastzoo.tasks"),
     ("fastzoo.models", "fastzoo.registry"),
-    ("fastzoo.data", "fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo.machine", "fastzoo.factories",
+    ("fastzoo.train", "fastzoo.equivalence", "fastzoo.kernel_report", "fastzoo.machine", "fastzoo.factories",
      "fastzoo"),
     ("fastzoo.bench", "fastzoo.accuracy"),
     ("fastzoo.cli",),

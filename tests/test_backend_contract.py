@@ -156,7 +156,7 @@ def test_automatic_varlen_declares_only_the_devices_this_machine_has_impls_for()
 @pytest.fixture
 def gpu_machine_without_flash_or_xformers(monkeypatch):
     """The automatic choice on a CUDA machine where only torch's varlen_attn and flex exist."""
-    monkeypatch.setattr(varlen, "_device_present", lambda device: device in ("cpu", "cuda"))
+    monkeypatch.setattr(varlen, "device_present", lambda device: device in ("cpu", "cuda"))
     present = {"cpu": ["cpu"], "cuda": ["torch", "flex"]}
     monkeypatch.setattr(varlen, "_present_impls", lambda device: present.get(device, []))
     monkeypatch.setattr(varlen, "unavailable", lambda caps: None)

@@ -13,6 +13,7 @@ import fastzoo
 from fastzoo.factories import PREFIX, names
 from fastzoo.models.resnet.model import ResNet
 from fastzoo.models.vit.model import VisionTransformer
+from fastzoo.tasks import IMAGE_CLASSIFICATION
 
 timm = pytest.importorskip("timm")
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def test_a_library_imported_before_fastzoo_is_registered_with_at_once():
 def test_every_image_classifier_name_is_in_both_factories():
     from torchvision.models import list_models
 
-    expected = {PREFIX + n for n in fastzoo.list_models() if fastzoo.registry.get_entry(n).spec.task == "image-classification"}
+    expected = {PREFIX + n for n in fastzoo.list_models() if fastzoo.registry.get_entry(n).spec.task is IMAGE_CLASSIFICATION}
     assert "fastzoo_vit_base_patch16_224" in expected and "fastzoo_resnet50" in expected and "fastzoo_gpt2" not in expected
     assert set(timm.list_models("fastzoo_*")) == expected
     assert set(list_models(include="fastzoo_*")) == expected

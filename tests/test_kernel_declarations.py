@@ -128,15 +128,15 @@ def fake_packages(tmp_path, monkeypatch):
         tops = {name.split(".")[0] for name in dotted}
         for mod in [m for m in sys.modules if m.split(".")[0] in tops]:  # an installed one already imported
             monkeypatch.delitem(sys.modules, mod)
-        from fastzoo.attention import base
+        from fastzoo.attention import availability
 
-        base._unavailable.cache_clear()
+        availability._unavailable.cache_clear()
         return tmp_path
 
     yield make
-    from fastzoo.attention import base
+    from fastzoo.attention import availability
 
-    base._unavailable.cache_clear()
+    availability._unavailable.cache_clear()
 
 
 @pytest.mark.parametrize("name,present,called", [

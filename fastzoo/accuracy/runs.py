@@ -48,12 +48,10 @@ from fastzoo.losses.boxes import GIOU_LAYOUTS
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 from fastzoo.machine import device_name, load_average, versions
 from fastzoo.registry import get_entry
+from fastzoo.tasks import TASKS, resolve
 from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
 from fastzoo.train.schedule import DECAYS, warmup_schedule
 
-# each data task -> the kind of model it trains (a family spec's ``task``)
-TASKS = {"digits": "image-classification", "digits_canvas": "detection", "pydoc_text": "causal-lm",
-         "quadrant": "image-classification"}
 LAYOUTS = ("padded", "packed", "nested")
 
 
@@ -170,14 +168,15 @@ def _typed(f: dataclasses.Field, value, where: str):
 
 
 def _check(cfg: RunConfig, where: str) -> RunConfig:
-    if cfg.task not in TASKS:
-        raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(TASKS)}")
+    trains = {data: task for task in TASKS for data in task.parity}  # the run file's task: the data, and the task it trains
+    if cfg.task not in trains:
+        raise ConfigError(f"{where}.task: {cfg.task!r} is not one of {', '.join(trains)}")
     try:
         kind = get_entry(cfg.model).spec.task
     except UnknownModelError as e:
         raise ConfigError(f"{where}.model: {e.args[0]}") from None
-    if kind != TASKS[cfg.task]:
-        raise ConfigError(f"{where}.model: {cfg.model} is {kind}; task {cfg.task!r} trains {TASKS[cfg.task]} models")
+    if kind is not trains[cfg.task]:
+        raise ConfigError(f"{where}.model: {cfg.model} is {kind}; task {cfg.task!r} trains {trains[cfg.task]} models")
     if cfg.steps < 1 or cfg.eval_every < 1:
         raise ConfigError(f"{where}: steps and eval_every must be >= 1")
     if cfg.optim.schedule not in DECAYS:
@@ -580,15 +579,12 @@ class CanvasTask(Task):
         return total / n, float(mean_ap.compute()["map_50"])
 
 
-TASK_CLASSES = {"digits": DigitsTask, "pydoc_text": TextTask, "digits_canvas": CanvasTask, "quadrant": QuadrantTask}
-
-
 def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyReport:
     from tqdm.auto import tqdm
 
     device = torch.device(device)
     load = [load_average()]
-    task = TASK_CLASSES[cfg.task](cfg, device)
+    task = resolve(get_entry(cfg.model).spec.task.parity[cfg.task])(cfg, device)
     batches = _batches(task.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
     models = _models(cfg, device)
     results, snapshots = [], None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from fastzoo.attention.availability import unavailable
 from fastzoo.attention.base import (
     AttentionBackend,
     AttnContext,
@@ -16,7 +17,6 @@ from fastzoo.attention.base import (
     Capabilities,
     FUNCTION_DEFAULT_CAPABILITIES,
     FunctionBackend,
-    unavailable,
 )
 from fastzoo.errors import UnknownBackendError
 

@@ -45,17 +45,13 @@ forward with a message that names the missing piece.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import importlib.machinery
-import importlib.util
 import itertools
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 
+from fastzoo.attention.availability import package_available, unavailable  # noqa: F401  (re-exported)
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.text import dtype_name  # noqa: F401  (re-exported: backends name dtypes in messages)
 
@@ -172,23 +168,6 @@ class KernelProfile:
     checked: bool = True  # False: a user's backend, whose kernels fastzoo cannot know
 
 
-def package_available(name: str) -> bool:
-    """Whether module ``name`` (dotted: the submodule a backend calls) is installed, found
-    without importing it or its parents (``importlib.util.find_spec`` would import the parents:
-    a kernel library's ``__init__`` on a machine that cannot use it)."""
-    parts = name.split(".")
-    try:
-        top = sys.modules.get(parts[0])
-        spec = top.__spec__ if top is not None else importlib.util.find_spec(parts[0])
-        for i in range(1, len(parts)):
-            if spec is None or spec.submodule_search_locations is None:
-                return False
-            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
-        return spec is not None
-    except (ImportError, ValueError, AttributeError):
-        return False
-
-
 class AttentionBackend:
     """Base class: subclasses set ``name`` and ``capabilities`` and implement :meth:`forward`.
 
@@ -303,7 +282,7 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
     """The capability rule, written once: what of ``req`` a kernel declaring ``caps`` cannot
     serve. ``create`` / ``set_attention`` ask it with the model's request, every call with the
     call's own (:meth:`AttentionBackend.call_request`), and varlen's automatic pick with each
-    kernel's capabilities in turn. Availability on this machine is :func:`unavailable`."""
+    kernel's capabilities in turn. Availability on this machine is :func:`fastzoo.attention.availability.unavailable`."""
     problems = []
     at_call = req.at_call
     dev = req.device
@@ -409,56 +388,6 @@ def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
     if bool((len_k < len_q).any()):
         raise ValueError(f"cu_seqlens_k: each sequence needs at least as many keys as queries (the queries are "
                          f"its last positions), got key lengths {len_k.tolist()} for query lengths {len_q.tolist()}")
-
-
-def unavailable(caps: Capabilities) -> str | None:
-    """Why a backend with these capabilities cannot run on this machine at all, naming every
-    missing piece (package with its install command, device, GPU generation), or None.
-
-    Where nothing is missing it imports the packages once, to catch a wheel built for another
-    torch or CUDA: a backend reported available really runs. A package is never imported on
-    a machine that cannot use it. Cached: none of this changes within a process, and per-call
-    kernel choice (``varlen``) asks it on every forward.
-    """
-    return _unavailable(caps.packages, caps.install, tuple(caps.devices), caps.min_cuda_capability)
-
-
-@functools.lru_cache(maxsize=None)
-def _unavailable(packages, install, devices, min_cuda_capability) -> str | None:
-    problems = []
-    missing = [p for p in packages if not package_available(p)]
-    if missing:
-        how = f" (install: `{install}`)" if install else ""
-        problems.append(f"needs the package(s) {', '.join(missing)}, which are not installed{how}")
-    if not any(_device_present(d) for d in devices):
-        need = " or ".join(_DEVICE_WORDS.get(d, f"a {d} device") for d in devices)
-        problems.append(f"runs on {'/'.join(devices)} only: needs {need}, and this machine has none")
-    elif min_cuda_capability and set(devices) == {"cuda"} and torch.cuda.get_device_capability() < min_cuda_capability:
-        need, cc = (".".join(map(str, v)) for v in (min_cuda_capability, torch.cuda.get_device_capability()))
-        problems.append(f"needs a GPU of compute capability >= {need}; this one is {cc}")
-    if not problems:
-        for p in packages:
-            try:
-                importlib.import_module(p)
-            except Exception as e:  # an extension built for another torch raises ImportError, OSError, RuntimeError...
-                first = str(e).splitlines()[0] if str(e) else ""
-                problems.append(f"has {p} installed, but it does not import ({type(e).__name__}: {first}); "
-                                "reinstall it for this torch/CUDA")
-    return "; ".join(problems) or None
-
-
-_DEVICE_WORDS = {"cuda": "a CUDA GPU", "xla": "an XLA device (AWS Trainium/Inferentia2 through torch-neuronx)"}
-
-
-def _device_present(device_type: str) -> bool:
-    if device_type == "cpu":
-        return True
-    if device_type == "cuda":
-        return torch.cuda.is_available()
-    if device_type == "xla":  # torch has no torch.xla; torch_xla provides the device (not imported here: it is heavy)
-        return package_available("torch_xla")
-    mod = getattr(torch, device_type, None)
-    return bool(mod is not None and getattr(mod, "is_available", lambda: False)())
 
 
 # What a function registered without capabilities= is trusted with: a plain

@@ -38,10 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.attention import masks, packing
-from fastzoo.attention.base import (
-    FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile, _device_present, capability_problems, repeat_kv,
-    unavailable,
-)
+from fastzoo.attention.availability import device_present, unavailable
+from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile, capability_problems, repeat_kv
 from fastzoo.attention.flash import Fa2Backend, fa2_varlen
 from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
@@ -77,7 +75,7 @@ _ORDER = {"cpu": ("cpu",), "cuda": ("torch", "flash", "xformers", "flex")}  # im
 
 def _present_impls(device: str) -> list[str]:
     """The impls tried on ``device`` that can run on this machine."""
-    if not _device_present(device):
+    if not device_present(device):
         return []
     return [i for i in _ORDER[device] if device in _CAPS[i].devices and unavailable(_CAPS[i]) is None]
 

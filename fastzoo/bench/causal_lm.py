@@ -1,4 +1,4 @@
-"""Causal LMs (every family whose spec says ``causal-lm``) on variable-length batches: padding
+"""Causal LMs (every family of the causal-LM task) on variable-length batches: padding
 vs packing, per recipe (precision; compilation where the family's spec allows it).
 
 Sequence lengths are uniform in [1, max_len]. The peer is the original (Hugging Face) as its
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, partial
 
 import torch
@@ -104,11 +104,7 @@ class _Models:
 
     def flops(self, lengths: list[int], width: int | None, train: bool) -> float | None:
         """FLOPs of a step on ``lengths`` padded to ``width`` (None: packed, no padding)."""
-        if self.spec.flops is None:
-            return None
-        if width is None:
-            return self.spec.flops(self.cfg, tokens=sum(lengths), attended=sum(n * n for n in lengths), train=train)
-        return self.spec.flops(self.cfg, tokens=len(lengths) * width, attended=len(lengths) * width**2, train=train)
+        return self.spec.task.flops(self.spec, self.cfg, lengths=lengths, width=width, train=train)
 
 
 @dataclass
@@ -385,3 +381,27 @@ def use_code(entry, label: str) -> str | None:
     layout, backend, labels = found.groups()
     data = "pack" if layout == "packed" else "pad_to_longest"
     return create(name=entry.name, b=backend) + f" on fastzoo.data.{data}(seqs)" + (", labels=: the fused loss" if labels else "")
+
+
+def model_suite(entry, workload: Workload, *, backends, mode, device, recipes) -> Suite:
+    """``fastzoo bench NAME`` for a causal LM (its task's ``bench``)."""
+    return causal_lm_suite(entry, workload, backends=backends, modes=(mode,), recipes=recipes, device=device)
+
+
+def tour_entry(spec, size, device, compile):
+    """The tour's entry for a causal LM (its task's ``tour``): the step as users write it
+    (``labels=``) per recipe, the original (as its users run it, and under the recipe) against
+    fastzoo's paths (padded, packed, nested, per training backend)."""
+    from fastzoo.bench.recipes import recipes
+    from fastzoo.bench.tour import Entry, recipe_groups, train_backends
+    from fastzoo.registry import get_entry
+
+    entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
+    suite = causal_lm_suite(entry, spec.bench.sizes[size], backends=train_backends(device), modes=("train",),
+                            recipes=tried, steps=("labels",), device=device)
+    groups = recipe_groups(suite, tried)
+    paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
+    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if c.peer or c.original or c.label in paths])
+                                   for g in suite.groups if g.name in groups])
+    return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, groups, device.type)
+

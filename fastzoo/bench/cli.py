@@ -101,13 +101,16 @@ def build_suite(args, device: torch.device, dtype: torch.dtype | None):
     if args.model in LOSS_SUITES:
         return _loss_suite(args, device, dtype or torch.float32, overrides)
     from fastzoo.registry import get_entry
+    from fastzoo.tasks import TASKS, resolve
 
     entry = get_entry(args.model)
-    if entry.spec.bench is None or entry.spec.task not in MODEL_SUITES:
-        raise UsageError(f"model {args.model!r} ({entry.spec.task}) has no benchmark suite; suites: "
-                         f"{', '.join(MODEL_SUITES)} models, and {', '.join(LOSS_SUITES)}")
+    task = entry.spec.task
+    if entry.spec.bench is None or task.bench is None:
+        raise UsageError(f"model {args.model!r} ({task}) has no benchmark suite; suites: "
+                         f"{', '.join(t.name for t in TASKS if t.bench)} models, and {', '.join(LOSS_SUITES)}")
     workload = _workload(entry, args, overrides)
-    return MODEL_SUITES[entry.spec.task](entry, workload, args=args, device=device, recipes=_recipes(entry, args, device, dtype))
+    return resolve(task.bench)(entry, workload, backends=_backends(args.attn), mode=args.mode, device=device,
+                               recipes=_recipes(entry, args, device, dtype))
 
 
 def _recipes(entry, args, device, dtype):
@@ -124,26 +127,9 @@ def _recipes(entry, args, device, dtype):
     return [r for r in found if r.compiled == args.compile]
 
 
-def _image_suite(entry, workload, *, args, device, recipes):
-    from fastzoo.bench.image_classification import image_classification_suite
-
-    return image_classification_suite(entry, [workload], backends=_backends(args.attn), modes=(args.mode,),
-                                      recipes=recipes, device=device)
-
-
-def _causal_lm_suite(entry, workload, *, args, device, recipes):
-    from fastzoo.bench.causal_lm import causal_lm_suite
-
-    return causal_lm_suite(entry, workload, backends=_backends(args.attn), modes=(args.mode,), recipes=recipes,
-                           device=device)
-
-
-MODEL_SUITES = {"image-classification": _image_suite, "causal-lm": _causal_lm_suite}  # task -> its suite
-
-
 def _workload(entry, args, overrides: dict):
     """The family's ``bench`` workload, changed by --set (config fields in the original's names, or
-    the workload's img_size / max_len), --batch-size and --quick (2 images a step)."""
+    the workload's img_size / max_len), --batch-size and --quick (the task's quick batch)."""
     from fastzoo.errors import ConfigError
 
     w = entry.spec.bench.sizes["bench"]
@@ -161,7 +147,7 @@ def _workload(entry, args, overrides: dict):
         cls.from_dict({**entry.config, **config})
     except ConfigError as e:
         raise UsageError(f"--set: {e}") from e
-    batch = args.batch_size or (2 if args.quick and entry.spec.task == "image-classification" else w.batch)
+    batch = args.batch_size or (args.quick and entry.spec.task.bench_quick_batch) or w.batch
     return dataclasses.replace(w, name=w.name or args.model, config=config, batch=batch,
                                **{k: v for k, v in overrides.items() if k in sizes})
 

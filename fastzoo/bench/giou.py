@@ -203,3 +203,27 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
               "timing": "cases interleaved in rounds"}
     return Suite("giou", [padded_group(setting, b), pairs_group(setting, b)], config=config, dtype=dtype,
                  device=device, limits=limits or None, interleave=True)
+
+
+REAL_SHARE = 5  # the tour's workload: 1 to slots / REAL_SHARE real boxes per image (about 10 % real), the rest padding
+
+
+def tour_entry(spec, size, device, compile):
+    """The tour's entry for a detector (its task's ``tour``): its loss, the padded GIoU kernel
+    against torchvision's GIoU on the real pairs, at the family's ``tour`` / ``quick`` sizes."""
+    from fastzoo.bench.recipes import BASELINE
+    from fastzoo.bench.tour import Entry
+
+    w = spec.bench.sizes[size]
+    s = giou_suite(GIoUSetting(w.name, w.batch, w.config["num_queries"], max(1, w.config["num_queries"] // REAL_SHARE)),
+                   device=device, limits=False)
+    name = spec.bench.variant
+    modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
+             "fastzoo padded kernel (validity from target)": "kernel"}
+    paths = {label: f'fastzoo.create("{name}", loss="{m}")' for label, m in modes.items()}
+    paths["fastzoo kernel"] = "fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])"
+    paths["fastzoo padded kernel (mask)"] = "fastzoo.losses.giou_loss_padded(pred, target, mask)"
+    paths["fastzoo kernel (pairs given)"] = 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'
+    return Entry(f"{name} (GIoU loss)", "torchvision on concatenated real pairs", s, paths, {s.groups[0].name: BASELINE},
+                 device.type)
+

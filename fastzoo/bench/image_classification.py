@@ -1,4 +1,4 @@
-"""Image classifiers (every family whose spec says ``image-classification``): fastzoo against
+"""Image classifiers (every family of the image-classification task): fastzoo against
 its original on the same weights, per recipe (precision, memory format, compilation) and per
 attention backend where the model has attention.
 
@@ -92,9 +92,7 @@ class _Models:
         return f"{self.entry.name}{' with ' + sizes if sizes else ''}, {self.side}x{self.side} images"
 
     def flops(self, mode: str) -> float | None:
-        if self.spec.flops is None:
-            return None
-        return self.spec.flops(self.cfg, batch=self.batch, img_size=self.side, train=mode == "train")
+        return self.spec.task.flops(self.spec, self.cfg, batch=self.batch, img_size=self.side, train=mode == "train")
 
     def fastzoo(self, attn: str | None, options=None, dtype=None):
         """fastzoo's model from the original's weights; ``attn``: its backend (None: it has no attention)."""
@@ -166,3 +164,23 @@ def use_code(entry, label: str) -> str | None:
     backend = label[len("fastzoo "):]
     attn = f', attn="{backend}"' if backend else ""
     return f'fastzoo.create("{entry.name}"{attn}, pretrained={entry.spec.bench.library.lower()}_model)'
+
+
+def model_suite(entry, workload: Workload, *, backends, mode, device, recipes) -> Suite:
+    """``fastzoo bench NAME`` for an image classifier (its task's ``bench``)."""
+    return image_classification_suite(entry, [workload], backends=backends, modes=(mode,), recipes=recipes, device=device)
+
+
+def tour_entry(spec, size, device, compile):
+    """The tour's entry for an image classifier (its task's ``tour``): one training step per recipe
+    and per attention backend that takes a dense batch, against the original as its users run it."""
+    from fastzoo.bench.recipes import recipes
+    from fastzoo.bench.tour import Entry, dense_backends, recipe_groups
+    from fastzoo.registry import get_entry
+
+    entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
+    suite = image_classification_suite(entry, [spec.bench.sizes[size]], backends=dense_backends(device), recipes=tried,
+                                       device=device, original_eager=False)
+    paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
+    return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, recipe_groups(suite, tried), device.type)
+

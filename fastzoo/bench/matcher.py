@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
+from fastzoo.tasks import DETECTION
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", see
     outputs = {"boxes": random_boxes(s.images * s.queries, g).view(s.images, s.queries, 4).to(device),
                "logits": torch.randn(s.images, s.queries, s.num_classes + 1, generator=g).to(device)}
     # only the matcher runs: the detector's tiny config carries its settings (DETR's cost weights)
-    spec = next(spec for spec in specs() if spec.task == "detection")
+    spec = next(spec for spec in specs() if spec.task is DETECTION)
     det = fastzoo.create(spec.variants[0].name, **{**spec.tiny, "num_queries": s.queries, "num_classes": s.num_classes,
                                                    "matcher": "hungarian"}).to(device)
 

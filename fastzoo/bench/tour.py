@@ -17,27 +17,28 @@ channels_last where the family's spec says so; ``torch.compile`` with ``--compil
    GEMM peak in its precision, and for packed sequences the FLOP-ratio bound;
 3. the recommendation: per model, the fastest path that passed parity, with its recipe.
 
-A detector enters through its loss: the padded GIoU kernel against torchvision's GIoU.
+Each family enters through its task's tour entry (``Task.tour``; a detector's times its loss:
+the padded GIoU kernel against torchvision's GIoU).
 Sizes: ``tour`` (the default; about a minute and a half of a 2-core CPU) and ``quick``
 (seconds; ``--quick``, what CI runs).
 """
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fastzoo import files
 from fastzoo.bench import limits as machine
-from fastzoo.bench.harness import Report, Row, Suite, bound_text, run_suite
+from fastzoo.bench.harness import Report, Row, Suite, run_suite
+from fastzoo.bench.report import bound_text
 from fastzoo.machine import device_name, versions
-from fastzoo.bench.recipes import BASELINE, Recipe, recipes
+from fastzoo.bench.recipes import Recipe
 
 SIZES = ("tour", "quick")  # the keys of each family's BenchSettings.sizes the tour runs
 TIMING = {"tour": (1, 3), "quick": (0, 1)}  # warm-up, timed steps
-REAL_SHARE = 5  # the GIoU workload: 1 to slots / REAL_SHARE real boxes per image (about 10 % real), the rest padding
 
 
 @dataclass
@@ -70,8 +71,8 @@ class Recommendation:
         return f"{self.model}: {self.use}  ({vs}; parity: {_errors(r, '.0e')})"
 
 
-# -- one entry per family, by task ---------------------------------------------------------------
-def _train_backends(device: torch.device) -> list[str]:
+# -- what every task's tour entry shares (the entries live beside their suites) --------------------
+def train_backends(device: torch.device) -> list[str]:
     """Attention backends that run and train on this device (eager, the reference, is never the answer)."""
     from fastzoo.attention import backend_class, list_attention
 
@@ -79,63 +80,17 @@ def _train_backends(device: torch.device) -> list[str]:
             if b != "eager" and device.type in backend_class(b).capabilities.backward]
 
 
-def _dense_backends(device: torch.device) -> list[str]:
+def dense_backends(device: torch.device) -> list[str]:
     """The training backends that take a dense batch: a kernel for packed sequences (no padding
     mask: nested, varlen) has nothing to skip in a batch of images of one size, only a conversion."""
     from fastzoo.attention import backend_class
 
-    return [b for b in _train_backends(device) if backend_class(b).capabilities.padding_mask]
+    return [b for b in train_backends(device) if backend_class(b).capabilities.padding_mask]
 
 
-def _recipe_groups(suite: Suite, tried: list[Recipe]) -> dict[str, Recipe]:
+def recipe_groups(suite: Suite, tried: list[Recipe]) -> dict[str, Recipe]:
     """Group name -> its recipe, for the groups of the tried recipes (a group's name ends with its recipe's)."""
     return {g.name: r for g in suite.groups for r in tried if g.name.endswith(f"| {r.name}")}
-
-
-def _image_classification(spec, size, device, compile) -> Entry:
-    from fastzoo.bench.image_classification import image_classification_suite, use_code
-    from fastzoo.registry import get_entry
-
-    entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
-    suite = image_classification_suite(entry, [spec.bench.sizes[size]], backends=_dense_backends(device), recipes=tried,
-                                       device=device, original_eager=False)
-    paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
-    return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, _recipe_groups(suite, tried), device.type)
-
-
-def _causal_lm(spec, size, device, compile) -> Entry:
-    from fastzoo.bench.causal_lm import causal_lm_suite, use_code
-    from fastzoo.registry import get_entry
-
-    entry, tried = get_entry(spec.bench.variant), recipes(spec.bench, device, compile=compile)
-    suite = causal_lm_suite(entry, spec.bench.sizes[size], backends=_train_backends(device), modes=("train",),
-                            recipes=tried, steps=("labels",), device=device)
-    groups = _recipe_groups(suite, tried)
-    paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
-    # the step as users write it (labels=) per recipe: the original (as its users run it, and under the recipe) and fastzoo's paths
-    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if c.peer or c.original or c.label in paths])
-                                   for g in suite.groups if g.name in groups])
-    return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, groups, device.type)
-
-
-def _detection(spec, size, device, compile) -> Entry:
-    """A detector's loss: the padded GIoU kernel against torchvision's GIoU on the real pairs."""
-    from fastzoo.bench.giou import GIoUSetting, giou_suite
-
-    w = spec.bench.sizes[size]
-    s = giou_suite(GIoUSetting(w.name, w.batch, w.config["num_queries"], max(1, w.config["num_queries"] // REAL_SHARE)), device=device, limits=False)
-    name = spec.bench.variant
-    modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
-             "fastzoo padded kernel (validity from target)": "kernel"}
-    paths = {label: f'fastzoo.create("{name}", loss="{m}")' for label, m in modes.items()}
-    paths["fastzoo kernel"] = "fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])"
-    paths["fastzoo padded kernel (mask)"] = "fastzoo.losses.giou_loss_padded(pred, target, mask)"
-    paths["fastzoo kernel (pairs given)"] = 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'
-    return Entry(f"{name} (GIoU loss)", "torchvision on concatenated real pairs", s, paths, {s.groups[0].name: BASELINE},
-                 device.type)
-
-
-TASKS = {"image-classification": _image_classification, "causal-lm": _causal_lm, "detection": _detection}
 
 
 # -- running and reporting ----------------------------------------------------------------------
@@ -239,14 +194,17 @@ def recommend(entry: Entry, rows: list[Row]) -> Recommendation:
 
 
 def build_entries(size: str = "tour", device="cpu", *, compile: bool = False) -> list[Entry]:
-    """One entry per family whose spec has tour settings, in the registry's order."""
+    """One entry per family whose spec has tour settings, from its task's tour entry, in the tasks' order."""
     from fastzoo.registry import specs
+    from fastzoo.tasks import TASKS, resolve
 
     if size not in SIZES:
         raise ValueError(f"size={size!r}: choose one of {', '.join(SIZES)}")
     device = torch.device(device)
-    chosen = [s for s in specs() if s.bench is not None and size in s.bench.sizes and s.task in TASKS]
-    return [TASKS[s.task](s, size, device, compile) for s in sorted(chosen, key=lambda s: list(TASKS).index(s.task))]
+    chosen = [s for s in specs() if s.bench is not None and size in s.bench.sizes and s.task.tour is not None]
+    order = {task: i for i, task in enumerate(TASKS)}
+    return [resolve(s.task.tour)(s, size, device, compile)
+            for s in sorted(chosen, key=lambda s: order.get(s.task, len(TASKS)))]
 
 
 def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progress: bool = True) -> TourResult:

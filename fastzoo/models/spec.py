@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-TASKS = ("image-classification", "causal-lm", "detection")
+from fastzoo.tasks import TASKS, Task
 
 
 @dataclass(frozen=True)
@@ -81,17 +81,17 @@ class ModelSpec:
     ``shallow`` maps a variant's config to one of reduced depth (and shorter inputs or a smaller
     vocabulary where those are fields) with the same widths: what the tests compare with the
     original for every name, in seconds rather than minutes. ``flops`` counts one step's FLOPs
-    from a config and the inputs' sizes, called per task as ``flops(cfg, batch=, img_size=,
-    train=)`` (image classification) or ``flops(cfg, tokens=, attended=, train=)`` (causal LM:
+    from a config and the inputs' sizes, with the keywords its task gives (``flops(cfg, batch=,
+    img_size=, train=)`` for images, ``flops(cfg, tokens=, attended=, train=)`` for tokens:
     ``attended`` (query, key) pairs computed); the benchmarks report achieved FLOP/s against the
-    same-run GEMM peak with it. ``bench``: the family's benchmark workloads and recipes
+    same-run GEMM peak with it (through the task's ``step_flops``). ``bench``: the family's benchmark workloads and recipes
     (:class:`BenchSettings`; None: no model suite).
     ``refused``: names the original library gives to architectures of this kind that the
     family does not reproduce, each with the options it would need (``create`` says so).
     """
 
     family: str
-    task: str
+    task: Task  # what its models take and return, and the suites that run them (fastzoo.tasks)
     model: type
     variants: tuple[Variant, ...]
     converters: tuple = ()
@@ -103,8 +103,9 @@ class ModelSpec:
     refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"ModelSpec({self.family!r}): task={self.task!r}; one of {', '.join(TASKS)}")
+        if not isinstance(self.task, Task):
+            raise ValueError(f"ModelSpec({self.family!r}): task={self.task!r}; one of fastzoo.tasks' "
+                             f"{', '.join(t.name.upper().replace('-', '_') for t in TASKS)} (or a Task of your own)")
 
     def original_as_users_run_it(self, cfg: dict) -> nn.Module | None:
         """The original library's model on config fields ``cfg`` at random init, on the kernels its

@@ -4,10 +4,11 @@ from __future__ import annotations
 from fastzoo.models.boxdet.convert import BOXDET, BOXDET_BACKBONE
 from fastzoo.models.boxdet.model import BoxDetector
 from fastzoo.models.spec import BenchSettings, ModelSpec, Variant, Workload
+from fastzoo.tasks import DETECTION
 
 SPEC = ModelSpec(
     family="boxdet",
-    task="detection",
+    task=DETECTION,
     model=BoxDetector,
     variants=(
         Variant("boxdet_r50", dict(num_classes=1, num_queries=100, hidden_dim=256, loss="kernel", matcher="hungarian",

@@ -10,6 +10,7 @@ from fastzoo.models.decoder.convert import GPT2, GPT2_FASTZOO, LLAMA, LLAMA_LAYO
 from fastzoo.models.decoder.gpt2 import GPT2LMHeadModel
 from fastzoo.models.decoder.llama import LlamaForCausalLM
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
+from fastzoo.tasks import CAUSAL_LM
 
 
 def hf_gpt2(cfg: dict) -> nn.Module:
@@ -46,7 +47,7 @@ def _gpt2(name: str, n_embd: int, n_layer: int, n_head: int, what: str) -> Varia
 
 GPT2_SPEC = ModelSpec(
     family="gpt2",
-    task="causal-lm",
+    task=CAUSAL_LM,
     model=GPT2LMHeadModel,
     variants=(
         _gpt2("gpt2", 768, 12, 12, "small (124M)"),
@@ -208,7 +209,7 @@ _LLAMA_SMALL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=680,
 
 LLAMA_SPEC = ModelSpec(
     family="llama",
-    task="causal-lm",
+    task=CAUSAL_LM,
     model=LlamaForCausalLM,
     variants=LLAMA_VARIANTS,
     converters=(LLAMA,),

@@ -7,6 +7,7 @@ from fastzoo.models.resnet.config import ResNetConfig, bottleneck_width
 from fastzoo.models.resnet.convert import RESNET, TIMM_RESNET
 from fastzoo.models.resnet.model import ResNet
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
+from fastzoo.tasks import IMAGE_CLASSIFICATION
 
 TORCHVISION_CHANNELS = (64, 128, 256, 512)  # torchvision's stage widths (its ResNet has no argument for them)
 
@@ -61,7 +62,7 @@ def _variant(name: str, layers: tuple[int, ...], what: str, block: str = "bottle
 
 SPEC = ModelSpec(
     family="resnet",
-    task="image-classification",
+    task=IMAGE_CLASSIFICATION,
     model=ResNet,
     variants=(
         _variant("resnet18", (2, 2, 2, 2), "ResNet-18 (basic blocks)", block="basic"),

@@ -14,6 +14,7 @@ from fastzoo.models.vit import timm_names
 from fastzoo.models.vit.config import ViTConfig
 from fastzoo.models.vit.convert import VIT
 from fastzoo.models.vit.model import VisionTransformer
+from fastzoo.tasks import IMAGE_CLASSIFICATION
 
 
 def timm_vit(cfg: dict) -> nn.Module:
@@ -76,7 +77,7 @@ def flops(cfg, *, batch: int, img_size: int | None = None, train: bool = True) -
 
 SPEC = ModelSpec(
     family="vit",
-    task="image-classification",
+    task=IMAGE_CLASSIFICATION,
     model=VisionTransformer,
     variants=tuple(_timm_variant(name, derived) for name, derived in _TIMM["variants"].items()),
     refused={name: "; ".join(reasons) for name, reasons in _TIMM["refused"].items()},

@@ -1,0 +1,54 @@
+"""Equivalence: does a fastzoo model compute the same function as its original?
+
+Three entry points, one rule:
+
+- :func:`compare` takes a fastzoo model and the original (timm / Hugging Face / torchvision
+  module, or a fastzoo twin) holding the same weights, runs the same inputs through both
+  and compares the outputs and every parameter gradient. With ``layers=True`` it also hooks
+  every module of both models, matched by module name (fastzoo's module names are the
+  checkpoint's), and names the *first diverging layer*: in forward order the first module
+  whose input still agrees with the original's but whose output does not; in backward order
+  the first module whose output and the gradient arriving there agree, but whose input or
+  own-parameter gradients do not. Each module's tensors are compared relative to the
+  original's scale (fp32: 1e-4); the other model's activations are compared as they are
+  made, so only one model's are held in memory.
+- :func:`check` does all of that for a registered model and one attention backend: it builds
+  the original library's model (eager attention, fp32) at random init, the fastzoo model from
+  it (``fastzoo.create(name, pretrained=original, attn=backend)``) and the inputs (images for
+  ViT; a padded batch and the same sequences packed for GPT-2). ``fastzoo check`` prints it.
+- :func:`compare_cases` applies the rule to tensors a benchmark already computed.
+
+The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):
+
+- fp32: ``max|ours - ref| <= 1e-4`` for outputs; gradients by a relative error (below).
+- fp16/bf16 (flash-attn's rule): ``max|ours - ref| <= 3 * max|peer - ref| + floor``, where
+  the peer is the original run in the same dtype on the same device: a kernel may be as
+  inexact as plain PyTorch in that dtype, times three, and no worse.
+
+The gradient error of one parameter is ``max|g - g_ref| / max(max|g_ref|, 1e-2 * G)``, with
+``G`` the largest reference gradient of the model: relative, because gradient magnitudes
+differ by orders between layers, with a floor so that gradients that are zero in exact
+arithmetic (e.g. the key bias, which softmax ignores) do not divide rounding noise by
+rounding noise. The reported gradient error is the worst parameter's. A foreign original's
+gradients are translated to fastzoo's names by the same converter that translates its
+weights (:mod:`fastzoo.weights`), transposes included.
+
+Packed outputs are compared token by token with the padded reference, so a packed run that
+leaks attention across sequences fails. Models run in eval mode (no dropout) so that the
+comparison is deterministic; gradients are still computed.
+"""
+from fastzoo.equivalence.check import Result, check, example_inputs, original, tiny_overrides
+from fastzoo.equivalence.compare import compare
+from fastzoo.equivalence.layers import LayerDiff, LayerReport, logits_of
+from fastzoo.equivalence.rule import (
+    FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL, GRAD_SCALE_FLOOR, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR,
+    Comparison, compare_cases, compare_errors, compare_grads, compare_outputs, curve_error, grad_error,
+)
+from fastzoo.tasks import Inputs
+
+__all__ = [
+    "FP32_GRAD_RTOL", "FP32_LAYER_RTOL", "FP32_OUT_ATOL", "GRAD_SCALE_FLOOR", "LOW_FACTOR", "LOW_GRAD_FLOOR",
+    "LOW_OUT_FLOOR", "Comparison", "Inputs", "LayerDiff", "LayerReport", "Result", "check", "compare", "compare_cases",
+    "compare_errors", "compare_grads", "compare_outputs", "curve_error", "example_inputs", "grad_error", "logits_of",
+    "original", "tiny_overrides",
+]

@@ -1,0 +1,98 @@
+"""Two models on the same weights and inputs: outputs of the compared rows, and parameter
+gradients of a fixed random projection of them, translated to fastzoo's names by the weights'
+converter; optionally the per-layer report."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from fastzoo.equivalence.layers import LayerReport, Run, hook, layer_report, logits_of
+from fastzoo.equivalence.rule import FP32_LAYER_RTOL, Comparison, compare_grads, compare_outputs
+from fastzoo.registry import spec_of
+from fastzoo.tasks import Inputs
+from fastzoo.weights import Source, find_converter
+
+
+def _run(model: nn.Module, inputs: Inputs, dtype, device, *, seed: int, grads: bool, layers: bool = False,
+         against: Run | None = None) -> Run:
+    """Outputs of the compared rows as fp32 ``[N, C]``, and fp32 parameter gradients of a fixed
+    random projection of them (the same projection for every model)."""
+    inputs = inputs.to(device, dtype)
+    model.zero_grad(set_to_none=True)
+    run = Run()
+    handles = hook(model, run, grads, inputs.keep, against) if layers else []
+    try:
+        with torch.set_grad_enabled(grads), warnings.catch_warnings():
+            # a module whose inputs need no gradient (the patch projection) reports at its output: expected
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")  # HF's output class
+            out = logits_of(model(*inputs.args, **inputs.kwargs))
+            out_NC = out.reshape(-1, out.shape[-1])
+            if inputs.keep is not None:  # padded batch: real tokens only, in (b, s) order
+                out_NC = out_NC[inputs.keep.to(device).reshape(-1)]
+            out_NC = out_NC.float()
+            if grads:
+                weight_NC = torch.randn(out_NC.shape, generator=torch.Generator().manual_seed(seed + 2)).to(device)
+                (out_NC * weight_NC).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    run.out_NC = out_NC.detach()
+    if grads:
+        run.grads = {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+    return run
+
+
+def _in_fastzoo_names(model: nn.Module, original: nn.Module, grads: dict) -> dict:
+    """The original's gradients under fastzoo's parameter names (the weights' converter, transposes included)."""
+    from fastzoo.models.base import FastzooModel
+
+    if isinstance(original, FastzooModel):
+        return grads
+    src = Source(grads, f"gradients of {type(original).__name__}")
+    return find_converter(spec_of(model), src).to_fastzoo(grads)
+
+
+def compare(
+    model: nn.Module,
+    original: nn.Module,
+    inputs: Inputs | tuple,
+    *,
+    original_inputs: Inputs | tuple | None = None,
+    grads: bool = True,
+    layers: bool = False,
+    peer: nn.Module | None = None,
+    device="cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    name: str = "logits",
+) -> tuple[list[Comparison], LayerReport | None]:
+    """Compare ``model`` (run in ``dtype``) with ``original`` (fp32) on the same inputs.
+
+    Both must hold the same weights and be in the mode to compare in (eval: no dropout).
+    ``inputs`` is an :class:`Inputs` or a tuple of positional arguments; ``original_inputs``
+    when the original takes another form of the same batch (padded vs packed). ``peer``: the
+    original in ``dtype`` (low precision: sets the tolerance). ``layers=True`` also returns the
+    per-layer :class:`LayerReport` (fp32 only: a low-precision run differs everywhere a little).
+    Returns the comparisons (outputs, then gradients) and the report or None.
+    """
+    device = torch.device(device)
+    inputs = inputs if isinstance(inputs, Inputs) else Inputs(tuple(inputs), float_args=True)
+    original_inputs = inputs if original_inputs is None else (
+        original_inputs if isinstance(original_inputs, Inputs) else Inputs(tuple(original_inputs), float_args=True))
+    layers = layers and dtype == torch.float32
+    ref = _run(original, original_inputs, torch.float32, device, seed=seed, grads=grads, layers=layers)
+    ours = _run(model, inputs, dtype, device, seed=seed, grads=grads, layers=layers, against=ref)
+    own = {n for n, _ in model.named_parameters()}  # the original's extra names (an HF tied head) are not compared
+    ref_grads = {k: v for k, v in _in_fastzoo_names(model, original, ref.grads).items() if k in own} if grads else {}
+    low = _run(peer, original_inputs, dtype, device, seed=seed, grads=grads) if peer is not None else None
+    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, low.out_NC if low else None)]
+    if grads:
+        peer_grads = None
+        if low is not None:
+            peer_grads = {k: v for k, v in _in_fastzoo_names(model, peer, low.grads).items() if k in ref_grads}
+        comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads))
+    report = layer_report(model, ours, ref, ref_grads, FP32_LAYER_RTOL) if layers else None
+    return comps, report

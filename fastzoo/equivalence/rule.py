@@ -1,0 +1,130 @@
+"""The rule every equivalence test, ``fastzoo check``, the benchmarks and the accuracy-parity runs
+apply (see :mod:`fastzoo.equivalence`): fp32 within fixed tolerances; a low precision within
+``LOW_FACTOR`` times the original's own error in it (flash-attn's rule); gradients by a relative
+error with a floor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP32_OUT_ATOL = 1e-4  # fp32 logits within 1e-4 of the reference
+FP32_GRAD_RTOL = 1e-4  # fp32 gradients within 1e-4 of the parameter's gradient scale
+FP32_LAYER_RTOL = 1e-4  # a layer's output / gradients within 1e-4 of their own scale (fp32)
+LOW_FACTOR = 3.0  # flash-attn's rule: at most 3x the original's own low-precision error
+LOW_OUT_FLOOR = 1e-5  # absolute floor, for a peer that happens to be exact
+LOW_GRAD_FLOOR = 1e-5  # relative floor, likewise
+GRAD_SCALE_FLOOR = 1e-2  # a parameter's gradient scale is at least 1% of the model's largest gradient
+
+
+@dataclass
+class Comparison:
+    """One compared quantity: outputs or gradients, for one input form."""
+
+    name: str  # e.g. "logits", "grads", "logits (packed)"
+    err: float  # max |ours - ref| (gradients: worst relative error, see the module docstring)
+    bound: float  # err must not exceed this
+    peer_err: float | None = None  # low precision: the original's own error in the same dtype
+    worst: str = ""  # the parameter with the largest gradient error
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.err) and self.err <= self.bound
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise ValueError(f"outputs differ in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def compare_outputs(name: str, out: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor | None = None) -> Comparison:
+    """``out`` against the fp32 ``ref``; ``peer``: the original in the same low precision (None in fp32)."""
+    err = _max_abs(out, ref)
+    if peer is None:
+        return Comparison(name, err, FP32_OUT_ATOL)
+    peer_err = _max_abs(peer, ref)
+    return Comparison(name, err, LOW_FACTOR * peer_err + LOW_OUT_FLOOR, peer_err)
+
+
+def _grad_error(g: dict, ref: dict) -> tuple[float, str]:
+    if set(g) != set(ref):
+        missing = sorted(set(ref) ^ set(g))
+        return math.inf, f"gradient missing for {missing[:3]}"
+    top = max((r.abs().max().item() for r in ref.values() if r.numel()), default=0.0)
+    worst, worst_name = 0.0, ""
+    for n, r in ref.items():
+        if not r.numel():
+            continue
+        scale = max(r.abs().max().item(), GRAD_SCALE_FLOOR * top, 1e-30)
+        e = _max_abs(g[n], r) / scale
+        if math.isnan(e):
+            return math.inf, n
+        if e > worst:
+            worst, worst_name = e, n
+    return worst, worst_name
+
+
+def compare_grads(name: str, g: dict, ref: dict, peer: dict | None = None) -> Comparison:
+    """Parameter gradients ``g`` against ``ref`` (same names), by the relative rule above."""
+    err, worst = _grad_error(g, ref)
+    if peer is None:
+        return Comparison(name, err, FP32_GRAD_RTOL, worst=worst)
+    peer_err, _ = _grad_error(peer, ref)
+    return Comparison(name, err, LOW_FACTOR * peer_err + LOW_GRAD_FLOOR, peer_err, worst=worst)
+
+
+def compare_cases(ref: dict, got: dict, peer: dict | None = None, *, same_names: bool = True) -> list[Comparison]:
+    """The benchmarks' gate: tensors a case computed, ``{"output": t, "grad:<param>": t, ...}``,
+    against the fp32 reference's. Outputs, then gradients when the case has them.
+
+    ``peer``: the reference model's outputs in the same low precision (None in fp32).
+    ``same_names=False``: a peer library naming its own parameters; gradients are compared on
+    the names and shapes both sides share (none shared: outputs only).
+    """
+    comps = [compare_outputs("output", got["output"].float(), ref["output"].float(), peer and peer["output"].float())]
+    g, g_ref = _case_grads(got), _case_grads(ref)
+    if not g or not g_ref:
+        return comps
+    g_peer = _case_grads(peer) if peer is not None else None
+    if not same_names:
+        shared = {k for k in g_ref if k in g and g[k].shape == g_ref[k].shape and (g_peer is None or k in g_peer)}
+        if not shared:
+            return comps
+        g, g_ref = {k: g[k] for k in shared}, {k: g_ref[k] for k in shared}
+        g_peer = {k: g_peer[k] for k in shared} if g_peer is not None else None
+    comps.append(compare_grads("grads", g, g_ref, g_peer))
+    return comps
+
+
+def _case_grads(d: dict) -> dict[str, torch.Tensor]:
+    return {k[len("grad:"):]: v for k, v in d.items() if k.startswith("grad:")}
+
+
+# -- training runs: differences already measured, against the same rule ----------------------------
+# The accuracy-parity runs (fastzoo.accuracy) compare whole training runs: loss curves, a final
+# metric, the loss and gradients of one batch from shared weights. The rule is this module's: in
+# fp32 a difference within its tolerance; in low precision within LOW_FACTOR times the original's
+# own difference in that dtype from the fp32 reference, plus the fp32 tolerance as the floor.
+def grad_error(g: dict, ref: dict) -> float:
+    """The worst parameter's relative gradient error, ``max|g - g_ref| / max(max|g_ref|, 1e-2 * G)``
+    (the module docstring's rule; a name missing on one side: inf)."""
+    return _grad_error(g, ref)[0]
+
+
+def curve_error(curve, ref) -> float:
+    """The largest absolute difference of two curves over their common steps (inf where a value
+    is not finite)."""
+    errs = [abs(a - b) for a, b in zip(curve, ref)]
+    return max((e if math.isfinite(e) else math.inf for e in errs), default=0.0)
+
+
+def compare_errors(name: str, err: float, bound: float, peer_err: float | None = None) -> Comparison:
+    """A measured difference from the fp32 reference against the rule: ``err <= bound`` in fp32;
+    in low precision, where the original in the same dtype differs from the reference by
+    ``peer_err``, ``err <= LOW_FACTOR * peer_err + bound``."""
+    if peer_err is None:
+        return Comparison(name, err, bound)
+    return Comparison(name, err, LOW_FACTOR * peer_err + bound, peer_err)
