@@ -92,7 +92,7 @@ class Fa2Backend(LibraryBackend):
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned (flash-attn >= 2.1)
         gqa=True,  # k/v with fewer heads than q, as they are
         window=True,  # window_size=(left, right), flash-attn >= 2.3
-        softcap=True,  # softcap=, flash-attn >= 2.6
+        softcap=True,  # flash_attn_func(softcap=), from flash-attn 2.6
         min_cuda_capability=(8, 0),
         # the module called; flash-attn-4 installs a bare flash_attn/cute/ namespace, so `flash_attn` alone imports without FA2
         packages=("flash_attn.flash_attn_interface",),
