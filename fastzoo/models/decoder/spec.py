@@ -219,6 +219,9 @@ LLAMA_SPEC = ModelSpec(
                                 "Gemma2ForCausalLM ...; eager attention)",
                       "attention_dropout"),
     shallow=lambda cfg: _shallow(cfg),
+    refused={name: f"a mixture of experts ({field}): fastzoo's decoders are dense" for name, field in (
+        ("qwen3_moe", "num_experts"), ("qwen2_moe", "num_experts"), ("mixtral", "num_local_experts"),
+        ("olmoe", "num_experts"), ("granitemoe", "num_local_experts"))},
     flops=llama_flops,
     bench=BenchSettings(
         variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
