@@ -3,7 +3,7 @@
 See :mod:`fastzoo.accuracy.runs`."""
 import sys
 
-from fastzoo.accuracy.runs import main
+from fastzoo.accuracy.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

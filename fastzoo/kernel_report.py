@@ -33,10 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from fastzoo import kernel_ranges
 from fastzoo.errors import FastzooError
+from fastzoo.losses.registry import loss_of_function, losses
 
-# Ops that are a loss kernel: fastzoo's own ops, torch's cross-entropy family, the chunked
-# linear cross-entropy's autograd node.
-_LOSS_OP = re.compile(r"^fastzoo::|cross_entropy|nll_loss|log_softmax|LinearCrossEntropy")
 _DECOMPOSED = ("aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax_backward_data")
 _ALLOCATION = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::to", "aten::_to_copy", "aten::contiguous",
                "aten::clone", "aten::copy_", "aten::zeros", "aten::zero_", "aten::fill_", "aten::resize_"}
@@ -154,7 +152,15 @@ def _attention_ops() -> re.Pattern:
     registered backend declares (``kernel_ops``)."""
     from fastzoo.attention import backend_class, list_attention
 
-    declared = [backend_class(n).kernel_ops for n in list_attention()]
+    return _union([backend_class(n).kernel_ops for n in list_attention()])
+
+
+def _kernel_ops() -> re.Pattern:
+    """Ops that are an attention or a loss kernel: the backends' union and every declared loss's ``kernel_ops``."""
+    return _union([_attention_ops().pattern] + [loss.kernel_ops for loss in losses()])
+
+
+def _union(declared: list[str | None]) -> re.Pattern:
     return re.compile("|".join(f"(?:{p})" for p in dict.fromkeys(declared) if p), re.IGNORECASE)
 
 
@@ -180,19 +186,19 @@ def _descendants(evt):
         yield from _descendants(child)
 
 
-def _kernel_names(events, attention_ops: re.Pattern) -> list[str]:
+def _kernel_names(events, kernel_ops: re.Pattern) -> list[str]:
     """The attention/loss kernel ops among ``events`` (first seen first); the decomposed ops
     (bmm, softmax) if no kernel op ran."""
     events = list(events)
-    matched = {id(e) for e in events if _is_kernel(e.name, attention_ops)}
+    matched = {id(e) for e in events if _is_kernel(e.name, kernel_ops)}
     found = list(dict.fromkeys(e.name for e in events if id(e) in matched and not _has_ancestor_in(e, matched)))
     if found:
         return found
     return list(dict.fromkeys(e.name for e in events if e.name in _DECOMPOSED))
 
 
-def _is_kernel(name: str, attention_ops: re.Pattern) -> bool:
-    return not name.startswith("autograd::engine::") and bool(attention_ops.search(name) or _LOSS_OP.search(name))
+def _is_kernel(name: str, kernel_ops: re.Pattern) -> bool:
+    return not name.startswith("autograd::engine::") and bool(kernel_ops.search(name))
 
 
 def _has_ancestor_in(evt, ids) -> bool:
@@ -277,16 +283,16 @@ def explain(model, *inputs, backward: bool = False, loss: Callable[[Any], torch.
             m.backend = spies[path]._backend
 
     events = list(prof.events())
-    attention_ops = _attention_ops()
+    kernel_ops = _kernel_ops()
     rows = []
     ranges = [(kernel_ranges.parse(e.name), e) for e in events]
     for path, m in layers:
         spy = spies[path]
         mine = [e for parsed, e in ranges if parsed and parsed[0] == "attention" and parsed[1] == path]
-        rows.append(_attention_row(path, spy, mine, events, backward, attention_ops))
+        rows.append(_attention_row(path, spy, mine, events, backward, kernel_ops))
     for parsed, e in ranges:
         if parsed and parsed[0] == "loss":
-            rows.append(_loss_row(parsed, e, events, backward, attention_ops))
+            rows.append(_loss_row(parsed, e, events, backward, kernel_ops))
     rows = _merge_loss_calls(rows)
     p = next(model.parameters(), None)
     if p is None:
@@ -315,13 +321,13 @@ def _mentions_kernels(text: str) -> bool:
     return any(w in text.lower() for w in ("kernel", "flash", "efficient attention", "sdp", "fused"))
 
 
-def _attention_row(path, spy, range_events, all_events, backward, attention_ops) -> KernelRow:
+def _attention_row(path, spy, range_events, all_events, backward, kernel_ops) -> KernelRow:
     inside = [d for e in range_events for d in _descendants(e)]
-    ran = _kernel_names(inside, attention_ops)
+    ran = _kernel_names(inside, kernel_ops)
     row = KernelRow("attention", path, requested=spy._backend.label(), executed=ran,
                     device_kernels=_device_kernels(inside), calls=len(spy.profiles))
     if backward:
-        row.executed_backward = _kernel_names(_backward_events(inside, all_events), attention_ops)
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events), kernel_ops)
     if not spy.profiles:
         row.requested += " (not called)"
         return row
@@ -332,26 +338,29 @@ def _attention_row(path, spy, range_events, all_events, backward, attention_ops)
     return row
 
 
-def _loss_row(parsed, evt, all_events, backward, attention_ops) -> KernelRow:
+def _loss_row(parsed, evt, all_events, backward, kernel_ops) -> KernelRow:
     _, name, requested = parsed
     inside = list(_descendants(evt))
-    ran = _kernel_names(inside, attention_ops)
-    fused = [n for n in ran if n.startswith("fastzoo::")]
+    ran = _kernel_names(inside, kernel_ops)
+    declared = loss_of_function(name)
+    own_op = re.compile(declared.fused_op) if declared is not None and declared.fused_op else None
+    fused = [n for n in ran if own_op is not None and own_op.search(n)]
+    asks_fused = declared is not None and requested in declared.fused_impls
     row = KernelRow("loss", name, requested=f"{name} impl={requested}", executed=ran,
                     device_kernels=_device_kernels(inside), calls=1)
     if fused:  # the op's Python (vectorised) body shows its arithmetic ops; a compiled kernel only allocates
         op = next(e for e in inside if e.name == fused[0])
-        # fastzoo's own ops inside it (the padded op's giou_valid_rows) are kernels too; their bodies are not
-        arithmetic = {d.name for d in _descendants(op) if not d.name.startswith("fastzoo::")} - _ALLOCATION
+        # the loss's own ops inside it (the padded op's giou_valid_rows) are kernels too; their bodies are not
+        arithmetic = {d.name for d in _descendants(op) if not own_op.search(d.name)} - _ALLOCATION
         compiled = bool(row.device_kernels) or not arithmetic
         row.executed = [f"{fused[0]} ({'compiled kernel' if compiled else 'vectorised closed form'})"] + [
             n for n in ran if n != fused[0]]
-        if requested in ("kernel", "auto") and not compiled:
+        if asks_fused and not compiled:
             row.fallback = "the fused op's compiled kernel is not loaded (see the build warning): ran its vectorised form"
-    elif requested in ("kernel", "auto"):
+    elif asks_fused:
         row.fallback = "the fused op did not run"
     if backward:
-        row.executed_backward = _kernel_names(_backward_events(inside, all_events), attention_ops)
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events), kernel_ops)
     return row
 
 

@@ -114,7 +114,7 @@ def export_state_dict(model, format: str) -> dict:
 
 
 def create(
-    name: str,
+    name: str | None = None,
     *,
     attn: str | None = None,
     attn_options: dict | None = None,
@@ -125,6 +125,11 @@ def create(
 ):
     """Build model ``name`` with attention backend ``attn`` (None: SDPA, or where SDPA cannot serve
     the model, such as Gemma 2's soft-capped scores, the first of varlen, eager that can).
+
+    Without a name, ``pretrained`` names the model, as transformers' ``AutoModel.from_pretrained``
+    does: a live timm / transformers / torchvision / fastzoo module or a directory with a
+    config.json states its family and every size (see :func:`entry_of_source`); a bare state
+    dict or weights file does not, and is a :class:`CheckpointError` asking for the name.
 
     ``overrides`` use the original library's field names (timm's for ViT, HF's for GPT-2).
     ``pretrained`` is any source :func:`fastzoo.load_pretrained` takes; the fields it decides
@@ -145,13 +150,16 @@ def create(
     ``timm``). ``features_only=True`` (with ``out_indices=``, ``feature_cls=``) returns timm's
     feature wrapper around the model, as ``timm.create_model(..., features_only=True)``.
     """
-    entry = get_entry(name)
+    if name is None and pretrained is None:
+        raise TypeError("create() needs a model name (fastzoo.list_models() lists them), or pretrained= a live "
+                        "module or a directory with a config.json, which names the model itself")
     dtype = _dtype_arg(dtype)
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
     if attn is not None:
         backend_class(attn)  # an unknown backend name fails before anything is built
     on_meta = _placement(device, pretrained)
     src = weights.read_source(pretrained) if pretrained is not None else None
+    entry = get_entry(name) if name is not None else entry_of_source(src)
     if dtype == "auto":  # transformers': the checkpoint's own dtype (none given: the model's default)
         dtype = next((t.dtype for t in (src.state_dict.values() if src else ()) if t.is_floating_point()), None)
     model, changed = _build(entry, src, overrides, device, dtype, on_meta)
@@ -164,7 +172,52 @@ def create(
         _load(model, entry.spec, src, changed)
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
-    return _as_features(model, name, features)
+    return _as_features(model, entry.name or entry.spec.family, features)
+
+
+def entry_of_source(src) -> ModelEntry:
+    """The family and variant a source states (a live module, a config.json directory): the
+    family whose converters read its keys and config, and the registered variant with exactly its
+    sizes if there is one (transformers' sources prefer their hub names), else the family with no
+    variant (``model_name`` None: every field comes from the source)."""
+    if not weights.states_config(src):
+        raise CheckpointError(f"{src.origin}: a bare state dict (or weights file) does not say which architecture it "
+                              f"is; pass the name: fastzoo.create(name, pretrained=...) (fastzoo.list_models() lists "
+                              f"them), or give a live module or a directory with its config.json")
+    fastzoo_name = (src.config or {}).get("fastzoo_model")
+    if fastzoo_name in _entries():
+        return _entries()[fastzoo_name]
+    tried = []
+    for spec in specs():
+        if src.config and "family" in src.config and "fastzoo_model" in src.config and src.config["family"] != spec.family:
+            continue
+        try:
+            values = weights.config_from_source(spec, src)
+            cfg = spec.config_class.from_dict({**values}, what="checkpoint field")
+        except (CheckpointError, ConfigError, TypeError, ValueError) as e:
+            tried.append(f"{spec.family}: {str(e).splitlines()[0][:160]}")
+            continue
+        return _matching_variant(spec, cfg) or ModelEntry(None, spec, Variant(
+            spec.family, {}, f"{spec.family} with the sizes of {src.origin}", src.origin))
+    raise CheckpointError(f"{src.origin}: no fastzoo family reads it ({'; '.join(tried)})")
+
+
+def _matching_variant(spec: ModelSpec, cfg) -> ModelEntry | None:
+    """The variant of ``spec`` whose config gives ``cfg``'s function and sizes (free fields aside);
+    one named after the same original library when there are several (transformers' hub ids for a
+    config from transformers)."""
+    hf = getattr(cfg, "hf_config", None) is not None
+    found = []
+    for variant in spec.variants:
+        try:
+            mine = spec.config_class.from_dict(dict(variant.config))
+        except (ConfigError, TypeError, ValueError):
+            continue
+        if all(mine.compared(f.name) == cfg.compared(f.name) for f in dataclasses.fields(cfg)
+               if cfg.field_kind(f.name) != "free"):
+            found.append(variant)
+    found.sort(key=lambda v: (getattr(spec.config_class.from_dict(dict(v.config)), "hf_config", None) is not None) != hf)
+    return ModelEntry(found[0].name, spec, found[0]) if found else None
 
 
 def _placement(device, pretrained) -> bool:

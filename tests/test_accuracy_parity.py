@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastzoo.accuracy.runs import load_config, run
+from fastzoo.accuracy.config import load_config
+from fastzoo.accuracy.runs import run
 from fastzoo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +210,7 @@ def test_kernel_giou_is_as_close_to_fp64_as_autograd_on_detector_like_boxes():
 
 
 def test_the_results_readme_table_is_generated_from_the_committed_runs(tmp_path):
-    from fastzoo.accuracy.runs import SUMMARY_BEGIN, SUMMARY_END, summary_table, update_summary
+    from fastzoo.accuracy.report import SUMMARY_BEGIN, SUMMARY_END, summary_table, update_summary
 
     folder = ROOT / "benchmarks" / "results" / "cpu-2core" / "accuracy"
     text = (folder.parent / "README.md").read_text()

@@ -205,3 +205,46 @@ def test_availability_imports_no_kernel_library_on_a_machine_that_cannot_use_it(
             "loaded = [m for m in ('xformers', 'flash_attn', 'flash_attn_interface', 'transformer_engine') if m in sys.modules]\n"
             "assert not loaded, loaded\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+# -- losses declare their kernels the same way ------------------------------------------------------
+def test_kernel_report_and_bench_name_no_loss():
+    """A new loss must not need an edit of explain or `fastzoo bench` to be explained or benchmarked."""
+    from fastzoo.losses import losses
+
+    names = {"matcher"} | {n for loss in losses() for n in (loss.name, *loss.functions)}
+    for path in ("fastzoo/kernel_report.py", "fastzoo/bench/cli.py", "fastzoo/bench/tour.py"):
+        tree = ast.parse((ROOT / path).read_text())
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        named = sorted(strings & names)
+        assert not named, f"{path} names losses {named}: read the loss declarations"
+
+
+@pytest.mark.parametrize("name", ["giou", "linear_ce", "lm"])
+def test_every_builtin_loss_declares_its_kernel_ops_and_impls(name):
+    from fastzoo.kernel_report import _kernel_ops
+    from fastzoo.losses import get_loss
+
+    loss = get_loss(name)
+    assert loss.kernel_ops and re.compile(loss.kernel_ops) and loss.impls and loss.functions
+    assert set(loss.fused_impls) <= set(loss.impls)
+    assert _kernel_ops().search("x") is None
+    assert all(_kernel_ops().search(op) for op in {"giou": ["fastzoo::giou_loss_fwd"], "linear_ce": ["LinearCrossEntropy"],
+                                                    "lm": ["aten::cross_entropy_loss"]}[name])
+
+
+def test_a_registered_loss_is_explained_and_benchmarked_from_its_declaration(monkeypatch):
+    """A user's loss, declared once: explain recognises its op, `fastzoo bench NAME` finds its suite."""
+    from fastzoo import losses
+    from fastzoo.bench.cli import part_suites
+    from fastzoo.kernel_report import _kernel_ops
+
+    monkeypatch.setattr(losses.registry, "_REGISTRY", dict(losses.registry._REGISTRY))
+    assert _kernel_ops().search("mylib::focal_fwd") is None
+    losses.register_loss(losses.Loss("focal", "a focal loss", ("focal_loss",), {"kernel": "mylib's op"},
+                                     kernel_ops=r"^mylib::focal", bench="mylib.bench_focal"))
+    assert _kernel_ops().search("mylib::focal_fwd")
+    assert part_suites()["focal"] == "mylib.bench_focal"
+    assert losses.registry.loss_of_function("focal_loss").name == "focal"
+    with pytest.raises(KeyError, match="no loss 'nope'; losses: .*focal"):
+        losses.get_loss("nope")

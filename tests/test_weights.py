@@ -80,8 +80,8 @@ def test_round_trip_to_timm_is_exact(ref):
     back.load_state_dict(exported, strict=True)
     for k, v in ref.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
-    with pytest.raises(ValueError, match="format='hf'"):
-        fastzoo.export_state_dict(model, "hf")
+    with pytest.raises(ValueError, match="format='torchvision'"):
+        fastzoo.export_state_dict(model, "torchvision")
 
 
 def test_missing_unexpected_and_misshaped_keys_are_named_and_nothing_loads(ref):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from fastzoo.accuracy.runs import AccuracyReport, Arm, Data, Optim, RunConfig, Tolerance, run
+from fastzoo.accuracy.config import Arm, Data, Optim, RunConfig, Tolerance
+from fastzoo.accuracy.report import AccuracyReport
+from fastzoo.accuracy.runs import run
 from fastzoo.equivalence import FP32_GRAD_RTOL
 from fastzoo.text import dtype_name
 

@@ -359,7 +359,7 @@ def check_context(ctx: AttnContext, Sq: int, Sk: int) -> None:
         raise ValueError(f"window: a sliding window is a positive number of keys on a causal context (query i sees "
                          f"keys j with i - j < window), got window={ctx.window!r} with causal={ctx.causal}")
     if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
-        ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk))
+        ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk, ctx.causal))
 
 
 def check_offsets(name: str, first: int, shortest: int, last: int, total: int, what: str) -> None:
@@ -374,10 +374,10 @@ def check_offsets(name: str, first: int, shortest: int, last: int, total: int, w
         raise ValueError(f"{name} must end at {total} (the number of {what}), got {last}")
 
 
-def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int) -> None:
+def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_k: int, causal: bool = True) -> None:
     """Refuse key offsets (``ctx.cu_seqlens_k``) that do not fit the keys, naming the argument:
-    as many sequences as the queries' offsets, from 0 to ``total_k``, each with at least as
-    many keys as queries. One host read; :meth:`AttentionBackend.__call__` runs it once per
+    as many sequences as the queries' offsets, from 0 to ``total_k``, each (causal: the queries
+    are its last positions) with at least as many keys as queries. One host read; :meth:`AttentionBackend.__call__` runs it once per
     forward, before any kernel reads past a sequence's end."""
     if cu_seqlens_k.ndim != 1 or cu_seqlens_k.numel() != cu_seqlens_q.numel():
         raise ValueError(f"cu_seqlens_k must be [N+1] like cu_seqlens ({cu_seqlens_q.numel()} offsets), "
@@ -385,7 +385,7 @@ def check_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_
     cu_k, cu_q = cu_seqlens_k.long().cpu(), cu_seqlens_q.long().cpu()
     len_k, len_q = cu_k[1:] - cu_k[:-1], cu_q[1:] - cu_q[:-1]
     check_offsets("cu_seqlens_k", int(cu_k[0]), int(len_k.min()), int(cu_k[-1]), total_k, "keys")
-    if bool((len_k < len_q).any()):
+    if causal and bool((len_k < len_q).any()):
         raise ValueError(f"cu_seqlens_k: each sequence needs at least as many keys as queries (the queries are "
                          f"its last positions), got key lengths {len_k.tolist()} for query lengths {len_q.tolist()}")
 

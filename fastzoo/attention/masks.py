@@ -154,13 +154,21 @@ def causal_window(offset=0, window: int | None = None) -> MaskMod:
     return and_masks(causal_from(offset), window_from(window, offset) if window is not None else None)
 
 
-def padding(key_padding_mask: torch.Tensor, offset: int = 0) -> MaskMod:
+def padding(key_padding_mask: torch.Tensor, offset: int = 0, causal: bool = True) -> MaskMod:
     """Every query sees real keys only, as in transformers (a padding query after a real
-    token gets HF's value, e.g. a right-padded row's last position). A padding query with no
-    real token at or before it (left padding) sees every key: this keeps its softmax row
-    non-empty (no NaN leaking into gradients); its output is never used.
-    The mask covers the keys; query ``i`` is key position ``i + offset`` (KV cache)."""
+    token gets HF's value, e.g. a right-padded row's last position). Causal: a padding query
+    with no real token at or before it (left padding) sees every key: this keeps its softmax
+    row non-empty (no NaN leaking into gradients); its output is never used. Query ``i`` is key
+    position ``i + offset`` (KV cache). Not causal (an encoder, a cross-attention whose queries
+    are no key positions): every query sees the real keys; only a row without any sees all."""
     valid_BS = key_padding_mask
+    if not causal:
+        empty_B = ~valid_BS.any(1)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return valid_BS[b, kv_idx] | empty_B[b]
+
+        return mask_mod
     first_real_B = torch.where(valid_BS.any(1), valid_BS.int().argmax(1), valid_BS.shape[1])
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -247,7 +255,7 @@ def context_mask_mod(ctx: AttnContext, total_q: int, extra: MaskMod | None = Non
     kpm = ctx.key_padding_mask
     return and_masks(
         causal_window(offset, ctx.window) if ctx.causal else None,
-        padding(kpm if device is None else kpm.to(device), offset) if kpm is not None else None,
+        padding(kpm if device is None else kpm.to(device), offset, ctx.causal) if kpm is not None else None,
         document(ctx.cu_seqlens, total_q, device) if ctx.cu_seqlens is not None else None,
         extra,
     )

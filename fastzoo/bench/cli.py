@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("model", help="a model name from `fastzoo list` (image classifiers, causal LMs), or a loss suite: "
-                   "giou, linear_ce, matcher")
+                   + ", ".join(part_suites()))
     p.add_argument("--attn", default="all", help="`all` (every backend available here) or NAME[,NAME...]; eager is always added")
     p.add_argument("--mode", choices=("eval", "train"), default="eval", help="eval: forward; train: forward+backward")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile every case")
@@ -92,14 +92,21 @@ def _backends(spec: str) -> list[str]:
     return names if "eager" in names else ["eager", *names]
 
 
-LOSS_SUITES = ("giou", "linear_ce", "matcher")  # `fastzoo bench NAME` for the loss suites
+def part_suites() -> dict[str, str]:
+    """``fastzoo bench NAME`` for a loss or a part of a task's training step: name -> the suite's
+    module, from the declarations (each loss's ``bench``, each task's ``suites``)."""
+    from fastzoo.losses import losses
+    from fastzoo.tasks import TASKS
+
+    return {**{loss.name: loss.bench for loss in losses() if loss.bench},
+            **{name: module for task in TASKS for name, module in task.suites.items()}}
 
 
 def build_suite(args, device: torch.device, dtype: torch.dtype | None):
     """The suite for ``args.model``: a loss suite by name, else the suite of the model's task."""
     overrides = parse_key_values(args.overrides, what="--set")
-    if args.model in LOSS_SUITES:
-        return _loss_suite(args, device, dtype or torch.float32, overrides)
+    if args.model in part_suites():
+        return _part_suite(part_suites()[args.model], args, device, dtype or torch.float32, overrides)
     from fastzoo.registry import get_entry
     from fastzoo.tasks import TASKS, resolve
 
@@ -107,7 +114,7 @@ def build_suite(args, device: torch.device, dtype: torch.dtype | None):
     task = entry.spec.task
     if entry.spec.bench is None or task.bench is None:
         raise UsageError(f"model {args.model!r} ({task}) has no benchmark suite; suites: "
-                         f"{', '.join(t.name for t in TASKS if t.bench)} models, and {', '.join(LOSS_SUITES)}")
+                         f"{', '.join(t.name for t in TASKS if t.bench)} models, and {', '.join(part_suites())}")
     workload = _workload(entry, args, overrides)
     return resolve(task.bench)(entry, workload, backends=_backends(args.attn), mode=args.mode, device=device,
                                recipes=_recipes(entry, args, device, dtype))
@@ -152,21 +159,13 @@ def _workload(entry, args, overrides: dict):
                                **{k: v for k, v in overrides.items() if k in sizes})
 
 
-def _loss_suite(args, device, dtype, overrides):
-    if args.model == "giou":
-        from fastzoo.bench.giou import TARGET_SETTING, giou_suite
+def _part_suite(module_name: str, args, device, dtype, overrides):
+    """A loss's (or a task part's) suite on its module's ``TARGET_SETTING``, changed by --batch-size and --set."""
+    import importlib
 
-        setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
-        return giou_suite(setting, device=device, dtype=dtype)
-    if args.model == "linear_ce":
-        from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite
-
-        setting = _replace(TARGET_SETTING, {**({"tokens": args.batch_size} if args.batch_size else {}), **overrides})
-        return linear_ce_suite(setting, device=device, dtype=dtype)
-    from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite
-
-    setting = _replace(TARGET_SETTING, {**({"images": args.batch_size} if args.batch_size else {}), **overrides})
-    return matcher_suite(setting, device=device)
+    module = importlib.import_module(module_name)
+    batch = {module.BATCH_FIELD: args.batch_size} if args.batch_size else {}
+    return module.cli_suite(_replace(module.TARGET_SETTING, {**batch, **overrides}), device=device, dtype=dtype)
 
 
 def cmd_bench(args) -> int:
@@ -187,7 +186,7 @@ def cmd_bench(args) -> int:
     suite = build_suite(args, device, dtype)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     iters = args.iters if args.iters is not None else (3 if args.quick else 10)
-    if args.model not in LOSS_SUITES:  # a model step beside the GEMM peak of each precision it ran in (a loss suite measures its own)
+    if args.model not in part_suites():  # a model step beside the GEMM peak of each precision it ran in (a loss suite measures its own)
         suite.limits = limits.measure(device, dtypes=_precisions(suite), quick=args.quick)
     report = run_suite(suite, warmup=warmup, iters=iters, progress=not args.no_progress)
     print(report.to_markdown(f"fastzoo bench {args.model}"))

@@ -221,9 +221,15 @@ def tour_entry(spec, size, device, compile):
     modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
              "fastzoo padded kernel (validity from target)": "kernel"}
     paths = {label: f'fastzoo.create("{name}", loss="{m}")' for label, m in modes.items()}
-    paths["fastzoo kernel"] = "fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])"
-    paths["fastzoo padded kernel (mask)"] = "fastzoo.losses.giou_loss_padded(pred, target, mask)"
-    paths["fastzoo kernel (pairs given)"] = 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'
+    paths.update(G.GIOU.calls)  # how to call the loss itself, as the loss declares it
     return Entry(f"{name} (GIoU loss)", "torchvision on concatenated real pairs", s, paths, {s.groups[0].name: BASELINE},
                  device.type)
+
+
+BATCH_FIELD = "images"  # the setting's field --batch-size sets
+
+
+def cli_suite(setting, *, device, dtype) -> Suite:
+    """``fastzoo bench`` with this module's ``TARGET_SETTING`` changed by ``--set`` / ``--batch-size``."""
+    return giou_suite(setting, device=device, dtype=dtype)
 

@@ -151,3 +151,12 @@ def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", 
               "timing": "cases interleaved in rounds"}
     return Suite("linear_ce", groups, config=config, dtype=dtype, device=device, limits=limits or None,
                  interleave=True)
+
+
+BATCH_FIELD = "tokens"  # the setting's field --batch-size sets
+
+
+def cli_suite(setting, *, device, dtype) -> Suite:
+    """``fastzoo bench`` with this module's ``TARGET_SETTING`` changed by ``--set`` / ``--batch-size``."""
+    return linear_ce_suite(setting, device=device, dtype=dtype)
+

@@ -89,3 +89,12 @@ def matcher_suite(setting: MatcherSetting = TARGET_SETTING, *, device="cpu", see
     group = Group(f"{s.name} | matcher per step", cases, reference=lambda: {"output": detr().float()}, unit="images/s",
                   cpu_memory=True)
     return Suite("matcher", [group], config=config, device=device)
+
+
+BATCH_FIELD = "images"  # the setting's field --batch-size sets
+
+
+def cli_suite(setting, *, device, dtype) -> Suite:
+    """``fastzoo bench`` with this module's ``TARGET_SETTING`` changed by ``--set`` / ``--batch-size``."""
+    return matcher_suite(setting, device=device)
+

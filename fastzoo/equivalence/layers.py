@@ -14,11 +14,14 @@ from fastzoo.equivalence.rule import FP32_LAYER_RTOL
 
 
 def logits_of(out) -> torch.Tensor:
-    """The tensor a model returns: itself, ``.logits`` (HF outputs), ``["logits"]`` or the first element."""
+    """The tensor a model returns: itself, ``.logits`` (HF outputs), a tower's ``.pooler_output``
+    (transformers' vision towers), ``["logits"]`` or the first element."""
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "logits"):
         return out.logits
+    if getattr(out, "pooler_output", None) is not None:
+        return out.pooler_output
     if isinstance(out, Mapping):
         return out["logits"]
     if isinstance(out, (tuple, list)):

@@ -18,6 +18,7 @@ class QuickGELU(nn.Module):
 ACTIVATIONS = {
     "gelu": nn.GELU,
     "quick_gelu": QuickGELU,
+    "gelu_tanh": partial(nn.GELU, approximate="tanh"),  # timm's name (SigLIP)
     "gelu_new": partial(nn.GELU, approximate="tanh"),
     "gelu_pytorch_tanh": partial(nn.GELU, approximate="tanh"),
     "relu": nn.ReLU,

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import torch
 
 from fastzoo.kernel_ranges import kernel_range
+from fastzoo.losses.registry import Loss
 
 REDUCTIONS = ("none", "mean", "sum")
 PAD_BOX = (0.0, 0.0, -1.0, -1.0)  # an inverted box: marks a padded slot of a padded target
@@ -284,3 +285,20 @@ def giou_loss_kernel(pred: torch.Tensor, target: torch.Tensor, *, reduction: str
     """Concatenated pairs ([N, 4] each) through the fused kernel (Triton on CUDA, C++ on CPU)."""
     _check_sum_or_mean(reduction)
     return giou_loss(pred, target, reduction=reduction, eps=eps, impl="kernel", validate=validate)
+
+
+GIOU = Loss(
+    name="giou",
+    description="generalized IoU loss of boxes (1 - GIoU), torchvision's generalized_box_iou_loss",
+    functions=("giou_loss", "giou_loss_padded"),
+    impls={"torch": "plain tensor ops", "kernel": "the fused op (Triton on CUDA, NKI on XLA, C++/vectorised on CPU)",
+           "auto": "the fused op"},
+    kernel_ops=r"^fastzoo::giou",
+    fused_op=r"^fastzoo::giou",
+    fused_impls=("kernel", "auto"),
+    bench="fastzoo.bench.giou",
+    calls={"fastzoo kernel": "fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])",
+           "fastzoo padded kernel (mask)": "fastzoo.losses.giou_loss_padded(pred, target, mask)",
+           "fastzoo kernel (pairs given)": 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'},
+)
+

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from fastzoo.kernel_ranges import kernel_range
 from fastzoo.losses.lm import IGNORE_INDEX
+from fastzoo.losses.registry import Loss
 
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
@@ -449,3 +450,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = grad_h.to(ctx.h_dtype) if grad_h is not None else None
         grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None, None
+
+
+LINEAR_CE = Loss(
+    name="linear_ce",
+    description="cross-entropy of a linear head's logits without materialising them (the LM head's loss)",
+    functions=("linear_cross_entropy",),
+    impls={"reference": "logits materialised, F.cross_entropy", "fused": "blocked autograd.Function (online softmax)",
+           "torch": "torch's chunked F.linear_cross_entropy", "auto": "the fastest measured on the device (AUTO_IMPL)"},
+    kernel_ops=r"LinearCrossEntropy|cross_entropy|nll_loss|log_softmax",
+    bench="fastzoo.bench.linear_ce",
+)
+

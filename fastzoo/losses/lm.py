@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastzoo.losses.registry import Loss
+
 IGNORE_INDEX = -100
 
 
@@ -88,3 +90,13 @@ def _check_cu_seqlens(cu_seqlens, total: int) -> None:
     first, last, shortest = torch.stack([cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] - cu_seqlens[:-1]).min()]).tolist()
     if first != 0 or last != total or shortest <= 0:
         raise ValueError(f"cu_seqlens must go 0 < ... < T={total} strictly increasing, got {cu_seqlens.tolist()}")
+
+
+LM = Loss(
+    name="lm",
+    description="next-token cross-entropy of a causal LM over real tokens (padded, packed, nested)",
+    functions=("causal_lm_loss",),
+    impls={"torch": "F.cross_entropy on the shifted targets"},
+    kernel_ops=r"cross_entropy|nll_loss|log_softmax",
+)
+

@@ -120,6 +120,31 @@ class TimmModelAPI:
             return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """transformers' name (its Trainer calls it with ``gradient_checkpointing=True``): non-reentrant
+        checkpointing of each block, whatever ``use_reentrant`` the kwargs ask."""
+        self.set_grad_checkpointing(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.set_grad_checkpointing(False)
+
+    def hf_pretrained(self) -> tuple[dict, dict]:
+        """transformers' ``config.json`` and state dict of this model (families that have a transformers form)."""
+        raise NotImplementedError
+
+    def save_pretrained(self, path, **_hf_options):
+        """A model that came from transformers (``config.hf_config``) is written as transformers writes
+        it: its config.json and ``model.safetensors`` in its keys, which ``from_pretrained`` of its
+        class and fastzoo both read; any other as fastzoo's (:meth:`FastzooModel.save_pretrained`,
+        with timm's hub config). transformers' own options (``safe_serialization``,
+        ``max_shard_size`` ...) are accepted and ignored: the weights are always one safetensors file."""
+        if getattr(self.config, "hf_config", None) is None:
+            return super().save_pretrained(path)
+        from fastzoo.models.base import write_pretrained
+
+        config, state = self.hf_pretrained()
+        return write_pretrained(path, config, state, weights_format="pt")
+
     def timm_model_args(self) -> dict | None:
         """Keyword arguments that make ``timm.create_model(architecture, ...)`` this network, or
         None where timm cannot be told (then timm gets no architecture, rather than another one)."""

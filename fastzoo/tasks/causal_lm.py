@@ -50,6 +50,6 @@ CAUSAL_LM = Task(
     step_flops=step_flops,
     bench="fastzoo.bench.causal_lm:model_suite",
     tour="fastzoo.bench.causal_lm:tour_entry",
-    parity={"pydoc_text": "fastzoo.accuracy.runs:TextTask"},
+    parity={"pydoc_text": "fastzoo.accuracy.parity:Text"},
     train_script="scripts/finetune_gpt2.py",
 )

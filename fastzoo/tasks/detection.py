@@ -8,6 +8,7 @@ DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
     tour="fastzoo.bench.giou:tour_entry",
-    parity={"digits_canvas": "fastzoo.accuracy.runs:CanvasTask"},
+    parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
+    suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher of its set loss, per training step
     train_script="scripts/train_boxdet.py",
 )

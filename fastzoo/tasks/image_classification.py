@@ -30,6 +30,6 @@ IMAGE_CLASSIFICATION = Task(
     bench="fastzoo.bench.image_classification:model_suite",
     bench_quick_batch=2,
     tour="fastzoo.bench.image_classification:tour_entry",
-    parity={"digits": "fastzoo.accuracy.runs:DigitsTask", "quadrant": "fastzoo.accuracy.runs:QuadrantTask"},
+    parity={"digits": "fastzoo.accuracy.parity:Digits", "quadrant": "fastzoo.accuracy.parity:Quadrants"},
     train_script="scripts/finetune_vit.py",
 )

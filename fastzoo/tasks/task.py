@@ -58,7 +58,9 @@ class Task:
     backends, mode, device, recipes)``; ``bench_quick_batch``: its batch under ``--quick`` (None:
     the workload's). ``tour``: the tour's entry for a family of this task, ``(spec, size, device,
     compile) -> Entry``. ``parity``: the accuracy-parity data this task trains on (the run file's
-    ``task:``) -> its dataset. ``train_script``: the fine-tune script that trains any family of it.
+    ``task:``) -> its dataset. ``suites``: suites of parts of its training step (``fastzoo bench
+    NAME``), name -> the suite's module, as a loss declares its ``bench``. ``train_script``: the
+    fine-tune script that trains any family of it.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Task:
     bench_quick_batch: int | None = None
     tour: str | None = None
     parity: Mapping[str, str] = field(default_factory=dict)
+    suites: Mapping[str, str] = field(default_factory=dict)
     train_script: str | None = None
 
     def __str__(self) -> str:

@@ -239,11 +239,7 @@ class Trainer:
                                 if self.world.distributed else None)
             if bad.item():  # the one per-step host sync; --no-nan-guard removes it
                 return self._capture(step, state, batch, rng, loss, count_global, self.buffers.as_dict())
-        if args.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, args.clip_grad, grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.optimizer, self.scheduler, self.params, args.clip_grad, grad_norm)
         means.update("loss", loss_sum, count)
         means.update("grad_norm", grad_norm)
         state.step, state.batch_in_epoch = step, state.batch_in_epoch + 1
@@ -325,6 +321,34 @@ class Trainer:
             ": the step depends on state that was not captured (a nondeterministic kernel, another process)"))
         print("\n".join(lines), flush=True)
         return 0 if ok else 1
+
+
+def apply_update(optimizer, scheduler, params=(), clip_grad: float = 0.0, grad_norm=None) -> None:
+    """The update after a backward, as every fastzoo loop makes it: clip to ``clip_grad`` (with the
+    norm already measured), the optimizer's step, the schedule's, gradients cleared."""
+    if clip_grad > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip_grad, grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_steps(task: Task, batches, optimizer, scheduler, *, autocast, before=None, after=None) -> None:
+    """The loop for a caller that owns the order of the batches (the accuracy-parity runs give
+    every arm the same ones), on one process: per batch of items, ``task.loss`` on the collated
+    batch under ``autocast()``, divided by its count, backward, :func:`apply_update`;
+    ``before(step)`` and ``after(step, loss)`` around each step (1-based)."""
+    for step, items in enumerate(batches, 1):
+        if before is not None:
+            before(step)
+        task.model.train()
+        with autocast():
+            loss_sum, count = task.loss(task.model, task.collate(items))
+        loss = loss_sum / count
+        loss.backward()
+        apply_update(optimizer, scheduler)
+        if after is not None:
+            after(step, loss.detach())
 
 
 def _sync_batchnorm(model: nn.Module, world: D.World) -> nn.Module:

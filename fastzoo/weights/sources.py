@@ -65,6 +65,8 @@ def _read_module(module: nn.Module) -> Source:
         config = {"fastzoo_model": inner.model_name, "family": inner.family, **config.to_dict()}
     else:
         config = config.to_dict() if hasattr(config, "to_dict") else None
+        if config is not None:  # the class it was built as, where transformers' save_pretrained writes it
+            config["architectures"] = [type(inner).__name__]
     return Source(_clean(dict(inner.state_dict()), origin), origin, config, inner)
 
 

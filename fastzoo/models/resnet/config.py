@@ -36,6 +36,8 @@ class ResNetConfig(ModelConfig):
     channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")
     zero_init_residual: bool = free(False, "init each block's last BN to 0 (init only)")
     frozen_bn: bool = free(False, "BN uses running statistics in train mode too, affine not trained (FrozenBatchNorm2d)")
+    hf_config: dict | None = free(None, "the transformers config this model came from or stands in for (its class, "
+                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it")
 
     def validate(self):
         if len(self.layers) != len(self.channels) or not self.layers:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastzoo.models import hf_outputs
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.resnet.config import EXPANSION, ResNetConfig, bottleneck_width
 from fastzoo.models.timm_api import TimmModelAPI, check_images, take_indices
@@ -245,8 +246,14 @@ class ResNet(TimmModelAPI, FastzooModel):
             x = torch.flatten(x, 1)
         return x if pre_logits else self.fc(x)
 
-    def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(images_BCHW))
+    def forward(self, images_BCHW: torch.Tensor | None = None, *, pixel_values: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, **hf_kwargs):
+        """torchvision's and timm's call: ``model(images)`` -> logits. transformers' call (any of its
+        keywords): ``model(pixel_values=, labels=, ...)`` -> its output class (ResNetForImageClassification's)."""
+        if pixel_values is None and labels is None and not hf_kwargs:
+            return self.forward_head(self.forward_features(images_BCHW))
+        return hf_outputs.resnet_forward(self, images_BCHW if pixel_values is None else pixel_values, labels,
+                                         **hf_kwargs)
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """timm's parameter groups (layer decay): the stem, then one group per block (per stage if ``coarse``)."""
@@ -265,6 +272,11 @@ class ResNet(TimmModelAPI, FastzooModel):
         return {"layers": list(c.layers), "channels": list(c.channels), "cardinality": c.groups,
                 "base_width": c.width_per_group, "in_chans": c.in_chans, "num_classes": c.num_classes,
                 "global_pool": c.global_pool}
+
+    def hf_pretrained(self) -> tuple[dict, dict]:
+        from fastzoo.models.resnet import hf
+
+        return hf.hf_config_dict(self.config), hf.from_fastzoo(self.state_dict(), self.config)
 
     def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
         """A fresh ``fc`` for ``num_classes`` (0: none) and pooling ``global_pool`` ('avg', or ''

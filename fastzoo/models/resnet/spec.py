@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fastzoo.models.resnet import hf
 from fastzoo.models.resnet.config import ResNetConfig, bottleneck_width
 from fastzoo.models.resnet.convert import RESNET, TIMM_RESNET
 from fastzoo.models.resnet.model import ResNet
@@ -18,6 +19,8 @@ def torchvision_resnet(cfg: dict) -> nn.Module:
     from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet as TorchvisionResNet
 
     c = ResNetConfig.from_dict(cfg)
+    if c.hf_config is not None:  # a transformers ResNet (microsoft/resnet-*): its own class is the original
+        return hf.build(cfg)
     if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3:
         raise ValueError(f"channels={c.channels}, in_chans={c.in_chans}: torchvision's ResNet has the stage widths "
                          f"{TORCHVISION_CHANNELS} and 3 input channels")
@@ -60,6 +63,18 @@ def _variant(name: str, layers: tuple[int, ...], what: str, block: str = "bottle
                    timm=name)
 
 
+def _hf_variant(depth: int, block: str, layers: tuple[int, ...]) -> Variant:
+    """transformers' ``microsoft/resnet-N`` (``ResNetForImageClassification``, ImageNet-1k): torchvision's network."""
+    expansion = 4 if block == "bottleneck" else 1
+    hf = {"architectures": ["ResNetForImageClassification"], "model_type": "resnet", "layer_type": block,
+          "depths": list(layers), "hidden_sizes": [c * expansion for c in TORCHVISION_CHANNELS], "embedding_size": 64,
+          "num_labels": 1000}
+    config = dict(block=block, layers=layers, channels=TORCHVISION_CHANNELS, hf_config=hf)
+    name = f"microsoft/resnet-{depth}"
+    return Variant(name, config, f"ResNet-{depth} ({block} blocks): transformers' {name}",
+                   f"transformers ResNetForImageClassification ({name})", timm=f"resnet{depth}")
+
+
 SPEC = ModelSpec(
     family="resnet",
     task=IMAGE_CLASSIFICATION,
@@ -79,8 +94,11 @@ SPEC = ModelSpec(
                  width_per_group=8),
         _variant("resnext101_64x4d", (3, 4, 23, 3), "ResNeXt-101 64x4d (3x3 in 64 groups of 4)", groups=64,
                  width_per_group=4),
+        *(_hf_variant(d, block, layers) for d, block, layers in (
+            (18, "basic", (2, 2, 2, 2)), (26, "bottleneck", (2, 2, 2, 2)), (34, "basic", (3, 4, 6, 3)),
+            (50, "bottleneck", (3, 4, 6, 3)), (101, "bottleneck", (3, 4, 23, 3)), (152, "bottleneck", (3, 8, 36, 3)))),
     ),
-    converters=(RESNET, TIMM_RESNET),
+    converters=(RESNET, TIMM_RESNET, hf.HF_RESNET),
     tiny=dict(layers=(1, 1, 1, 1), num_classes=10),
     original=Original(torchvision_resnet, "torchvision ResNet"),
     shallow=lambda cfg: {**cfg, "layers": (1,) * len(cfg.get("layers", (3, 4, 6, 3)))},

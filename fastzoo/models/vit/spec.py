@@ -10,7 +10,7 @@ from functools import partial
 from torch import nn
 
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
-from fastzoo.models.vit import timm_names
+from fastzoo.models.vit import hf, hf_names, timm_names
 from fastzoo.models.vit.config import ViTConfig
 from fastzoo.models.vit.convert import VIT
 from fastzoo.models.vit.model import VisionTransformer
@@ -18,11 +18,14 @@ from fastzoo.tasks import IMAGE_CLASSIFICATION
 
 
 def timm_vit(cfg: dict) -> nn.Module:
-    """timm's VisionTransformer on fastzoo config fields, attention in plain PyTorch (the reference)."""
+    """timm's VisionTransformer on fastzoo config fields, attention in plain PyTorch (the reference);
+    for a config from transformers (``hf_config``), its transformers class with eager attention."""
+    if cfg.get("hf_config") is not None:
+        return hf.build(cfg)
     from timm.layers import LayerNorm
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
-    kwargs = {k: v for k, v in cfg.items() if k not in ("patch_embed", "norm_eps")}  # patch_embed: fastzoo's choice
+    kwargs = {k: v for k, v in cfg.items() if k not in ("patch_embed", "norm_eps", "hf_config")}  # patch_embed: fastzoo's choice
     if "norm_eps" in cfg:  # timm takes the epsilon inside its norm layer
         kwargs["norm_layer"] = partial(LayerNorm, eps=cfg["norm_eps"])
     model = TimmViT(**kwargs)
@@ -79,9 +82,9 @@ SPEC = ModelSpec(
     family="vit",
     task=IMAGE_CLASSIFICATION,
     model=VisionTransformer,
-    variants=tuple(_timm_variant(name, derived) for name, derived in _TIMM["variants"].items()),
+    variants=tuple(_timm_variant(name, derived) for name, derived in _TIMM["variants"].items()) + hf_names.variants(),
     refused={name: "; ".join(reasons) for name, reasons in _TIMM["refused"].items()},
-    converters=(VIT,),
+    converters=(VIT, hf.HF_VIT),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches

@@ -1,0 +1,253 @@
+"""DETR's set-prediction loss (Carion et al. 2020), for any detector that predicts a fixed set of
+boxes per image: a one-to-one (Hungarian) matching of predictions to target boxes, then class
+cross-entropy over every query and L1 + GIoU over the matched pairs -- the matching cost and the
+terms exactly as transformers' ``DetrHungarianMatcher`` / ``ImageLoss`` define them (the
+``loss_dict`` keys, auxiliary layers suffixed ``_0`` ... ``_{L-2}``, are theirs too):
+
+- cost = ``bbox_cost`` x L1(cxcywh) - ``class_cost`` x p(target class) - ``giou_cost`` x GIoU(xyxy);
+- ``loss_ce``: cross-entropy over all queries, unmatched ones target "no object" (the last class)
+  with weight ``eos_coefficient``, a weighted mean; ``loss_bbox``: L1 in cxcywh, and ``loss_giou``:
+  1 - GIoU, each summed over the matched pairs and divided by the batch's box count (at least 1);
+  ``cardinality_error`` (logged, no gradient): |predicted non-empty queries - boxes|, mean over images;
+- ``loss`` = sum over decoder layers of ``loss_ce + bbox_loss_coefficient x loss_bbox +
+  giou_loss_coefficient x loss_giou``.
+
+How it runs. transformers computes one ``[B*Q, N]`` cost for the whole batch per layer (every
+query against every image's boxes), the GIoU loss as the diagonal of an ``N x N`` matrix, and
+reads the device 31 times per step at 6 layers (a cost copy and four box checks per layer, the
+box count). Here: targets padded to ``[B, M]`` (M = most boxes in an image), the cost of every
+layer at once per image ``[L, B, Q, M]``, and one host read per step that carries the costs and
+the target checks together; the assignment goes back as one ``[L, B, M]`` index (a copy to the
+device, no read). The GIoU term runs in ``giou`` mode: ``per_sample`` (a loop over images),
+``concat`` (gathered pairs), ``padded`` (padded pairs in plain ops) or ``kernel`` (padded pairs
+through the fused op). GIoU is transformers' formula (no epsilon).
+
+Errors: labels that are not a list of ``{"class_labels": [n] int, "boxes": [n, 4] float}``, boxes
+that are not finite or have a negative width or height, class ids outside ``[0, num_classes)``
+raise ``ValueError`` naming the image; a non-finite matching cost (NaN / Inf predictions, which
+make scipy fail inside transformers) names the decoder layer and the image. An image may have no
+boxes, or more boxes than queries (then, as transformers, ``Q`` of them are matched).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastzoo.losses.giou import PAD_BOX, giou_loss_concat, giou_loss_padded, giou_loss_per_sample
+
+GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
+
+
+@dataclass
+class PaddedTargets:
+    """One batch's targets padded to ``[B, M]``: cxcywh boxes, class ids, which slots are real."""
+
+    boxes_BM4: Tensor
+    labels_BM: Tensor
+    mask_BM: Tensor
+    counts: tuple[int, ...]  # boxes per image, on the host (from the shapes: no read)
+
+    @property
+    def num_boxes(self) -> int:
+        return sum(self.counts)
+
+
+def pad_targets(labels, batch: int, device) -> PaddedTargets:
+    """transformers' ``labels`` (a list of dicts, one per image) padded; shapes and types checked here
+    (free), values with the cost's host read (:func:`set_prediction_loss`)."""
+    if not isinstance(labels, (list, tuple)) or len(labels) != batch:
+        raise ValueError(f"labels must be a list of {batch} dicts (one per image) with 'class_labels' and 'boxes', "
+                         f"got {type(labels).__name__}{f' of {len(labels)}' if isinstance(labels, (list, tuple)) else ''}")
+    boxes, classes = [], []
+    for i, t in enumerate(labels):
+        if not hasattr(t, "keys") or "class_labels" not in t or "boxes" not in t:
+            raise ValueError(f"labels[{i}] must be a dict with 'class_labels' [n] and 'boxes' [n, 4] (cx, cy, w, h in "
+                             f"[0, 1]), got {sorted(t.keys()) if hasattr(t, 'keys') else type(t).__name__}")
+        c, b = t["class_labels"], t["boxes"]
+        if not isinstance(b, Tensor) or b.ndim != 2 or b.shape[1] != 4 or not b.is_floating_point():
+            raise ValueError(f"labels[{i}]['boxes'] must be a float [n, 4] tensor (cx, cy, w, h), got "
+                             f"{getattr(b, 'dtype', type(b).__name__)} {tuple(getattr(b, 'shape', ()))}")
+        if not isinstance(c, Tensor) or c.shape != (b.shape[0],) or c.is_floating_point() or c.dtype == torch.bool:
+            raise ValueError(f"labels[{i}]['class_labels'] must be an integer tensor of shape ({b.shape[0]},) (one id "
+                             f"per box), got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
+        boxes.append(b)
+        classes.append(c)
+    counts = tuple(b.shape[0] for b in boxes)
+    M = max(counts)
+    boxes_BM4 = torch.tensor([0.5, 0.5, 1.0, 1.0], device=device).repeat(batch, M, 1)  # a valid box in padding
+    labels_BM = torch.zeros(batch, M, dtype=torch.long, device=device)
+    mask_BM = torch.zeros(batch, M, dtype=torch.bool, device=device)
+    for i, (b, c) in enumerate(zip(boxes, classes)):
+        n = b.shape[0]
+        boxes_BM4[i, :n] = b.to(device, torch.float32, non_blocking=True)
+        labels_BM[i, :n] = c.to(device, non_blocking=True)
+        mask_BM[i, :n] = True
+    return PaddedTargets(boxes_BM4, labels_BM, mask_BM, counts)
+
+
+def center_to_corners(b: Tensor) -> Tensor:
+    """(cx, cy, w, h) -> (x1, y1, x2, y2), transformers' ``center_to_corners_format``."""
+    cx, cy, w, h = b.unbind(-1)
+    return torch.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h], dim=-1)
+
+
+def pairwise_giou(a: Tensor, b: Tensor) -> Tensor:
+    """GIoU ``[..., Q, M]`` between xyxy boxes ``a [..., Q, 4]`` and ``b [..., M, 4]``, transformers'
+    (DETR's) formula: no epsilon, intersection and enclosure clamped at 0."""
+    a, b = a[..., :, None, :], b[..., None, :, :]
+    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
+    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
+    wh = (torch.min(a[..., 2:], b[..., 2:]) - torch.max(a[..., :2], b[..., :2])).clamp(min=0)
+    inter = wh[..., 0] * wh[..., 1]
+    union = area_a + area_b - inter
+    enclose = (torch.max(a[..., 2:], b[..., 2:]) - torch.min(a[..., :2], b[..., :2])).clamp(min=0)
+    area_c = enclose[..., 0] * enclose[..., 1]
+    return inter / union - (area_c - union) / area_c
+
+
+@torch.no_grad()
+def matching_cost(logits_LBQC: Tensor, boxes_LBQ4: Tensor, t: PaddedTargets, class_cost: float, bbox_cost: float,
+                  giou_cost: float) -> Tensor:
+    """The matching cost of every layer's queries against its own image's boxes ``[L, B, Q, M]``."""
+    L, B, Q, C = logits_LBQC.shape
+    M = t.labels_BM.shape[1]
+    prob_LBQC = logits_LBQC.softmax(-1)
+    p_LBQM = prob_LBQC.gather(-1, t.labels_BM[None, :, None, :].expand(L, B, Q, M))
+    l1_LBQM = (boxes_LBQ4[..., :, None, :] - t.boxes_BM4[None, :, None, :, :]).abs().sum(-1)
+    giou_LBQM = pairwise_giou(center_to_corners(boxes_LBQ4), center_to_corners(t.boxes_BM4)[None])
+    return bbox_cost * l1_LBQM + class_cost * -p_LBQM + giou_cost * -giou_LBQM
+
+
+def _target_problems(t: PaddedTargets, num_classes: int) -> Tensor:
+    """A [2] flag on the device: some real box is malformed, some class id is out of range."""
+    b = t.boxes_BM4
+    bad_box = (~torch.isfinite(b).all(-1) | (b[..., 2] < 0) | (b[..., 3] < 0)) & t.mask_BM
+    bad_label = ((t.labels_BM < 0) | (t.labels_BM >= num_classes)) & t.mask_BM
+    return torch.stack([bad_box.any(), bad_label.any()]).float()
+
+
+def _raise_target_problem(flags, t: PaddedTargets, num_classes: int) -> None:
+    if flags[0]:
+        b = t.boxes_BM4.cpu()
+        bad = (~torch.isfinite(b).all(-1) | (b[..., 2] < 0) | (b[..., 3] < 0)) & t.mask_BM.cpu()
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"labels[{i}]['boxes'][{j}] = {b[i, j].tolist()}: boxes must be finite (cx, cy, w, h) "
+                         f"with w >= 0 and h >= 0, normalised to [0, 1]")
+    if flags[1]:
+        lab = t.labels_BM.cpu()
+        bad = ((lab < 0) | (lab >= num_classes)) & t.mask_BM.cpu()
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"labels[{i}]['class_labels'][{j}] = {int(lab[i, j])}: class ids must lie in "
+                         f"[0, {num_classes}) (num_labels={num_classes}; 'no object' is not a target class)")
+
+
+def assign(cost_LBQM: np.ndarray, counts) -> np.ndarray:
+    """scipy's Hungarian solver per (layer, image) on the host: the query of each target slot
+    ``[L, B, M]`` (-1: padding, or a box left unmatched when an image has more boxes than queries)."""
+    from scipy.optimize import linear_sum_assignment
+
+    L, B, Q, M = cost_LBQM.shape
+    query = np.full((L, B, M), -1, dtype=np.int64)
+    for b, n in enumerate(counts):
+        if n == 0:
+            continue
+        for layer in range(L):
+            c = cost_LBQM[layer, b, :, :n]
+            if not np.isfinite(c).all():
+                which = "the last decoder layer" if layer == L - 1 else f"auxiliary decoder layer {layer}"
+                raise ValueError(f"the matching cost of {which} (of {L}), image {b}, is not finite: its predicted "
+                                 f"boxes or logits hold NaN or Inf")
+            rows, cols = linear_sum_assignment(c)
+            query[layer, b, cols] = rows
+    return query
+
+
+def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=None, *, num_classes: int | None = None,
+                        class_cost: float = 1.0, bbox_cost: float = 5.0, giou_cost: float = 2.0,
+                        bbox_loss_coefficient: float = 5.0, giou_loss_coefficient: float = 2.0,
+                        eos_coefficient: float = 0.1, giou: str = "kernel", num_boxes=None) -> tuple[Tensor, dict]:
+    """``(loss, loss_dict)`` of L decoder layers' predictions (the last is the final output, the others
+    auxiliary): ``logits_LBQC [L, B, Q, C+1]``, ``boxes_LBQ4 [L, B, Q, 4]`` (cx, cy, w, h);
+    ``labels`` as transformers' (see the module docstring). A ``config`` with transformers' field names
+    (``num_labels``, ``class_cost`` ..., ``eos_coefficient``, ``loss`` for the GIoU mode) sets them all.
+    ``num_boxes``: the normaliser (e.g. all-reduced over processes); default this batch's box count."""
+    if config is not None:
+        num_classes, class_cost, bbox_cost, giou_cost = config.num_labels, config.class_cost, config.bbox_cost, config.giou_cost
+        bbox_loss_coefficient, giou_loss_coefficient = config.bbox_loss_coefficient, config.giou_loss_coefficient
+        eos_coefficient, giou = config.eos_coefficient, config.loss
+    if giou not in GIOU_MODES:
+        raise ValueError(f"giou={giou!r}: choose one of {', '.join(GIOU_MODES)}")
+    if logits_LBQC.ndim != 4 or boxes_LBQ4.shape != (*logits_LBQC.shape[:3], 4):
+        raise ValueError(f"logits must be [L, B, Q, C+1] and boxes [L, B, Q, 4], got {tuple(logits_LBQC.shape)} and "
+                         f"{tuple(boxes_LBQ4.shape)}")
+    L, B, Q, C1 = logits_LBQC.shape
+    C = C1 - 1 if num_classes is None else num_classes
+    if C1 != C + 1:
+        raise ValueError(f"logits have {C1} classes; num_classes={C} needs {C + 1} (the last: no object)")
+    device = logits_LBQC.device
+    t = pad_targets(labels, B, device)
+    M = t.labels_BM.shape[1]
+
+    query_LBM = np.full((L, B, M), -1, dtype=np.int64)
+    if M:  # the one host read: every layer's cost and the target checks together
+        cost = matching_cost(logits_LBQC.detach(), boxes_LBQ4.detach(), t, class_cost, bbox_cost, giou_cost)
+        host = torch.cat([cost.float().flatten(), _target_problems(t, C)]).cpu().numpy()
+        if host[-2:].any():
+            _raise_target_problem(host[-2:], t, C)
+        query_LBM = assign(host[:-2].reshape(L, B, Q, M), t.counts)
+    query_LBM = torch.from_numpy(query_LBM).to(device, non_blocking=True)
+    matched_LBM = query_LBM >= 0
+    q_LBM = query_LBM.clamp(min=0)
+    n = max(t.num_boxes, 1) if num_boxes is None else num_boxes
+
+    # class: every query, unmatched ones "no object" (index C); matched labels scattered to their query
+    target_LBQ = torch.full((L, B, Q + 1), C, dtype=torch.long, device=device)
+    target_LBQ.scatter_(2, torch.where(matched_LBM, q_LBM, Q), t.labels_BM[None].expand(L, B, M))
+    target_LBQ = target_LBQ[..., :Q]
+    weight = torch.ones(C + 1, device=device, dtype=logits_LBQC.dtype)
+    weight[C] = eos_coefficient
+    ce_LBQ = F.cross_entropy(logits_LBQC.flatten(0, 2), target_LBQ.flatten(), reduction="none").view(L, B, Q)
+    w_LBQ = weight[target_LBQ]
+    loss_ce = (ce_LBQ * w_LBQ).sum((1, 2)) / w_LBQ.sum((1, 2))
+
+    # boxes: the matched pairs in the padded layout [L, B, M]
+    pred_LBM4 = boxes_LBQ4.gather(2, q_LBM[..., None].expand(L, B, M, 4))
+    tgt_LBM4 = t.boxes_BM4[None].expand(L, B, M, 4)
+    loss_bbox = torch.where(matched_LBM[..., None], (pred_LBM4 - tgt_LBM4).abs(), 0.0).sum((1, 2, 3)) / n
+    loss_giou = _giou_sums(giou, center_to_corners(pred_LBM4), center_to_corners(tgt_LBM4), matched_LBM) / n
+
+    with torch.no_grad():
+        card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
+        card = (card_LB - torch.tensor(t.counts, dtype=torch.float32, device=device)).abs().mean(-1)
+    loss_dict = {}
+    for layer in [L - 1, *range(L - 1)]:
+        sfx = "" if layer == L - 1 else f"_{layer}"
+        loss_dict.update({f"loss_ce{sfx}": loss_ce[layer], f"loss_bbox{sfx}": loss_bbox[layer],
+                          f"loss_giou{sfx}": loss_giou[layer], f"cardinality_error{sfx}": card[layer]})
+    loss = (loss_ce + bbox_loss_coefficient * loss_bbox + giou_loss_coefficient * loss_giou).sum()
+    return loss, loss_dict
+
+
+def _giou_sums(mode: str, pred_LBM4: Tensor, tgt_LBM4: Tensor, matched_LBM: Tensor) -> Tensor:
+    """Per layer ``[L]``: the sum of 1 - GIoU over the matched pairs, in ``mode``."""
+    L = pred_LBM4.shape[0]
+    if mode in ("padded", "kernel"):  # unmatched slots hold an inverted box: padding to the loss
+        pad = torch.tensor(PAD_BOX, dtype=tgt_LBM4.dtype, device=tgt_LBM4.device)
+        tgt = torch.where(matched_LBM[..., None], tgt_LBM4, pad)
+        loss = giou_loss_padded(pred_LBM4.flatten(0, 1), tgt.flatten(0, 1), reduction="none", eps=0.0,
+                                impl="kernel" if mode == "kernel" else "torch", validate=False)
+        return loss.view(L, -1).sum(1)
+    sums = []
+    for layer in range(L):
+        m = matched_LBM[layer]
+        if mode == "concat":
+            sums.append(giou_loss_concat(pred_LBM4[layer][m], tgt_LBM4[layer][m], eps=0.0, validate=False))
+        else:
+            preds = [p[mm] for p, mm in zip(pred_LBM4[layer], m)]
+            tgts = [g[mm] for g, mm in zip(tgt_LBM4[layer], m)]
+            sums.append(giou_loss_per_sample(preds, tgts, eps=0.0, validate=False))
+    return torch.stack(sums)

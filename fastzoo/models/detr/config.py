@@ -1,0 +1,100 @@
+"""DETR's config: transformers' ``DetrConfig`` field names and defaults (``facebook/detr-resnet-50``),
+the backbone's sizes under ``ResNetConfig``'s names, and the set loss's settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastzoo.errors import ConfigError
+from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
+
+GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
+BACKBONES = ("timm", "transformers")  # the two ResNet backbones transformers' DETR builds
+# which backbone parameters are frozen: transformers 5.17 freezes nothing of its timm backbone (its
+# freezing rule asks for "resnet" in the backbone's model_type, "timm_backbone") and all of its own
+# ResNet backbone (its rule keeps names with "stage.1".."stage.3", which "stages.N" never contains)
+FREEZE = ("transformers", "stem_and_first_stage", "all", "none")
+ACTIVATIONS = ("relu", "gelu", "silu")
+# timm's ResNets that DETR's timm path names (``backbone=``), by depth and block
+TIMM_RESNETS = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet34": ("basic", (3, 4, 6, 3)),
+                "resnet50": ("bottleneck", (3, 4, 6, 3)), "resnet101": ("bottleneck", (3, 4, 23, 3)),
+                "resnet152": ("bottleneck", (3, 8, 36, 3))}
+
+
+@dataclass
+class DetrConfig(ModelConfig):
+    """transformers' names; each field's kind, meaning and constraint is declared with it."""
+
+    num_labels: int = weights_decide(91, "object classes (COCO's ids run to 90); logits have one more: no object", ge=1)
+    num_queries: int = weights_decide(100, "object queries: the most objects an image can hold", ge=1)
+    d_model: int = weights_decide(256, "width of the transformer", ge=4)
+    encoder_layers: int = weights_decide(6, "encoder layers", ge=1, le=MAX_BLOCKS)
+    decoder_layers: int = weights_decide(6, "decoder layers", ge=1, le=MAX_BLOCKS)
+    encoder_ffn_dim: int = weights_decide(2048, "encoder MLP width", ge=1)
+    decoder_ffn_dim: int = weights_decide(2048, "decoder MLP width", ge=1)
+    encoder_attention_heads: int = changes_function(8, "encoder attention heads", ge=1)
+    decoder_attention_heads: int = changes_function(8, "decoder attention heads", ge=1)
+    activation_function: str = changes_function("relu", "the MLPs' activation", choices=ACTIVATIONS)
+    position_embedding_type: str = changes_function("sine", "position embedding of the feature map (sine, as DETR)",
+                                                    choices=("sine",))
+    dropout: float = free(0.1, "dropout after attention and MLP blocks", ge=0, le=1)
+    attention_dropout: float = free(0.0, "dropout on the attention probabilities", ge=0, le=1)
+    activation_dropout: float = free(0.0, "dropout after the MLP activation", ge=0, le=1)
+    auxiliary_loss: bool = changes_function(False, "decoder output of every layer through the shared LayerNorm and "
+                                            "heads (transformers feeds each layer the normalised output), and a "
+                                            "loss on each")
+    # -- the backbone: a ResNet (transformers' ResNetConfig names) -----------------------------------
+    backbone: str = changes_function("timm", "which ResNet module: 'timm' (timm's, torchvision's names, "
+                                     "use_timm_backbone=True) or 'transformers' (transformers' ResNetBackbone)",
+                                     choices=BACKBONES)
+    layer_type: str = weights_decide("bottleneck", "'basic' (ResNet-18/34) or 'bottleneck' blocks",
+                                     choices=("basic", "bottleneck"))
+    depths: tuple[int, ...] = weights_decide((3, 4, 6, 3), "blocks per stage (ResNet-50)", ge=1, le=MAX_BLOCKS)
+    hidden_sizes: tuple[int, ...] = weights_decide((256, 512, 1024, 2048), "each stage's output channels", ge=1)
+    embedding_size: int = weights_decide(64, "the stem's channels", ge=1)
+    num_channels: int = weights_decide(3, "image channels", ge=1)
+    freeze_backbone: str = free("transformers", "which backbone parameters are frozen: 'transformers' (as "
+                                "transformers 5.17 builds it: none of the timm backbone, all of its own ResNet "
+                                "backbone) | 'stem_and_first_stage' (DETR's paper: layer2-4 train) | 'all' | 'none'",
+                                choices=FREEZE)
+    # -- the set loss (transformers' names and defaults) -------------------------------------------
+    class_cost: float = free(1.0, "matching cost weight of the class probability", ge=0)
+    bbox_cost: float = free(5.0, "matching cost weight of the L1 box distance", ge=0)
+    giou_cost: float = free(2.0, "matching cost weight of the GIoU", ge=0)
+    bbox_loss_coefficient: float = free(5.0, "weight of the L1 box loss", ge=0)
+    giou_loss_coefficient: float = free(2.0, "weight of the GIoU loss", ge=0)
+    eos_coefficient: float = free(0.1, "class weight of 'no object' in the cross-entropy", gt=0)
+    loss: str = free("kernel", "how the GIoU term runs: per_sample (a loop) | concat (gathered pairs) | padded "
+                     "(padded pairs, plain ops) | kernel (padded pairs, the fused op: no gather, no host sync)",
+                     choices=GIOU_MODES)
+    channels_last: bool = free(False, "NHWC backbone parameters and activations")
+
+    def validate(self):
+        for heads, name in ((self.encoder_attention_heads, "encoder_attention_heads"),
+                            (self.decoder_attention_heads, "decoder_attention_heads")):
+            if self.d_model % heads:
+                raise ConfigError(f"d_model={self.d_model} is not divisible by {name}={heads}", fields=("d_model", name))
+        if len(self.depths) != len(self.hidden_sizes):
+            raise ConfigError(f"depths={self.depths} and hidden_sizes={self.hidden_sizes} must have the same length",
+                              fields=("depths", "hidden_sizes"))
+        if self.class_cost == self.bbox_cost == self.giou_cost == 0:
+            raise ConfigError("class_cost, bbox_cost and giou_cost are all 0: the matching has no cost",
+                              fields=("class_cost", "bbox_cost", "giou_cost"))
+        if self.backbone == "timm":  # timm's ResNet: a 64-channel stem, stage widths x1 (basic) or x4 (bottleneck)
+            mult = 4 if self.layer_type == "bottleneck" else 1
+            if self.embedding_size != 64 or any(h % mult for h in self.hidden_sizes):
+                raise ConfigError(f"backbone='timm' is timm's ResNet: embedding_size 64 and hidden_sizes divisible by "
+                                  f"{mult}, got {self.embedding_size} and {self.hidden_sizes}; transformers' own ResNet "
+                                  f"(backbone='transformers') takes any sizes",
+                                  fields=("backbone", "embedding_size", "hidden_sizes"))
+
+    @property
+    def num_classes(self) -> int:
+        return self.num_labels
+
+    def timm_name(self) -> str | None:
+        """timm's name of this backbone (transformers' ``backbone=``), if it is a standard ResNet."""
+        widths = {"basic": (64, 128, 256, 512), "bottleneck": (256, 512, 1024, 2048)}[self.layer_type]
+        for name, (block, depths) in TIMM_RESNETS.items():
+            if (block, depths) == (self.layer_type, self.depths) and self.hidden_sizes == widths:
+                return name
+        return None

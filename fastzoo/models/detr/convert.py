@@ -1,0 +1,196 @@
+"""transformers' DETR checkpoints, both ways. fastzoo's DETR has ``DetrForObjectDetection``'s module
+names, so a transformers 5.x state dict loads key for key; the names older checkpoints carry (the hub's
+``facebook/detr-resnet-50`` files: ``backbone.conv_encoder.model``, ``self_attn.out_proj``, a layer's
+``fc1`` / ``fc2`` outside its ``mlp``) are renamed as transformers' own ``conversion_mapping`` does,
+and BatchNorm step counters (``num_batches_tracked``) are dropped (the backbone's BatchNorm is frozen).
+
+The config: from a transformers ``config.json`` or a live model's config (both backbone paths:
+timm's ResNet by name, transformers' ``ResNetConfig``), or from the keys of a bare state dict
+(everything but the heads' counts and the activation, which keep transformers' defaults).
+"""
+from __future__ import annotations
+
+import re
+
+from fastzoo.errors import CheckpointError
+from fastzoo.models.detr.config import TIMM_RESNETS, DetrConfig
+
+# transformers 5.x's renames of DETR's older keys (conversion_mapping.py, "DetrModel")
+_RENAMES = ((re.compile(r"backbone\.conv_encoder\."), "backbone."),
+            (re.compile(r"\.out_proj\."), ".o_proj."),
+            (re.compile(r"layers\.(\d+)\.fc([12])\."), r"layers.\1.mlp.fc\2."))
+_LAYER = re.compile(r"^model\.(encoder|decoder)\.layers\.(\d+)\.")
+
+
+class HfDetrConverter:
+    """``DetrForObjectDetection`` state dicts (transformers 5.x names and the older ones)."""
+
+    format = "hf"
+
+    @staticmethod
+    def matches(state: dict) -> bool:
+        return "class_labels_classifier.weight" in state and "model.query_position_embeddings.weight" in state
+
+    @staticmethod
+    def to_fastzoo(state: dict) -> dict:
+        out = {}
+        for k, v in state.items():
+            if k.endswith("num_batches_tracked"):
+                continue
+            for pattern, new in _RENAMES:
+                k = pattern.sub(new, k)
+            out[k] = v
+        return out
+
+    @staticmethod
+    def from_fastzoo(state: dict, config) -> dict:
+        return dict(state)
+
+    @staticmethod
+    def infer_config(state: dict, module=None) -> dict:
+        if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
+            return HfDetrConverter.config_from_json(module.config.to_dict())
+        s = HfDetrConverter.to_fastzoo(state)
+        layers = {"encoder": set(), "decoder": set()}
+        for k in s:
+            m = _LAYER.match(k)
+            if m:
+                layers[m[1]].add(int(m[2]))
+        return {
+            "num_labels": s["class_labels_classifier.weight"].shape[0] - 1,
+            "num_queries": s["model.query_position_embeddings.weight"].shape[0],
+            "d_model": s["model.query_position_embeddings.weight"].shape[1],
+            "encoder_layers": len(layers["encoder"]), "decoder_layers": len(layers["decoder"]),
+            "encoder_ffn_dim": s["model.encoder.layers.0.mlp.fc1.weight"].shape[0],
+            "decoder_ffn_dim": s["model.decoder.layers.0.mlp.fc1.weight"].shape[0],
+            "num_channels": _stem(s).shape[1],
+            **_backbone_from_keys(s),
+        }
+
+    @staticmethod
+    def config_from_json(cfg: dict) -> dict:
+        """fastzoo's fields from a transformers ``DetrConfig`` dict (``config.json``, ``config.to_dict()``)."""
+        if cfg.get("model_type", "detr") != "detr":
+            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's DETR reads 'detr'")
+        if cfg.get("dilation"):
+            raise CheckpointError("config.json sets dilation=True (DETR-DC5); fastzoo's DETR has the plain ResNet "
+                                  "backbone only (facebook/detr-resnet-50, -101)")
+        names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
+                 "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
+                 "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
+                 "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient")
+        out = {k: cfg[k] for k in names if k in cfg}
+        labels = cfg.get("id2label")
+        out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)
+        return {**out, **_backbone_from_config(cfg)}
+
+
+def _stem(s: dict):
+    return s.get("model.backbone.model.conv1.weight", s.get("model.backbone.model.embedder.embedder.convolution.weight"))
+
+
+def _backbone_from_keys(s: dict) -> dict:
+    pre = "model.backbone.model."
+    if pre + "conv1.weight" in s:  # timm's ResNet (torchvision's names)
+        depth: dict[int, int] = {}
+        for k in s:
+            m = re.match(rf"^{re.escape(pre)}layer(\d+)\.(\d+)\.conv1\.weight$", k)
+            if m:
+                depth[int(m[1])] = max(depth.get(int(m[1]), 0), int(m[2]) + 1)
+        stages = sorted(depth)
+        bottleneck = f"{pre}layer1.0.conv3.weight" in s
+        last = "conv3" if bottleneck else "conv2"
+        return {"backbone": "timm", "layer_type": "bottleneck" if bottleneck else "basic",
+                "depths": tuple(depth[i] for i in stages), "embedding_size": s[pre + "conv1.weight"].shape[0],
+                "hidden_sizes": tuple(s[f"{pre}layer{i}.0.{last}.weight"].shape[0] for i in stages)}
+    if pre + "embedder.embedder.convolution.weight" in s:  # transformers' ResNetBackbone
+        depth = {}
+        for k in s:
+            m = re.match(rf"^{re.escape(pre)}encoder\.stages\.(\d+)\.layers\.(\d+)\.", k)
+            if m:
+                depth[int(m[1])] = max(depth.get(int(m[1]), 0), int(m[2]) + 1)
+        stages = sorted(depth)
+        bottleneck = f"{pre}encoder.stages.0.layers.0.layer.2.convolution.weight" in s
+        last = 2 if bottleneck else 1
+        return {"backbone": "transformers", "layer_type": "bottleneck" if bottleneck else "basic",
+                "depths": tuple(depth[i] for i in stages),
+                "embedding_size": s[pre + "embedder.embedder.convolution.weight"].shape[0],
+                "hidden_sizes": tuple(s[f"{pre}encoder.stages.{i}.layers.0.layer.{last}.convolution.weight"].shape[0]
+                                      for i in stages)}
+    raise CheckpointError("a DETR checkpoint whose backbone is neither timm's ResNet (model.backbone.model.conv1) "
+                          "nor transformers' ResNetBackbone (model.backbone.model.embedder): not a backbone fastzoo builds")
+
+
+def _timm_name(name: str) -> str:
+    base = name.split("/")[-1].split(".")[0]  # "timm/resnet50.a1_in1k" -> "resnet50"
+    if base not in TIMM_RESNETS:
+        raise CheckpointError(f"backbone={name!r}: fastzoo's DETR builds timm's {', '.join(TIMM_RESNETS)} (plain ResNets; "
+                              f"not the -d / -DC5 variants)")
+    return base
+
+
+def _backbone_from_config(cfg: dict) -> dict:
+    bb = cfg.get("backbone_config")
+    if bb is None or bb.get("model_type") == "timm_backbone":
+        if bb is None and cfg.get("use_timm_backbone", True) is False:
+            raise CheckpointError("config.json: use_timm_backbone=False without a backbone_config; give transformers' "
+                                  "ResNetConfig as backbone_config")
+        name = _timm_name((bb or {}).get("backbone") or cfg.get("backbone") or "resnet50")
+        if (bb or {}).get("output_stride") not in (None, 32):
+            raise CheckpointError(f"backbone output_stride={bb['output_stride']} (dilated, DC5): not built by fastzoo's DETR")
+        block, depths = TIMM_RESNETS[name]
+        widths = (64, 128, 256, 512) if block == "basic" else (256, 512, 1024, 2048)
+        return {"backbone": "timm", "layer_type": block, "depths": depths, "hidden_sizes": widths, "embedding_size": 64}
+    if bb.get("model_type") != "resnet":
+        raise CheckpointError(f"backbone_config has model_type={bb.get('model_type')!r}; fastzoo's DETR builds ResNet "
+                              f"backbones (timm's, or transformers' 'resnet')")
+    if bb.get("downsample_in_bottleneck") or bb.get("downsample_in_first_stage"):
+        raise CheckpointError("backbone_config: downsample_in_bottleneck / downsample_in_first_stage are not built by "
+                              "fastzoo's DETR (transformers' defaults, False, are)")
+    outs = bb.get("out_features") or ["stage4"]
+    if outs[-1] != f"stage{len(bb.get('depths', (3, 4, 6, 3)))}":
+        raise CheckpointError(f"backbone_config: out_features={outs} does not end at the last stage, which DETR reads")
+    return {"backbone": "transformers", "layer_type": bb.get("layer_type", "bottleneck"),
+            "depths": tuple(bb.get("depths", (3, 4, 6, 3))), "hidden_sizes": tuple(bb.get("hidden_sizes", (256, 512, 1024, 2048))),
+            "embedding_size": bb.get("embedding_size", 64)}
+
+
+def hf_config(cfg: DetrConfig):
+    """``cfg`` as a ``transformers.DetrConfig`` (which builds the same network on random weights)."""
+    import transformers
+
+    names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
+             "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
+             "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
+             "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient", "num_labels")
+    fields = {k: getattr(cfg, k) for k in names}
+    # transformers types the cost and loss weights as int: whole numbers go in as ints, others after
+    fractional = {k: v for k, v in fields.items() if k in _INT_WEIGHTS and not float(v).is_integer()}
+    fields.update({k: int(v) if k in _INT_WEIGHTS and k not in fractional else v for k, v in fields.items()})
+    fields.update({k: 1 for k in fractional})
+    hf = _hf_config(cfg, fields)
+    for k, v in fractional.items():
+        object.__setattr__(hf, k, v)
+    return hf
+
+
+_INT_WEIGHTS = ("class_cost", "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient")
+
+
+def _hf_config(cfg: DetrConfig, fields: dict):
+    import transformers
+
+    if cfg.backbone == "timm":
+        name = cfg.timm_name()
+        if name is None:
+            raise ValueError(f"this timm backbone (layer_type={cfg.layer_type}, depths={cfg.depths}, hidden_sizes="
+                             f"{cfg.hidden_sizes}) is no timm ResNet name transformers could build; use "
+                             f"backbone='transformers' for other sizes")
+        return transformers.DetrConfig(use_timm_backbone=True, backbone=name, use_pretrained_backbone=False, **fields)
+    resnet = transformers.ResNetConfig(num_channels=cfg.num_channels, embedding_size=cfg.embedding_size,
+                                       hidden_sizes=list(cfg.hidden_sizes), depths=list(cfg.depths),
+                                       layer_type=cfg.layer_type, out_features=[f"stage{len(cfg.depths)}"])
+    return transformers.DetrConfig(use_timm_backbone=False, backbone_config=resnet, use_pretrained_backbone=False, **fields)
+
+
+HF = HfDetrConverter()

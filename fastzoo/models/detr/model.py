@@ -1,0 +1,331 @@
+"""DETR (Carion et al. 2020, "End-to-End Object Detection with Transformers"), as transformers'
+``DetrForObjectDetection``: its module names (``model.backbone.model``, ``model.input_projection``,
+``model.query_position_embeddings``, ``model.encoder.layers.N.self_attn.q_proj`` ...,
+``class_labels_classifier``, ``bbox_predictor``), so its state dicts load key for key.
+
+The function, as transformers 5.17 computes it:
+
+- a ResNet with frozen BatchNorm gives C5 (``backbone.py``); a 1x1 conv projects it to
+  ``d_model``; the pixel mask, resized to C5 (nearest), marks the real feature positions;
+- the sine position embedding (normalised cumulative sums of the mask, temperature 10000,
+  ``d_model / 2`` features per axis, y first) is added to the queries and keys of every
+  encoder self-attention and to the keys of every decoder cross-attention;
+- post-norm encoder layers (self-attention, MLP); decoder layers (self-attention, cross-attention,
+  MLP) start from zeros, the learned ``query_position_embeddings`` added to the queries and keys of
+  self-attention and to the queries of cross-attention; a shared LayerNorm ends the decoder.
+  With ``auxiliary_loss`` transformers applies that LayerNorm after *every* layer and feeds the
+  normalised output to the next one (and once more at the end): so does this model;
+- heads: ``class_labels_classifier`` (``num_labels`` + "no object") and ``bbox_predictor``, a
+  3-layer MLP, sigmoid -> (cx, cy, w, h) in [0, 1] of the unpadded image.
+
+Attention runs through the model's backend (``set_attention``), the pixel mask as a key-padding
+mask. A backend without padding masks but with packed sequences (``varlen``, ``nested``) gets the
+real feature positions only: the encoder runs on the unpadded tokens of each image, and the
+decoder's cross-attention reads them with the images' own offsets (``cu_seqlens_k``).
+
+The training-time clamp transformers applies to non-finite encoder outputs is applied without its
+host read (a clamp to the dtype's range minus 1000 is the identity on finite values).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastzoo.attention import packing
+from fastzoo.attention.base import AttnContext
+from fastzoo.layers.attention import UsesAttention
+from fastzoo.models.base import FastzooModel
+from fastzoo.models.detr.backbone import DetrConvEncoder
+from fastzoo.models.detr.config import DetrConfig
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None) -> torch.Tensor:
+    """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``."""
+    B, _, H, W = shape
+    n = d_model // 2
+    if mask_BHW is None:
+        y_BHW = torch.arange(1, H + 1, dtype=dtype, device=device)[None, :, None].expand(B, H, W)
+        x_BHW = torch.arange(1, W + 1, dtype=dtype, device=device)[None, None, :].expand(B, H, W)
+    else:
+        m = mask_BHW.to(dtype)
+        y_BHW, x_BHW = m.cumsum(1), m.cumsum(2)
+    y_BHW = y_BHW / (y_BHW[:, -1:, :] + 1e-6) * (2 * math.pi)
+    x_BHW = x_BHW / (x_BHW[:, :, -1:] + 1e-6) * (2 * math.pi)
+    dim_t = torch.arange(n, dtype=torch.int64, device=device).to(dtype)
+    dim_t = 10000 ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / n)
+    px, py = x_BHW[..., None] / dim_t, y_BHW[..., None] / dim_t
+    px = torch.stack((px[..., 0::2].sin(), px[..., 1::2].cos()), dim=4).flatten(3)
+    py = torch.stack((py[..., 0::2].sin(), py[..., 1::2].cos()), dim=4).flatten(3)
+    return torch.cat((py, px), dim=3).flatten(1, 2)
+
+
+class DetrAttention(UsesAttention):
+    """transformers' ``DetrSelfAttention`` / ``DetrCrossAttention``: position embeddings are added to
+    the queries' and the keys' inputs, never to the values'."""
+
+    def __init__(self, d_model: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, d_model // heads
+        self.attn_dropout = nn.Dropout(dropout)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.o_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x_BSD, pos_BSD, ctx: AttnContext, kv_BKD=None, kpos_BKD=None):
+        q_in = x_BSD if pos_BSD is None else x_BSD + pos_BSD
+        if kv_BKD is None:  # self-attention
+            kv_BKD, k_in = x_BSD, q_in
+        else:
+            k_in = kv_BKD if kpos_BKD is None else kv_BKD + kpos_BKD
+        B, S, D = x_BSD.shape
+        q_BHSD = self.q_proj(q_in).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k_BHKD = self.k_proj(k_in).view(*kv_BKD.shape[:2], self.heads, self.head_dim).transpose(1, 2)
+        v_BHKD = self.v_proj(kv_BKD).view(*kv_BKD.shape[:2], self.heads, self.head_dim).transpose(1, 2)
+        o_BHSD = self.attend(q_BHSD, k_BHKD, v_BHKD, ctx)
+        return self.o_proj(o_BHSD.transpose(1, 2).reshape(B, S, D))
+
+
+class DetrMLP(nn.Module):
+    def __init__(self, cfg: DetrConfig, ffn_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, cfg.d_model)
+        self.act, self.activation_dropout, self.dropout = ACTIVATIONS[cfg.activation_function], cfg.activation_dropout, cfg.dropout
+
+    def forward(self, x):
+        x = F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
+        return F.dropout(self.fc2(x), self.dropout, self.training)
+
+
+class DetrEncoderLayer(nn.Module):
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        self.self_attn = DetrAttention(cfg.d_model, cfg.encoder_attention_heads, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.mlp = DetrMLP(cfg, cfg.encoder_ffn_dim)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x_BSD, pos_BSD, ctx):
+        x_BSD = self.self_attn_layer_norm(x_BSD + F.dropout(self.self_attn(x_BSD, pos_BSD, ctx), self.dropout, self.training))
+        x_BSD = self.final_layer_norm(x_BSD + self.mlp(x_BSD))
+        if self.training:  # transformers clamps non-finite values (after a host read): the same, without it
+            big = torch.finfo(x_BSD.dtype).max - 1000
+            x_BSD = x_BSD.clamp(-big, big)
+        return x_BSD
+
+
+class DetrDecoderLayer(nn.Module):
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        self.self_attn = DetrAttention(cfg.d_model, cfg.decoder_attention_heads, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.encoder_attn = DetrAttention(cfg.d_model, cfg.decoder_attention_heads, cfg.attention_dropout)
+        self.encoder_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.mlp = DetrMLP(cfg, cfg.decoder_ffn_dim)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x_BQD, query_pos_BQD, memory, self_ctx, cross_ctx):
+        """``memory``: the encoder's output and its position embedding, ``[B, S, D]`` each, or packed
+        ``[1, T, D]`` with ``cross_ctx`` carrying the offsets (then the queries go in packed too)."""
+        mem, mem_pos = memory
+        x_BQD = self.self_attn_layer_norm(x_BQD + F.dropout(self.self_attn(x_BQD, query_pos_BQD, self_ctx),
+                                                            self.dropout, self.training))
+        B, Q, D = x_BQD.shape
+        packed = mem.shape[0] != B or cross_ctx.cu_seqlens is not None
+        x_in, pos_in = (x_BQD.reshape(1, B * Q, D), query_pos_BQD.reshape(1, B * Q, D)) if packed else (x_BQD, query_pos_BQD)
+        cross = self.encoder_attn(x_in, pos_in, cross_ctx, mem, mem_pos).view(B, Q, D)
+        x_BQD = self.encoder_attn_layer_norm(x_BQD + F.dropout(cross, self.dropout, self.training))
+        return self.final_layer_norm(x_BQD + self.mlp(x_BQD))
+
+
+class DetrEncoder(nn.Module):
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DetrEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+
+
+class DetrDecoder(nn.Module):
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DetrDecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layernorm = nn.LayerNorm(cfg.d_model)
+
+
+class DetrModel(nn.Module):
+    """transformers' ``DetrModel``: backbone, projection, encoder, decoder."""
+
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        self.config = cfg
+        self.backbone = DetrConvEncoder(cfg)
+        self.query_position_embeddings = nn.Embedding(cfg.num_queries, cfg.d_model)
+        self.input_projection = nn.Conv2d(cfg.hidden_sizes[-1], cfg.d_model, kernel_size=1)
+        self.encoder = DetrEncoder(cfg)
+        self.decoder = DetrDecoder(cfg)
+
+    def forward(self, pixel_values, pixel_mask, packed: bool) -> torch.Tensor:
+        """The decoder's output of every layer after the shared LayerNorm ``[L, B, Q, D]`` (L = 1
+        without ``auxiliary_loss``: only the last)."""
+        cfg = self.config
+        f_BCHW, mask_BHW = self.backbone(pixel_values, pixel_mask)
+        x_BSD = self.input_projection(f_BCHW).flatten(2).transpose(1, 2)
+        pos_BSD = sine_position_embedding(f_BCHW.shape, pixel_values.dtype, pixel_values.device, cfg.d_model, mask_BHW)
+        B = x_BSD.shape[0]
+        mask_BS = None if mask_BHW is None else mask_BHW.flatten(1)
+        x, pos, enc_ctx, cross_ctx = self._encoder_inputs(x_BSD, pos_BSD, mask_BS, packed)
+        x = F.dropout(x, cfg.dropout, self.training)
+        for layer in self.encoder.layers:
+            x = layer(x, pos, enc_ctx)
+        query_pos_BQD = self.query_position_embeddings.weight.unsqueeze(0).expand(B, -1, -1)
+        h_BQD = torch.zeros_like(query_pos_BQD)
+        self_ctx, outs = AttnContext(), []
+        for layer in self.decoder.layers:
+            h_BQD = layer(h_BQD, query_pos_BQD, (x, pos), self_ctx, cross_ctx)
+            if cfg.auxiliary_loss:
+                h_BQD = self.decoder.layernorm(h_BQD)
+                outs.append(h_BQD)
+        h_BQD = self.decoder.layernorm(h_BQD)
+        return torch.stack(outs[:-1] + [h_BQD]) if cfg.auxiliary_loss else h_BQD[None]
+
+    def _encoder_inputs(self, x_BSD, pos_BSD, mask_BS, packed: bool):
+        """The encoder's tokens, their position embedding and the contexts of the encoder's
+        self-attention and the decoder's cross-attention: padded with the mask as a key-padding
+        mask, or (``packed``) the real tokens only, packed, with each image's offsets."""
+        B, S, _ = x_BSD.shape
+        Q = self.config.num_queries
+        if not packed:
+            ctx = AttnContext(key_padding_mask=mask_BS)
+            return x_BSD, pos_BSD, ctx, ctx
+        if mask_BS is None:
+            mask_BS = torch.ones(B, S, dtype=torch.bool, device=x_BSD.device)
+        sizes = packing.mask_sizes(mask_BS).tolist()  # one host read: the kernels take max_seqlen as an int
+        if sizes[1] != B:
+            raise ValueError("pixel_mask: an image has no real pixel (a row of zeros); every image needs at least one")
+        info, (x_TD, pos_TD) = packing.unpad(mask_BS, x_BSD, pos_BSD, sizes=sizes)
+        enc_ctx = AttnContext(cu_seqlens=info.cu_seqlens, max_seqlen=info.max_seqlen)
+        cu_q = torch.arange(B + 1, dtype=torch.int32, device=x_BSD.device) * Q
+        cross_ctx = AttnContext(cu_seqlens=cu_q, max_seqlen=Q, cu_seqlens_k=info.cu_seqlens, max_seqlen_k=info.max_seqlen)
+        return x_TD[None], pos_TD[None], enc_ctx, cross_ctx
+
+
+class DetrMLPPredictionHead(nn.Module):
+    """transformers' box head: Linear layers, ReLU between."""
+
+    def __init__(self, d: int, out: int, num_layers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d if i < num_layers - 1 else out) for i in range(num_layers))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = F.relu(layer(x)) if i < len(self.layers) - 1 else layer(x)
+        return x
+
+
+class DetrForObjectDetection(FastzooModel):
+    """DETR with transformers' call convention (``forward`` in ``hf_api.py``)."""
+
+    family = "detr"
+    config_class = DetrConfig
+    main_input_name = "pixel_values"
+
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        import transformers.modeling_outputs  # noqa: F401  (registers HF output classes as pytree nodes, see the decoders)
+
+        self.config = cfg
+        self.model = DetrModel(cfg)
+        self.class_labels_classifier = nn.Linear(cfg.d_model, cfg.num_labels + 1)
+        self.bbox_predictor = DetrMLPPredictionHead(cfg.d_model, 4)
+        self._init_weights()
+
+    def _init_weights(self):
+        """transformers' init: normal(0, 0.02) Linear/Conv/Embedding weights and zero biases
+        outside the backbone; xavier-uniform attention projections' weights."""
+        for name, m in self.named_modules():
+            if name.startswith("model.backbone"):
+                continue
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def attention_needs(self) -> dict:
+        return {"head_dim": self.config.d_model // self.config.encoder_attention_heads, "causal": False,
+                "grid_2d": False, "padding_mask": True, "unpads": True}
+
+    def packs(self) -> bool:
+        """Whether the backend is served packed tokens (it has packed sequences but no padding mask)."""
+        backend = self.attention_backend
+        caps = getattr(backend, "capabilities", None)
+        return caps is not None and not caps.padding_mask and caps.varlen
+
+    def heads(self, h_LBQD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class logits ``[L, B, Q, C+1]`` and boxes (cx, cy, w, h) ``[L, B, Q, 4]``."""
+        return self.class_labels_classifier(h_LBQD), self.bbox_predictor(h_LBQD).sigmoid()
+
+    def forward(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None, labels: list[dict] | None = None,
+                return_dict: bool | None = None, **kwargs):
+        """transformers' ``DetrForObjectDetection.forward``: ``pixel_values [B, 3, H, W]``, ``pixel_mask
+        [B, H, W]`` (1 = a real pixel, 0 = padding), ``labels``: per image a dict with ``class_labels [n]``
+        and ``boxes [n, 4]`` (cx, cy, w, h in [0, 1]; n may be 0). Returns transformers'
+        ``DetrObjectDetectionOutput`` (``loss``, ``loss_dict``, ``logits``, ``pred_boxes``,
+        ``auxiliary_outputs``, ``last_hidden_state``); ``return_dict=False`` gives its tuple. The
+        loss is :func:`fastzoo.losses.set_prediction.set_prediction_loss` with this config's settings."""
+        from transformers.models.detr.modeling_detr import DetrObjectDetectionOutput
+
+        from fastzoo.losses.set_prediction import set_prediction_loss
+
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise ValueError("output_attentions / output_hidden_states: fastzoo's DETR does not return per-layer "
+                             "attentions or hidden states (the attention kernels never materialise the weights)")
+        pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels)
+        h_LBQD = self.model(pixel_values, pixel_mask, self.packs())
+        logits_LBQC, boxes_LBQ4 = self.heads(h_LBQD)
+        loss = loss_dict = aux = None
+        if labels is not None:
+            loss, loss_dict = set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, self.config)
+            if self.config.auxiliary_loss:
+                aux = [{"logits": c, "pred_boxes": b} for c, b in zip(logits_LBQC[:-1], boxes_LBQ4[:-1])]
+        out = DetrObjectDetectionOutput(loss=loss, loss_dict=loss_dict, logits=logits_LBQC[-1], pred_boxes=boxes_LBQ4[-1],
+                                        auxiliary_outputs=aux, last_hidden_state=h_LBQD[-1])
+        return out if return_dict is not False else out.to_tuple()
+
+    def hf_config(self):
+        """This architecture as a ``transformers.DetrConfig``."""
+        from fastzoo.models.detr.convert import hf_config
+
+        return hf_config(self.config)
+
+    def save_pretrained(self, path, **_hf_options):
+        """A directory ``transformers.DetrForObjectDetection.from_pretrained`` and fastzoo both read:
+        transformers' ``config.json`` and ``model.safetensors`` in its keys (which are this model's),
+        written atomically. transformers' own options are accepted and ignored."""
+        from fastzoo.models.base import write_pretrained
+
+        cfg = {**self.hf_config().to_dict(), "architectures": ["DetrForObjectDetection"]}
+        return write_pretrained(path, cfg, self.state_dict(), weights_format="pt")
+
+
+def _check_pixels(pixel_values, pixel_mask, channels: int):
+    """The images ``[B, C, H, W]`` and their mask ``[B, H, W]`` (None when nothing is padded: read
+    from the mask's values on the host only when it is given)."""
+    if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4 or pixel_values.shape[1] != channels:
+        raise ValueError(f"pixel_values must be a [B, {channels}, H, W] tensor, got "
+                         f"{getattr(pixel_values, 'shape', type(pixel_values).__name__)}")
+    if pixel_mask is None:
+        return pixel_values, None
+    B, _, H, W = pixel_values.shape
+    if not isinstance(pixel_mask, torch.Tensor) or tuple(pixel_mask.shape) != (B, H, W):
+        raise ValueError(f"pixel_mask must be a [B, H, W] = [{B}, {H}, {W}] tensor (1 = real pixel), got "
+                         f"{getattr(pixel_mask, 'shape', type(pixel_mask).__name__)}")
+    return pixel_values, pixel_mask

@@ -1,0 +1,43 @@
+"""DETR as the rest of fastzoo reads it: variants (transformers' hub names), converter, tiny config,
+transformers' ``DetrForObjectDetection`` as the original."""
+from __future__ import annotations
+
+from fastzoo.models.detr.config import DetrConfig
+from fastzoo.models.detr.convert import HF
+from fastzoo.models.detr.model import DetrForObjectDetection
+from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.tasks import DETECTION
+
+
+def build_original(cfg: dict):
+    """transformers' ``DetrForObjectDetection`` on fastzoo config fields, random init, eager attention."""
+    import transformers
+
+    from fastzoo.models.detr.convert import hf_config
+
+    hf = hf_config(DetrConfig.from_dict(dict(cfg)))
+    hf._attn_implementation = "eager"
+    return transformers.DetrForObjectDetection(hf)
+
+
+R50 = dict(backbone="timm", layer_type="bottleneck", depths=(3, 4, 6, 3), hidden_sizes=(256, 512, 1024, 2048))
+SPEC = ModelSpec(
+    family="detr",
+    task=DETECTION,
+    model=DetrForObjectDetection,
+    variants=(
+        Variant("detr", dict(R50), "DETR ResNet-50 (COCO's 91 label ids, 100 queries, 6+6 layers)",
+                "transformers DetrForObjectDetection (facebook/detr-resnet-50)",
+                aliases=("facebook/detr-resnet-50", "detr_resnet50")),
+        Variant("detr_resnet101", dict(R50, depths=(3, 4, 23, 3)), "DETR ResNet-101",
+                "transformers DetrForObjectDetection (facebook/detr-resnet-101)", aliases=("facebook/detr-resnet-101",)),
+    ),
+    converters=(HF,),
+    # transformers' own ResNet backbone at its test sizes: any widths, seconds on a CPU
+    tiny=dict(backbone="transformers", embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1),
+              d_model=32, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+              decoder_ffn_dim=64, encoder_layers=2, decoder_layers=2, num_queries=8, num_labels=5),
+    original=Original(build_original, "transformers DetrForObjectDetection (eager attention)",
+                      attn_dropout_field="attention_dropout"),
+)
+SPECS = (SPEC,)

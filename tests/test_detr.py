@@ -1,0 +1,213 @@
+"""DETR against transformers' DetrForObjectDetection on the same weights: logits, boxes, every loss
+term (auxiliary layers included) and every parameter gradient, with padded images of different
+sizes, 0 to more-than-queries boxes per image, for every CPU attention backend with a backward and
+every GIoU mode; checkpoints both ways (the older key names too); transformers' own tools on it."""
+import pytest
+import torch
+from conftest import SPECS, backends
+
+import fastzoo
+from fastzoo.losses.set_prediction import GIOU_MODES, set_prediction_loss
+
+TINY = dict(SPECS["detr"].tiny)
+Q = TINY["num_queries"]
+OUT_TOL = 1e-4  # fp32 rule: logits, boxes and losses, max abs difference
+GRAD_TOL = 1e-4  # every gradient, max abs difference (gradients here are O(1e-2 .. 1))
+
+
+def hf_detr(**overrides):
+    """transformers' model at the tiny size, non-trivial BatchNorm statistics and biases, dropout off."""
+    torch.manual_seed(0)
+    hf = SPECS["detr"].original.build({**TINY, "dropout": 0.0, **overrides})
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if "running_var" in name:
+                b.copy_(torch.rand(b.shape, generator=g) * 0.5 + 0.75)
+            elif name.endswith(("running_mean", "bias")):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        for name, p in hf.named_parameters():
+            if p.ndim == 1 and "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return hf.train()
+
+
+def boxes_labels(counts, num_labels=TINY["num_labels"], seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in counts:
+        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
+        out.append({"class_labels": torch.randint(0, num_labels, (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
+    return out
+
+
+def batch(seed=0):
+    """3 images of different sizes padded to 64 x 80 (pixel_mask), with 2, 0 and 5 boxes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 3, 64, 80, generator=g)
+    mask = torch.ones(3, 64, 80, dtype=torch.long)
+    mask[1, :, 48:] = 0
+    mask[2, 40:, :] = 0
+    return x, mask, boxes_labels([2, 0, 5], seed=seed)
+
+
+def compare(hf, ours, x, mask, labels):
+    o1 = hf(pixel_values=x, pixel_mask=mask, labels=labels)
+    o2 = ours(pixel_values=x, pixel_mask=mask, labels=labels)
+    assert (o1.logits - o2.logits).abs().max() <= OUT_TOL
+    assert (o1.pred_boxes - o2.pred_boxes).abs().max() <= OUT_TOL
+    assert list(o1.loss_dict) == list(o2.loss_dict)
+    for k in o1.loss_dict:
+        assert abs(float(o1.loss_dict[k]) - float(o2.loss_dict[k])) <= OUT_TOL, k
+    assert abs(float(o1.loss) - float(o2.loss)) <= OUT_TOL
+    for a, b in zip(o1.auxiliary_outputs or [], o2.auxiliary_outputs or []):
+        assert (a["logits"] - b["logits"]).abs().max() <= OUT_TOL
+    hf.zero_grad()
+    ours.zero_grad()
+    o1.loss.backward()
+    o2.loss.backward()
+    g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert set(g1) == set(g2) and len(g1) > 20
+    worst = max(g1, key=lambda n: (g1[n] - g2[n]).abs().max())
+    assert (g1[worst] - g2[worst]).abs().max() <= GRAD_TOL, worst
+    return o2
+
+
+@pytest.fixture(scope="module")
+def hf_aux():
+    return hf_detr(auxiliary_loss=True)
+
+
+@pytest.mark.parametrize("attn", backends(backward=True), ids=lambda b: b[0] + "".join(f"-{v}" for v in b[1].values()))
+def test_equal_to_transformers_for_every_backend(hf_aux, attn):
+    """Padded images (the mask as key padding, or packed real tokens for varlen / nested), aux loss."""
+    name, options = attn
+    ours = fastzoo.create("detr", pretrained=hf_aux).set_attention(name, **options).train()
+    compare(hf_aux, ours, *batch())
+
+
+@pytest.mark.parametrize("mode", GIOU_MODES)
+def test_equal_to_transformers_in_every_giou_mode(hf_aux, mode):
+    ours = fastzoo.create("detr", pretrained=hf_aux, loss=mode).train()
+    compare(hf_aux, ours, *batch(seed=1))
+
+
+def test_timm_backbone_path_equal_to_transformers():
+    """The hub checkpoints' backbone: timm's ResNet-18 under transformers' timm path, unpadded batch."""
+    hf = hf_detr(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512),
+                 embedding_size=64)
+    ours = fastzoo.create("detr", pretrained=hf).train()
+    assert ours.config.backbone == "timm"
+    x = torch.randn(2, 3, 64, 64)
+    compare(hf, ours, x, torch.ones(2, 64, 64, dtype=torch.long), boxes_labels([1, 3]))
+
+
+def test_frozen_backbone_parameters_are_transformers_choice_per_path():
+    """transformers 5.17 freezes none of the timm backbone and all of its own ResNet backbone."""
+    for overrides in ({}, dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512),
+                               embedding_size=64)):
+        hf = hf_detr(**overrides)
+        ours = fastzoo.create("detr", pretrained=hf)
+        frozen = lambda m: {n for n, p in m.named_parameters() if not p.requires_grad}  # noqa: E731
+        assert frozen(hf) == frozen(ours)
+        assert bool(frozen(ours)) == (overrides == {})
+    paper = fastzoo.create("detr", **TINY, freeze_backbone="stem_and_first_stage")
+    trains = {n for n, p in paper.named_parameters() if p.requires_grad and "backbone" in n}
+    assert trains and all(".stages.0." not in n and "embedder" not in n for n in trains)
+
+
+def test_more_boxes_than_queries_and_all_images_empty_equal_transformers(hf_aux):
+    ours = fastzoo.create("detr", pretrained=hf_aux).train()
+    x, mask, _ = batch()
+    compare(hf_aux, ours, x, mask, boxes_labels([Q + 3, 1, 0]))
+    o1 = hf_aux(pixel_values=x, pixel_mask=mask, labels=boxes_labels([0, 0, 0]))
+    o2 = ours(pixel_values=x, pixel_mask=mask, labels=boxes_labels([0, 0, 0]))
+    assert abs(float(o1.loss) - float(o2.loss)) <= OUT_TOL
+
+
+def test_older_checkpoint_key_names_load():
+    """The hub's facebook/detr-resnet-50 names: backbone.conv_encoder, out_proj, a layer's fc1 / fc2."""
+    hf = hf_detr()
+    old = {}
+    for k, v in hf.state_dict().items():
+        k = k.replace("model.backbone.model.", "model.backbone.conv_encoder.model.").replace(".o_proj.", ".out_proj.")
+        old[k.replace(".mlp.fc", ".fc")] = v
+    assert any("conv_encoder" in k for k in old) and any(".out_proj." in k for k in old)
+    ours = fastzoo.create("detr", pretrained=old, encoder_attention_heads=2, decoder_attention_heads=2)
+    mine = ours.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in hf.state_dict().items())
+
+
+def test_save_pretrained_round_trips_with_transformers(tmp_path):
+    import transformers
+
+    hf = hf_detr().eval()
+    ours = fastzoo.create("detr", pretrained=hf).eval()
+    ours.save_pretrained(tmp_path / "ours")
+    back = transformers.DetrForObjectDetection.from_pretrained(tmp_path / "ours").eval()
+    hf.save_pretrained(tmp_path / "hf")
+    again = fastzoo.create("detr", pretrained=tmp_path / "hf").eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        ref = hf(pixel_values=x).logits
+        assert (back(pixel_values=x).logits - ref).abs().max() <= OUT_TOL
+        assert (again(pixel_values=x).logits - ref).abs().max() <= OUT_TOL
+
+
+def test_image_processor_post_processes_the_output():
+    from transformers import DetrImageProcessor
+
+    hf = hf_detr().eval()
+    ours = fastzoo.create("detr", pretrained=hf).eval()
+    x = torch.randn(2, 3, 64, 64)
+    proc = DetrImageProcessor()
+    sizes = torch.tensor([[480, 640], [300, 200]])
+    with torch.no_grad():
+        r1 = proc.post_process_object_detection(hf(pixel_values=x), threshold=0.0, target_sizes=sizes)
+        r2 = proc.post_process_object_detection(ours(pixel_values=x), threshold=0.0, target_sizes=sizes)
+    for a, b in zip(r1, r2):
+        assert a["labels"].tolist() == b["labels"].tolist()
+        assert (a["boxes"] - b["boxes"]).abs().max() <= 1e-2  # pixels at 640 wide: 1e-4 x 640 / 4 margin
+
+
+# -- the loss's errors ----------------------------------------------------------------------------
+def _outputs(L=2, B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, B, Q, TINY["num_labels"] + 1, generator=g), torch.rand(L, B, Q, 4, generator=g) * 0.5 + 0.25
+
+
+def test_non_finite_cost_names_the_layer_and_the_image():
+    logits, boxes = _outputs()
+    boxes[0, 1, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"auxiliary decoder layer 0 .*image 1"):
+        set_prediction_loss(logits, boxes, boxes_labels([1, 2]), num_classes=TINY["num_labels"])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda lab: lab[1].update(boxes=lab[1]["boxes"] * torch.tensor([1, 1, -1, 1])), r"labels\[1\]\['boxes'\]\[0\]"),
+    (lambda lab: lab[0]["boxes"].__setitem__((0, 0), float("inf")), r"labels\[0\]\['boxes'\]\[0\]"),
+    (lambda lab: lab[1]["class_labels"].__setitem__(1, TINY["num_labels"]), r"labels\[1\]\['class_labels'\]\[1\]"),
+    (lambda lab: lab[0].pop("boxes"), r"labels\[0\] must be a dict"),
+    (lambda lab: lab[1].update(class_labels=lab[1]["class_labels"].float()), r"labels\[1\]\['class_labels'\]"),
+    (lambda lab: lab.pop(), r"labels must be a list of 2"),
+])
+def test_malformed_labels_are_named_errors(bad, match):
+    logits, boxes = _outputs()
+    labels = boxes_labels([1, 2])
+    bad(labels)
+    with pytest.raises(ValueError, match=match):
+        set_prediction_loss(logits, boxes, labels, num_classes=TINY["num_labels"])
+
+
+def test_giou_modes_agree_on_loss_and_gradient():
+    logits, boxes = _outputs(L=3, B=3)
+    labels = boxes_labels([2, 0, Q + 2])
+    results = []
+    for mode in GIOU_MODES:
+        b = boxes.clone().requires_grad_()
+        loss, terms = set_prediction_loss(logits, b, labels, num_classes=TINY["num_labels"], giou=mode)
+        loss.backward()
+        results.append((float(loss), b.grad))
+    for loss, grad in results[1:]:
+        assert abs(loss - results[0][0]) <= 1e-5 and (grad - results[0][1]).abs().max() <= 1e-6
