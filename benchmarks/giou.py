@@ -5,14 +5,10 @@ pairs (the peer), gather included. 256 images is the target setting.
 
     python benchmarks/giou.py --device cpu --quick
 """
-import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-from _common import parser, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.giou import TARGET_SETTING, giou_suite  # noqa: E402
+from _common import parser, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.giou import TARGET_SETTING, giou_suite
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):  # a loss: no compiled rows

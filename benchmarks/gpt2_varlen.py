@@ -7,17 +7,12 @@ already small; --quick on CPU leaves out the eager and flex rows).
 
     python benchmarks/gpt2_varlen.py --device cpu --quick
 """
-import sys
-from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-import fastzoo  # noqa: E402
-from _common import parser, recipes_for, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.causal_lm import causal_lm_suite  # noqa: E402
-from fastzoo.models.spec import Workload  # noqa: E402
-from fastzoo.registry import get_entry  # noqa: E402
+import fastzoo
+from _common import parser, recipes_for, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.causal_lm import causal_lm_suite
+from fastzoo.models.spec import Workload
+from fastzoo.registry import get_entry
 
 # On GPU: the articles' scale, a GPT-2 small on 32 sequences up to 1024 tokens.
 GPU_WORKLOAD = Workload("GPT-2 small, 32 seqs in [1,1024]", batch=32, max_len=1024)

@@ -7,16 +7,12 @@ peak memory. fp32 writes linear_ce.*, bf16 inputs linear_ce_bf16.*.
 
     python benchmarks/linear_ce.py --device cpu --quick --threads 2 [--dtype bf16]
 """
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-from _common import parser, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite  # noqa: E402
+from _common import parser, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -7,16 +7,11 @@ FLOP-ratio bound (padded FLOPs ÷ packed FLOPs): what skipping the padding alone
 
     python benchmarks/llama_packed.py --device cpu --quick
 """
-import sys
-from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-import fastzoo  # noqa: E402
-from _common import parser, recipes_for, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.causal_lm import causal_lm_suite  # noqa: E402
-from fastzoo.registry import get_entry  # noqa: E402
+import fastzoo
+from _common import parser, recipes_for, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.causal_lm import causal_lm_suite
+from fastzoo.registry import get_entry
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):

@@ -3,14 +3,10 @@ DETR's batch-wide cost (before) vs fastzoo's per-image padded cost (after), one 
 
     python benchmarks/matcher.py --device cpu --quick
 """
-import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-from _common import parser, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite  # noqa: E402
+from _common import parser, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.matcher import TARGET_SETTING, matcher_suite
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):

@@ -3,16 +3,12 @@ eval and train. --quick: batch 2 at 128x128.
 
     python benchmarks/resnet.py --device cpu --quick
 """
-import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-from _common import parser, recipes_for, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.image_classification import image_classification_suite  # noqa: E402
-from fastzoo.models.spec import Workload  # noqa: E402
-from fastzoo.registry import get_entry  # noqa: E402
+from _common import parser, recipes_for, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.image_classification import image_classification_suite
+from fastzoo.models.spec import Workload
+from fastzoo.registry import get_entry
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True):

@@ -8,26 +8,23 @@ notes of an existing README (from ``NOTES_MARKER`` on) are kept below them.
     python benchmarks/run_all.py --device cuda                      # GPU set, one call on the GPU machine
     python benchmarks/run_all.py --device cuda --only vit --no-compile   # a part, e.g. within a 10-minute call
 """
-import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
+import torch
 
-import torch  # noqa: E402
-
-import fastzoo  # noqa: E402
-from fastzoo import files  # noqa: E402
-import giou  # noqa: E402
-import linear_ce  # noqa: E402
-import matcher  # noqa: E402
-import gpt2_varlen  # noqa: E402
-import llama_packed  # noqa: E402
-import resnet  # noqa: E402
-import vit  # noqa: E402
-from _common import dtype_for, parser, setup  # noqa: E402
-from fastzoo.machine import device_name, versions  # noqa: E402
-from fastzoo.accuracy.backends import train_parity  # noqa: E402
+import fastzoo
+from fastzoo import files
+import giou
+import linear_ce
+import matcher
+import gpt2_varlen
+import llama_packed
+import resnet
+import vit
+from _common import dtype_for, parser, setup
+from fastzoo.machine import device_name, versions
+from fastzoo.accuracy.backends import train_parity
 
 SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "llama_packed": llama_packed.run, "giou": giou.run, "matcher": matcher.run,
           "linear_ce": linear_ce.run, "resnet50": resnet.run}

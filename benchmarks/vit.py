@@ -8,17 +8,12 @@ long one (stated in the output).
     python benchmarks/vit.py --device cuda
     python benchmarks/vit.py --device cpu --quick
 """
-import sys
-from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-import fastzoo  # noqa: E402
-from _common import parser, recipes_for, save, setup, timing  # noqa: E402
-from fastzoo.bench import run_suite  # noqa: E402
-from fastzoo.bench.image_classification import image_classification_suite  # noqa: E402
-from fastzoo.models.spec import Workload  # noqa: E402
-from fastzoo.registry import get_entry  # noqa: E402
+import fastzoo
+from _common import parser, recipes_for, save, setup, timing
+from fastzoo.bench import run_suite
+from fastzoo.bench.image_classification import image_classification_suite
+from fastzoo.models.spec import Workload
+from fastzoo.registry import get_entry
 
 MODEL = "vit_l16"
 

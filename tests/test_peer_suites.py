@@ -18,6 +18,7 @@ sys.path.insert(0, str(SUITES))
 
 import run  # noqa: E402
 import swap_hf_gpt2  # noqa: E402
+import swap_hf_llama  # noqa: E402
 import swap_timm  # noqa: E402
 
 
@@ -55,6 +56,25 @@ def test_hf_swap_builds_fastzoo_gpt2_computing_hfs_function():
     assert swap_hf_gpt2.FastzooGPT2LMHeadModel.can_generate()  # class look-ups are fastzoo's class's
     with pytest.raises(swap_hf_gpt2.NotProvidedByFastzoo, match="add_cross_attention"):
         swap_hf_gpt2.FastzooGPT2LMHeadModel(transformers.GPT2Config(add_cross_attention=True))
+
+
+@pytest.mark.parametrize("layout", list(swap_hf_llama.LAYOUTS))
+def test_hf_swap_builds_each_llama_layout_with_the_configs_attention(layout):
+    """The swapped ``<Layout>ForCausalLM(config)`` is fastzoo's model of that layout, on the backend
+    ``config._attn_implementation`` names, computing transformers' function on the same weights;
+    the class answers transformers' flags as fastzoo declares them (what HF's tests read)."""
+    cfg = transformers.AutoConfig.for_model(layout, vocab_size=64, hidden_size=32, intermediate_size=40,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    cls = swap_hf_llama.swapped_class(layout)
+    m = cls(cfg)
+    assert m.config.model_type == layout and m.attn_name == "eager" and m.config._attn_implementation == "eager"
+    m.load_state_dict(fastzoo.create(layout, pretrained=hf).state_dict())
+    ids = torch.randint(0, 64, (2, 7))
+    assert (m.eval()(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+    assert cls.__name__ == type(hf).__name__ and cls._supports_sdpa and cls._can_set_attn_implementation()
 
 
 def test_timm_swap_builds_fastzoo_with_timms_keywords():

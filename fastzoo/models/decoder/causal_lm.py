@@ -113,16 +113,19 @@ class CausalLM(CausalLMConventions, FastzooModel):
         if output_hidden_states is None:  # HF: the config's default
             output_hidden_states = self.config.output_hidden_states
         cache = self._cache(past_key_values, use_cache)
+        past_length = 0 if cache is None else cache.get_seq_length()
+        if isinstance(past_length, torch.Tensor):  # a static cache counts its tokens in a tensor
+            past_length = int(past_length)
         seqs = read_sequences(
             input_ids, inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, past_length=0 if cache is None else cache.get_seq_length(),
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, past_length=past_length,
             n_positions=self.n_positions, vocab_size=self.config.vocab_size,
             backend=self.attention_backend.capabilities, attn=self._attn_ctx_args(),
         )
         if cache is not None and seqs.form not in ("padded", "unpadded") and use_cache is None and past_key_values is None:
             cache = None  # the default, not a request: packed forms return no cache
         extra = {k: None if v is None else seqs.to_layers(v) for k, v in body_inputs.items()}
-        hidden = self.body(seqs.tokens, seqs.positions, seqs.ctx, layer_cache(cache, seqs), **extra)
+        hidden = self.body(seqs.tokens, seqs.positions, seqs.ctx, layer_cache(cache, seqs, past_length), **extra)
         loss = logits = None
         if labels is not None or shift_labels is not None:
             loss, logits = self._loss(hidden[-1], seqs, labels, num_items_in_batch, logits_to_keep, shift_labels)

@@ -42,9 +42,12 @@ class GPT2Config(ModelConfig):
     pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
     use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
     output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                               "checkpointing on (as gradient_checkpointing_enable())")
 
     # what code written for transformers reads of any model's config (not fields: fixed here)
     is_encoder_decoder = False
+    sub_configs = {}  # no vision / audio sub-models (transformers' composite configs have some)
 
     def get_text_config(self, decoder=None, encoder=None) -> "GPT2Config":
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
@@ -124,8 +127,11 @@ class LlamaConfig(ModelConfig):
     pad_token_id: int | None = free(None, "padding token id (generate)", ge=0)
     use_cache: bool = free(True, "eval forwards return past_key_values unless told otherwise (HF's default)")
     output_hidden_states: bool = free(False, "forwards return every layer's hidden states unless told otherwise (HF's)")
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                               "checkpointing on (as gradient_checkpointing_enable())")
 
     is_encoder_decoder = False
+    sub_configs = {}  # no vision / audio sub-models (transformers' composite configs have some)
 
     def get_text_config(self, decoder=None, encoder=None) -> "LlamaConfig":
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""

@@ -220,6 +220,8 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._init_weights()
         self.tie_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     @property
     def tied_head(self) -> bool:
