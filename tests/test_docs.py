@@ -112,7 +112,7 @@ def test_losses_block_runs_as_written():
         "fastzoo": fastzoo, "batch": batch, "logits": torch.randn(1, 5, 8, generator=g), "labels": batch.labels,
         "hidden_ND": torch.randn(6, 4, generator=g), "lm_head": torch.nn.Linear(4, 8, bias=False),
         "target_N": torch.randint(0, 8, (6,), generator=g), "pred": boxes(5), "target": boxes(5),
-        "pred_BM4": boxes(6).view(2, 3, 4), "target_BM4": boxes(6).view(2, 3, 4),
+        "pred_BM4": boxes(6).view(2, 3, 4).requires_grad_(), "target_BM4": boxes(6).view(2, 3, 4),
         "mask_BM": torch.tensor([[True, True, False], [True, False, False]]),
         "torchvision_or_timm_resnet50_or_file": torchvision.models.resnet50(),
         "images": torch.rand(2, 3, 64, 64, generator=g), "targets": [boxes(2), boxes(0)],
