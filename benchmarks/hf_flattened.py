@@ -13,19 +13,15 @@ flattened ÷ that bound. The GEMM peak of each precision is measured in the same
     python benchmarks/hf_flattened.py --threads 1 [--quick] [--families gpt2 llama gemma2]
 """
 import os
-import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
+import torch
+from _common import parser, recipes_for, save, setup, timing
 
-import torch  # noqa: E402
-
-from _common import parser, recipes_for, save, setup, timing  # noqa: E402
-from fastzoo import files  # noqa: E402
-from fastzoo.bench import limits, run_suite  # noqa: E402
-from fastzoo.bench.causal_lm import causal_lm_suite, flattened_vs_packed  # noqa: E402
-from fastzoo.registry import get_entry  # noqa: E402
-from fastzoo.text import markdown_table  # noqa: E402
+from fastzoo import files
+from fastzoo.bench import limits, run_suite
+from fastzoo.bench.causal_lm import causal_lm_suite, flattened_vs_packed
+from fastzoo.registry import get_entry
+from fastzoo.text import markdown_table
 
 FAMILIES = ("gpt2", "llama", "gemma2")
 

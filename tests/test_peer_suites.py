@@ -19,6 +19,7 @@ sys.path.insert(0, str(SUITES))
 import run  # noqa: E402
 import swap_hf_gpt2  # noqa: E402
 import swap_hf_llama  # noqa: E402
+from fastzoo.models.decoder.convert import LLAMA_LAYOUTS  # noqa: E402
 import swap_timm  # noqa: E402
 
 
@@ -58,7 +59,7 @@ def test_hf_swap_builds_fastzoo_gpt2_computing_hfs_function():
         swap_hf_gpt2.FastzooGPT2LMHeadModel(transformers.GPT2Config(add_cross_attention=True))
 
 
-@pytest.mark.parametrize("layout", list(swap_hf_llama.LAYOUTS))
+@pytest.mark.parametrize("layout", [t for t in swap_hf_llama.LAYOUTS if t in LLAMA_LAYOUTS])
 def test_hf_swap_builds_each_llama_layout_with_the_configs_attention(layout):
     """The swapped ``<Layout>ForCausalLM(config)`` is fastzoo's model of that layout, on the backend
     ``config._attn_implementation`` names, computing transformers' function on the same weights;

@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the swap plugins beside this file name the layouts
+
+import swap_hf_llama  # noqa: E402
 ROOT = HERE.parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu-2core" / "peer_suites"
 
@@ -157,13 +160,14 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_GPT2_VERDICTS,
     },
-    **{f"hf-{layout}": {
-        "title": f"transformers' tests/models/{layout}/test_modeling_{layout}.py against fastzoo's {name}",
-        "target": f"tests/models/{layout}/test_modeling_{layout}.py",
+    **{f"hf-{folder}": {
+        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {model_type}",
+        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
         "plugin": "swap_hf_llama",
-        "pytest_args": ["--noconftest"],
+        # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
+        "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
         "verdicts": HF_LLAMA_VERDICTS,
-    } for layout, name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"))},
+    } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
         "target": "tests/test_models.py",
