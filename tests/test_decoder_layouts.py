@@ -179,3 +179,14 @@ def test_flex_caps_the_scores_before_a_users_score_mod_as_eager_does():
                 for name in ("eager", "flex")]
         assert (outs[0] - hf(ids).logits).abs().max() > 1e-3  # the user's score_mod is applied ...
     assert_close(outs[1], outs[0])  # ... after the cap, in both
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text"])
+def test_fastzoo_check_runs_each_layout_at_the_familys_tiny_size(name):
+    """`fastzoo check NAME --tiny`: the family's tiny sizes over each layout's variant (its per-layer
+    lists, head width and token ids reset to fit), logits and grads padded and packed (fp32 rule)."""
+    from fastzoo.equivalence import check, tiny_overrides
+
+    result = check(name, "varlen", overrides=tiny_overrides(name), batch=2)
+    assert result.passed, result.rows()
+    assert {c.name.split(" ")[0] for c in result.comparisons} >= {"logits", "grads"}
