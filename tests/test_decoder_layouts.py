@@ -134,3 +134,59 @@ def test_mixture_of_experts_is_refused_naming_the_field(model_type):
 def test_another_layouts_setting_is_refused_naming_the_field(model_type, field, value):
     with pytest.raises(ConfigError, match=field):
         fastzoo.create(model_type, device="meta", num_hidden_layers=2, **{field: value})
+
+
+# -- rotary and kernels the layouts lean on ----------------------------------------------------------
+def test_phi3_longrope_past_the_original_context_equals_hf():
+    """Phi-3's 128k checkpoints: longrope, short factors up to original_max_position_embeddings (16
+    here), long factors past it (40 tokens)."""
+    factors = dict(short_factor=[1.0 + 0.1 * i for i in range(4)], long_factor=[2.0 + 0.3 * i for i in range(4)])
+    hf = hf_model("phi3", max_position_embeddings=64, original_max_position_embeddings=16,
+                  rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, **factors))
+    m = fastzoo.create("phi3", attn="sdpa", pretrained=hf).eval()
+    for length in (10, 40):
+        ids = torch.randint(0, V, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            assert_close(m(ids).logits, hf(ids).logits)
+
+
+def test_varlen_cpu_kernel_caps_scores_alike_eager_and_under_compile():
+    """The CPU varlen kernel's soft-capped path (per sequence, and the one-call slot form it takes
+    while compiling) against eager on the same packed batch: fp32, 1e-6."""
+    from fastzoo.attention import AttnContext, get_backend
+    from fastzoo.attention import varlen
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 12, 8, generator=g) * 3 for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    ctx = AttnContext(causal=True, cu_seqlens=cu, max_seqlen=7, window=3, softcap=1.5)
+    want = get_backend("eager")(q, k, v, ctx)
+    assert (want - get_backend("eager")(q, k, v, ctx.replace(softcap=None))).abs().max() > 1e-2
+    got = get_backend("varlen", impl="cpu")(q, k, v, ctx)
+    assert (got - want).abs().max() <= 1e-6
+    to_THD = lambda x: x[0].transpose(0, 1)  # noqa: E731
+    slots = varlen._slot_sdpa(to_THD(q), to_THD(k), to_THD(v), cu, 7, cu, 7, causal=True, scale=None, dropout_p=0.0,
+                              ctx=None, window=3, softcap=1.5)
+    assert (slots - to_THD(want)).abs().max() <= 1e-6
+
+
+def test_flex_caps_the_scores_before_a_users_score_mod_as_eager_does():
+    hf = hf_model("gemma2")
+    ids = seqs((11,))[0][None]
+    bias = lambda score, b, h, q_idx, kv_idx: score + 0.1 * (q_idx - kv_idx)  # noqa: E731
+    with torch.no_grad():  # flex on CPU: inference only
+        outs = [fastzoo.create("gemma2", attn=name, attn_options={"score_mod": bias}, pretrained=hf).eval()(ids).logits
+                for name in ("eager", "flex")]
+        assert (outs[0] - hf(ids).logits).abs().max() > 1e-3  # the user's score_mod is applied ...
+    assert_close(outs[1], outs[0])  # ... after the cap, in both
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text"])
+def test_fastzoo_check_runs_each_layout_at_the_familys_tiny_size(name):
+    """`fastzoo check NAME --tiny`: the family's tiny sizes over each layout's variant (its per-layer
+    lists, head width and token ids reset to fit), logits and grads padded and packed (fp32 rule)."""
+    from fastzoo.equivalence import check, tiny_overrides
+
+    result = check(name, "varlen", overrides=tiny_overrides(name), batch=2)
+    assert result.passed, result.rows()
+    assert {c.name.split(" ")[0] for c in result.comparisons} >= {"logits", "grads"}

@@ -213,8 +213,10 @@ LLAMA_SPEC = ModelSpec(
     model=LlamaForCausalLM,
     variants=LLAMA_VARIANTS,
     converters=(LLAMA,),
+    # per-layer lists, a head width and token ids of their own do not fit two blocks 64 wide over 128 tokens
     tiny=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64),
+              num_key_value_heads=2, max_position_embeddings=64, head_dim=None, layer_types=None, no_rope_layers=None,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None),
     original=Original(hf_llama, "transformers' causal LM of the config's layout (LlamaForCausalLM, Qwen3ForCausalLM, "
                                 "Gemma2ForCausalLM ...; eager attention)",
                       "attention_dropout"),
