@@ -211,8 +211,9 @@ class CausalLMConventions:
     _generation_config = None
 
     # -- attention by transformers' names ---------------------------------------------------
-    def set_attention(self, name: str, **options):
+    def set_attention(self, name: str | None, **options):
         out = super().set_attention(name, **options)
+        name = self.attn_name  # None asked for the default: the one picked
         # transformers' code reads the backend from the config (HF's name where it has one)
         self.config._attn_implementation = next((hf for hf, fz in HF_ATTENTION.items() if fz == name), name)
         return out
