@@ -65,7 +65,8 @@ def test_hf_swap_builds_each_llama_layout_with_the_configs_attention(layout):
     ``config._attn_implementation`` names, computing transformers' function on the same weights;
     the class answers transformers' flags as fastzoo declares them (what HF's tests read)."""
     cfg = transformers.AutoConfig.for_model(layout, vocab_size=64, hidden_size=32, intermediate_size=40,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            pad_token_id=0)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()

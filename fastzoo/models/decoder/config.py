@@ -48,6 +48,11 @@ class GPT2Config(ModelConfig):
     # what code written for transformers reads of any model's config (not fields: fixed here)
     is_encoder_decoder = False
     sub_configs = {}  # no vision / audio sub-models (transformers' composite configs have some)
+    # transformers' GPT2Config.attribute_map: the common names code written for any model reads
+    hidden_size = property(lambda self: self.n_embd)
+    num_attention_heads = property(lambda self: self.n_head)
+    num_hidden_layers = property(lambda self: self.n_layer)
+    max_position_embeddings = property(lambda self: self.n_positions)
 
     def get_text_config(self, decoder=None, encoder=None) -> "GPT2Config":
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
