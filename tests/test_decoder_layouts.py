@@ -209,3 +209,10 @@ def test_bf16_logits_within_the_low_precision_rule_of_hfs_own_bf16(model_type):
         ours = fastzoo.create(model_type, attn="eager", pretrained=hf, dtype=torch.bfloat16).eval()(ids).logits
     c = compare_outputs("bf16 logits", ours, ref, peer=theirs)
     assert c.err <= c.bound, f"max |ours - fp32| {c.err:.2e} > {c.bound:.2e} (3x HF bf16's {c.peer_err:.2e})"
+
+
+def test_explain_names_the_capped_cpu_kernel_gemma2_runs_by_default():
+    """varlen's CPU kernel writes capped attention out in plain ops: explain says so, no fallback."""
+    hf = hf_model("gemma2")
+    report = fastzoo.explain(fastzoo.create("gemma2", pretrained=hf), seqs((11,))[0][None])
+    assert "soft-capped" in str(report) and "_scaled_dot_product" not in str(report)
