@@ -455,3 +455,18 @@ def test_readme_and_tour_recipe_for_a_transformers_vision_checkpoint(tmp_path):
     vit = fastzoo.create("google/vit-base-patch16-224", pretrained=hf.state_dict(), embed_dim=32, depth=2, num_heads=4,
                          img_size=32, patch_size=8, num_classes=3)
     assert (vit.eval()(x) - hf.eval()(pixel_values=x).logits).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("cls_name,side", [("Dinov2Model", 48), ("Dinov2Model", 16), ("ViTForImageClassification", 48),
+                                           ("SiglipVisionModel", 24)])
+def test_another_image_size_resamples_positions_as_transformers_interpolate_pos_encoding(cls_name, side):
+    """``create(..., img_size=N)`` from a transformers model equals that model at N px with
+    ``interpolate_pos_encoding`` (DINOv2 always interpolates): bicubic without antialias, as it resamples."""
+    ref = _hf(cls_name)
+    with pytest.warns(UserWarning, match="interpolate_pos_encoding"):
+        ours = fastzoo.create(pretrained=ref, img_size=side, attn="eager").eval()
+    x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(3))
+    kw = {} if cls_name.startswith("Dinov2") else {"interpolate_pos_encoding": True}
+    want, got = ref(pixel_values=x, **kw), ours(pixel_values=x)
+    key = "logits" if cls_name in _CLASSIFIERS else "pooler_output"
+    assert (got[key] - want[key]).abs().max().item() <= ATOL
