@@ -158,7 +158,7 @@ _VISION_LOADING = (REFUSED, "transformers' loading options (output_loading_info,
                             "loads all or nothing with create(name, pretrained=...), a new head by num_classes=N")
 _VISION_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, base_model_prefix, "
                                      "_keep_in_fp32_modules, GradientCheckpointingLayer modules / is_gradient_checkpointing, "
-                                     "enable_input_require_grads): fastzoo's image models are timm-API modules, not "
+                                     "enable_input_require_grads, _can_set_attn_implementation): fastzoo's image models are timm-API modules, not "
                                      "PreTrainedModels; gradient_checkpointing_enable() and the Trainer recipe are tested in "
                                      "tests/test_hf_vision.py")
 _POSITIONAL = (REFUSED, "a positional model(pixel_values) is timm's call on the same model (the logits or pooled "
@@ -181,7 +181,10 @@ HF_VISION_VERDICTS: dict[str, tuple[str, str]] = {
         "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_enable_input_require_grads",
         "test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
         "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
-        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true")},
+        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true",
+        "test_can_set_attention_dynamically", "test_can_set_attention_dynamically_composite_model",
+        "test_enable_input_require_grads_with_gradient_checkpointing")},
+    "test_forward_signature": _POSITIONAL,
     "test_model": _POSITIONAL,
     "test_for_image_classification": _POSITIONAL,
     "test_model_main_input_name": _POSITIONAL,
