@@ -190,3 +190,29 @@ def test_fastzoo_check_runs_each_layout_at_the_familys_tiny_size(name):
     result = check(name, "varlen", overrides=tiny_overrides(name), batch=2)
     assert result.passed, result.rows()
     assert {c.name.split(" ")[0] for c in result.comparisons} >= {"logits", "grads"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "granite", "smollm3", "phi3", "gemma2", "gemma3_text"])
+def test_bf16_logits_within_the_low_precision_rule_of_hfs_own_bf16(model_type):
+    """The norms' cast order (OLMo 2's and Gemma's weight in fp32, Gemma's 1 + weight), Gemma's
+    embedding scale rounded to the weights' dtype: in bf16, fastzoo's distance to HF's fp32 logits
+    is at most 3x HF's own bf16 distance (DESIGN.md's low-precision rule, fastzoo.equivalence)."""
+    import copy
+
+    from fastzoo.equivalence import compare_outputs
+
+    hf = hf_model(model_type)
+    ids = seqs((11,))[0][None]
+    with torch.no_grad():
+        ref = hf(ids).logits
+        theirs = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits
+        ours = fastzoo.create(model_type, attn="eager", pretrained=hf, dtype=torch.bfloat16).eval()(ids).logits
+    c = compare_outputs("bf16 logits", ours, ref, peer=theirs)
+    assert c.err <= c.bound, f"max |ours - fp32| {c.err:.2e} > {c.bound:.2e} (3x HF bf16's {c.peer_err:.2e})"
+
+
+def test_explain_names_the_capped_cpu_kernel_gemma2_runs_by_default():
+    """varlen's CPU kernel writes capped attention out in plain ops: explain says so, no fallback."""
+    hf = hf_model("gemma2")
+    report = fastzoo.explain(fastzoo.create("gemma2", pretrained=hf), seqs((11,))[0][None])
+    assert "soft-capped" in str(report) and "_scaled_dot_product" not in str(report)

@@ -160,6 +160,43 @@ TIMM_VERDICTS: dict[str, tuple[str, str]] = {
         REFUSED, "torch.jit.script of the feature extractor: TorchScript, as timm's torchscript tests"),
 }
 
+# transformers' vision suites (ViT, ResNet), from the recorded runs
+_VISION_ATTENTIONS = (REFUSED, "output_attentions: fastzoo's attention kernels return no weights; refused by name "
+                               "(models/hf_outputs.py)")
+_VISION_LOADING = (REFUSED, "transformers' loading options (output_loading_info, from_pretrained(num_labels=, "
+                            "ignore_mismatched_sizes=), from_pretrained(None, state_dict=)) and partial loads: fastzoo "
+                            "loads all or nothing with create(name, pretrained=...), a new head by num_classes=N")
+_VISION_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, base_model_prefix, "
+                                     "_keep_in_fp32_modules, GradientCheckpointingLayer modules / is_gradient_checkpointing, "
+                                     "enable_input_require_grads): fastzoo's image models are timm-API modules, not "
+                                     "PreTrainedModels; gradient_checkpointing_enable() and the Trainer recipe are tested in "
+                                     "tests/test_hf_vision.py")
+_POSITIONAL = (REFUSED, "a positional model(pixel_values) is timm's call on the same model (the logits or pooled "
+                        "features tensor; forward's first parameter is timm's images); transformers' convention is by "
+                        "keyword, model(pixel_values=..., labels=...), which every ModelTesterMixin test uses")
+HF_VISION_VERDICTS: dict[str, tuple[str, str]] = {
+    "test_attention_outputs": _VISION_ATTENTIONS,
+    "test_model_outputs_equivalence": _VISION_ATTENTIONS,
+    "test_retain_grad_hidden_states_attentions": _VISION_ATTENTIONS,
+    "test_can_use_safetensors": _VISION_LOADING,
+    "test_load_save_without_tied_weights": _VISION_LOADING,
+    "test_from_pretrained_no_checkpoint": _VISION_LOADING,
+    "test_model_weights_reload_no_missing_tied_weights": _VISION_LOADING,
+    "test_can_load_ignoring_mismatched_shapes": _VISION_LOADING,
+    "test_cannot_load_with_meta_device_context_manager": (
+        REFUSED, "pretrained= inside a torch.device('meta') context is refused with fastzoo's own ValueError naming "
+                 "it; the test expects transformers' RuntimeError text"),
+    **{name: _VISION_INTERNALS for name in (
+        "test_all_tensors_are_parameter_or_buffer", "test_correct_missing_keys", "test_init_weights_can_init_buffers",
+        "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_enable_input_require_grads",
+        "test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
+        "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
+        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true")},
+    "test_model": _POSITIONAL,
+    "test_for_image_classification": _POSITIONAL,
+    "test_model_main_input_name": _POSITIONAL,
+}
+
 SUITES = {
     "hf-gpt2": {
         "title": "transformers' tests/models/gpt2/test_modeling_gpt2.py against fastzoo's GPT-2",
@@ -178,6 +215,20 @@ SUITES = {
         "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
         "verdicts": HF_SOFTCAP_VERDICTS if folder.startswith("gemma") else HF_LLAMA_VERDICTS,
     } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
+    "hf-vit": {
+        "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",
+        "target": "tests/models/vit/test_modeling_vit.py",
+        "plugin": "swap_hf_vision",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_VISION_VERDICTS,
+    },
+    "hf-resnet": {
+        "title": "transformers' tests/models/resnet/test_modeling_resnet.py against fastzoo's ResNet",
+        "target": "tests/models/resnet/test_modeling_resnet.py",
+        "plugin": "swap_hf_vision",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_VISION_VERDICTS,
+    },
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
         "target": "tests/test_models.py",

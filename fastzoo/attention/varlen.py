@@ -245,8 +245,11 @@ class VarlenBackend(AttentionBackend):
     def kernel_profile(self, q, k, ctx):
         asked = self.opts["impl"]
         impl = self.pick(q, k, ctx)
-        words = f"{self.label()}: impl={asked or f'best here -> {impl}'}" + (": dense SDPA per sequence" if impl == "cpu" else "")
-        return KernelProfile(words, _IMPL_OPS[impl])
+        words = f"{self.label()}: impl={asked or f'best here -> {impl}'}"
+        if impl == "cpu" and ctx.softcap is not None:  # SDPA cannot cap the scores: its math in plain ops
+            return KernelProfile(words + ": soft-capped matmul-softmax-matmul per sequence", None,
+                                 missing="a fused SDPA kernel ran instead")
+        return KernelProfile(words + (": dense SDPA per sequence" if impl == "cpu" else ""), _IMPL_OPS[impl])
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -203,9 +203,13 @@ def _shallow(cfg: dict) -> dict:
     return {**cfg, "num_hidden_layers": 1, "vocab_size": 512, **per_layer, **ids}
 
 
+# Sizes that replace a variant's: its per-layer lists, head width and token ids must go with them
+# (every layout's other settings, windows, caps, QK-norm, stay).
+_RESIZED = dict(head_dim=None, layer_types=None, no_rope_layers=None, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None)
 # The CPU benchmark's Llama: 4 layers x 256 wide, 8 query heads sharing 2 key/value heads, SwiGLU 8/3 wide.
 _LLAMA_SMALL = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=680, num_attention_heads=8,
-                    num_key_value_heads=2, vocab_size=32000)
+                    num_key_value_heads=2, vocab_size=32000, **_RESIZED)
 
 LLAMA_SPEC = ModelSpec(
     family="llama",
@@ -213,10 +217,8 @@ LLAMA_SPEC = ModelSpec(
     model=LlamaForCausalLM,
     variants=LLAMA_VARIANTS,
     converters=(LLAMA,),
-    # per-layer lists, a head width and token ids of their own do not fit two blocks 64 wide over 128 tokens
     tiny=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, head_dim=None, layer_types=None, no_rope_layers=None,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None),
+              num_key_value_heads=2, max_position_embeddings=64, **_RESIZED),
     original=Original(hf_llama, "transformers' causal LM of the config's layout (LlamaForCausalLM, Qwen3ForCausalLM, "
                                 "Gemma2ForCausalLM ...; eager attention)",
                       "attention_dropout"),
@@ -232,6 +234,6 @@ LLAMA_SPEC = ModelSpec(
                "tour": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-512 tokens (median 64)", _LLAMA_SMALL, batch=8,
                                 max_len=512, median_len=64),
                "quick": Workload("tiny Llama", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                                   num_attention_heads=4, num_key_value_heads=2), batch=4, max_len=32)}),
+                                                   num_attention_heads=4, num_key_value_heads=2, **_RESIZED), batch=4, max_len=32)}),
 )
 SPECS = (GPT2_SPEC, LLAMA_SPEC)
