@@ -140,6 +140,16 @@ HF_LLAMA_VERDICTS: dict[str, tuple[str, str]] = {
                         "FSDP (fastzoo.train.distributed)")),
 }
 
+# soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
+HF_SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
+    **HF_LLAMA_VERDICTS,
+    **dict.fromkeys(("test_eager_matches_sdpa_inference", "test_sdpa_padding_matches_padding_free_with_position_ids",
+                     "test_can_set_attention_dynamically", "test_sdpa_can_dispatch_non_composite_models"), (
+        REFUSED, "attn_implementation='sdpa' on a soft-capping layout: fastzoo's sdpa backend has no attention-logit "
+                 "soft-capping and refuses at create rather than drop it (transformers' sdpa_attention_forward takes no "
+                 "softcap: it drops Gemma's soft-capping silently); eager, flex and varlen serve it")),
+}
+
 TIMM_VERDICTS: dict[str, tuple[str, str]] = {
     "test_model_forward_torchscript": (
         REFUSED, "torch.jit.script: TorchScript is deprecated in PyTorch and fastzoo's swappable attention "
@@ -206,7 +216,7 @@ SUITES = {
         "plugin": "swap_hf_llama",
         # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
         "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
-        "verdicts": HF_LLAMA_VERDICTS,
+        "verdicts": HF_SOFTCAP_VERDICTS if folder.startswith("gemma") else HF_LLAMA_VERDICTS,
     } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
     "hf-vit": {
         "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",
