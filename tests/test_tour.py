@@ -129,6 +129,9 @@ def test_printed_table_and_lines_carry_the_measured_values(tour):
         assert rec["line"] in stdout  # one line per model: what to use here, the ratio and the parity numbers
         assert rec["line"].startswith(f"{rec['model']}: {rec['use']}")
         assert f"{rec['speedup']:.2f}x" in rec["line"]
+    from fastzoo.bench.tour import BRING
+
+    assert BRING in stdout  # how to bring one's own (transformers') checkpoint: tests/test_hf_vision.py runs it
 
 
 def test_chart_is_a_png_and_the_markdown_lists_every_row(tour):

@@ -46,6 +46,11 @@ from fastzoo.machine import device_name, load_average, versions
 from fastzoo.bench.recipes import Recipe
 
 SPREAD_LIMIT = 0.25  # (max - min) / median of a case's timed rounds beyond which its figure is not to be trusted
+# how to bring one's own weights, said after the recommendations (they were measured from random ones)
+BRING = ("Your own checkpoint: fastzoo.create(pretrained=X) reads the family and every size from X, a live timm / "
+         "transformers / torchvision model or a save_pretrained directory (transformers' ViT, DeiT, DINOv2, CLIP and "
+         "SigLIP towers and ResNet included: model(pixel_values=, labels=) then answers as transformers' class); a bare "
+         "state dict takes a name: fastzoo.create(\"google/vit-base-patch16-224\", pretrained=sd).")
 SIZES = ("tour", "quick")  # the keys of each family's BenchSettings.sizes the tour runs
 TIMING = {"tour": (1, 3), "quick": (0, 1)}  # warm-up, timed steps
 
@@ -173,6 +178,7 @@ class TourResult:
     def to_markdown(self) -> str:
         lines = ["## fastzoo tour", "", self.header(), "", self.summary_table(), "", "Use here:", ""]
         lines += [f"- `{rec.line()}`" for rec in self.recommendations]
+        lines += ["", BRING]
         lines += ["", "### Every path measured", "", self.report.table(), "",
                   "Configs: " + "; ".join(f"{k}: {v}" for k, v in self.report.config.items()), ""]
         return "\n".join(lines)
@@ -355,5 +361,6 @@ def cmd_tour(args) -> int:
     print(result.summary_table() + "\n")
     for rec in result.recommendations:
         print(rec.line())
+    print("\n" + BRING)
     print(f"\nchart: {paths['chart']}   every row: {paths['markdown']}   data: {paths['json']}")
     return 0 if result.ok else 1

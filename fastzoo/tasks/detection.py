@@ -28,6 +28,8 @@ DETECTION = Task(
     inputs=example_inputs,
     tour="fastzoo.bench.giou:tour_entry",
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
-    suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher of its set loss, per training step
+    # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
+    # the Hungarian matcher alone vs DETR's batch-wide cost
+    suites={"set_loss": "fastzoo.bench.set_loss", "matcher": "fastzoo.bench.matcher"},
     train_script="scripts/train_boxdet.py",
 )

@@ -105,7 +105,9 @@ def _hf_object(cfg: dict):
 
     if cfg.get("model_type", "resnet") != "resnet":
         raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's ResNet reads 'resnet'")
-    return ResNetConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    obj = ResNetConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "problem_type")})
+    obj.problem_type = cfg.get("problem_type")  # as a live config holds it (its constructor checks it against the labels)
+    return obj
 
 
 def config_from_json(cfg: dict) -> dict:
