@@ -211,3 +211,64 @@ def test_giou_modes_agree_on_loss_and_gradient():
         results.append((float(loss), b.grad))
     for loss, grad in results[1:]:
         assert abs(loss - results[0][0]) <= 1e-5 and (grad - results[0][1]).abs().max() <= 1e-6
+
+
+def test_transformers_trainer_runs_a_step_with_the_guides_collate(tmp_path):
+    """HF's object-detection guide: a dataset of {pixel_values, labels}, its collate_fn, Trainer."""
+    import transformers
+
+    ours = fastzoo.create("detr", **TINY)
+    before = {n: p.detach().clone() for n, p in ours.named_parameters() if p.requires_grad}
+    items = [{"pixel_values": torch.randn(3, 64, 64), "labels": lab} for lab in boxes_labels([1, 3, 0, 2])]
+
+    def collate_fn(batch):  # the guide's
+        data = {"pixel_values": torch.stack([x["pixel_values"] for x in batch])}
+        data["labels"] = [x["labels"] for x in batch]
+        return data
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                          learning_rate=1e-3, report_to=[], remove_unused_columns=False,
+                                          save_strategy="no", use_cpu=True, logging_steps=1)
+    trainer = transformers.Trainer(model=ours, args=args, train_dataset=items, data_collator=collate_fn)
+    result = trainer.train()
+    assert result.global_step == 2 and result.training_loss > 0
+    assert any(not torch.equal(before[n], p) for n, p in ours.named_parameters() if p.requires_grad)
+
+
+# -- the benchmarks' claims, at tiny size -----------------------------------------------------------
+def test_set_loss_suite_equals_transformers_and_reads_the_host_once_per_step():
+    """transformers reads the device 5 times per layer (cost copy, 4 box checks) + once (box count):
+    31 at 6 layers; fastzoo's padded modes once per step (the costs of all layers and the checks)."""
+    from fastzoo.bench import run_suite
+    from fastzoo.bench.set_loss import SetLossSetting, set_loss_suite
+
+    suite = set_loss_suite(SetLossSetting("tiny", 3, queries=10, max_boxes=4, layers=6, num_classes=7))
+    reads = suite.config["host reads per step"]
+    assert reads["transformers"] == 6 * 5 + 1
+    assert reads["fastzoo kernel"] == reads["fastzoo padded"] == 1
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert [r.status for r in report.rows] == ["ok"] * 5, [(r.label, r.status, r.max_err) for r in report.rows]
+
+
+def test_detection_step_suite_checks_loss_and_gradients():
+    from fastzoo.bench import run_suite
+    from fastzoo.bench.detection import detection_step_suite
+
+    suite = detection_step_suite("detr", config=TINY, images=2, sizes=((64, 64), (32, 48)))
+    assert suite.config["host reads per step"]["fastzoo sdpa"] == 1
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert [r.status for r in report.rows] == ["ok"] * 3, [(r.label, r.status, r.max_err) for r in report.rows]
+
+
+def test_readme_detr_block_runs_as_written(tmp_path, monkeypatch):
+    import transformers
+    from test_docs import python_block
+
+    monkeypatch.chdir(tmp_path)  # the block writes detr-out/
+    x, mask, labels = batch()
+    ns = {"fastzoo": fastzoo, "transformers": transformers, "hf_detr": hf_detr(), "pixel_values": x, "pixel_mask": mask,
+          "labels": labels, "sizes": torch.tensor([[64, 80]] * 3)}
+    exec(python_block("### DETR: transformers' DetrForObjectDetection"), ns)
+    assert len(ns["results"]) == 3 and torch.isfinite(ns["out"].loss)
+    assert ns["det"].attn_name == "varlen" and ns["det"].packs()
+    assert transformers.DetrForObjectDetection.from_pretrained(tmp_path / "detr-out").config.num_labels == TINY["num_labels"]

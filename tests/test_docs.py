@@ -14,6 +14,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import TINY
 
@@ -111,7 +112,7 @@ def test_losses_block_runs_as_written():
         "fastzoo": fastzoo, "batch": batch, "logits": torch.randn(1, 5, 8, generator=g), "labels": batch.labels,
         "hidden_ND": torch.randn(6, 4, generator=g), "lm_head": torch.nn.Linear(4, 8, bias=False),
         "target_N": torch.randint(0, 8, (6,), generator=g), "pred": boxes(5), "target": boxes(5),
-        "pred_BM4": boxes(6).view(2, 3, 4), "target_BM4": boxes(6).view(2, 3, 4),
+        "pred_BM4": boxes(6).view(2, 3, 4).requires_grad_(), "target_BM4": boxes(6).view(2, 3, 4),
         "mask_BM": torch.tensor([[True, True, False], [True, False, False]]),
         "torchvision_or_timm_resnet50_or_file": torchvision.models.resnet50(),
         "images": torch.rand(2, 3, 64, 64, generator=g), "targets": [boxes(2), boxes(0)],
@@ -143,6 +144,7 @@ def test_run_all_keeps_the_hand_written_notes(tmp_path):
     run_all = importlib.util.module_from_spec(spec)
     saved_path = list(sys.path)
     try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))  # as `python benchmarks/run_all.py` finds its sibling scripts
         spec.loader.exec_module(run_all)
     finally:
         sys.path[:] = saved_path
@@ -154,3 +156,47 @@ def test_run_all_keeps_the_hand_written_notes(tmp_path):
     assert run_all.kept_notes(readme) == ""
     committed = ROOT / "benchmarks" / "results" / "cpu-2core" / "README.md"
     assert run_all.NOTES_MARKER in committed.read_text(), "the CPU set's narrative sits below the marker"
+
+
+def test_gpt2_block_and_its_trainer_run_after_readme_command_1(tmp_path, monkeypatch):
+    """README "GPT-2 and packed sequences", as written, at tiny size: what README command 1
+    installs (the ``[bench]`` extra) carries what the block needs (transformers' Trainer needs
+    accelerate), and the Trainer it builds trains. The line forcing a GPU kernel runs where that
+    kernel is, else refuses by name."""
+    import tomllib
+
+    import transformers
+
+    import fastzoo
+    from fastzoo.errors import BackendUnavailableError
+
+    bench = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    assert any(re.match(r"accelerate\b", req) for req in bench), "Trainer needs accelerate: add it to [bench]"
+    monkeypatch.chdir(tmp_path)  # the block writes out/
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(**TINY["gpt2"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf_dir")
+    g = torch.Generator().manual_seed(0)
+    seq = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    ns = {
+        "fastzoo": fastzoo, "torch": torch, "transformers": transformers,
+        "DataCollatorWithFlattening": transformers.DataCollatorWithFlattening,
+        "input_ids": torch.randint(0, cfg.vocab_size, (2, 7), generator=g), "mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1]] + [[1] * 7]),
+        "args": transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                                               report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True),
+        "ds": [{"input_ids": seq(n)} for n in (5, 9, 3, 7)],
+        "ids_a": seq(5), "ids_b": seq(3), "ids_c": seq(8),
+    }
+    lines = python_block("### GPT-2 and packed sequences").splitlines()
+    forced = [i for i, line in enumerate(lines) if 'set_attention("varlen", impl="flash")' in line]
+    assert len(forced) == 1
+    exec("\n".join(lines[:forced[0]] + lines[forced[0] + 1:]), ns)
+    ns["trainer"].train()
+    losses = [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(x)) for x in losses)
+    assert (tmp_path / "out" / "config.json").exists()
+    if "varlen" in fastzoo.list_attention(available_only=True) and not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="flash"):
+            exec(lines[forced[0]], ns)
+    else:
+        exec(lines[forced[0]], ns)

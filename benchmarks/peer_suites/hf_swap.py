@@ -8,25 +8,29 @@ from __future__ import annotations
 import os
 import sys
 
-_ATTN = {"eager": "eager", "sdpa": "sdpa", "flex_attention": "flex", "flash_attention_2": "flash"}
-# the heads HF's causal-LM model tester builds besides the causal LM: tester attribute -> class suffix
-_OTHER_HEADS = {"base_model_class": "Model", "question_answering_class": "ForQuestionAnswering",
-                "sequence_classification_class": "ForSequenceClassification",
-                "token_classification_class": "ForTokenClassification"}
+# the heads HF's causal-LM model tester builds besides the causal LM (tester attributes)
+_OTHER_HEADS = ("base_model_class", "question_answering_class", "sequence_classification_class",
+                "token_classification_class")
 
 
 class NotProvidedByFastzoo(NotImplementedError):
     """The test asked for something fastzoo does not offer (a class, a config field)."""
 
 
+def _backend(name: str) -> str:
+    """fastzoo's backend for transformers' ``attn_implementation`` name (the decoders' own table)."""
+    from fastzoo.models.decoder.generation import fastzoo_attention
+
+    try:
+        return fastzoo_attention(name)
+    except ValueError:
+        raise NotProvidedByFastzoo(f"attn_implementation={name!r}: fastzoo has no such backend") from None
+
+
 def _attn_of(config) -> dict:
     """The backend named by ``config._attn_implementation`` (unset: fastzoo's default)."""
     name = getattr(config, "_attn_implementation", None)
-    if name is None:
-        return {}
-    if name not in _ATTN:
-        raise NotProvidedByFastzoo(f"attn_implementation={name!r}: fastzoo has no such backend")
-    return {"attn": _ATTN[name]}
+    return {} if name is None else {"attn": _backend(name)}
 
 
 def _create_kwargs(kwargs: dict) -> dict:
@@ -35,9 +39,7 @@ def _create_kwargs(kwargs: dict) -> dict:
     if "attn_implementation" in kwargs:
         name = kwargs.pop("attn_implementation")
         if name is not None:
-            if name not in _ATTN:
-                raise NotProvidedByFastzoo(f"attn_implementation={name!r}: fastzoo has no such backend")
-            kw["attn"] = _ATTN[name]
+            kw["attn"] = _backend(name)
     for key in ("dtype", "torch_dtype"):
         if key in kwargs:
             kw["dtype"] = kwargs.pop(key)
@@ -86,16 +88,14 @@ def stand_in(hf_name: str, build, fastzoo_class, pretrained_name: str) -> type:
             return build(config, **_create_kwargs(kwargs))
 
         @classmethod
-        def from_pretrained(cls, path, *args, **kwargs):
+        def from_pretrained(cls, path=None, *args, **kwargs):
             import fastzoo
 
+            if path is None:  # transformers' keyword for it
+                path = kwargs.pop("pretrained_model_name_or_path", None)
             if args:
                 raise TypeError(f"from_pretrained: positional arguments after the path: {args}")
             return fastzoo.create(pretrained_name, pretrained=path, **_create_kwargs(kwargs))
-
-        @classmethod
-        def _can_set_attn_implementation(cls) -> bool:  # fastzoo switches backends with set_attention, not HF's
-            return False
 
         @classmethod
         def _can_set_experts_implementation(cls) -> bool:  # no mixture of experts
@@ -128,8 +128,10 @@ def swap(module, prefix: str, swapped: type, not_provided: tuple[str, ...]) -> t
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)  # HF's own checks of its wiring run on HF's classes
         self.causal_lm_class = swapped
-        for attr, suffix in _OTHER_HEADS.items():
-            setattr(self, attr, stand_ins[f"{prefix}{suffix}"])
+        for attr in _OTHER_HEADS:  # the heads this tester builds, each a refusing stand-in
+            head = getattr(self, attr, None)
+            if head is not None:
+                setattr(self, attr, stand_ins.get(head.__name__) or _not_provided(head.__name__, swapped.__name__))
 
     tester.__init__ = init
     test = getattr(module, f"{prefix}ModelTest")

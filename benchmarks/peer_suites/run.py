@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the swap plugins beside this file name the layouts
+
+import swap_hf_llama  # noqa: E402
 ROOT = HERE.parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu-2core" / "peer_suites"
 
@@ -80,9 +83,20 @@ HF_DECODER_VERDICTS: dict[str, tuple[str, str]] = {
     "test_inherits_generation_mixin": (
         REFUSED, "the class is not a GenerationMixin subclass: generate is transformers' GenerationMixin bound to "
                  "the model on each call (models/decoder/generation.py), by design"),
-    "test_gradient_checkpointing_backward_compatibility": (
-        REFUSED, "legacy config.gradient_checkpointing=True at construction; fastzoo takes "
-                 "gradient_checkpointing_enable()"),
+    "test_sliding_window_mask": _ATTENTIONS,
+    "test_eager_matches_sdpa_inference_24_fp32_pad_left_output_attentions": _ATTENTIONS,
+    "test_can_init_all_missing_weights": _LOADING,
+    "test_custom_4d_attention_mask": (
+        REFUSED, "a 4-D attention_mask (custom attention pattern) is refused by name (layers/sequence.py): fastzoo's "
+                 "decoders take the 2-D padding mask, packed sequences (cu_seqlens / restarting position_ids) and "
+                 "flex's mask_mod"),
+    "test_generate_compile_model_forward_fullgraph": (
+        REFUSED, "generate(compile_config=...): fastzoo refuses generate's automatic compilation by name (its static "
+                 "cache path reads the keys written so far, a shape that changes every step); torch.compile(model) "
+                 "compiles the forward, without graph breaks"),
+    "test_generate_compilation_all_outputs": (
+        REFUSED, "generate with compile_config (refused by name, as test_generate_compile_model_forward_fullgraph) and "
+                 "output_attentions=True (no attention weights)"),
     "test_gradient_checkpointing_enable_disable": _HF_INTERNALS,
     "test_training_gradient_checkpointing": _HF_INTERNALS,
     "test_training_gradient_checkpointing_use_reentrant_false": _HF_INTERNALS,
@@ -115,6 +129,25 @@ HF_LLAMA_VERDICTS: dict[str, tuple[str, str]] = {
                                                      "not provide"),
     "test_tp_plan_matches_params": (NOT_APPLICABLE, "model.tp_plan: transformers' tensor-parallel plan; fastzoo's "
                                                     "distributed training is DDP / FSDP (fastzoo.train.distributed)"),
+    **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
+        REAL_GAP, "the test reads model.config.head_dim for the cache's shape: fastzoo's one config of the Llama "
+                  "layouts keeps head_dim=None (hidden_size // num_attention_heads) where transformers' Qwen2Config "
+                  "has no head_dim at all (the test's default); generate with the static cache gives transformers' "
+                  "tokens (tests/test_decoder_transformers_flags.py)")),
+    **dict.fromkeys(("test_tp_forward", "test_tp_backward", "test_tp_generation"), (
+        NOT_APPLICABLE, "transformers' tensor parallelism (from_pretrained(tp_plan='auto') in spawned processes, "
+                        "which pickle the class by its transformers name); fastzoo's distributed training is DDP / "
+                        "FSDP (fastzoo.train.distributed)")),
+}
+
+# soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
+HF_SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
+    **HF_LLAMA_VERDICTS,
+    **dict.fromkeys(("test_eager_matches_sdpa_inference", "test_sdpa_padding_matches_padding_free_with_position_ids",
+                     "test_can_set_attention_dynamically", "test_sdpa_can_dispatch_non_composite_models"), (
+        REFUSED, "attn_implementation='sdpa' on a soft-capping layout: fastzoo's sdpa backend has no attention-logit "
+                 "soft-capping and refuses at create rather than drop it (transformers' sdpa_attention_forward takes no "
+                 "softcap: it drops Gemma's soft-capping silently); eager, flex and varlen serve it")),
 }
 
 TIMM_VERDICTS: dict[str, tuple[str, str]] = {
@@ -127,6 +160,46 @@ TIMM_VERDICTS: dict[str, tuple[str, str]] = {
         REFUSED, "torch.jit.script of the feature extractor: TorchScript, as timm's torchscript tests"),
 }
 
+# transformers' vision suites (ViT, ResNet), from the recorded runs
+_VISION_ATTENTIONS = (REFUSED, "output_attentions: fastzoo's attention kernels return no weights; refused by name "
+                               "(models/hf_outputs.py)")
+_VISION_LOADING = (REFUSED, "transformers' loading options (output_loading_info, from_pretrained(num_labels=, "
+                            "ignore_mismatched_sizes=), from_pretrained(None, state_dict=)) and partial loads: fastzoo "
+                            "loads all or nothing with create(name, pretrained=...), a new head by num_classes=N")
+_VISION_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, base_model_prefix, "
+                                     "_keep_in_fp32_modules, GradientCheckpointingLayer modules / is_gradient_checkpointing, "
+                                     "enable_input_require_grads, _can_set_attn_implementation): fastzoo's image models are timm-API modules, not "
+                                     "PreTrainedModels; gradient_checkpointing_enable() and the Trainer recipe are tested in "
+                                     "tests/test_hf_vision.py")
+_POSITIONAL = (REFUSED, "a positional model(pixel_values) is timm's call on the same model (the logits or pooled "
+                        "features tensor; forward's first parameter is timm's images); transformers' convention is by "
+                        "keyword, model(pixel_values=..., labels=...), which every ModelTesterMixin test uses")
+HF_VISION_VERDICTS: dict[str, tuple[str, str]] = {
+    "test_attention_outputs": _VISION_ATTENTIONS,
+    "test_model_outputs_equivalence": _VISION_ATTENTIONS,
+    "test_retain_grad_hidden_states_attentions": _VISION_ATTENTIONS,
+    "test_can_use_safetensors": _VISION_LOADING,
+    "test_load_save_without_tied_weights": _VISION_LOADING,
+    "test_from_pretrained_no_checkpoint": _VISION_LOADING,
+    "test_model_weights_reload_no_missing_tied_weights": _VISION_LOADING,
+    "test_can_load_ignoring_mismatched_shapes": _VISION_LOADING,
+    "test_cannot_load_with_meta_device_context_manager": (
+        REFUSED, "pretrained= inside a torch.device('meta') context is refused with fastzoo's own ValueError naming "
+                 "it; the test expects transformers' RuntimeError text"),
+    **{name: _VISION_INTERNALS for name in (
+        "test_all_tensors_are_parameter_or_buffer", "test_correct_missing_keys", "test_init_weights_can_init_buffers",
+        "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_enable_input_require_grads",
+        "test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
+        "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
+        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true",
+        "test_can_set_attention_dynamically", "test_can_set_attention_dynamically_composite_model",
+        "test_enable_input_require_grads_with_gradient_checkpointing")},
+    "test_forward_signature": _POSITIONAL,
+    "test_model": _POSITIONAL,
+    "test_for_image_classification": _POSITIONAL,
+    "test_model_main_input_name": _POSITIONAL,
+}
+
 SUITES = {
     "hf-gpt2": {
         "title": "transformers' tests/models/gpt2/test_modeling_gpt2.py against fastzoo's GPT-2",
@@ -137,12 +210,27 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_GPT2_VERDICTS,
     },
-    "hf-llama": {
-        "title": "transformers' tests/models/llama/test_modeling_llama.py against fastzoo's Llama",
-        "target": "tests/models/llama/test_modeling_llama.py",
+    **{f"hf-{folder}": {
+        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {model_type}",
+        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
         "plugin": "swap_hf_llama",
+        # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
+        "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
+        "verdicts": HF_SOFTCAP_VERDICTS if folder.startswith("gemma") else HF_LLAMA_VERDICTS,
+    } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
+    "hf-vit": {
+        "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",
+        "target": "tests/models/vit/test_modeling_vit.py",
+        "plugin": "swap_hf_vision",
         "pytest_args": ["--noconftest"],
-        "verdicts": HF_LLAMA_VERDICTS,
+        "verdicts": HF_VISION_VERDICTS,
+    },
+    "hf-resnet": {
+        "title": "transformers' tests/models/resnet/test_modeling_resnet.py against fastzoo's ResNet",
+        "target": "tests/models/resnet/test_modeling_resnet.py",
+        "plugin": "swap_hf_vision",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_VISION_VERDICTS,
     },
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
@@ -270,6 +358,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--source", default="", help="where the checkout's tests came from (a line in the results)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the peer's own model")
+    p.add_argument("--reuse-baseline", action="store_true",
+                   help="take the run on the peer's own model from --out's <suite>-original.json (written by a full run)")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k forward")
     args = p.parse_args(argv)
     suite = SUITES[args.suite]
@@ -280,9 +370,15 @@ def main(argv=None) -> int:
     seconds = {}
     baseline = None
     with tempfile.TemporaryDirectory() as logs:
-        if not args.no_baseline:
+        kept = args.out / f"{args.suite}-original.json"
+        if args.reuse_baseline:
+            if not kept.is_file():
+                p.error(f"--reuse-baseline: {kept} does not exist (run once without it)")
+            baseline = json.loads(kept.read_text())["tests"]
+        elif not args.no_baseline:
             base, seconds["original"] = run_pytest(suite, args.checkout, False, args.pytest_args, Path(logs) / "base.log")
             baseline = base["tests"]
+            kept.write_text(json.dumps(base, indent=1, sort_keys=True) + "\n")
         swapped, seconds["fastzoo"] = run_pytest(suite, args.checkout, True, args.pytest_args, Path(logs) / "swap.log")
     results = swapped["tests"]
     write(args.out, args.suite, suite, results, baseline, swapped["deselected"], seconds, load,

@@ -3,7 +3,10 @@ vs packing, per recipe (precision; compilation where the family's spec allows it
 
 Sequence lengths are uniform in [1, max_len]. The peer is the original (Hugging Face) as its
 users run it (its default attention, fp32), padded to the longest sequence; the original
-padded to the maximum length and a loop that runs each sequence alone are timed too. fastzoo
+padded to the maximum length, a loop that runs each sequence alone, and the original on HF's
+own packing (``DataCollatorWithFlattening``: one row, positions restarting per sequence; with
+``use_cache=False``, without which transformers 5.17 attends across the sequences on every CPU
+attention, see :func:`flattened_vs_packed`) are timed too. fastzoo
 runs padded (to max, to longest), as a jagged NestedTensor, and packed
 (``fastzoo.data.pack``: one row, ``cu_seqlens``) with every requested backend that takes
 packed sequences. Throughput counts real tokens only; packed rows carry the FLOP-ratio bound
@@ -31,6 +34,11 @@ from fastzoo.bench.steps import check_mode, compared_as, model_step
 from fastzoo.models.spec import Workload
 
 GENERATE_NEW_TOKENS = 32
+# HF's packing as its docs give it: the collator's rows (input_ids [1, T], position_ids restarting
+# per sequence). transformers (5.17) reads sequence boundaries from position_ids only when the model
+# has no KV cache; its decoders make one by default (config.use_cache), so use_cache=False is part
+# of the recipe (tests/test_hf_flattening.py checks both sides of that on every CPU attention)
+FLATTENED = "with DataCollatorWithFlattening, use_cache=False"
 
 
 def causal_lm_suite(
@@ -102,8 +110,12 @@ class _Models:
         model.set_attention(attn, device=self.device, dtype=recipe.dtype)
         return prepare(model, recipe, self.device)
 
-    def flops(self, lengths: list[int], width: int | None, train: bool) -> float | None:
-        """FLOPs of a step on ``lengths`` padded to ``width`` (None: packed, no padding)."""
+    def flops(self, lengths: list[int], width: int | None, train: bool, block: bool = False) -> float | None:
+        """FLOPs of a step on ``lengths`` padded to ``width`` (None: packed, no padding);
+        ``block``: packed in one row attended as a whole ``[T, T]`` block, masked (HF's attention
+        on flattened rows): the work of one sequence of T tokens."""
+        if block:
+            lengths, width = [sum(lengths)], sum(lengths)
         return self.spec.task.flops(self.spec, self.cfg, lengths=lengths, width=width, train=train)
 
 
@@ -113,6 +125,7 @@ class _Layout:
     kwargs: dict
     view: object  # model output -> the real tokens' logits [T_real, V], sequence after sequence
     width: int | None  # padded to this length; None: no padding
+    block: bool = False  # one row attended as a whole [T, T] block (FLOPs), masked per sequence
 
 
 @dataclass
@@ -122,8 +135,9 @@ class _Batch:
     real: int
     targets: torch.Tensor
     padded: dict  # "longest" / "max" -> (ids [B, S], mask [B, S]) on the CPU
-    layouts: dict  # "longest" / "max" / "packed" / "nested" -> _Layout on the device
+    layouts: dict  # "longest" / "max" / "packed" / "nested" / "flattened" -> _Layout on the device
     packed: object
+    flattened: dict  # DataCollatorWithFlattening's batch (input_ids, position_ids, labels) on the device
 
     @classmethod
     def draw(cls, m: _Models, w: Workload, device, seed: int) -> "_Batch":
@@ -139,7 +153,13 @@ class _Batch:
         layouts["packed"] = _Layout((packed.input_ids,), dict(position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens,
                                                                max_seqlen=packed.max_seqlen), lambda out: _logits(out)[0], None)
         layouts["nested"] = _Layout((nested(seqs).to(device),), {}, _nested_view, None)
-        return cls(seqs, lengths, sum(lengths), torch.cat(seqs).to(device), padded, layouts, packed)
+        from transformers import DataCollatorWithFlattening
+
+        flat = {k: v.to(device) for k, v in DataCollatorWithFlattening(return_tensors="pt")(
+            [{"input_ids": x.tolist()} for x in seqs]).items()}
+        layouts["flattened"] = _Layout((flat["input_ids"],), dict(position_ids=flat["position_ids"], use_cache=False),
+                                       lambda out: _logits(out)[0], None, block=True)
+        return cls(seqs, lengths, sum(lengths), torch.cat(seqs).to(device), padded, layouts, packed, flat)
 
 
 def _lengths(w: Workload, g: torch.Generator) -> list[int]:
@@ -185,7 +205,7 @@ def _step(m: _Models, batch: _Batch, model, mode: str, layout: str, recipe: Reci
     call = _Call(model, (lambda *a: model(*a, **lay.kwargs)) if lay.kwargs else model)
     step = model_step(call, lay.args, mode=mode, loss=lambda out: F.cross_entropy(lay.view(out).float(), batch.targets),
                       items=batch.real, compile=recipe.compiled, view=lay.view)
-    step.flops = m.flops(batch.lengths, lay.width, mode == "train")
+    step.flops = m.flops(batch.lengths, lay.width, mode == "train", lay.block)
     return compared_as(step, spec=m.spec, names=m.names, original=original, gate=gate)
 
 
@@ -216,16 +236,16 @@ def _original_cases(m: _Models, batch: _Batch, mode: str, recipe: Recipe) -> lis
     """The peer (the original as its users run it), the original under the recipe, and in the
     baseline the original padded to the maximum and one sequence at a time."""
     c = recipe.compiled
-    if recipe != BASELINE:
-        return [Case(m.peer_label + ", fp32 eager", lambda: _step(m, batch, m.users_original(BASELINE), mode, "longest",
-                                                                   BASELINE, gate=False), peer=True, dtype=torch.float32),
-                Case(m.peer_label, lambda: _step(m, batch, m.users_original(recipe), mode, "longest", recipe, original=True),
-                     reference=True, original=True, compiled=c)]
 
     def original(layout):
         return lambda: _step(m, batch, m.users_original(recipe), mode, layout, recipe, original=True)
 
-    return [Case(m.peer_label, original("longest"), peer=True, original=True, compiled=c),
+    flattened = Case(m.label(FLATTENED), original("flattened"), compiled=c)
+    if recipe != BASELINE:
+        return [Case(m.peer_label + ", fp32 eager", lambda: _step(m, batch, m.users_original(BASELINE), mode, "longest",
+                                                                   BASELINE, gate=False), peer=True, dtype=torch.float32),
+                Case(m.peer_label, original("longest"), reference=True, original=True, compiled=c), flattened]
+    return [Case(m.peer_label, original("longest"), peer=True, original=True, compiled=c), flattened,
             Case(m.label("padded to max"), original("max"), compiled=c),
             Case(f"{m.bench.library} loop, one sequence at a time", original("loop"), compiled=c)]
 
@@ -242,9 +262,9 @@ def _layouts_group(m: _Models, batch: _Batch, mode: str, recipe: Recipe, backend
 
 
 # -- the training step as users write it: labels= ---------------------------------------------
-def _labels_inputs(m: _Models, batch: _Batch) -> tuple[tuple, tuple]:
+def _labels_inputs(m: _Models, batch: _Batch) -> tuple[tuple, tuple, tuple]:
     """(args, kwargs) with ``labels``: the batch padded to the longest (HF's convention: padding
-    not scored) and packed."""
+    not scored), packed, and flattened by HF's collator (its labels: -100 at each sequence start)."""
     from fastzoo.losses import IGNORE_INDEX
 
     ids, mask = (t.to(m.device) for t in batch.padded["longest"])
@@ -252,7 +272,9 @@ def _labels_inputs(m: _Models, batch: _Batch) -> tuple[tuple, tuple]:
     p = batch.packed
     packed = ((p.input_ids,), dict(position_ids=p.position_ids, cu_seqlens=p.cu_seqlens, max_seqlen=p.max_seqlen,
                                    labels=p.labels))
-    return padded, packed
+    f = batch.flattened
+    flattened = ((f["input_ids"],), dict(position_ids=f["position_ids"], labels=f["labels"], use_cache=False))
+    return padded, packed, flattened
 
 
 def _labels_reference(m: _Models, batch: _Batch) -> dict:
@@ -273,14 +295,15 @@ def _labels_group(m: _Models, batch: _Batch, backends, recipe: Recipe, reference
     states with the fused ``linear_cross_entropy`` (no ``[tokens, vocabulary]`` logits). Outside
     fp32 the original as its users run it (fp32) is the peer, the original under the recipe the
     precision's reference."""
-    padded, packed = _labels_inputs(m, batch)
+    padded, packed, flattened = _labels_inputs(m, batch)
     width = padded[0][0].shape[1]
 
     def loss_step(model, inputs, original=False, gate=True):
         args, kwargs = inputs
         step = model_step(_Call(model, lambda *a: model(*a, **kwargs)), args, mode="train", loss=lambda out: out.loss,
                           items=batch.real, view=lambda out: out.loss.reshape(1).float())
-        step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs else width, True)
+        block = inputs is flattened
+        step.flops = m.flops(batch.lengths, None if "cu_seqlens" in kwargs or block else width, True, block)
         return compared_as(step, spec=m.spec, names=m.names, original=original, gate=gate)
 
     baseline = recipe == BASELINE
@@ -291,6 +314,7 @@ def _labels_group(m: _Models, batch: _Batch, backends, recipe: Recipe, reference
                       peer=True, dtype=torch.float32),
                  Case(f"{m.peer_label}, labels", lambda: loss_step(m.users_original(recipe), padded, True), reference=True,
                       original=True)]
+    cases.append(Case(m.label(FLATTENED) + ", labels", lambda: loss_step(m.users_original(recipe), flattened, True)))
     for b in backends:
         caps = fastzoo.attention.backend_class(b).capabilities
         if caps.padding_mask and b in ("eager", "sdpa"):
@@ -390,7 +414,8 @@ def model_suite(entry, workload: Workload, *, backends, mode, device, recipes) -
 
 def tour_entry(spec, size, device, compile):
     """The tour's entry for a causal LM (its task's ``tour``): the step as users write it
-    (``labels=``) per recipe, the original (as its users run it, and under the recipe) against
+    (``labels=``) per recipe, the original (as its users run it, under the recipe, and on HF's own
+    packing) against
     fastzoo's paths (padded, packed, nested, per training backend)."""
     from fastzoo.bench.recipes import recipes
     from fastzoo.bench.tour import Entry, recipe_groups, train_backends
@@ -401,7 +426,27 @@ def tour_entry(spec, size, device, compile):
                             recipes=tried, steps=("labels",), device=device)
     groups = recipe_groups(suite, tried)
     paths = {c.label: use_code(entry, c.label) for g in suite.groups for c in g.cases if use_code(entry, c.label)}
-    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if c.peer or c.original or c.label in paths])
-                                   for g in suite.groups if g.name in groups])
+    kept = lambda c: c.peer or c.original or c.label in paths or FLATTENED in c.label  # noqa: E731  (HF's packing too)
+    suite = replace(suite, groups=[replace(g, cases=[c for c in g.cases if kept(c)]) for g in suite.groups if g.name in groups])
     return Entry(entry.name, suite.groups[0].cases[0].label, suite, paths, groups, device.type)
 
+
+def flattened_vs_packed(rows) -> list[dict]:
+    """Per group of a run: fastzoo packed against the original on HF's packing (the collator's
+    flattened rows), and the bound that remains between them: HF attends the packed row as one
+    masked ``[T, T]`` block, fastzoo each sequence alone, so the FLOP ratio (block ÷ per
+    sequence) is what doing less attention work alone gives; ``vs bound`` = speed-up ÷ bound."""
+    out = []
+    for group in dict.fromkeys(r.group for r in rows):
+        in_group = [r for r in rows if r.group == group and r.median_s is not None]
+        flat = next((r for r in in_group if FLATTENED in r.label), None)
+        if flat is None:
+            continue
+        for r in in_group:
+            if r.label.startswith("fastzoo packed"):
+                speedup = flat.median_s / r.median_s
+                bound = (flat.flop_rate * flat.median_s) / (r.flop_rate * r.median_s) if r.flop_rate and flat.flop_rate else None
+                out.append({"group": group, "fastzoo": r.label, "peer": flat.label, "speed-up": round(speedup, 3),
+                            "FLOP-ratio bound": None if bound is None else round(bound, 3),
+                            "vs bound": None if bound is None else round(speedup / bound, 3)})
+    return out

@@ -351,6 +351,11 @@ def _check_mask_shape(attention_mask, B: int, K: int) -> None:
         return
     if not isinstance(attention_mask, torch.Tensor):
         raise ValueError(f"attention_mask must be a torch.Tensor [B, S], got {type(attention_mask).__name__}")
+    if attention_mask.ndim == 4:
+        raise ValueError(
+            "attention_mask: a 4-D mask (a custom attention pattern, e.g. a shared prefix) is not supported; fastzoo's "
+            "decoders take the 2-D padding mask [B, S] (1 = token), packed sequences (cu_seqlens, or position_ids "
+            "restarting per sequence), and flex's mask_mod for other patterns")
     if tuple(attention_mask.shape) != (B, K):
         raise ValueError(f"attention_mask must be [{B}, {K}] (batch, cached + new tokens), got {tuple(attention_mask.shape)}")
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:

@@ -1,14 +1,35 @@
-"""Object detection (the box detector): images -> per-query class logits and boxes, trained with
-a set-prediction loss. No original to compare with yet; the tour times its GIoU loss."""
+"""Object detection (DETR, the box detector): images (with a pixel mask) -> per-query class logits
+and boxes, trained with a set-prediction loss. Compared with the original (transformers'
+``DetrForObjectDetection``) on random images whose pixel masks cut each a different width, so the
+encoder's key padding is exercised; the class logits are compared, and every gradient behind
+them. The tour times its GIoU loss."""
 from __future__ import annotations
 
-from fastzoo.tasks.task import Task
+import torch
+
+from fastzoo.tasks.task import Inputs, Task
+
+
+def example_inputs(model, batch, gen, caps, notes):
+    """Image i keeps its left ``64 - 16 (i mod 3)`` columns; the rest is padding (a batch of
+    images of different sizes), named by ``pixel_mask`` as transformers' image processors do."""
+    side = 64
+    images = torch.randn(batch, 3, side, side, generator=gen)
+    mask = torch.ones(batch, side, side, dtype=torch.long)
+    for i in range(batch):
+        mask[i, :, side - 16 * (i % 3):] = 0
+    inputs = Inputs((images,), {"pixel_mask": mask}, float_args=True)
+    yield "", inputs, inputs
+
 
 DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
+    inputs=example_inputs,
     tour="fastzoo.bench.giou:tour_entry",
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
-    suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher of its set loss, per training step
+    # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
+    # the Hungarian matcher alone vs DETR's batch-wide cost
+    suites={"set_loss": "fastzoo.bench.set_loss", "matcher": "fastzoo.bench.matcher"},
     train_script="scripts/train_boxdet.py",
 )

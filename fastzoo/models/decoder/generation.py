@@ -27,15 +27,54 @@ from torch import nn
 from fastzoo.attention import packing
 
 
-def layer_cache(cache, seqs):
+# transformers' ``attn_implementation`` names -> fastzoo's backends (``set_attn_implementation``,
+# ``from_pretrained(attn_implementation=)``); ``config._attn_implementation`` reads it back
+HF_ATTENTION = {"eager": "eager", "sdpa": "sdpa", "flex_attention": "flex", "flash_attention_2": "fa2",
+                "flash_attention_3": "fa3", "flash_attention_4": "fa4"}
+
+
+def fastzoo_attention(attn_implementation: str) -> str:
+    """fastzoo's backend for transformers' ``attn_implementation`` (fastzoo's own names pass)."""
+    from fastzoo.attention import list_attention
+
+    if attn_implementation in HF_ATTENTION:
+        return HF_ATTENTION[attn_implementation]
+    if attn_implementation in list_attention():
+        return attn_implementation
+    raise ValueError(  # transformers' own words (its tests match them), then fastzoo's
+        f'Specified `attn_implementation="{attn_implementation}"` is not supported. fastzoo\'s decoders take '
+        f"{', '.join(HF_ATTENTION)} (transformers' names) or a fastzoo backend: {', '.join(list_attention())}")
+
+
+def layer_cache(cache, seqs, past_length: int = 0):
     """What the attention layers update: ``cache`` itself for a padded batch, else a view that
-    keeps it in transformers' padded layout for the unpadded (packed) tokens (:class:`UnpaddedCache`)."""
+    keeps it in transformers' padded layout for the unpadded (packed) tokens (:class:`UnpaddedCache`).
+    A static cache (``StaticCache``: fixed-size layers) is read through :class:`FilledCache`."""
+    if cache is not None and cache.is_compileable:
+        cache = FilledCache(cache, past_length + seqs.shape[1])
     if cache is None or seqs.form == "padded":
         return cache
     if seqs.form != "unpadded":
         raise ValueError(f"past_key_values / use_cache: a {seqs.form} batch takes no KV cache (sequences have no rows "
                          "to cache); pass use_cache=False, or give a padded batch with attention_mask")
     return UnpaddedCache(cache, seqs.unpadded, seqs.keys)
+
+
+class FilledCache:
+    """A transformers static cache (``StaticCache``: each layer a fixed ``[B, H, max_cache_len, hd]``
+    buffer) seen by the attention layers: :meth:`update` writes the new keys and values into the
+    buffer and returns the ``length`` slots written so far (earlier steps + these), so the
+    causal alignment and the key padding mask cover exactly the real keys, as with a
+    ``DynamicCache``. The unwritten slots are never read. A sliding-window layer
+    (``StaticSlidingWindowLayer``) returns at most its window's keys, the newest last, as
+    ``DynamicSlidingWindowLayer`` does (the slice leaves them as they are)."""
+
+    def __init__(self, cache, length: int):
+        self.cache, self.length = cache, length
+
+    def update(self, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, layer_idx: int):
+        k_BHKD, v_BHKD = self.cache.update(k_BHSD, v_BHSD, layer_idx)
+        return k_BHKD[:, :, :self.length], v_BHKD[:, :, :self.length]
 
 
 class UnpaddedCache:
@@ -62,8 +101,9 @@ class UnpaddedCache:
         if k_BHKD.shape[2] != self.keys.seqlen:
             raise ValueError(
                 f"past_key_values: layer {layer_idx} of the cache returned {k_BHKD.shape[2]} keys per row, not all "
-                "of them (a sliding-window layer: DynamicCache(config=...) of a windowed model); a packed-only "
-                "backend reads every key: pass DynamicCache() without a config, or use a backend with a padding mask")
+                "of them (a sliding-window layer: DynamicCache(config=...) or a StaticCache of a windowed model); a "
+                "packed-only backend reads every key: pass DynamicCache() without a config, or use a backend with a "
+                "padding mask")
         B, H, K, D = k_BHKD.shape
         return [x.transpose(1, 2).reshape(B * K, H, D).index_select(0, self.keys.indices).transpose(0, 1)[None]
                 for x in (k_BHKD, v_BHKD)]
@@ -112,6 +152,22 @@ class _Generator(nn.Module):
     def get_experts_implementation(self) -> dict:  # PreTrainedModel's: mixture-of-experts kernels (none here)
         return {}
 
+    def create_masks_for_generate(self, *, attention_mask, **_):
+        """What ``generate`` calls to turn the 2-D mask into transformers' 4-D one for a static
+        cache: fastzoo's decoders read the 2-D key padding mask (the static cache is read up to
+        its written keys, :class:`FilledCache`), so it stays as it is."""
+        return attention_mask
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        """transformers compiles the forward inside ``generate`` for a static cache with a
+        ``compile_config`` (or on an accelerator): refused by name where asked for, never on its own."""
+        if generation_config.compile_config is not None and not generation_config.disable_compile:
+            raise ValueError(
+                "compile_config: generate does not compile fastzoo's forward (its static-cache path reads the keys "
+                "written so far, a shape that changes every step); compile the model yourself "
+                "(torch.compile(model)) and generate with the default DynamicCache, or leave compile_config None")
+        return False
+
 
 def _generator_class():
     """``_Generator`` with ``GenerationMixin`` mixed in (transformers imported on first use)."""
@@ -145,8 +201,37 @@ class CausalLMConventions:
     supports_gradient_checkpointing = True
     accepts_loss_kwargs = True  # transformers.Trainer passes num_items_in_batch (exact gradient accumulation)
     main_input_name = "input_ids"
+    # what transformers' code (and its model tests) reads of a model class to decide what to run on it
+    _supports_sdpa = True  # attn_implementation="sdpa": fastzoo's sdpa backend
+    _supports_flash_attn = True  # "flash_attention_2/3/4": fastzoo's fa2 / fa3 / fa4 (their devices)
+    _supports_flex_attn = True  # "flex_attention": fastzoo's flex (on CPU: inference, refused for a backward)
+    _supports_attention_backend = True  # packing read from position_ids / flash kwargs on every backend
+    _can_compile_fullgraph = True  # the forward compiles without graph breaks (value checks skipped while compiling)
+    _is_stateful = False
     _gradient_checkpointing = False
     _generation_config = None
+
+    # -- attention by transformers' names ---------------------------------------------------
+    def set_attention(self, name: str | None, **options):
+        out = super().set_attention(name, **options)
+        name = self.attn_name  # None asked for the default: the one picked
+        # transformers' code reads the backend from the config (HF's name where it has one)
+        self.config._attn_implementation = next((hf for hf, fz in HF_ATTENTION.items() if fz == name), name)
+        return out
+
+    def set_attn_implementation(self, attn_implementation: str | dict):
+        """transformers' switch (``"eager"``, ``"sdpa"``, ``"flex_attention"``, ``"flash_attention_2"`` ...,
+        or ``{"": name}``): :meth:`set_attention` with fastzoo's backend of that name, checked first."""
+        if isinstance(attn_implementation, dict):
+            if set(attn_implementation) != {""}:
+                raise ValueError(f"attn_implementation={attn_implementation!r}: a text-only decoder has no "
+                                 "sub-models; give a name or {'': name}")
+            attn_implementation = attn_implementation[""]
+        self.set_attention(fastzoo_attention(attn_implementation))
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
 
     # -- generation ------------------------------------------------------------------------
     @property
@@ -169,7 +254,8 @@ class CausalLMConventions:
         is checked before the first token: pass ``use_cache=False`` to decode without it."""
         if kwargs.get("use_cache", self.generation_config.use_cache):
             self.check_kv_cache()
-            if kwargs.get("past_key_values") is None and not self.attention_backend.capabilities.padding_mask:
+            asked = kwargs.get("cache_implementation", self.generation_config.cache_implementation)
+            if kwargs.get("past_key_values") is None and asked is None and not self.attention_backend.capabilities.padding_mask:
                 from transformers.cache_utils import DynamicCache
 
                 # a packed-only backend reads the cache through UnpaddedCache, which needs every key:

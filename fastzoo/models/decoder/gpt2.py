@@ -131,6 +131,8 @@ class GPT2LMHeadModel(CausalLM):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in every GPT-2 checkpoint
         self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     def _init_weights(self):
         """HF's init: N(0, initializer_range), residual projections scaled by 1/sqrt(2 * n_layer)."""

@@ -1,0 +1,157 @@
+"""DETR's set loss per training step (matcher + every term, all decoder layers, forward + backward):
+transformers' ``ForObjectDetectionLoss`` (the peer) vs fastzoo's
+:func:`~fastzoo.losses.set_prediction.set_prediction_loss` in each GIoU mode, on the same logits and
+boxes of 6 decoder layers (auxiliary loss), 100 queries, 91 classes, 1-50 boxes per image.
+
+Beside the time, each case's host reads per step are counted (:class:`HostReads`): the reads of
+device data a CUDA device would wait for (``.item()``, ``bool()``, ``.cpu()``, ``.tolist()``,
+``nonzero``, boolean-mask indexing...), counted on any device by following which tensors are
+already on the host (copies to the host and what is computed from host tensors only, tensors made
+from numpy or lists without a ``device=``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from fastzoo.bench.harness import Case, Group, Step, Suite
+
+
+@dataclass(frozen=True)
+class SetLossSetting:
+    name: str
+    images: int
+    queries: int = 100
+    max_boxes: int = 50
+    layers: int = 6
+    num_classes: int = 91  # COCO's label ids, as DETR
+
+    def describe(self) -> str:
+        return (f"{self.images} images x {self.queries} queries, 1-{self.max_boxes} boxes per image, "
+                f"{self.layers} decoder layers (auxiliary loss), {self.num_classes} classes")
+
+
+TARGET_SETTING = SetLossSetting("8 images", 8)
+LARGE_SETTING = SetLossSetting("32 images", 32)
+BATCH_FIELD = "images"  # the setting's field --batch-size sets
+MODES = ("kernel", "padded", "concat", "per_sample")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the reads of device data (see the module docstring) while active: ``.count``."""
+
+    READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__",
+             "nonzero", "masked_select", "unique", "repeat_interleave"}
+    FROM_HOST = {"as_tensor", "from_numpy", "tensor"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._host: dict[int, object] = {}  # id -> tensor, tensors whose values are on the host
+
+    def _is_host(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and self._host.get(id(t)) is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        host_in = bool(tensors) and all(self._is_host(t) for t in tensors)  # mixed with device data: on the device
+        bool_index = name in ("__getitem__", "__setitem__") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool and not self._is_host(t) for t in flat[1:])
+        if (name in self.READS and tensors and not self._is_host(tensors[0])) or bool_index:
+            self.count += 1
+        out = func(*args, **kwargs)
+        to_device = name in ("to", "cuda") and not (args[1:] and args[1] in ("cpu", torch.device("cpu")))
+        if not to_device and (host_in or name in ("cpu", "numpy") or (name in self.FROM_HOST and not tensors and "device" not in kwargs)):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._host[id(t)] = t
+        return out
+
+
+def host_reads(fn) -> int:
+    """Host reads of one call of ``fn``."""
+    with HostReads() as mode:
+        fn()
+    return mode.count
+
+
+def make_inputs(s: SetLossSetting, device, seed: int = 0):
+    """Raw (pre-sigmoid) box outputs and logits ``[L, B, Q, ...]`` and transformers' labels."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, s.max_boxes + 1, (s.images,), generator=g).tolist()
+    labels = []
+    for n in counts:
+        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.02
+        labels.append({"class_labels": torch.randint(0, s.num_classes, (n,), generator=g).to(device),
+                       "boxes": torch.cat([c, wh], 1).to(device)})
+    logits = torch.randn(s.layers, s.images, s.queries, s.num_classes + 1, generator=g).to(device)
+    raw = (torch.randn(s.layers, s.images, s.queries, 4, generator=g) * 1.5).to(device)
+    return logits, raw, labels, counts
+
+
+def hf_config(s: SetLossSetting):
+    """The loss's fields of transformers' DetrConfig (its defaults), auxiliary loss on."""
+    return SimpleNamespace(num_labels=s.num_classes, class_cost=1, bbox_cost=5, giou_cost=2, bbox_loss_coefficient=5,
+                           giou_loss_coefficient=2, eos_coefficient=0.1, auxiliary_loss=True, decoder_layers=s.layers)
+
+
+def hf_loss(logits, boxes, labels, cfg):
+    from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss
+
+    loss, _, _ = ForObjectDetectionLoss(logits[-1], labels, logits.device, boxes[-1], cfg, outputs_class=logits,
+                                        outputs_coord=boxes)
+    return loss
+
+
+def fastzoo_loss(mode: str):
+    from fastzoo.losses.set_prediction import set_prediction_loss
+
+    def loss_of(logits, boxes, labels, cfg):
+        return set_prediction_loss(logits, boxes, labels, num_classes=cfg.num_labels, giou=mode)[0]
+
+    return loss_of
+
+
+def loss_step(loss_of, logits0, raw0, labels, cfg, items: int) -> Step:
+    logits, raw = logits0.clone().requires_grad_(), raw0.clone().requires_grad_()
+
+    def run():
+        logits.grad = raw.grad = None
+        loss = loss_of(logits, raw.sigmoid(), labels, cfg)
+        loss.backward()
+        return loss
+
+    def outputs():
+        loss = run()
+        return {"output": loss.detach()[None], "grad:logits": logits.grad.clone(), "grad:boxes": raw.grad.clone()}
+
+    return Step(run=run, items=items, outputs=outputs)
+
+
+def set_loss_suite(setting: SetLossSetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32, seed: int = 0,
+                   modes=MODES) -> Suite:
+    device, s = torch.device(device), setting
+    logits, raw, labels, counts = make_inputs(s, device, seed)
+    cfg = hf_config(s)
+    losses = {"transformers ForObjectDetectionLoss ([B*Q, N] cost per layer, N x N GIoU)": hf_loss,
+              **{f"fastzoo set_prediction_loss, GIoU {m}": fastzoo_loss(m) for m in modes}}
+    reads = {short: host_reads(loss_step(loss_of, logits, raw, labels, cfg, s.images).run)
+             for short, loss_of in zip(["transformers", *(f"fastzoo {m}" for m in modes)], losses.values())}
+    cases = [Case(label, lambda f=loss_of: loss_step(f, logits, raw, labels, cfg, s.images), peer=i == 0,
+                  reference=i == 0) for i, (label, loss_of) in enumerate(losses.items())]
+    group = Group(f"{s.name} | set loss, {s.layers} layers, forward + backward", cases, unit="images/s",
+                  reference=lambda: loss_step(hf_loss, logits, raw, labels, cfg, s.images).outputs())
+    config = {"batch": s.describe(), "real boxes": sum(counts),
+              "host reads per step": reads}
+    return Suite("set_loss", [group], config=config, device=device)
+
+
+def cli_suite(setting, *, device, dtype) -> Suite:
+    return set_loss_suite(setting, device=device, dtype=dtype)
