@@ -78,7 +78,8 @@ class LlamaConfig(ModelConfig):
 
     model_type: str = changes_function("llama", "the Hugging Face layout: " + ", ".join(LAYOUTS), choices=LAYOUTS)
     vocab_size: int = weights_decide(32000, "tokens in the vocabulary", ge=1)
-    hidden_size: int = weights_decide(4096, "width D", ge=1)
+    hidden_size: int = weights_decide(4096, "width D (transformers' configs: a multiple of the query heads, head_dim given or not)", ge=1,
+                                      multiple_of="num_attention_heads")
     intermediate_size: int = weights_decide(11008, "gated MLP hidden width", ge=1)
     num_hidden_layers: int = weights_decide(32, "decoder blocks", ge=1, le=MAX_BLOCKS)
     num_attention_heads: int = changes_function(32, "query heads (a multiple of the key/value heads)", ge=1,
@@ -200,9 +201,6 @@ class LlamaConfig(ModelConfig):
 
     def validate(self):
         layout = self.layout
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                              f"{self.num_attention_heads}; give head_dim", fields=("hidden_size", "num_attention_heads"))
         if self.head_size % 2:
             raise ConfigError(f"head_dim={self.head_size}: rotary embeddings rotate pairs, the head width must be even",
                               fields=("head_dim",))
