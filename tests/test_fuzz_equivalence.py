@@ -265,7 +265,11 @@ def _check_equivalence(family: str, data) -> None:
     failures, compared, refused = [], 0, 0
     for form, call, ref_call, needs in data.draw(cases, label="inputs"):
         seed = 7
-        r_rows, r_loss, r_grads = _run(ref, ref_call, precision="fp32", grads=needs["grads"], seed=seed)
+        try:
+            r_rows, r_loss, r_grads = _run(ref, ref_call, precision="fp32", grads=needs["grads"], seed=seed)
+        except Exception:  # noqa: BLE001 -- the original cannot run it (transformers' gemma2 without a sliding_window)
+            count(f"equivalence/{family}", original_refused=1)
+            assume(False)
         r_grads = _in_fastzoo_names(spec, ours, r_grads) if r_grads else {}
         p = _run(peer, ref_call, precision="bf16", grads=needs["grads"], seed=seed) if peer is not None else None
         p_grads = _in_fastzoo_names(spec, ours, p[2]) if p is not None and p[2] else None
