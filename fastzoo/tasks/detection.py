@@ -1,5 +1,5 @@
-"""Object detection (the box detector): images -> per-query class logits and boxes, trained with
-a set-prediction loss. No original to compare with yet; the tour times its GIoU loss."""
+"""Object detection (DETR, and the box detector): images -> per-query class logits and boxes, trained
+with a set-prediction loss. The tour times a DETR training step against transformers' model."""
 from __future__ import annotations
 
 from fastzoo.tasks.task import Task
@@ -7,7 +7,8 @@ from fastzoo.tasks.task import Task
 DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
-    tour="fastzoo.bench.giou:tour_entry",
+    compared="loss",
+    tour="fastzoo.bench.detection:tour_entry",  # a training step against the original (loss and gradients)
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
     # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
     # the Hungarian matcher alone vs DETR's batch-wide cost
