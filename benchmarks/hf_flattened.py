@@ -10,27 +10,52 @@ sequence alone. What remains between the two is that attention work: the FLOP ra
 per sequence, the spec's FLOP count) is the bound, and each result is the speed-up over HF
 flattened ÷ that bound. The GEMM peak of each precision is measured in the same run.
 
-    python benchmarks/hf_flattened.py --threads 1 [--quick] [--families gpt2 llama gemma2]
+    python benchmarks/hf_flattened.py --threads 1 [--quick | --size tour] [--families gpt2 llama gemma2]
 """
 import os
-import sys
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
+import torch
+from _common import parser, recipes_for, save, setup, timing
 
-import torch  # noqa: E402
-
-from _common import parser, recipes_for, save, setup, timing  # noqa: E402
-from fastzoo import files  # noqa: E402
-from fastzoo.bench import limits, run_suite  # noqa: E402
-from fastzoo.bench.causal_lm import causal_lm_suite, flattened_vs_packed  # noqa: E402
-from fastzoo.registry import get_entry  # noqa: E402
-from fastzoo.text import markdown_table  # noqa: E402
+from fastzoo import files
+from fastzoo.bench import limits, run_suite
+from fastzoo.bench.causal_lm import causal_lm_suite, flattened_vs_packed
+from fastzoo.registry import get_entry
+from fastzoo.text import markdown_table
 
 FAMILIES = ("gpt2", "llama", "gemma2")
 
 
-def run(device, out, *, quick, families=FAMILIES, note="", progress=True) -> dict:
+def packed_backends(entry, workload) -> list[str]:
+    """fastzoo's kernel for packed sequences (``varlen``); where it cannot serve the model (a
+    capability it lacks, e.g. soft-capping), the packed backends that can, so the row says which."""
+    import fastzoo
+    from fastzoo.errors import BackendUnavailableError
+
+    out = []
+    for b in ("varlen", "eager"):
+        try:
+            fastzoo.create(entry.name, attn=b, device="meta", **workload.config)
+        except BackendUnavailableError:
+            continue
+        out.append(b)
+        if b == "varlen":
+            break
+    return out
+
+
+def fitted(entry, workload):
+    """The workload's depth with the variant's per-layer attention kinds cut to it (Gemma's
+    alternating sliding / global layers: the shared decoder workloads change only the depth)."""
+    import dataclasses
+
+    kinds, depth = entry.config.get("layer_types"), workload.config.get("num_hidden_layers")
+    if kinds is None or depth is None or "layer_types" in workload.config:
+        return workload
+    return dataclasses.replace(workload, config={**workload.config, "layer_types": tuple(kinds[:depth])})
+
+
+def run(device, out, *, quick, families=FAMILIES, size=None, note="", progress=True) -> dict:
     load = os.getloadavg()
     summary = {"device": str(device), "threads": torch.get_num_threads(), "load before": [round(x, 2) for x in load],
                "peer": "HF with DataCollatorWithFlattening, use_cache=False (its default attention: sdpa)",
@@ -43,8 +68,9 @@ def run(device, out, *, quick, families=FAMILIES, note="", progress=True) -> dic
             summary["skipped"][name] = "not a fastzoo model in this checkout"
             continue
         tried = recipes_for(entry, quick, device, compile=False)
-        suite = causal_lm_suite(entry, entry.spec.bench.sizes["quick" if quick else "bench"], backends=["varlen"],
-                                modes=("train",), recipes=tried, steps=("labels",), device=device)
+        workload = fitted(entry, entry.spec.bench.sizes[size or ("quick" if quick else "bench")])
+        suite = causal_lm_suite(entry, workload, backends=packed_backends(entry, workload), modes=("train",),
+                                recipes=tried, steps=("labels",), device=device)
         suite.limits = limits.measure(device, dtypes=tuple(r.dtype or torch.float32 for r in tried), quick=quick)
         report = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
                       out, f"hf_flattened_{name}")
@@ -80,6 +106,8 @@ def to_markdown(s: dict) -> str:
 if __name__ == "__main__":
     p = parser(__doc__)
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--size", choices=("bench", "tour", "quick"), help="the spec's workload (default: bench; --quick: quick)")
     args = p.parse_args()
     device, out = setup(args)
-    run(device, out, quick=args.quick, families=args.families, note=args.note, progress=not args.no_progress)
+    run(device, out, quick=args.quick, families=args.families, size=args.size, note=args.note,
+        progress=not args.no_progress)

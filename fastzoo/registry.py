@@ -116,14 +116,15 @@ def export_state_dict(model, format: str) -> dict:
 def create(
     name: str | None = None,
     *,
-    attn: str = "sdpa",
+    attn: str | None = None,
     attn_options: dict | None = None,
     pretrained=None,
     device=None,
     dtype: torch.dtype | None = None,
     **overrides,
 ):
-    """Build model ``name`` with attention backend ``attn``.
+    """Build model ``name`` with attention backend ``attn`` (None: SDPA, or where SDPA cannot serve
+    the model, such as Gemma 2's soft-capped scores, the first of varlen, eager that can).
 
     Without a name, ``pretrained`` names the model, as transformers' ``AutoModel.from_pretrained``
     does: a live timm / transformers / torchvision / fastzoo module or a directory with a
@@ -154,7 +155,8 @@ def create(
                         "module or a directory with a config.json, which names the model itself")
     dtype = _dtype_arg(dtype)
     features = {k: overrides.pop(k) for k in ("features_only", "out_indices", "feature_cls") if k in overrides}
-    backend_class(attn)  # an unknown backend name fails before anything is built
+    if attn is not None:
+        backend_class(attn)  # an unknown backend name fails before anything is built
     on_meta = _placement(device, pretrained)
     src = weights.read_source(pretrained) if pretrained is not None else None
     entry = get_entry(name) if name is not None else entry_of_source(src)

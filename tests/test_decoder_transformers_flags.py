@@ -122,14 +122,17 @@ def test_a_4d_attention_mask_is_refused_by_name():
         m(ids, attention_mask=torch.ones(2, 1, 6, 6))
 
 
-def test_static_cache_with_sliding_window_layers_generates_transformers_tokens():
-    """Mistral's window (4) shorter than prompt + new tokens: the static cache's sliding layers
-    keep the last keys only; the same tokens as transformers'."""
+@pytest.mark.parametrize("layout,attn", [("mistral", "sdpa"), ("gemma2", "eager")])
+def test_static_cache_with_sliding_window_layers_generates_transformers_tokens(layout, attn):
+    """A window (4) shorter than prompt + new tokens (Mistral: every layer; Gemma 2: alternating,
+    with soft-capping): the static cache's sliding layers keep the last keys only; the same tokens
+    as transformers'."""
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0)
-    hf = transformers.MistralForCausalLM(cfg).eval()
-    m = fastzoo.create("mistral", pretrained=hf, attn="sdpa")
+    cfg = transformers.AutoConfig.for_model(layout, vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                            pad_token_id=0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    m = fastzoo.create(layout, pretrained=hf, attn=attn)
     ids, mask = left_padded()
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
     assert torch.equal(m.generate(ids, **kw), hf.generate(ids, **kw))

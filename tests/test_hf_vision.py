@@ -431,3 +431,61 @@ def test_gradient_checkpointing_as_transformers_enables_it_keeps_gradients():
     assert ours.grad_checkpointing
     ours(pixel_values=x, labels=labels).loss.backward()
     assert max((p.grad - plain[n]).abs().max().item() for n, p in ours.named_parameters()) <= 1e-6
+
+
+def test_readme_and_tour_recipe_for_a_transformers_vision_checkpoint(tmp_path):
+    """README's "Transformers' vision checkpoints" block and the tour's advice, at tiny size."""
+    from fastzoo.bench.tour import BRING
+
+    _hf("ViTForImageClassification").save_pretrained(tmp_path / "vit_dir")
+    hf = T.ViTForImageClassification.from_pretrained(tmp_path / "vit_dir")
+    x, y = _images("ViT", False), torch.tensor([0, 2])
+    for m in (fastzoo.create(pretrained=hf, attn="sdpa"), fastzoo.create(pretrained=tmp_path / "vit_dir")):
+        out = m.eval()(pixel_values=x, labels=y)
+        assert type(out).__name__ == "ImageClassifierOutput" and out.loss is not None
+        assert torch.equal(m(x), out.logits)
+    m.save_pretrained(tmp_path / "out")
+    back = T.ViTForImageClassification.from_pretrained(tmp_path / "out").eval()
+    assert (back(pixel_values=x).logits - out.logits).abs().max().item() <= ATOL
+    sd = _hf("Dinov2Model").state_dict()
+    d = fastzoo.create("facebook/dinov2-small", pretrained=sd, embed_dim=32, depth=2, num_heads=4, img_size=32, patch_size=8,
+                       mlp_ratio=3.0, mlp_layer="swiglu_packed")
+    assert d.config.hf_config["architectures"] == ["Dinov2Model"]
+    assert "fastzoo.create(pretrained=X)" in BRING and 'fastzoo.create("google/vit-base-patch16-224", pretrained=sd)' in BRING
+    vit = fastzoo.create("google/vit-base-patch16-224", pretrained=hf.state_dict(), embed_dim=32, depth=2, num_heads=4,
+                         img_size=32, patch_size=8, num_classes=3)
+    assert (vit.eval()(x) - hf.eval()(pixel_values=x).logits).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("cls_name,side", [("Dinov2Model", 48), ("Dinov2Model", 16), ("ViTForImageClassification", 48),
+                                           ("SiglipVisionModel", 24)])
+def test_another_image_size_resamples_positions_as_transformers_interpolate_pos_encoding(cls_name, side):
+    """``create(..., img_size=N)`` from a transformers model equals that model at N px with
+    ``interpolate_pos_encoding`` (DINOv2 always interpolates): bicubic without antialias, as it resamples."""
+    ref = _hf(cls_name)
+    with pytest.warns(UserWarning, match="interpolate_pos_encoding"):
+        ours = fastzoo.create(pretrained=ref, img_size=side, attn="eager").eval()
+    x = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(3))
+    kw = {} if cls_name.startswith("Dinov2") else {"interpolate_pos_encoding": True}
+    want, got = ref(pixel_values=x, **kw), ours(pixel_values=x)
+    key = "logits" if cls_name in _CLASSIFIERS else "pooler_output"
+    assert (got[key] - want[key]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("layer_type", ["bottleneck", "basic"])
+def test_resnet_with_transformers_own_widths_equals_it(layer_type):
+    """transformers' ResNet with a stem and stage widths torchvision's has not (its own tests' config:
+    embedding_size 64, hidden_sizes 10/20/30/40): stem_width / out_channels; from the live model, from
+    its bare state dict (the widths read from the keys), and back."""
+    cfg = T.ResNetConfig(embedding_size=64, hidden_sizes=[10, 20, 30, 40], depths=[1, 1, 2, 1], layer_type=layer_type,
+                         num_labels=3)
+    torch.manual_seed(0)
+    ref = T.ResNetForImageClassification(cfg).eval()
+    x, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    for source in (ref, ref.state_dict()):
+        ours = (fastzoo.create(pretrained=source) if source is ref else
+                fastzoo.create("microsoft/resnet-50", pretrained=source)).eval()
+        want, got = ref(pixel_values=x, labels=labels), ours(pixel_values=x, labels=labels)
+        assert (got.logits - want.logits).abs().max().item() <= ATOL and abs(got.loss.item() - want.loss.item()) <= ATOL
+    fresh = T.ResNetForImageClassification(cfg)
+    fresh.load_state_dict(fastzoo.export_state_dict(ours, "hf"), strict=True)

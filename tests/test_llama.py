@@ -1,6 +1,7 @@
-"""The Llama layouts (Llama, Qwen2, Mistral) equal transformers' models on the same weights:
-logits and gradients (fp32 CPU) through every CPU attention backend, padded and packed; every
-rotary schedule; generate token for token; save_pretrained read back by transformers."""
+"""The Llama-style layouts (Llama, Qwen2, Mistral, Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2,
+Gemma 3) equal transformers' models on the same weights: logits, loss and gradients (fp32 CPU)
+through every CPU attention backend that serves the layout, padded and packed; every rotary
+schedule; generate token for token; save_pretrained read back by transformers; PEFT LoRA."""
 import copy
 import tempfile
 
@@ -33,6 +34,31 @@ LAYOUTS = {
         tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     # sliding window on every layer
     "mistral": (transformers.MistralConfig, dict(sliding_window=4, tie_word_embeddings=False)),
+    # QK-norm per head, head_dim != hidden / heads, sliding window on the upper layer, tied head
+    "qwen3": (transformers.Qwen3Config, dict(
+        head_dim=12, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    # norms after attention and MLP, QK-norm over all heads, q/k/v/o biases
+    "olmo2": (transformers.Olmo2Config, dict(attention_bias=True, tie_word_embeddings=False)),
+    # the four multipliers, biases
+    "granite": (transformers.GraniteConfig, dict(
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0,
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
+    # the upper layer without rotary embeddings and with a sliding window
+    "smollm3": (transformers.SmolLM3Config, dict(
+        no_rope_layer_interval=2, use_sliding_window=True, sliding_window=4, tie_word_embeddings=True)),
+    # fused qkv_proj / gate_up_proj, sliding window on every layer
+    "phi3": (transformers.Phi3Config, dict(sliding_window=4, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0)),
+    # soft-capped scores and logits (caps low enough to bite at this init), sliding then global layer,
+    # query_pre_attn_scalar != head_dim, pre- and post-norms, GeGLU
+    "gemma2": (transformers.Gemma2Config, dict(
+        head_dim=16, query_pre_attn_scalar=20, sliding_window=4, attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0, initializer_range=0.3)),
+    # QK-norm, a rotary schedule per layer type (linear on the global layer), logits soft-capped
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(
+        head_dim=16, query_pre_attn_scalar=20, sliding_window=4, final_logit_softcapping=2.0, initializer_range=0.3,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1000000.0, factor=2.0)})),
 }
 TRAIN_BACKENDS = [("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"}), ("nested", {}), ("varlen", {}),
                   ("varlen", {"impl": "cpu"})]
@@ -58,15 +84,28 @@ def ours(hf, attn="eager", **opts):
 
 
 def ours_or_refused(hf, backend):
-    """The model on ``backend``, or None where the backend has no sliding window and the model
-    needs one: then create refuses it, naming the window (never a silent full attention)."""
+    """The model on ``backend``, or None where the backend lacks what the model needs (a sliding
+    window, soft-capped scores): then create refuses it, naming it (never a silent full attention
+    or uncapped scores)."""
     name, opts = backend
+    caps = fastzoo.attention.get_backend(name, **opts).capabilities
     windowed = getattr(hf.config, "sliding_window", None) is not None
-    if windowed and not fastzoo.attention.get_backend(name, **opts).capabilities.window:
+    if windowed and not caps.window:
         with pytest.raises(BackendUnavailableError, match="sliding-window"):
             ours(hf, name, **opts)
         return None
+    if getattr(hf.config, "attn_logit_softcapping", None) and hf.config.model_type == "gemma2" and not caps.softcap:
+        with pytest.raises(BackendUnavailableError, match="soft-capping"):
+            ours(hf, name, **opts)
+        return None
     return ours(hf, name, **opts)
+
+
+def serving(hf, *names):
+    """The first backend of ``names`` that serves the model (Gemma 2's soft-capped scores: not sdpa)."""
+    caps = lambda n: fastzoo.attention.get_backend(n).capabilities  # noqa: E731
+    capped = hf.config.model_type == "gemma2" and bool(hf.config.attn_logit_softcapping)
+    return next(n for n in names if caps(n).softcap or not capped)
 
 
 def seqs(lengths=(5, 11, 3)):
@@ -204,12 +243,13 @@ def test_the_window_changes_the_function():
 @pytest.mark.parametrize("attn", ["sdpa", "varlen"])
 def test_generate_equals_hf_token_for_token(hf, kind, attn):
     """Left-padded prompts, 12 new tokens: past the window (4) of the sliding layouts, whose
-    transformers cache keeps only the keys the window still sees."""
-    conftest.assert_generate_equals_original(ours(hf, attn), hf, pad_to_longest(seqs(), side="left"), kind)
+    transformers cache keeps only the keys the window still sees (sdpa: eager for Gemma 2)."""
+    m = ours(hf, serving(hf, attn, "eager"))
+    conftest.assert_generate_equals_original(m, hf, pad_to_longest(seqs(), side="left"), kind)
 
 
 def test_cache_continuation_equals_full_forward(hf):
-    m = ours(hf, "sdpa")
+    m = ours(hf, serving(hf, "sdpa", "eager"))
     ids = seqs((11,))[0][None]
     first = m(ids[:, :6], use_cache=True)
     step = m(ids[:, 6:], past_key_values=first.past_key_values)
@@ -244,10 +284,11 @@ def _trainer_losses(model, gradient_checkpointing: bool) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_trainer_with_flattening_and_gradient_checkpointing_matches_hf():
+@pytest.mark.parametrize("model_type", list(LAYOUTS))
+def test_trainer_with_flattening_and_gradient_checkpointing_matches_hf(model_type):
     """transformers' Trainer, packed batches (DataCollatorWithFlattening), gradient checkpointing:
     fastzoo's loss curve is HF's (HF's model trained the same way, padded inside its own kernels)."""
-    hf = hf_model("qwen2")
+    hf = hf_model(model_type)
     ref = _trainer_losses(copy.deepcopy(hf).train(), gradient_checkpointing=True)
     model = ours(hf, "varlen").train()
     got = _trainer_losses(model, gradient_checkpointing=True)
@@ -257,15 +298,17 @@ def test_trainer_with_flattening_and_gradient_checkpointing_matches_hf():
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_peft_lora_trains_only_the_adapters_as_on_hf(layout):
-    """peft's LoRA on attention and MLP projections: HF's adapters, the base frozen, HF's loss and
-    adapter gradients (packed: fastzoo's packed batch against HF's padded one); merged, HF's logits."""
-    hf = hf_model("llama")
+@pytest.mark.parametrize("model_type", list(LAYOUTS))
+def test_peft_lora_trains_only_the_adapters_as_on_hf(model_type, layout):
+    """peft's LoRA on attention and MLP projections (Phi-3's fused ones as they are): HF's adapters,
+    the base frozen, HF's loss and adapter gradients (packed: fastzoo's packed batch against HF's
+    padded one); merged, HF's logits."""
+    hf = hf_model(model_type)
     batch = pad_to_longest(seqs())
     packed = pack(seqs())
     inputs = dict(**packed.model_inputs(), labels=packed.labels) if layout == "packed" else {}
-    mine, theirs = conftest.assert_lora_equals_original(ours(hf, "varlen"), copy.deepcopy(hf), ["q_proj", "v_proj", "down_proj"],
-                                                        batch, **inputs)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj"] if model_type == "phi3" else ["q_proj", "v_proj", "down_proj"]
+    mine, theirs = conftest.assert_lora_equals_original(ours(hf, "varlen"), copy.deepcopy(hf), targets, batch, **inputs)
     merged, hf_merged = mine.merge_and_unload(), theirs.merge_and_unload()
     assert isinstance(merged, type(ours(hf)))  # peft hands back fastzoo's model, adapters folded in
     with torch.no_grad():
@@ -274,15 +317,16 @@ def test_peft_lora_trains_only_the_adapters_as_on_hf(layout):
 
 # -- checkpoints ---------------------------------------------------------------------------------
 def test_save_pretrained_is_read_by_transformers_and_back(hf, tmp_path):
-    m = ours(hf, "sdpa")
+    m = ours(hf, serving(hf, "sdpa", "eager"))
     m.save_pretrained(tmp_path / "ours")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    # eager: transformers' default (SDPA) drops Gemma 2's attention soft-capping
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
     assert type(back) is type(hf)
     ids = seqs((9,))[0][None]
     with torch.no_grad():
         assert_close(back(ids).logits, hf(ids).logits)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # several shards and an index
-    again = fastzoo.create(hf.config.model_type, pretrained=tmp_path / "hf")
+    again = fastzoo.create(hf.config.model_type, attn=serving(hf, "sdpa", "eager"), pretrained=tmp_path / "hf")
     with torch.no_grad():
         assert_close(again(ids).logits, hf(ids).logits)
 

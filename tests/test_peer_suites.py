@@ -18,7 +18,9 @@ sys.path.insert(0, str(SUITES))
 
 import run  # noqa: E402
 import swap_hf_gpt2  # noqa: E402
+import swap_hf_vision  # noqa: E402
 import swap_hf_llama  # noqa: E402
+from fastzoo.models.decoder.convert import LLAMA_LAYOUTS  # noqa: E402
 import swap_timm  # noqa: E402
 
 
@@ -58,13 +60,34 @@ def test_hf_swap_builds_fastzoo_gpt2_computing_hfs_function():
         swap_hf_gpt2.FastzooGPT2LMHeadModel(transformers.GPT2Config(add_cross_attention=True))
 
 
-@pytest.mark.parametrize("layout", list(swap_hf_llama.LAYOUTS))
+def test_hf_vision_swap_builds_fastzoo_models_computing_transformers_function():
+    vit = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                                 image_size=30, patch_size=2, num_labels=10, attn_implementation="eager")
+    resnet = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[32, 64], depths=[1, 1], layer_type="bottleneck")
+    for arch, cfg, x in (("ViTForImageClassification", vit, torch.randn(2, 3, 30, 30)),
+                         ("ResNetModel", resnet, torch.randn(2, 3, 64, 64))):
+        torch.manual_seed(0)
+        hf = getattr(transformers, arch)(cfg).eval()
+        m = swap_hf_vision.build(arch)(cfg)
+        assert type(m).__name__ == ("VisionTransformer" if arch.startswith("ViT") else "ResNet")
+        m.load_state_dict(fastzoo.create(pretrained=hf).state_dict())
+        want, got = hf(pixel_values=x), m.eval()(pixel_values=x)
+        assert type(got) is type(want)
+        key = "logits" if arch.startswith("ViT") else "pooler_output"
+        assert (got[key] - want[key]).abs().max() <= 1e-4
+    odd = transformers.ResNetConfig(hidden_sizes=[10, 20], depths=[1, 1], downsample_in_bottleneck=True)
+    with pytest.raises(swap_hf_vision.NotProvidedByFastzoo, match="downsample_in_bottleneck"):
+        swap_hf_vision.build("ResNetModel")(odd)
+
+
+@pytest.mark.parametrize("layout", [t for t in swap_hf_llama.LAYOUTS if t in LLAMA_LAYOUTS])
 def test_hf_swap_builds_each_llama_layout_with_the_configs_attention(layout):
     """The swapped ``<Layout>ForCausalLM(config)`` is fastzoo's model of that layout, on the backend
     ``config._attn_implementation`` names, computing transformers' function on the same weights;
     the class answers transformers' flags as fastzoo declares them (what HF's tests read)."""
     cfg = transformers.AutoConfig.for_model(layout, vocab_size=64, hidden_size=32, intermediate_size=40,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            pad_token_id=0)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()

@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import sys
 
-# the heads HF's causal-LM model tester builds besides the causal LM: tester attribute -> class suffix
-_OTHER_HEADS = {"base_model_class": "Model", "question_answering_class": "ForQuestionAnswering",
-                "sequence_classification_class": "ForSequenceClassification",
-                "token_classification_class": "ForTokenClassification"}
+# the heads HF's causal-LM model tester builds besides the causal LM (tester attributes)
+_OTHER_HEADS = ("base_model_class", "question_answering_class", "sequence_classification_class",
+                "token_classification_class")
 
 
 class NotProvidedByFastzoo(NotImplementedError):
@@ -129,8 +128,10 @@ def swap(module, prefix: str, swapped: type, not_provided: tuple[str, ...]) -> t
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)  # HF's own checks of its wiring run on HF's classes
         self.causal_lm_class = swapped
-        for attr, suffix in _OTHER_HEADS.items():
-            setattr(self, attr, stand_ins[f"{prefix}{suffix}"])
+        for attr in _OTHER_HEADS:  # the heads this tester builds, each a refusing stand-in
+            head = getattr(self, attr, None)
+            if head is not None:
+                setattr(self, attr, stand_ins.get(head.__name__) or _not_provided(head.__name__, swapped.__name__))
 
     tester.__init__ = init
     test = getattr(module, f"{prefix}ModelTest")

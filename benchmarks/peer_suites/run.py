@@ -36,6 +36,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the swap plugins beside this file name the layouts
+
+import swap_hf_llama  # noqa: E402
 ROOT = HERE.parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cpu-2core" / "peer_suites"
 
@@ -163,6 +166,16 @@ HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
     "test_detr_model": (NOT_APPLICABLE, "DetrModel (the bare encoder-decoder): fastzoo provides DetrForObjectDetection"),
 }
 
+# soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
+HF_SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
+    **HF_LLAMA_VERDICTS,
+    **dict.fromkeys(("test_eager_matches_sdpa_inference", "test_sdpa_padding_matches_padding_free_with_position_ids",
+                     "test_can_set_attention_dynamically", "test_sdpa_can_dispatch_non_composite_models"), (
+        REFUSED, "attn_implementation='sdpa' on a soft-capping layout: fastzoo's sdpa backend has no attention-logit "
+                 "soft-capping and refuses at create rather than drop it (transformers' sdpa_attention_forward takes no "
+                 "softcap: it drops Gemma's soft-capping silently); eager, flex and varlen serve it")),
+}
+
 TIMM_VERDICTS: dict[str, tuple[str, str]] = {
     "test_model_forward_torchscript": (
         REFUSED, "torch.jit.script: TorchScript is deprecated in PyTorch and fastzoo's swappable attention "
@@ -171,6 +184,46 @@ TIMM_VERDICTS: dict[str, tuple[str, str]] = {
         REFUSED, "torch.jit.script of the FX feature extractor: TorchScript, as test_model_forward_torchscript"),
     "test_jit_forward_backward": (
         REFUSED, "torch.jit.script of the feature extractor: TorchScript, as timm's torchscript tests"),
+}
+
+# transformers' vision suites (ViT, ResNet), from the recorded runs
+_VISION_ATTENTIONS = (REFUSED, "output_attentions: fastzoo's attention kernels return no weights; refused by name "
+                               "(models/hf_outputs.py)")
+_VISION_LOADING = (REFUSED, "transformers' loading options (output_loading_info, from_pretrained(num_labels=, "
+                            "ignore_mismatched_sizes=), from_pretrained(None, state_dict=)) and partial loads: fastzoo "
+                            "loads all or nothing with create(name, pretrained=...), a new head by num_classes=N")
+_VISION_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, base_model_prefix, "
+                                     "_keep_in_fp32_modules, GradientCheckpointingLayer modules / is_gradient_checkpointing, "
+                                     "enable_input_require_grads, _can_set_attn_implementation): fastzoo's image models are timm-API modules, not "
+                                     "PreTrainedModels; gradient_checkpointing_enable() and the Trainer recipe are tested in "
+                                     "tests/test_hf_vision.py")
+_POSITIONAL = (REFUSED, "a positional model(pixel_values) is timm's call on the same model (the logits or pooled "
+                        "features tensor; forward's first parameter is timm's images); transformers' convention is by "
+                        "keyword, model(pixel_values=..., labels=...), which every ModelTesterMixin test uses")
+HF_VISION_VERDICTS: dict[str, tuple[str, str]] = {
+    "test_attention_outputs": _VISION_ATTENTIONS,
+    "test_model_outputs_equivalence": _VISION_ATTENTIONS,
+    "test_retain_grad_hidden_states_attentions": _VISION_ATTENTIONS,
+    "test_can_use_safetensors": _VISION_LOADING,
+    "test_load_save_without_tied_weights": _VISION_LOADING,
+    "test_from_pretrained_no_checkpoint": _VISION_LOADING,
+    "test_model_weights_reload_no_missing_tied_weights": _VISION_LOADING,
+    "test_can_load_ignoring_mismatched_shapes": _VISION_LOADING,
+    "test_cannot_load_with_meta_device_context_manager": (
+        REFUSED, "pretrained= inside a torch.device('meta') context is refused with fastzoo's own ValueError naming "
+                 "it; the test expects transformers' RuntimeError text"),
+    **{name: _VISION_INTERNALS for name in (
+        "test_all_tensors_are_parameter_or_buffer", "test_correct_missing_keys", "test_init_weights_can_init_buffers",
+        "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_enable_input_require_grads",
+        "test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
+        "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
+        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true",
+        "test_can_set_attention_dynamically", "test_can_set_attention_dynamically_composite_model",
+        "test_enable_input_require_grads_with_gradient_checkpointing")},
+    "test_forward_signature": _POSITIONAL,
+    "test_model": _POSITIONAL,
+    "test_for_image_classification": _POSITIONAL,
+    "test_model_main_input_name": _POSITIONAL,
 }
 
 SUITES = {
@@ -183,13 +236,28 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_GPT2_VERDICTS,
     },
-    **{f"hf-{layout}": {
-        "title": f"transformers' tests/models/{layout}/test_modeling_{layout}.py against fastzoo's {name}",
-        "target": f"tests/models/{layout}/test_modeling_{layout}.py",
+    **{f"hf-{folder}": {
+        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {model_type}",
+        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
         "plugin": "swap_hf_llama",
+        # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
+        "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
+        "verdicts": HF_SOFTCAP_VERDICTS if folder.startswith("gemma") else HF_LLAMA_VERDICTS,
+    } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
+    "hf-vit": {
+        "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",
+        "target": "tests/models/vit/test_modeling_vit.py",
+        "plugin": "swap_hf_vision",
         "pytest_args": ["--noconftest"],
-        "verdicts": HF_LLAMA_VERDICTS,
-    } for layout, name in (("llama", "Llama"), ("qwen2", "Qwen2"), ("mistral", "Mistral"))},
+        "verdicts": HF_VISION_VERDICTS,
+    },
+    "hf-resnet": {
+        "title": "transformers' tests/models/resnet/test_modeling_resnet.py against fastzoo's ResNet",
+        "target": "tests/models/resnet/test_modeling_resnet.py",
+        "plugin": "swap_hf_vision",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_VISION_VERDICTS,
+    },
     "hf-detr": {
         "title": "transformers' tests/models/detr/test_modeling_detr.py against fastzoo's DETR",
         "target": "tests/models/detr/test_modeling_detr.py",

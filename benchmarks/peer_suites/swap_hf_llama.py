@@ -1,5 +1,5 @@
-"""pytest plugin: Hugging Face's own model tests of the Llama layouts (``llama``, ``qwen2``,
-``mistral``) with fastzoo's decoder in the place of transformers' ``<Layout>ForCausalLM``, as a
+"""pytest plugin: Hugging Face's own model tests of the Llama-style layouts (``llama``, ``qwen2``,
+``mistral``, ``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``, ``olmo2``, ``smollm3``, ``granite``) with fastzoo's decoder in the place of transformers' ``<Layout>ForCausalLM``, as a
 new user would swap it in.
 
 The swap is the user's two lines, as for GPT-2 (``swap_hf_gpt2.py``; both are built on ``hf_swap.py``):
@@ -21,9 +21,19 @@ import sys
 from hf_swap import _attn_of, stand_in
 from hf_swap import swap as _swap
 
-# transformers' model_type -> the class-name prefix of its test module and classes
-LAYOUTS = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
-_OTHER_CLASSES = ("Model", "ForQuestionAnswering", "ForSequenceClassification", "ForTokenClassification")
+# transformers' model_type -> (its test module's folder, the prefix of its test classes, its causal LM class)
+LAYOUTS = {
+    "llama": ("llama", "Llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2", "Qwen2ForCausalLM"),
+    "mistral": ("mistral", "Mistral", "MistralForCausalLM"), "qwen3": ("qwen3", "Qwen3", "Qwen3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2", "Gemma2ForCausalLM"), "gemma3_text": ("gemma3", "Gemma3Text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3", "Phi3ForCausalLM"), "olmo2": ("olmo2", "Olmo2", "Olmo2ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3", "SmolLM3ForCausalLM"), "granite": ("granite", "Granite", "GraniteForCausalLM"),
+}
+
+
+def test_module(model_type: str) -> str:
+    folder = LAYOUTS[model_type][0]
+    return f"tests.models.{folder}.test_modeling_{folder}"
 
 
 def build_fastzoo_llama(config, **create_kwargs):
@@ -42,18 +52,23 @@ def _fastzoo_llama():
 
 
 def swapped_class(model_type: str) -> type:
-    """The class standing where the tests name ``<Layout>ForCausalLM``."""
-    prefix = LAYOUTS[model_type]
-    return stand_in(f"{prefix}ForCausalLM", build_fastzoo_llama, _fastzoo_llama, model_type)
+    """The class standing where the tests name the layout's causal LM (``LlamaForCausalLM`` ...)."""
+    return stand_in(LAYOUTS[model_type][2], build_fastzoo_llama, _fastzoo_llama, model_type)
 
 
 FastzooLlamaForCausalLM = swapped_class("llama")
 
 
 def swap(module, model_type: str) -> None:
-    prefix = LAYOUTS[model_type]
+    """Every other transformers model class the test module names (the base model, the other
+    heads, a multimodal model) becomes a refusing stand-in."""
+    from transformers import PreTrainedModel
+
+    _, prefix, causal = LAYOUTS[model_type]
     swapped = FastzooLlamaForCausalLM if model_type == "llama" else swapped_class(model_type)
-    test = _swap(module, prefix, swapped, tuple(prefix + suffix for suffix in _OTHER_CLASSES))
+    others = tuple(n for n, v in vars(module).items()
+                   if isinstance(v, type) and issubclass(v, PreTrainedModel) and n != causal)
+    test = _swap(module, prefix, swapped, others)
     test.pipeline_model_mapping = {}  # pipelines are stubbed out of this checkout (see run.py)
     test._torch_compile_train_cls = swapped
 
@@ -61,7 +76,7 @@ def swap(module, model_type: str) -> None:
 def pytest_collection_finish(session):
     if os.environ.get("PEER_SUITE_SWAP") != "1":
         return
-    found = [t for t in LAYOUTS if f"tests.models.{t}.test_modeling_{t}" in sys.modules]
+    found = [t for t in LAYOUTS if test_module(t) in sys.modules]
     if len(found) != 1:
-        raise RuntimeError(f"run pytest on one of tests/models/{{{','.join(LAYOUTS)}}}/test_modeling_*.py (collected: {found})")
-    swap(sys.modules[f"tests.models.{found[0]}.test_modeling_{found[0]}"], found[0])
+        raise RuntimeError(f"run pytest on the test file of one of {', '.join(LAYOUTS)} (collected: {found})")
+    swap(sys.modules[test_module(found[0])], found[0])

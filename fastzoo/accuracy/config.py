@@ -31,6 +31,10 @@ class Arm:
     # Train and evaluate under autocast to this dtype ("bf16"; weights and optimiser stay fp32). The
     # first arm of a precision runs the first arm's model in it: the precision's peer (see _compare).
     amp: str | None = None
+    # transformers' form of the model: with original, transformers' own class (ViTForImageClassification)
+    # on the original's weights; else fastzoo's model built from that transformers model (no name) and
+    # trained through transformers' call (pixel_values=, .logits)
+    hf: bool = False
 
 
 @dataclass
@@ -170,7 +174,7 @@ def precision(arm: Arm) -> str:
 
 
 def _kind(arm: Arm) -> tuple:
-    return arm.original, arm.attn, arm.layout, arm.loss, arm.model_kwargs, arm.nudge
+    return arm.original, arm.attn, arm.layout, arm.loss, arm.model_kwargs, arm.nudge, arm.hf
 
 
 def peers(arms) -> dict:

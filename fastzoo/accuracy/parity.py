@@ -42,12 +42,17 @@ class Digits(ParityData):
         self.train, self.test = digits(cfg.data.img_size, test_fraction=cfg.data.test_fraction, seed=cfg.seed)
         self.n, self.device = len(self.train.y), device
 
+    @staticmethod
+    def _logits(arm, model, x):
+        return model(pixel_values=x).logits if arm.hf else model(x)  # transformers' call for its arms
+
     def loss(self, arm, model, idx):
-        return F.cross_entropy(model(self.train.x[idx].to(self.device)).float(), self.train.y[idx].to(self.device))
+        logits = self._logits(arm, model, self.train.x[idx].to(self.device))
+        return F.cross_entropy(logits.float(), self.train.y[idx].to(self.device))
 
     @torch.no_grad()
     def evaluate(self, arm, model):
-        logits = torch.cat([model(x.to(self.device)).float().cpu() for x in self.test.x.split(256)])
+        logits = torch.cat([self._logits(arm, model, x.to(self.device)).float().cpu() for x in self.test.x.split(256)])
         return F.cross_entropy(logits, self.test.y).item(), (logits.argmax(-1) == self.test.y).float().mean().item()
 
 

@@ -63,9 +63,12 @@ def _models(cfg: RunConfig, device):
     original = _original(cfg)
     init = None if original is not None else fastzoo.create(cfg.model, **cfg.overrides)
     out = []
+    hf = _as_transformers(cfg, original) if any(a.hf for a in cfg.arms) else None
     for arm in cfg.arms:
         try:
-            if arm.original:
+            if arm.hf:
+                m = copy.deepcopy(hf) if arm.original else fastzoo.create(pretrained=hf, attn=arm.attn or "sdpa")
+            elif arm.original:
                 if original is None:
                     raise ConfigError(f"arm {arm.name!r}: {cfg.model} has no original library model")
                 m = copy.deepcopy(original)
@@ -80,6 +83,21 @@ def _models(cfg: RunConfig, device):
         except BackendUnavailableError as e:
             out.append(str(e).split(". Available on this machine")[0])
     return out
+
+
+def _as_transformers(cfg: RunConfig, original):
+    """transformers' model of ``cfg.model`` (its ``save_pretrained`` form) on the original's weights."""
+    import transformers
+
+    import fastzoo
+
+    m = fastzoo.create(cfg.model, pretrained=original)
+    config, state = m.hf_pretrained()
+    hf_config = transformers.AutoConfig.for_model(**config)
+    hf_config._attn_implementation = "eager"
+    hf = getattr(transformers, config["architectures"][0])(hf_config)
+    hf.load_state_dict(state, strict=True)
+    return hf
 
 
 def _fastzoo(cfg: RunConfig, arm: Arm, original, device):
@@ -187,6 +205,14 @@ def _autocast(arm: Arm, device):
 def _load_weights(cfg: RunConfig, arm: Arm, ref_arm: Arm, snapshot, trained):
     """A copy of this arm's model holding the first arm's parameters ``snapshot`` (a model of the
     first arm's kind), built the way the arm was built at step 0; None if it cannot be."""
+    if arm.hf:  # the original -> transformers' form (-> fastzoo built from it), as at step 0
+        if not ref_arm.original:
+            return None
+        import fastzoo
+
+        hf = _as_transformers(cfg, copy.deepcopy(snapshot))
+        m = hf if arm.original else fastzoo.create(pretrained=hf, attn=arm.attn or "sdpa")
+        return m.to(next(trained.parameters()).device)
     if arm.original:
         return copy.deepcopy(snapshot) if ref_arm.original else None
     if ref_arm.original:  # the original library's model -> fastzoo, the same conversion as at step 0

@@ -93,15 +93,25 @@ def list_attention(available_only: bool = False) -> list[str]:
 
 AttentionBackend.available_here = staticmethod(lambda: list_attention(available_only=True))
 
+# What a model gets when no backend is named: SDPA, or where SDPA cannot serve the model
+# (soft-capped scores: Gemma 2) the first of these that can.
+DEFAULT_BACKENDS = ("sdpa", "varlen", "eager")
+
+
+def default_backend(req: AttnRequest) -> str:
+    """The backend a model gets when none is named (:data:`DEFAULT_BACKENDS`); "sdpa" when none
+    of them serves ``req``, whose refusal then names what is missing."""
+    return next((name for name in DEFAULT_BACKENDS if not get_backend(name).problems(req)), DEFAULT_BACKENDS[0])
+
 
 __all__ = [
     "AttentionBackend", "AttnContext", "AttnRequest", "Capabilities",
-    "backend_class", "capability_matrix", "get_backend", "list_attention", "register_attention",
+    "backend_class", "capability_matrix", "default_backend", "get_backend", "list_attention", "register_attention",
 ]
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "kv cache", "gqa", "window", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
+                  "kv cache", "gqa", "window", "softcap", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -136,6 +146,7 @@ def _matrix_row(label: str, backend: AttentionBackend) -> dict:
         "kv cache": yes(caps.kv_cache),
         "gqa": "native" if caps.gqa else "k/v repeated",
         "window": yes(caps.window),
+        "softcap": yes(caps.softcap),
         "score_mod": yes(caps.score_mod),
         "dropout": yes(caps.dropout),
         "backward": "/".join(caps.backward) or "no",

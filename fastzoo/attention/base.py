@@ -33,6 +33,10 @@ before it (transformers' ``sliding_window_causal_mask_function``); it is causal,
 cache ``i`` is the query's position among the keys (bottom-right), per packed sequence. Only
 a backend declaring ``window`` is given it; the others are refused, naming it.
 
+Soft-capping (``ctx.softcap``, Gemma 2's ``attn_logit_softcapping``): the scaled scores become
+``softcap * tanh(score / softcap)`` before the mask and the softmax. Only a backend declaring
+``softcap`` is given it; the others are refused at create, naming it (never dropped silently).
+
 Each backend declares :class:`Capabilities`. Models state what they need as an
 :class:`AttnRequest`; :meth:`AttentionBackend.check` compares the two when a model is
 built or its backend is switched, so that an impossible request fails before the first
@@ -67,6 +71,7 @@ class Capabilities:
     kv_cache: bool = False  # causal with fewer queries than keys (Sq < Sk), bottom-right aligned
     gqa: bool = False  # takes k/v with fewer heads than q itself (else the contract repeats them)
     window: bool = False  # sliding-window causal attention (ctx.window)
+    softcap: bool = False  # scores soft-capped, cap * tanh(score / cap), before the mask (ctx.softcap)
     dropout: bool = True  # attention dropout (ctx.dropout_p > 0)
     backward: tuple[str, ...] = ("cpu", "cuda")  # device types on which backward works
     compile: bool = True
@@ -102,6 +107,7 @@ class AttnContext:
     scale: float | None = None  # None: 1/sqrt(head_dim)
     dropout_p: float = 0.0
     window: int | None = None  # sliding window: query i sees keys j with i - j < window (causal); None: all
+    softcap: float | None = None  # scaled scores become softcap * tanh(score / softcap); None: not capped
     grid_size: tuple[int, int] | None = None  # ViT patch grid (rows, cols), for 2-D masks
     num_prefix_tokens: int = 0  # class/register tokens before the patch tokens
     _cache: dict = field(default_factory=dict, repr=False, compare=False)  # see cached()
@@ -134,6 +140,7 @@ class AttnRequest:
     unpads: bool = False  # the model packs a padded batch itself for a backend with varlen but no padding mask
     kv_cache: bool = False  # decoding with a KV cache: causal with Sq < Sk (packed: keys with their own offsets)
     window: bool = False  # some layer attends through a sliding window (its ctx.window)
+    softcap: bool = False  # some layer soft-caps its attention scores (its ctx.softcap)
     gqa: bool = False  # k/v have fewer heads than q: served by any backend (repeated where not native)
     grid_2d: bool | None = None  # the model gives ctx.grid_size (ViT patches), for 2-D masks
     attn_dropout: float = 0.0  # the largest attention dropout the model is configured with
@@ -222,7 +229,7 @@ class AttentionBackend:
         return AttnRequest(
             head_dim=q.shape[-1], causal=ctx.causal, padding_mask=ctx.key_padding_mask is not None,
             varlen=ctx.cu_seqlens is not None, kv_cache=bool(ctx.causal and Sq != Sk) or ctx.cu_seqlens_k is not None,
-            window=ctx.window is not None, gqa=k.shape[1] != q.shape[1], attn_dropout=ctx.dropout_p,
+            window=ctx.window is not None, softcap=ctx.softcap is not None, gqa=k.shape[1] != q.shape[1], attn_dropout=ctx.dropout_p,
             attn_dropout_field="dropout_p", device=q.device.type, dtype=q.dtype,
             backward=torch.is_grad_enabled() and q.requires_grad, at_call=True,
         )
@@ -305,6 +312,9 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
     if req.window and not caps.window:
         problems.append("has no sliding-window attention (window), which this model needs: pick a backend with "
                         "window (eager, sdpa, flex, varlen)")
+    if req.softcap and not caps.softcap:
+        problems.append("has no attention-logit soft-capping (softcap), which this model needs (its attention scores are "
+                        "capped, Gemma 2's attn_logit_softcapping): pick a backend with softcap (eager, flex, fa2, fa3, fa4)")
     if req.attn_dropout > 0 and not caps.dropout:
         problems.append(
             f"has no attention dropout (got dropout_p={req.attn_dropout:g}): set the model's attention dropout to 0"

@@ -1,7 +1,7 @@
 """``eager``: softmax(q k^T * scale + mask) v written out with matmuls — the reference.
 
-It serves every feature of the contract (causal, padding, packed sequences, score_mod,
-mask_mod) by materialising the [B, H, S, S] scores, so every faster backend is compared
+It serves every feature of the contract (causal, padding, packed sequences, windows,
+soft-capping, score_mod, mask_mod) by materialising the [B, H, S, S] scores, so every faster backend is compared
 against it. Memory grows with S^2: use it to check, not to train at length.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ class EagerBackend(AttentionBackend):
         score_mod=True,
         kv_cache=True,
         window=True,
+        softcap=True,
         verified="reference (CPU fp32)",
     )
     options = {"score_mod": None, "mask_mod": None, "softcap": 50.0, "window": 128, "radius": 3}
@@ -47,6 +48,8 @@ class EagerBackend(AttentionBackend):
         Sk = k_BHSD.shape[-2]
         scale = ctx.scale if ctx.scale is not None else D**-0.5
         scores_BHSS = (q_BHSD * scale) @ k_BHSD.transpose(-2, -1)
+        if ctx.softcap is not None:  # the model's own capping, before any score_mod of the user's
+            scores_BHSS = masks.cap_scores(scores_BHSS, ctx.softcap)
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
         if score_mod is not None:
             scores_BHSS = masks.apply_score_mod(score_mod, scores_BHSS)

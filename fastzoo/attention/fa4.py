@@ -62,6 +62,7 @@ class Fa4Backend(LibraryBackend):
         kv_cache=True,  # bottom-right causal, dense and per packed sequence
         gqa=True,
         window=True,
+        softcap=True,  # the model's (ctx.softcap) or the softcap= option
         dropout=False,
         backward=("cuda",),
         compile=False,
@@ -91,26 +92,29 @@ class Fa4Backend(LibraryBackend):
                 problems.append(f"takes head dims {words} on sm{major}x, the model has {req.head_dim}")
         return problems
 
-    def _common(self, causal, scale, dropout_p, window):
+    def _common(self, causal, scale, dropout_p, window, softcap):
         _no_dropout(dropout_p)
+        option = self.opts["softcap"]
+        if softcap is not None and option is not None and float(option) != float(softcap):
+            raise ValueError(f"softcap={option}: the model soft-caps its scores at {softcap}; leave the option unset")
         # FA4's form: None for an unbounded side (flash-attn 2/3 use -1)
         window_size = (None, None) if window is None else flash_window_size(window)
         return dict(softmax_scale=scale, causal=causal, window_size=window_size,
-                    softcap=float(self.opts["softcap"] or 0.0))
+                    softcap=float(softcap or option or 0.0))
 
-    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None):
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None, softcap=None):
         from flash_attn.cute import flash_attn_func
 
-        out, _lse = flash_attn_func(q_BSHD, k_BSHD, v_BSHD, **self._common(causal, scale, dropout_p, window))
+        out, _lse = flash_attn_func(q_BSHD, k_BSHD, v_BSHD, **self._common(causal, scale, dropout_p, window, softcap))
         return out
 
     def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
-               cu_seqlens_k=None, max_seqlen_k=None, window=None):
+               cu_seqlens_k=None, max_seqlen_k=None, window=None, softcap=None):
         from flash_attn.cute import flash_attn_varlen_func
 
         if cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
         out, _lse = flash_attn_varlen_func(
             q_THD, k_THD, v_THD, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen,
-            max_seqlen_k=max_seqlen_k, **self._common(causal, scale, dropout_p, window))
+            max_seqlen_k=max_seqlen_k, **self._common(causal, scale, dropout_p, window, softcap))
         return out

@@ -57,7 +57,7 @@ def _check_bottom_right_version(module_name: str, causal: bool) -> None:
 
 
 def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
-               cu_seqlens_k=None, max_seqlen_k=None, window=None) -> torch.Tensor:
+               cu_seqlens_k=None, max_seqlen_k=None, window=None, softcap=None) -> torch.Tensor:
     """FlashAttention-2 on packed sequences: ``[T, H, D]`` tokens, ``cu_seqlens`` [N+1] int32 (the
     keys' own ``cu_seqlens_k`` with a KV cache: causal is then bottom-right per sequence)."""
     from flash_attn import flash_attn_varlen_func
@@ -69,6 +69,7 @@ def fa2_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dr
     return flash_attn_varlen_func(
         q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=scale, causal=causal, window_size=flash_window_size(window),
+        softcap=softcap or 0.0,
     )
 
 
@@ -91,6 +92,7 @@ class Fa2Backend(LibraryBackend):
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned (flash-attn >= 2.1)
         gqa=True,  # k/v with fewer heads than q, as they are
         window=True,  # window_size=(left, right), flash-attn >= 2.3
+        softcap=True,  # flash_attn_func(softcap=), from flash-attn 2.6
         min_cuda_capability=(8, 0),
         # the module called; flash-attn-4 installs a bare flash_attn/cute/ namespace, so `flash_attn` alone imports without FA2
         packages=("flash_attn.flash_attn_interface",),
@@ -99,12 +101,12 @@ class Fa2Backend(LibraryBackend):
         verified="not verified on hardware",
     )
 
-    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None):
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None, softcap=None):
         from flash_attn import flash_attn_func
 
         _check_bottom_right("flash_attn", q_BSHD, k_BSHD, causal)
         return flash_attn_func(q_BSHD, k_BSHD, v_BSHD, dropout_p=dropout_p, softmax_scale=scale, causal=causal,
-                               window_size=flash_window_size(window))
+                               window_size=flash_window_size(window), softcap=softcap or 0.0)
 
     varlen = staticmethod(fa2_varlen)
 
@@ -125,6 +127,7 @@ class Fa3Backend(LibraryBackend):
         kv_cache=True,  # causal with seqlen_q < seqlen_k is bottom-right aligned, as in FlashAttention-2 >= 2.1
         gqa=True,
         window=True,
+        softcap=True,
         min_cuda_capability=(9, 0),
         packages=("flash_attn_interface",),
         # no PyPI distribution: flash-attn's sdist ships hopper/ without its CUDA sources
@@ -133,19 +136,20 @@ class Fa3Backend(LibraryBackend):
         verified="not verified on hardware",
     )
 
-    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None):
+    def dense(self, q_BSHD, k_BSHD, v_BSHD, *, causal, scale, dropout_p, window=None, softcap=None):
         _no_dropout(dropout_p)
         from flash_attn_interface import flash_attn_func
 
         return _out(flash_attn_func(q_BSHD, k_BSHD, v_BSHD, softmax_scale=scale, causal=causal,
-                                    window_size=flash_window_size(window)))
+                                    window_size=flash_window_size(window), softcap=softcap or 0.0))
 
     def varlen(self, q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *, causal, scale, dropout_p, ctx=None,
-               cu_seqlens_k=None, max_seqlen_k=None, window=None):
+               cu_seqlens_k=None, max_seqlen_k=None, window=None, softcap=None):
         _no_dropout(dropout_p)
         from flash_attn_interface import flash_attn_varlen_func
 
         if cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
         return _out(flash_attn_varlen_func(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
-                                           softmax_scale=scale, causal=causal, window_size=flash_window_size(window)))
+                                           softmax_scale=scale, causal=causal, window_size=flash_window_size(window),
+                                           softcap=softcap or 0.0))

@@ -91,6 +91,7 @@ class FlexBackend(AttentionBackend):
         gqa=True,  # flex_attention(enable_gqa=True)
         head_dim_on=(("cuda", 16, 1),),  # the Triton template's tiles: head dim >= 16
         window=True,  # the context's window joins its mask_mod
+        softcap=True,  # the context's softcap as a score_mod, before the user's
         dropout=False,
         backward=("cuda",),
         verified=("CPU fp32 inference, uncompiled (torch 2.14.1); compiled on CPU refused until "
@@ -158,6 +159,7 @@ class FlexBackend(AttentionBackend):
         B, _, Sq, _ = q_BHSD.shape
         block_mask = self._block_mask(ctx, B, Sq, k_BHSD.shape[-2], q_BHSD.device)
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])
+        score_mod = masks.with_context_softcap(ctx, score_mod)
         compile_ = self.opts["compile"]
         compile_ = q_BHSD.is_cuda if compile_ is None else compile_
         return _flex_fn(compile_, q_BHSD.device.type)(q_BHSD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=ctx.scale,

@@ -43,6 +43,8 @@ class LibraryBackend(AttentionBackend):
         kw = dict(causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p)
         if ctx.window is not None:  # only a backend declaring window is called with one: its dense/varlen take window=
             kw["window"] = ctx.window
+        if ctx.softcap is not None:  # likewise softcap=
+            kw["softcap"] = ctx.softcap
         if ctx.cu_seqlens is None:
             q_BSHD, k_BSHD, v_BSHD = (x.transpose(1, 2) for x in (q_BHSD, k_BHSD, v_BHSD))
             return self.dense(q_BSHD, k_BSHD, v_BSHD, **kw).transpose(1, 2)

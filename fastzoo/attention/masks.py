@@ -69,13 +69,32 @@ def neighborhood(grid_size: tuple[int, int], radius: int, num_prefix_tokens: int
     return mask_mod
 
 
+def cap_scores(score: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, ``cap * tanh(score / cap)``, in transformers' order of ops."""
+    return torch.tanh(score / cap) * cap
+
+
 def softcap(cap: float) -> ScoreMod:
-    """Gemma-2 style logit soft-capping: ``cap * tanh(score / cap)``."""
+    """Soft-capping as a score_mod (:func:`cap_scores`)."""
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
+        return cap_scores(score, cap)
 
     return score_mod
+
+
+def with_context_softcap(ctx: AttnContext, score_mod: ScoreMod | None) -> ScoreMod | None:
+    """The context's soft-capping (``ctx.softcap``: the model's own), then the user's ``score_mod``."""
+    if ctx.softcap is None:
+        return score_mod
+    cap = ctx.softcap
+    if score_mod is None:
+        return softcap(cap)
+
+    def capped_then_user(score, b, h, q_idx, kv_idx):
+        return score_mod(cap_scores(score, cap), b, h, q_idx, kv_idx)
+
+    return capped_then_user
 
 
 def document(cu_seqlens: torch.Tensor, total: int, device=None) -> MaskMod:

@@ -12,7 +12,7 @@ picks the kernel, or ``None`` picks per call the first that fits the tensors:
 - ``"xformers"``: xFormers with a block-diagonal (causal) mask (through ``fastzoo.attention.xformers``).
 - ``"flex"``: FlexAttention with a document mask (the ``flex`` backend); no dropout, and
   on CPU no backward.
-- ``"cpu"``: :func:`packed_sdpa`: exact, trains on CPU.
+- ``"cpu"``: :func:`packed_sdpa`: exact, trains on CPU (soft-capped scores too).
 
 Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. With ``impl=None`` the
 backend declares what the impls present on this machine serve, and a model's request is
@@ -66,8 +66,9 @@ _CAPS = {
     # the same kernels as the fa2 / xformers backends: one declaration
     "flash": Fa2Backend.capabilities,
     "xformers": XformersBackend.capabilities,
-    "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), verified="CPU fp32 inference (torch 2.14.1)"),
-    "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",)),
+    "flex": dataclasses.replace(_BASE, dropout=False, backward=("cuda",), softcap=True,
+                                verified="CPU fp32 inference (torch 2.14.1)"),
+    "cpu": dataclasses.replace(_BASE, devices={"cpu": FLOATS}, backward=("cpu",), softcap=True),
 }
 _ORDER = {"cpu": ("cpu",), "cuda": ("torch", "flash", "xformers", "flex")}  # impl=None: first that fits
 
@@ -95,6 +96,7 @@ def _auto_capabilities() -> Capabilities:
         dropout=any(c.dropout for c in caps),
         kv_cache=any(c.kv_cache for c in caps),
         window=any(c.window for c in caps),
+        softcap=any(c.softcap for c in caps),
         backward=tuple(dev for dev, impls in present.items() if any(dev in _CAPS[i].backward for i in impls)),
         compile=all(c.compile for c in caps),
         max_head_dim=None if None in heads else max(heads),
@@ -111,13 +113,14 @@ def _slots(cu_seqlens, T: int, L: int):
 
 
 def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: bool, scale=None, dropout_p=0.0, ctx=None,
-                cu_seqlens_k=None, max_seqlen_k=None, window=None):
+                cu_seqlens_k=None, max_seqlen_k=None, window=None, softcap=None):
     """Exact varlen attention with dense SDPA, the CPU kernel.
 
     ``cu_seqlens_k`` / ``max_seqlen_k``: the keys' offsets when they differ from the queries'
     (a KV cache; causal is then bottom-right aligned per sequence, see
     ``fastzoo.attention.base``); None: the queries'. ``window``: the sliding window (causal).
-    Grouped-query k/v (fewer heads) go to SDPA as they are (``enable_gqa``).
+    Grouped-query k/v (fewer heads) go to SDPA as they are (``enable_gqa``). ``softcap``: the
+    scores are soft-capped, which SDPA cannot do: SDPA's math written out (:func:`_sdpa`).
 
     Eager: one SDPA call per sequence, costing sum(len^2) (on CPU reading the offsets costs
     no device sync). While compiling, the per-sequence loop cannot be traced into one graph,
@@ -128,7 +131,7 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
     gqa = k_THD.shape[1] != q_THD.shape[1]
     if torch.compiler.is_compiling():
         return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *kv, causal=causal, scale=scale,
-                          dropout_p=dropout_p, ctx=ctx, window=window)
+                          dropout_p=dropout_p, ctx=ctx, window=window, softcap=softcap)
     def build():
         bounds_q = sequence_bounds(cu_seqlens)
         return bounds_q, bounds_q if kv[0] is cu_seqlens else sequence_bounds(kv[0])
@@ -142,12 +145,29 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
         Lq, Lk = qe - qs, ke - ks
         # SDPA's is_causal is top-left: with fewer queries than keys, or a window, the mask is explicit
         # (one query, the last position, sees every key: no mask)
-        explicit = causal and (window is not None and Lk > 1 or Lq != Lk and Lq > 1)
+        explicit = causal and (window is not None and Lk > 1 or Lq != Lk and Lq > 1 or softcap is not None)
         mask = masks.dense_mask(masks.causal_window(Lk - Lq, window), 1, 1, Lq, Lk, q_THD.device)[0] if explicit else None
-        o_HLD = F.scaled_dot_product_attention(q_HLD, k_HLD, v_HLD, attn_mask=mask, dropout_p=dropout_p,
-                                               is_causal=causal and not explicit and Lq == Lk, scale=scale, enable_gqa=gqa)
+        o_HLD = _sdpa(q_HLD, k_HLD, v_HLD, attn_mask=mask, dropout_p=dropout_p,
+                      is_causal=causal and not explicit and Lq == Lk, scale=scale, enable_gqa=gqa, softcap=softcap)
         outs.append(o_HLD.transpose(0, 1))
     return torch.cat(outs) if outs else q_THD.new_zeros(q_THD.shape[:-1] + v_THD.shape[-1:])
+
+
+def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
+    """``F.scaled_dot_product_attention``, or with ``softcap`` its math written out with the scores
+    capped (``softcap * tanh(score / softcap)``) before the mask, as the eager reference does."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa:
+        groups = q.shape[-3] // k.shape[-3]
+        k, v = (x.repeat_interleave(groups, dim=-3) for x in (k, v))
+    scores = masks.cap_scores((q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-2, -1), softcap)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    probs = scores.softmax(-1)
+    probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return probs @ v
 
 
 def sequence_bounds(cu_seqlens) -> list[int]:
@@ -155,7 +175,8 @@ def sequence_bounds(cu_seqlens) -> list[int]:
     return cu_seqlens.tolist()
 
 
-def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causal: bool, scale, dropout_p, ctx, window):
+def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causal: bool, scale, dropout_p, ctx, window,
+               softcap=None):
     Tq, H, _ = q_THD.shape
     Tk = k_THD.shape[0]
     N, Lq, Lk = cu_q.numel() - 1, int(max_q), int(max_k)
@@ -175,9 +196,10 @@ def _slot_sdpa(q_THD, k_THD, v_THD, cu_q, max_q: int, cu_k, max_k: int, *, causa
         return x_THD.new_zeros(N * L, x_THD.shape[1], x_THD.shape[-1]).index_copy(0, slot_T, x_THD).view(
             N, L, x_THD.shape[1], -1).transpose(1, 2)
 
-    o_NHLD = F.scaled_dot_product_attention(
+    o_NHLD = _sdpa(
         to_slots(q_THD, slot_q, Lq), to_slots(k_THD, slot_k, Lk), to_slots(v_THD, slot_k, Lk),
-        attn_mask=allowed.to(q_THD.device), dropout_p=dropout_p, scale=scale, enable_gqa=k_THD.shape[1] != H,
+        attn_mask=allowed.to(q_THD.device), dropout_p=dropout_p, is_causal=False, scale=scale,
+        enable_gqa=k_THD.shape[1] != H, softcap=softcap,
     )
     return o_NHLD.transpose(1, 2).reshape(N * Lq, H, -1)[slot_q]
 
@@ -223,8 +245,11 @@ class VarlenBackend(AttentionBackend):
     def kernel_profile(self, q, k, ctx):
         asked = self.opts["impl"]
         impl = self.pick(q, k, ctx)
-        words = f"{self.label()}: impl={asked or f'best here -> {impl}'}" + (": dense SDPA per sequence" if impl == "cpu" else "")
-        return KernelProfile(words, _IMPL_OPS[impl])
+        words = f"{self.label()}: impl={asked or f'best here -> {impl}'}"
+        if impl == "cpu" and ctx.softcap is not None:  # SDPA cannot cap the scores: its math in plain ops
+            return KernelProfile(words + ": soft-capped matmul-softmax-matmul per sequence", None,
+                                 missing="a fused SDPA kernel ran instead")
+        return KernelProfile(words + (": dense SDPA per sequence" if impl == "cpu" else ""), _IMPL_OPS[impl])
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -277,5 +302,6 @@ class VarlenBackend(AttentionBackend):
         q_THD, k_THD, v_THD = (packing.to_THD(x) for x in (q_BHSD, k_BHSD, v_BHSD))
         o_THD = _KERNELS[impl](q_THD, k_THD, v_THD, **packing.seqlens(ctx, q_BHSD, k_BHSD).kwargs(),
                                causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p, ctx=ctx,
-                               **({"window": ctx.window} if ctx.window is not None else {}))  # impls with window only
+                               **({"window": ctx.window} if ctx.window is not None else {}),  # impls with window only
+                               **({"softcap": ctx.softcap} if ctx.softcap is not None else {}))  # ... softcap only
         return packing.from_THD(o_THD, q_BHSD.shape[0])

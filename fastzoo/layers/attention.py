@@ -35,11 +35,13 @@ class UsesAttention(nn.Module):
     (fewer) heads to :meth:`attend`, never repeated (the contract repeats them for backends
     without native GQA); one with a sliding window sets ``sliding_window`` (an int: the query
     and the ``sliding_window - 1`` keys before it), which :meth:`attend` puts on the context
-    and ``attention_request`` reports, so that backends without it are refused at create.
+    and ``attention_request`` reports, so that backends without it are refused at create; the
+    same for ``softcap`` (scores capped to ``softcap * tanh(score / softcap)``).
     """
 
     slot: AttentionSlot | None = None
     sliding_window: int | None = None  # a layer attending through a window sets it (Mistral's / Qwen2's sliding_window)
+    softcap: float | None = None  # a layer soft-capping its scores sets it (Gemma 2's attn_logit_softcapping)
     attn_dropout_module: ClassVar[str] = "attn_dropout"
     attn_dropout_field: ClassVar[str] = "attention dropout"
 
@@ -58,14 +60,15 @@ class UsesAttention(nn.Module):
         self.slot = AttentionSlot(getattr(backend, "name", None), backend)
 
     def attend(self, q_BHSD, k_BHSD, v_BHSD, ctx: AttnContext, scale: float | None = None) -> torch.Tensor:
-        """The backend on the model's shared ``ctx``, with this layer's scale, dropout and window.
+        """The backend on the model's shared ``ctx``, with this layer's scale, dropout, window and softcap.
 
         The shared context is never written to: a layer whose values differ from it gets a
         copy (``ctx.replace``) that keeps the forward's mask cache.
         """
         dropout_p = self.attn_dropout_p if self.training else 0.0
-        if scale != ctx.scale or dropout_p != ctx.dropout_p or self.sliding_window != ctx.window:
-            ctx = ctx.replace(scale=scale, dropout_p=dropout_p, window=self.sliding_window)
+        if (scale != ctx.scale or dropout_p != ctx.dropout_p or self.sliding_window != ctx.window
+                or self.softcap != ctx.softcap):
+            ctx = ctx.replace(scale=scale, dropout_p=dropout_p, window=self.sliding_window, softcap=self.softcap)
         return self.backend(q_BHSD, k_BHSD, v_BHSD, ctx)
 
 

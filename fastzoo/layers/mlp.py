@@ -1,6 +1,7 @@
 """MLPs: the two-layer MLP named as timm's (``fc1`` -> activation -> ``fc2``), its gated form with
 the gate and the value packed in ``fc1`` (timm's ``SwiGLUPacked``: DINOv2-giant), and the gated MLP
-of the Llama layouts, named as transformers'."""
+of the Llama layouts, named as transformers' (separate ``gate_proj`` / ``up_proj``, or Phi-3's
+fused ``gate_up_proj``)."""
 from torch import nn
 
 
@@ -49,3 +50,18 @@ class GatedMlp(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMlp(nn.Module):
+    """The gated MLP with gate and up projections in one matmul, named as transformers' Phi-3
+    (``gate_up_proj``: the gate's rows, then the up projection's; ``down_proj``)."""
+
+    def __init__(self, dim: int, hidden_dim: int, act_layer=nn.SiLU, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+        self.act_fn = act_layer()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.act_fn(gate))

@@ -28,6 +28,12 @@ as fast as the logits path or faster on a CPU for a fraction of its memory
 
 Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as the
 reference does; the loss is fp32.
+
+``softcap`` (Gemma's ``final_logit_softcapping``): the loss of the capped logits
+``cap * tanh(logits / cap)``, still one block at a time: each block is capped where it is
+computed, and the gradient takes the cap's derivative ``1 - tanh^2`` per logit (the target's
+too). The fused path then takes two passes (the one-pass order folds the softmax's scale into
+the operands, which an elementwise derivative does not allow); torch's op has no cap.
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
     impl: str = "auto",
     block_bytes: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden_ND @ weight_VD.T, target_N, ignore_index=..., reduction=...)``.
 
@@ -68,6 +75,8 @@ def linear_cross_entropy(
     :data:`ONE_PASS_ROWS` tokens x the whole vocabulary (in the matmuls' dtype) takes one pass over
     token chunks instead ("mean" / "sum"; :func:`one_pass_rows`): three matmuls instead of four,
     faster on a CPU, for that much more memory (benchmarks/results/cpu-2core/linear_ce.md has both).
+
+    ``softcap``: the logits are soft-capped first, ``softcap * tanh(logits / softcap)`` (None: not).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: choose one of {', '.join(IMPLS)}")
@@ -75,24 +84,38 @@ def linear_cross_entropy(
         raise ValueError(f"reduction={reduction!r}: choose one of {', '.join(REDUCTIONS)}")
     if block_bytes is not None and (isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1):
         raise ValueError(f"block_bytes={block_bytes!r}: a positive number of bytes, or None for the default")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap={softcap!r}: a positive number (the logits' soft cap), or None")
+    if softcap is not None and impl == "torch":
+        raise ValueError("impl='torch': torch's F.linear_cross_entropy has no logit soft-capping; use impl='fused' or "
+                         "'reference' with softcap")
     hidden_ND, target_N = _check(hidden_ND, weight_VD, target_N, ignore_index)
     asked = impl
     if impl == "auto":
         impl = AUTO_IMPL.get(hidden_ND.device.type, "fused")
     with kernel_range("loss", "linear_cross_entropy", impl if asked == impl else f"{asked} -> {impl}"):
-        return _dispatch(hidden_ND, weight_VD, target_N, ignore_index, reduction, impl, block_bytes)
+        return _dispatch(hidden_ND, weight_VD, target_N, ignore_index, reduction, impl, block_bytes, softcap)
 
 
-def _dispatch(hidden_ND, weight_VD, target_N, ignore_index: int, reduction: str, impl: str, block_bytes) -> torch.Tensor:
+def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma's final-logit soft-capping, ``cap * tanh(logits / cap)``, in transformers' order of ops."""
+    return torch.tanh(logits / cap) * cap
+
+
+def _dispatch(hidden_ND, weight_VD, target_N, ignore_index: int, reduction: str, impl: str, block_bytes,
+              softcap=None) -> torch.Tensor:
     if impl == "reference":
-        return F.cross_entropy(hidden_ND @ weight_VD.T, target_N, ignore_index=ignore_index, reduction=reduction)
+        logits = hidden_ND @ weight_VD.T
+        logits = logits if softcap is None else softcap_logits(logits, softcap)
+        return F.cross_entropy(logits, target_N, ignore_index=ignore_index, reduction=reduction)
     if impl == "torch":
         from torch.nn import LinearCrossEntropyOptions
 
         return F.linear_cross_entropy(hidden_ND, weight_VD, target_N, ignore_index=ignore_index, reduction=reduction,
                                       options=LinearCrossEntropyOptions())
     dtype = _matmul_dtype(hidden_ND, weight_VD)
-    loss = _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, target_N, ignore_index, reduction, dtype, block_bytes)
+    loss = _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, target_N, ignore_index, reduction, dtype, block_bytes,
+                                          softcap)
     return loss if torch.is_autocast_enabled(hidden_ND.device.type) else loss.to(dtype)
 
 
@@ -267,9 +290,9 @@ class _Block:
         return self.flat_acc[: block.numel()].view(block.shape).copy_(block)
 
 
-def _logsumexp_pass(h_ND, w_VD, rows: int, cols: int, acc: torch.dtype):
-    """Per token, the ``logsumexp`` of its logits, one block at a time (a running max and sum of
-    exponentials, as in online softmax)."""
+def _logsumexp_pass(h_ND, w_VD, rows: int, cols: int, acc: torch.dtype, cap: float | None = None):
+    """Per token, the ``logsumexp`` of its logits (soft-capped at ``cap``), one block at a time
+    (a running max and sum of exponentials, as in online softmax)."""
     n, v = h_ND.shape[0], w_VD.shape[0]
     buf = _Block(min(rows, n) * cols, h_ND.dtype, acc, h_ND.device)
     lse_N = torch.empty(n, dtype=acc, device=h_ND.device)
@@ -278,6 +301,8 @@ def _logsumexp_pass(h_ND, w_VD, rows: int, cols: int, acc: torch.dtype):
         z_c = torch.zeros(e - s, dtype=acc, device=h_ND.device)
         for a, b in _spans(v, cols):
             logits = buf.acc(torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a)))
+            if cap is not None:
+                logits = logits.div_(cap).tanh_().mul_(cap)
             m_new = torch.maximum(m_c, logits.amax(1))
             z_c = z_c.mul_((m_c - m_new).exp_()).add_(logits.sub_(m_new[:, None]).exp_().sum(1))
             m_c = m_new
@@ -288,18 +313,21 @@ def _logsumexp_pass(h_ND, w_VD, rows: int, cols: int, acc: torch.dtype):
 TARGET_ROWS = 512  # tokens per step of the target terms below: a [512, D] temporary at most
 
 
-def _target_logits(h_ND, w_VD, safe_t_N, acc: torch.dtype):
+def _target_logits(h_ND, w_VD, safe_t_N, acc: torch.dtype, cap: float | None = None, capped: bool = True):
     """Per token, the logit of its target: its hidden state dotted with the target's row of the
-    weight, rounded to the matmuls' dtype as the logits blocks are."""
+    weight, rounded to the matmuls' dtype as the logits blocks are (soft-capped at ``cap`` if
+    ``capped``)."""
     picked_N = torch.empty(h_ND.shape[0], dtype=acc, device=h_ND.device)
     for s, e in _spans(h_ND.shape[0], TARGET_ROWS):
         dot = (h_ND[s:e].to(acc) * w_VD[safe_t_N[s:e]].to(acc)).sum(1)
         picked_N[s:e] = dot.to(h_ND.dtype).to(acc)
+    if cap is not None and capped:
+        picked_N = softcap_logits(picked_N, cap)
     return picked_N
 
 
 def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool, rows: int, cols: int,
-               acc: torch.dtype):
+               acc: torch.dtype, cap: float | None = None):
     """Gradients of ``sum_i scale_N[i] * loss_i`` with respect to h and w: ``d loss / d logits =
     softmax - onehot(target)``. The softmax part one logits block at a time, read from the saved
     ``lse_N``, the vocabulary the outer loop so that each block of the weight's gradient is
@@ -316,7 +344,13 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
         for s, e in _spans(n, rows):
             logits = torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a))
             g = buf.acc(logits)
+            if cap is not None:  # capped logits, and the cap's derivative 1 - tanh^2 per logit
+                tanh = g.div_(cap).tanh_()
+                slope = 1 - tanh.square()
+                g = tanh.mul_(cap)
             g.sub_(lse_N[s:e, None]).exp_().mul_(scale_N[s:e, None])  # softmax, scaled per token
+            if cap is not None:
+                g.mul_(slope)
             g = logits.copy_(g) if low else g  # the matmuls' dtype
             if want_h:
                 if low:
@@ -331,6 +365,8 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
                 else:
                     torch.mm(g.T, h_ND[s:e], out=grad_w[a:b])
     del buf, logits, g  # the block's room is the onehot part's
+    if cap is not None:  # the target's logit's cap derivative
+        scale_N = scale_N * (1 - (_target_logits(h_ND, w_VD, safe_t_N, acc, cap, capped=False) / cap).tanh().square())
     for s, e in _spans(n, TARGET_ROWS):  # - onehot(target), scaled per token
         c = scale_N[s:e, None]
         if want_h:
@@ -358,22 +394,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     upstream gradient, so the forward saves ``logsumexp`` and the backward runs the second pass."""
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, target_N, ignore_index, reduction, dtype, block_bytes):
+    def forward(ctx, h_ND, w_VD, target_N, ignore_index, reduction, dtype, block_bytes, cap):
         with torch.autocast(h_ND.device.type, enabled=False):  # dtypes are explicit below
             return _FusedLinearCrossEntropy._forward(ctx, h_ND.to(dtype), w_VD.to(dtype), target_N, ignore_index,
-                                                     reduction, h_ND.dtype, w_VD.dtype, block_bytes)
+                                                     reduction, h_ND.dtype, w_VD.dtype, block_bytes, cap)
 
     @staticmethod
-    def _forward(ctx, h, w, target_N, ignore_index, reduction, h_dtype, w_dtype, block_bytes):
+    def _forward(ctx, h, w, target_N, ignore_index, reduction, h_dtype, w_dtype, block_bytes, cap):
         valid_N = target_N != ignore_index
         safe_t_N = torch.where(valid_N, target_N, 0)
         acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
         rows, cols = logits_block(h.shape[0], w.shape[0], h.shape[1])
-        ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block = reduction, h_dtype, w_dtype, (rows, cols, acc)
-        one_pass = one_pass_rows(h.shape[0], w.shape[0], h.dtype, block_bytes) if reduction != "none" else None
+        ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block, ctx.cap = reduction, h_dtype, w_dtype, (rows, cols, acc), cap
+        one_pass = (one_pass_rows(h.shape[0], w.shape[0], h.dtype, block_bytes)
+                    if reduction != "none" and cap is None else None)
         if one_pass is None:
-            lse_N = _logsumexp_pass(h, w, *_first_block(ctx, h, w, reduction, acc), acc)
-            loss_N = torch.where(valid_N, lse_N - _target_logits(h, w, safe_t_N, acc), 0.0)
+            lse_N = _logsumexp_pass(h, w, *_first_block(ctx, h, w, reduction, acc), acc, cap)
+            loss_N = torch.where(valid_N, lse_N - _target_logits(h, w, safe_t_N, acc, cap), 0.0)
         if reduction == "none":
             ctx.save_for_backward(h, w, safe_t_N, valid_N, lse_N)
             return loss_N
@@ -386,7 +423,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if one_pass is not None:
             loss_N, grad_h, grad_w = _one_pass(h, w, safe_t_N, valid_N, c, want_h, want_w, one_pass, acc)
         elif want_h or want_w:
-            grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, want_h, want_w, rows, cols, acc)
+            grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, want_h, want_w, rows, cols, acc, cap)
         total = loss_N.sum()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.consumed = False
@@ -399,7 +436,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             rows, cols, acc = ctx.block
             scale_N = grad_out.to(acc) * valid_N
             grad_h, grad_w = _grad_pass(h, w, safe_t_N, lse_N, scale_N, ctx.needs_input_grad[0],
-                                        ctx.needs_input_grad[1], rows, cols, acc)
+                                        ctx.needs_input_grad[1], rows, cols, acc, ctx.cap)
         else:
             if ctx.consumed:
                 raise RuntimeError("linear_cross_entropy (fused): backward through the graph a second time is not "
@@ -412,7 +449,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = grad_w.mul_(g) if grad_w is not None else None
         grad_h = grad_h.to(ctx.h_dtype) if grad_h is not None else None
         grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 LINEAR_CE = Loss(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastzoo.attention import AttnRequest, get_backend
+from fastzoo.attention import AttnRequest, default_backend, get_backend
 from fastzoo.models.config import ModelConfig  # noqa: F401  (each model file's config base)
 
 _SLOT_LOCK = threading.Lock()
@@ -38,7 +38,7 @@ class FastzooModel(nn.Module):
         even for inference), so backends check that per call, before running. The attention
         dropout the layers are configured with is part of the request: a backend without
         dropout is refused for such a model, naming the config field to set to 0; so is a
-        layer's ``sliding_window`` (backends without ``window`` are refused).
+        layer's ``sliding_window`` (backends without ``window`` are refused) and ``softcap``.
         """
         from fastzoo.layers.attention import UsesAttention
 
@@ -53,10 +53,12 @@ class FastzooModel(nn.Module):
         most = max(layers, key=lambda m: m.attn_dropout_p, default=None)
         dropout = {} if most is None else {"attn_dropout": most.attn_dropout_p, "attn_dropout_field": most.attn_dropout_field}
         window = {"window": True} if any(m.sliding_window is not None for m in layers) else {}
-        return AttnRequest(device=device, dtype=dtype, **{**dropout, **window, **self.attention_needs()})
+        softcap = {"softcap": True} if any(m.softcap is not None for m in layers) else {}
+        return AttnRequest(device=device, dtype=dtype, **{**dropout, **window, **softcap, **self.attention_needs()})
 
-    def set_attention(self, name: str, *, device=None, dtype=None, **options) -> "FastzooModel":
-        """Switch every attention layer to backend ``name`` (options are the backend's own).
+    def set_attention(self, name: str | None, *, device=None, dtype=None, **options) -> "FastzooModel":
+        """Switch every attention layer to backend ``name`` (options are the backend's own; None: the
+        default, SDPA unless it cannot serve this model, ``fastzoo.attention.default_backend``).
 
         The backend is built and checked against this model's needs first; nothing changes
         if it fails. The switch is one assignment to the slot all layers share, so threads
@@ -67,11 +69,13 @@ class FastzooModel(nn.Module):
         """
         from fastzoo.layers.attention import UsesAttention
 
-        backend = get_backend(name, **options)
         layers = [m for m in self.modules() if isinstance(m, UsesAttention)]
+        device = torch.device(device).type if device is not None else None
+        if name is None:
+            name = default_backend(self.attention_request(device=device, dtype=dtype)) if layers else "sdpa"
+        backend = get_backend(name, **options)
         if not layers:
             return self  # no attention layers (a ResNet): nothing to check or switch
-        device = torch.device(device).type if device is not None else None
         backend.check(self.attention_request(device=device, dtype=dtype))
         slot = self._attention_slot()
         for m in layers:

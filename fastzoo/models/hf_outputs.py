@@ -89,6 +89,13 @@ def _finish(out, return_dict):
     return out if return_dict is None or return_dict else out.to_tuple()
 
 
+def _defaults(config, output_hidden_states, return_dict) -> tuple[bool, bool]:
+    """transformers' rule: an argument left None takes the model config's value."""
+    hf = getattr(config, "hf_config", None) or {}
+    return (hf.get("output_hidden_states", False) if output_hidden_states is None else output_hidden_states,
+            hf.get("return_dict", True) if return_dict is None else return_dict)
+
+
 def vit_forward(model, pixel_values, labels=None, *, output_hidden_states=None, return_dict=None,
                 bool_masked_pos=None, num_items_in_batch=None, **kwargs):
     """A fastzoo ViT called as the transformers class in its ``config.hf_config`` (see the module docstring)."""
@@ -96,6 +103,7 @@ def vit_forward(model, pixel_values, labels=None, *, output_hidden_states=None, 
 
     _refuse(kwargs, ())
     cfg = model.config
+    output_hidden_states, return_dict = _defaults(cfg, output_hidden_states, return_dict)
     if bool_masked_pos is not None and model.mask_token is None:
         raise ValueError("bool_masked_pos=: this model has no mask token (config mask_token=False)")
     hidden = model.forward_blocks(_pixels(pixel_values, model.pos_embed), bool_masked_pos)
@@ -131,6 +139,7 @@ def resnet_forward(model, pixel_values, labels=None, *, output_hidden_states=Non
     import transformers.modeling_outputs as outputs
 
     _refuse(kwargs, ())
+    output_hidden_states, return_dict = _defaults(model.config, output_hidden_states, return_dict)
     x = model.maxpool(model._stem(_pixels(pixel_values, model.conv1.weight)))
     states = [x]
     for i in range(model.num_stages):

@@ -86,6 +86,16 @@ class TimmModelAPI:
 
     timm_architecture: str = ""  # the timm model a bare instance describes (subclasses set it)
     grad_checkpointing: bool = False
+    main_input_name = "pixel_values"  # transformers' name of the input (its Trainer and pipelines read it)
+    supports_gradient_checkpointing = True  # transformers' flag (gradient_checkpointing_enable below)
+
+    @classmethod
+    def can_generate(cls) -> bool:  # transformers asks every model: an image model does not generate
+        return False
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' count (``exclude_embeddings``: an image model has no token embedding to exclude)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
 
     @property
     def pretrained_cfg(self) -> dict:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
-from fastzoo.losses.linear_ce import linear_cross_entropy
+from fastzoo.losses.linear_ce import linear_cross_entropy, softcap_logits
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
 
@@ -44,6 +44,8 @@ class CausalLM(CausalLMConventions, FastzooModel):
     eval_after_pretrained = True  # like transformers' from_pretrained
     body_name: str = "model"
     output_class: str = "CausalLMOutputWithPast"
+    logits_divisor: float = 1.0  # logits are lm_head(h) / logits_divisor (Granite's logits_scaling)
+    logits_softcap: float | None = None  # then cap * tanh(logits / cap) (Gemma's final_logit_softcapping)
 
     def __init__(self):
         super().__init__()
@@ -166,14 +168,21 @@ class CausalLM(CausalLMConventions, FastzooModel):
         # the model's own request, with its device and dtype (sdpa's flash kernel takes a KV cache on CPU, not on CUDA)
         self.attention_backend.check(dataclasses.replace(self.attention_request(), kv_cache=True))
 
+    def head(self, h):
+        """The logits of hidden states ``h``: the LM head, then the family's scaling and soft-capping."""
+        logits = self.lm_head(h)
+        if self.logits_divisor != 1.0:
+            logits = logits / self.logits_divisor
+        return logits if self.logits_softcap is None else softcap_logits(logits, self.logits_softcap)
+
     def _logits(self, h, seqs, logits_to_keep):
         if not logits_to_keep:
-            return seqs.restore(self.lm_head(h))
+            return seqs.restore(self.head(h))
         if seqs.form == "nested":
             raise ValueError("logits_to_keep: not supported with NestedTensor input")
         h = seqs.restore(h)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return self.lm_head(h[:, keep])
+        return self.head(h[:, keep])
 
     def _loss(self, h, seqs, labels, num_items_in_batch, logits_to_keep, shift_labels=None):
         """Next-token loss over the layers' layout (never across a sequence boundary).
@@ -188,11 +197,12 @@ class CausalLM(CausalLMConventions, FastzooModel):
         reduction = "mean" if num_items_in_batch is None else "sum"
         h_ND = h.reshape(-1, h.shape[-1])
         logits = None
-        if self.training:  # no logits: the loss is fused with the LM head
+        if self.training:  # no logits: the loss is fused with the LM head (scaling and soft-capping inside)
+            h_ND = h_ND if self.logits_divisor == 1.0 else h_ND / self.logits_divisor
             loss = linear_cross_entropy(h_ND, self.lm_head.weight, targets_N, ignore_index=IGNORE_INDEX, reduction=reduction,
-                                        block_bytes=LM_HEAD_BLOCK_BYTES)
+                                        block_bytes=LM_HEAD_BLOCK_BYTES, softcap=self.logits_softcap)
         else:
-            logits_NV = self.lm_head(h_ND)
+            logits_NV = self.head(h_ND)
             loss = F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction=reduction)
             logits = seqs.restore(logits_NV.view(*h.shape[:-1], -1))
         if num_items_in_batch is not None:

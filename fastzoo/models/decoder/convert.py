@@ -6,7 +6,8 @@ GPT-2: fastzoo's module names are HF's, so conversion is (1) adding/stripping th
 causal-mask buffers old checkpoints carry (``attn.bias``, ``attn.masked_bias``), and
 (4) the tied LM head: taken from ``wte`` when absent, refused when present and different.
 
-The Llama layouts (Llama, Qwen2, Mistral): the names are transformers' as they are; their
+The Llama-style layouts (Llama, Qwen2, Mistral, Qwen3, OLMo 2, Granite, SmolLM3, Phi-3, Gemma 2,
+Gemma 3): the names are transformers' as they are (Phi-3's fused projections loaded fused); their
 configs are read through transformers' own config classes (:func:`hf_to_fields`) and written
 back with them (:func:`hf_config`).
 """
@@ -19,6 +20,7 @@ import torch
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.decoder.config import GPT2Config, LlamaConfig
+from fastzoo.models.decoder.layouts import LAYOUTS as LAYOUT_TABLE
 
 _CONV1D = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 _BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -128,8 +130,8 @@ GPT2 = _HfGPT2()
 GPT2_FASTZOO = _FastzooGPT2()
 
 
-# -- the Llama layouts (Llama, Qwen2, Mistral) --------------------------------------------------
-LLAMA_LAYOUTS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# -- the Llama-style layouts --------------------------------------------------------------------
+LLAMA_LAYOUTS = {name: layout.hf_class for name, layout in LAYOUT_TABLE.items()}
 _ROTARY_BUFFERS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # older checkpoints saved the frequencies
 # config.json fields of architectures fastzoo's Llama does not compute, each refused by name:
 # what the field means, and when it is set (value -> True: fastzoo cannot reproduce it)
@@ -138,6 +140,7 @@ _NOT_REPRODUCED = {
     "num_local_experts": ("a mixture of experts", lambda v: bool(v)),
     "n_routed_experts": ("a mixture of experts", lambda v: bool(v)),
     "moe_intermediate_size": ("a mixture of experts", lambda v: bool(v)),
+    "num_experts_per_tok": ("a mixture of experts", lambda v: bool(v)),
     "add_cross_attention": ("cross-attention", lambda v: bool(v)),
     "cross_attention_layers": ("cross-attention", lambda v: bool(v)),
     "is_encoder_decoder": ("an encoder-decoder", lambda v: bool(v)),
@@ -146,39 +149,59 @@ _NOT_REPRODUCED = {
     "text_config": ("a multimodal model (its text model is nested under text_config)", lambda v: v is not None),
     "image_token_id": ("a multimodal model (image tokens)", lambda v: v is not None),
     "image_token_index": ("a multimodal model (image tokens)", lambda v: v is not None),
+    "resid_pdrop": ("dropout on the residual branches (phi3)", lambda v: bool(v)),
+    "embd_pdrop": ("dropout on the embeddings (phi3)", lambda v: bool(v)),
 }
 
 
 def _llama_infer(state: dict) -> dict:
-    """Sizes the weights fix; heads and head width come from config.json or the variant."""
+    """Sizes the weights fix, and the layout where the keys show it (Phi-3's fused projections,
+    OLMo 2's norms after the blocks, Gemma's four norms, QK-norm per head or over all heads);
+    heads and head width come from config.json or the variant. Llama, Granite and SmolLM3 have
+    the same keys: a bare state dict of the latter two needs ``model_type=``."""
     layers = {int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     vocab, hidden = state["model.embed_tokens.weight"].shape
-    q_bias, o_bias = "model.layers.0.self_attn.q_proj.bias" in state, "model.layers.0.self_attn.o_proj.bias" in state
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    fused = attn + "qkv_proj.weight" in state
+    q_bias, o_bias = attn + "q_proj.bias" in state, attn + "o_proj.bias" in state
     head = state.get("lm_head.weight")
     out = {
         "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": len(layers),
-        "intermediate_size": state["model.layers.0.mlp.gate_proj.weight"].shape[0],
-        "mlp_bias": "model.layers.0.mlp.gate_proj.bias" in state,
+        "intermediate_size": (state[mlp + "gate_up_proj.weight"].shape[0] // 2 if fused
+                              else state[mlp + "gate_proj.weight"].shape[0]),
         "tie_word_embeddings": head is None or head is state["model.embed_tokens.weight"]
         or torch.equal(head, state["model.embed_tokens.weight"]),
     }
-    if q_bias and not o_bias:
-        out.update(model_type="qwen2", attention_bias=False)
-    else:
+    q_norm = state.get(attn + "q_norm.weight")
+    if fused:
+        out["model_type"] = "phi3"
+    elif "model.layers.0.pre_feedforward_layernorm.weight" in state:
+        out["model_type"] = "gemma3_text" if q_norm is not None else "gemma2"
+    elif "model.layers.0.post_feedforward_layernorm.weight" in state:
+        out["model_type"] = "olmo2"
+    elif q_norm is not None:
+        out["model_type"] = "qwen3"
+    elif q_bias and not o_bias:
+        out["model_type"] = "qwen2"
+    if out.get("model_type") in (None, "qwen3", "olmo2", "gemma2", "gemma3_text"):
         out["attention_bias"] = o_bias
+    if out.get("model_type") is None:
+        out["mlp_bias"] = mlp + "gate_proj.bias" in state
     return out
 
 
 class _HfLlama:
-    """transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM``: fastzoo's
-    module names are theirs, so conversion is the identity but for the tied head (stored once)
-    and the rotary frequencies older checkpoints carry (recomputed, dropped)."""
+    """transformers' causal LMs of the Llama-style layouts (``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+    ``Gemma2ForCausalLM`` ...): fastzoo's module names are theirs, so conversion is the identity but
+    for the tied head (stored once) and the rotary frequencies older checkpoints carry (recomputed,
+    dropped)."""
 
     format = "hf"
 
     @staticmethod
     def matches(state: dict) -> bool:
-        return "model.embed_tokens.weight" in state and "model.layers.0.self_attn.q_proj.weight" in state
+        return "model.embed_tokens.weight" in state and any(
+            f"model.layers.0.self_attn.{p}.weight" in state for p in ("q_proj", "qkv_proj"))
 
     @staticmethod
     def to_fastzoo(state: dict) -> dict:
@@ -197,73 +220,115 @@ class _HfLlama:
     def config_from_json(cfg: dict) -> dict:
         """fastzoo config fields from a transformers config (config.json or a live model's): read
         through transformers' own config class for its ``model_type``, so its defaults and its
-        normalisation (``rope_scaling`` / ``rope_theta`` -> ``rope_parameters``, Qwen2's
-        ``layer_types``) are transformers'. A field fastzoo cannot reproduce is refused by name."""
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in LLAMA_LAYOUTS:
-            raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's Llama reads "
-                                  f"{', '.join(map(repr, LLAMA_LAYOUTS))} configs")
+        normalisation (``rope_scaling`` / ``rope_theta`` -> ``rope_parameters``, ``layer_types``)
+        are transformers'. A field fastzoo cannot reproduce (a mixture of experts...) is refused by name."""
         for name, (what, is_set) in _NOT_REPRODUCED.items():
             if name in cfg and is_set(cfg[name]):
-                raise CheckpointError(f"config.json sets {name}={cfg[name]!r}: {what}, which fastzoo's Llama does not "
+                raise CheckpointError(f"config.json sets {name}={cfg[name]!r}: {what}, which fastzoo's decoders do not "
                                       "reproduce (a dense decoder only)")
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in LLAMA_LAYOUTS:
+            raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's Llama-style decoders read "
+                                  f"{', '.join(map(repr, LLAMA_LAYOUTS))} configs")
         from transformers import AutoConfig
 
         hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("transformers_version", "architectures")})
         return hf_to_fields(hf)
 
 
+_OWN_FIELDS = {name for layout in LAYOUT_TABLE.values() for name in layout.fields}
+_READ_APART = ("model_type", "hidden_act", "layer_types", "sliding_window", "rope_parameters", "no_rope_layers",
+               "attention_multiplier", "query_pre_attn_scalar")
+
+
 def hf_to_fields(hf) -> dict:
-    """fastzoo LlamaConfig fields of a transformers ``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig``."""
+    """fastzoo LlamaConfig fields of a transformers config of one of the layouts (``LlamaConfig``,
+    ``Qwen3Config``, ``Gemma3TextConfig`` ...)."""
     model_type = hf.model_type
-    rope = {k: v for k, v in dict(hf.rope_parameters or {}).items() if k != "type"}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise CheckpointError(f"config.json: rope_parameters per layer type ({', '.join(rope)}): fastzoo's Llama "
-                              "has one rotary schedule for every layer")
+    layout = LAYOUT_TABLE[model_type]
+    for name, why in layout.refused:
+        if getattr(hf, name, None):
+            raise CheckpointError(f"config.json sets {name}={getattr(hf, name)!r}: {why}, which fastzoo's "
+                                  f"{model_type} does not reproduce")
     fields = {f.name: getattr(hf, f.name) for f in dataclasses.fields(LlamaConfig)
-              if f.name not in ("model_type", "layer_types", "sliding_window", "rope_parameters") and hasattr(hf, f.name)}
-    fields.update(model_type=model_type, rope_parameters=rope, sliding_window=None, layer_types=None)
-    if model_type == "mistral":
-        fields["sliding_window"] = hf.sliding_window
-    if model_type == "qwen2":
-        fields.update(attention_bias=False, mlp_bias=False)
-        kinds = list(hf.layer_types) if hf.sliding_window is not None else []
-        if "sliding_attention" in kinds:
-            fields["sliding_window"] = hf.sliding_window
-            if "full_attention" in kinds:
-                fields["layer_types"] = tuple(kinds)
+              if f.name not in _READ_APART and (f.name not in _OWN_FIELDS or f.name in layout.fields) and hasattr(hf, f.name)}
+    fields.update(model_type=model_type, hidden_act=getattr(hf, layout.act_field), rope_parameters=_rope_of(hf),
+                  sliding_window=None, layer_types=None)
+    window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    if layout.windows == "all":
+        fields["sliding_window"] = window
+    elif layout.windows == "layer_types":
+        kinds = list(hf.layer_types or [])
+        if "sliding_attention" in kinds and window is not None:
+            fields["sliding_window"] = window
+        per_type_rope = isinstance(fields["rope_parameters"], dict) and "full_attention" in fields["rope_parameters"]
+        if len(set(kinds)) > 1 and (fields["sliding_window"] is not None or per_type_rope):
+            fields["layer_types"] = tuple(kinds)
+    if model_type == "smollm3":  # stated either way: a variant's own list must not outlive another depth
+        fields["no_rope_layers"] = None if all(hf.no_rope_layers) else tuple(hf.no_rope_layers)
+    if model_type == "granite":
+        fields["attention_multiplier"] = hf.attention_multiplier
+    if layout.embed_scale:  # gemma
+        fields["query_pre_attn_scalar"] = hf.query_pre_attn_scalar
+    head_dim = getattr(hf, "head_dim", None)
+    fields["head_dim"] = head_dim if head_dim and head_dim != hf.hidden_size // hf.num_attention_heads else None
     return fields
+
+
+def _rope_of(hf) -> dict:
+    """transformers' ``rope_parameters`` (per layer type where every value is a layout's own schedule)."""
+    rope = dict(hf.rope_parameters or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        if hf.model_type != "gemma3_text":
+            raise CheckpointError(f"config.json: rope_parameters per layer type ({', '.join(rope)}): fastzoo's "
+                                  f"{hf.model_type} has one rotary schedule for every layer")
+        return {kind: {k: v for k, v in p.items() if k != "type"} for kind, p in rope.items()}
+    return {k: v for k, v in rope.items() if k != "type"}
 
 
 def hf_config(cfg: LlamaConfig):
     """A fastzoo :class:`LlamaConfig` as transformers' config of its layout (what its
     ``from_pretrained`` and ``generate`` read)."""
-    import transformers
+    from transformers import AutoConfig
 
+    layout = cfg.layout
+    kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+    rope = cfg.rope
     fields = {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.kv_heads, "hidden_act": cfg.hidden_act,
+        "num_key_value_heads": cfg.kv_heads, layout.act_field: cfg.hidden_act,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": dict(cfg.rope), "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_parameters": dict(rope), "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_dropout": cfg.attention_dropout, "initializer_range": cfg.initializer_range,
         "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id, "use_cache": cfg.use_cache,
         "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
         "output_hidden_states": cfg.output_hidden_states,
+        **{name: getattr(cfg, name) for name in layout.fields},
     }
-    if cfg.model_type == "llama":
-        fields.update(head_dim=cfg.head_size, attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
-        return transformers.LlamaConfig(**fields)
-    if cfg.model_type == "mistral":
-        return transformers.MistralConfig(**fields, head_dim=cfg.head_size, sliding_window=cfg.sliding_window)
-    kinds = ["sliding_attention" if cfg.window_of(i) else "full_attention" for i in range(cfg.num_hidden_layers)]
-    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
-    qwen2 = transformers.Qwen2Config(
-        **fields, use_sliding_window=bool(sliding), sliding_window=cfg.sliding_window, layer_types=kinds,
-        max_window_layers=sliding[0] if sliding else cfg.num_hidden_layers)
-    if cfg.head_dim is not None and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        qwen2.head_dim = cfg.head_dim  # Qwen2Config has no such field; Qwen2Attention reads it when set
-    return qwen2
+    if cfg.model_type in ("llama", "mistral", "qwen3", "granite", "gemma2", "gemma3_text"):
+        fields["head_dim"] = cfg.head_size
+    if layout.windows == "all":
+        fields["sliding_window"] = cfg.sliding_window
+    if layout.windows == "layer_types":
+        sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+        fields.update(sliding_window=cfg.sliding_window, layer_types=kinds)
+        if cfg.model_type in ("qwen2", "qwen3", "smollm3"):
+            fields["use_sliding_window"] = cfg.sliding_window is not None and bool(sliding)
+        if cfg.model_type in ("qwen2", "qwen3"):
+            fields["max_window_layers"] = sliding[0] if sliding else cfg.num_hidden_layers
+    if cfg.model_type == "smollm3":
+        fields["no_rope_layers"] = list(cfg.no_rope_layers or [1] * cfg.num_hidden_layers)
+    if cfg.model_type == "granite":
+        fields["attention_multiplier"] = cfg.attention_scale
+    if layout.embed_scale:  # gemma
+        fields["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar or cfg.head_size
+    if cfg.model_type == "gemma3_text" and "full_attention" not in rope:  # one schedule: both kinds get it
+        fields["rope_parameters"] = {kind: dict(rope) for kind in ("full_attention", "sliding_attention")}
+    hf = AutoConfig.for_model(cfg.model_type, **fields)
+    if cfg.head_size != cfg.hidden_size // cfg.num_attention_heads and "head_dim" not in fields:
+        hf.head_dim = cfg.head_size  # no such field (Qwen2, OLMo 2, SmolLM3, Phi-3): their attention reads it when set
+    return hf
 
 
 LLAMA = _HfLlama()

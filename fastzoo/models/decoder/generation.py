@@ -101,8 +101,9 @@ class UnpaddedCache:
         if k_BHKD.shape[2] != self.keys.seqlen:
             raise ValueError(
                 f"past_key_values: layer {layer_idx} of the cache returned {k_BHKD.shape[2]} keys per row, not all "
-                "of them (a sliding-window layer: DynamicCache(config=...) of a windowed model); a packed-only "
-                "backend reads every key: pass DynamicCache() without a config, or use a backend with a padding mask")
+                "of them (a sliding-window layer: DynamicCache(config=...) or a StaticCache of a windowed model); a "
+                "packed-only backend reads every key: pass DynamicCache() without a config, or use a backend with a "
+                "padding mask")
         B, H, K, D = k_BHKD.shape
         return [x.transpose(1, 2).reshape(B * K, H, D).index_select(0, self.keys.indices).transpose(0, 1)[None]
                 for x in (k_BHKD, v_BHKD)]
@@ -211,8 +212,9 @@ class CausalLMConventions:
     _generation_config = None
 
     # -- attention by transformers' names ---------------------------------------------------
-    def set_attention(self, name: str, **options):
+    def set_attention(self, name: str | None, **options):
         out = super().set_attention(name, **options)
+        name = self.attn_name  # None asked for the default: the one picked
         # transformers' code reads the backend from the config (HF's name where it has one)
         self.config._attn_implementation = next((hf for hf, fz in HF_ATTENTION.items() if fz == name), name)
         return out
@@ -252,7 +254,8 @@ class CausalLMConventions:
         is checked before the first token: pass ``use_cache=False`` to decode without it."""
         if kwargs.get("use_cache", self.generation_config.use_cache):
             self.check_kv_cache()
-            if kwargs.get("past_key_values") is None and not self.attention_backend.capabilities.padding_mask:
+            asked = kwargs.get("cache_implementation", self.generation_config.cache_implementation)
+            if kwargs.get("past_key_values") is None and asked is None and not self.attention_backend.capabilities.padding_mask:
                 from transformers.cache_utils import DynamicCache
 
                 # a packed-only backend reads the cache through UnpaddedCache, which needs every key:

@@ -284,7 +284,8 @@ def _hf_config_object(cfg: dict):
     if model_type not in CONFIG_MAPPING:
         raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's ViT reads "
                               f"{', '.join(sorted(set(_MODEL_TYPES.values()) | {'deit', 'clip', 'siglip'}))}")
-    obj = CONFIG_MAPPING[model_type](**{k: v for k, v in cfg.items() if k != "model_type"})
+    obj = CONFIG_MAPPING[model_type](**{k: v for k, v in cfg.items() if k not in ("model_type", "problem_type")})
+    obj.problem_type = cfg.get("problem_type")  # as a live config holds it (its constructor checks it against the labels)
     return obj.vision_config if model_type in ("clip", "siglip") else obj
 
 

@@ -221,6 +221,13 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
     def get_classifier(self) -> nn.Module:
         return self.head
 
+    def get_input_embeddings(self) -> nn.Module:
+        """transformers' name for the patch embedding (what turns pixels into tokens)."""
+        return self.patch_embed
+
+    def get_output_embeddings(self) -> None:  # transformers': an image classifier has no tied output embedding
+        return None
+
     def timm_model_args(self) -> dict | None:
         c = self.config
         if c.norm_eps != 1e-6:  # timm's LayerNorm default; another eps cannot be written as JSON
@@ -251,8 +258,11 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
             notes.append(f"num_classes={self.config.num_classes}: fresh classifier head (the checkpoint has {had} classes)")
         if "img_size" in changed and "pos_embed" in state and state["pos_embed"].shape != self.pos_embed.shape:
             prefix = 0 if self.config.no_embed_class else self.num_prefix_tokens
-            state["pos_embed"] = resample_pos_embed(state["pos_embed"], self.patch_embed.grid_size, prefix)
-            notes.append(f"img_size={self.config.img_size}: position embedding resampled (bicubic) to {self.patch_embed.grid_size}")
+            # transformers' interpolate_pos_encoding has no antialias: a model from it resamples as it does
+            antialias = self.config.hf_config is None
+            state["pos_embed"] = resample_pos_embed(state["pos_embed"], self.patch_embed.grid_size, prefix, antialias)
+            notes.append(f"img_size={self.config.img_size}: position embedding resampled (bicubic"
+                         f"{'' if antialias else ', as transformers interpolate_pos_encoding'}) to {self.patch_embed.grid_size}")
         return state, fresh, notes
 
     def hf_pretrained(self) -> tuple[dict, dict]:
@@ -287,8 +297,10 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
         self.head = head.to(device=self.pos_embed.device, dtype=self.pos_embed.dtype).train(self.training)
 
 
-def resample_pos_embed(pos_embed: torch.Tensor, new_grid: tuple[int, int], num_prefix: int) -> torch.Tensor:
-    """Bicubic resize of the patch part of a [1, prefix + N, D] position embedding (timm's rule)."""
+def resample_pos_embed(pos_embed: torch.Tensor, new_grid: tuple[int, int], num_prefix: int,
+                       antialias: bool = True) -> torch.Tensor:
+    """Bicubic resize of the patch part of a [1, prefix + N, D] position embedding, in fp32: timm's rule
+    (``antialias=True``) or transformers' ``interpolate_pos_encoding`` (``antialias=False``)."""
     prefix, grid = pos_embed[:, :num_prefix], pos_embed[:, num_prefix:]
     n = grid.shape[1]
     old = int(math.isqrt(n))
@@ -296,6 +308,6 @@ def resample_pos_embed(pos_embed: torch.Tensor, new_grid: tuple[int, int], num_p
         raise ValueError(f"position embedding of {n} patch tokens is not a square grid")
     D = grid.shape[-1]
     grid_1DHW = grid.reshape(1, old, old, D).permute(0, 3, 1, 2).float()
-    grid_1DHW = nn.functional.interpolate(grid_1DHW, size=new_grid, mode="bicubic", antialias=True, align_corners=False)
+    grid_1DHW = nn.functional.interpolate(grid_1DHW, size=new_grid, mode="bicubic", antialias=antialias, align_corners=False)
     grid = grid_1DHW.permute(0, 2, 3, 1).reshape(1, -1, D).to(pos_embed.dtype)
     return torch.cat([prefix, grid], dim=1)
