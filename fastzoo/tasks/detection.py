@@ -1,13 +1,8 @@
-<<<<<<< HEAD
-"""Object detection (DETR, and the box detector): images -> per-query class logits and boxes, trained
-with a set-prediction loss. The tour times a DETR training step against transformers' model."""
-=======
 """Object detection (DETR, the box detector): images (with a pixel mask) -> per-query class logits
 and boxes, trained with a set-prediction loss. Compared with the original (transformers'
 ``DetrForObjectDetection``) on random images whose pixel masks cut each a different width, so the
 encoder's key padding is exercised; the class logits are compared, and every gradient behind
-them. The tour times its GIoU loss."""
->>>>>>> main
+them. The tour times a DETR training step (set loss included) against transformers' model."""
 from __future__ import annotations
 
 import torch
@@ -30,13 +25,8 @@ def example_inputs(model, batch, gen, caps, notes):
 DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
-<<<<<<< HEAD
-    compared="loss",
-    tour="fastzoo.bench.detection:tour_entry",  # a training step against the original (loss and gradients)
-=======
     inputs=example_inputs,
-    tour="fastzoo.bench.giou:tour_entry",
->>>>>>> main
+    tour="fastzoo.bench.detection:tour_entry",  # a training step against the original (loss and gradients)
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
     # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
     # the Hungarian matcher alone vs DETR's batch-wide cost
