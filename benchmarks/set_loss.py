@@ -6,15 +6,10 @@ transformers' DetrForObjectDetection in fp32 on the same weights.
 
     python benchmarks/set_loss.py --threads 1
 """
-import sys
-from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout
-
-from _common import parser, save, setup, timing  # noqa: E402
-from fastzoo.bench import limits, run_suite  # noqa: E402
-from fastzoo.bench.detection import detection_step_suite  # noqa: E402
-from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, set_loss_suite  # noqa: E402
+from _common import parser, save, setup, timing
+from fastzoo.bench import limits, run_suite
+from fastzoo.bench.detection import detection_step_suite
+from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, set_loss_suite
 
 DETR_STEP = dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512))
 

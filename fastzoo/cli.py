@@ -116,6 +116,30 @@ def _check_args(p) -> None:
     p.add_argument("--allow-fallback", action="store_true", help="with --explain: report fallbacks without failing")
 
 
+def _check_without_attention(args, specs, overrides, dtype, rows, results) -> bool:
+    """A model without attention layers: its comparison with the original, once, and per requested
+    backend what is true of it here ("not available here" with the reason, else "no attention
+    layer"), never a pass it did not earn. True when the comparison failed, or a backend asked for
+    by name cannot run here."""
+    from fastzoo import equivalence
+    from fastzoo.attention import get_backend
+    from fastzoo.attention.availability import unavailable
+
+    res = equivalence.check(args.model, "eager", device=args.device, dtype=dtype, overrides=overrides, batch=args.batch,
+                            train=not args.no_grad, layers=args.layers)
+    rows.extend({**row, "backend": f"none ({args.model} has no attention layer)"} for row in res.rows())
+    results.append({**res.to_dict(), "backend": None})
+    failed = not res.passed
+    for name, options in specs:
+        reason = unavailable(get_backend(name, **options).capabilities)
+        verdict = f"not available here: {reason}" if reason else f"no attention layer: {args.model} never calls it"
+        failed |= reason is not None and args.attn != ["all"]
+        rows.append({"backend": name, "device": args.device, "dtype": args.dtype, "result": verdict})
+        results.append({"backend": name, "options": {k: repr(v) for k, v in options.items()},
+                        "unavailable" if reason else "no_attention": reason or True})
+    return failed
+
+
 def parse_backend_spec(spec: str) -> tuple[str, dict]:
     """``"sdpa:sdpa_backend=math"`` -> ``("sdpa", {"sdpa_backend": "math"})``."""
     name, *pairs = spec.split(":")
@@ -143,6 +167,9 @@ def cmd_check(args) -> int:
         get_backend(name, **options)  # unknown backend names and options
     overrides = tiny if args.tiny else None
     rows, results, layer_tables, failed = [], [], [], False
+    if not equivalence.has_attention(args.model):  # no backend is ever asked: one comparison, and why for each backend
+        failed = _check_without_attention(args, specs, overrides, dtype, rows, results)
+        specs = []
     for name, options in specs:
         try:
             res = equivalence.check(args.model, name, device=args.device, dtype=dtype, overrides=overrides,

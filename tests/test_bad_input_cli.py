@@ -117,7 +117,7 @@ def test_the_real_entry_points_print_one_line():
     proc = run(["bench", "vit_s16", "--set", "depth=x"])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "fastzoo bench: error: --set depth='x': depth takes a value like 12 (int)"], proc.stderr
-    proc = run(["--model", "vit_s16", "--synthetic", "8", "--warmup-steps", "-3"], script="finetune_vit.py")
+    proc = run(["--model", "vit_s16", "--synthetic", "8", "--warmup-steps", "-3"], script="finetune_image_classification.py")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "--warmup-steps: must be 0 or more, got -3" in proc.stderr
 
@@ -142,7 +142,7 @@ def test_traceback_on_request(tmp_path):
 def test_script_bad_arguments_are_one_line(capsys, tmp_path, args, needle):
     from test_train_scripts import _main
 
-    mod = _main("finetune_vit.py")
+    mod = _main("finetune_image_classification.py")
     with pytest.raises(SystemExit) as e:
         mod.run_main(mod.main, [*args, "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err

@@ -186,7 +186,7 @@ def _run_file_error(capsys, tmp_path, text: str) -> str:
     run_file = tmp_path / "run.yaml"
     run_file.write_text(text)
     out = tmp_path / "out"
-    mod = _main("finetune_vit.py")
+    mod = _main("finetune_image_classification.py")
     # the command line gives no field a case sets: it would win over the run file
     args = ["--config", run_file, "--synthetic", "64", "--steps", "1", "--workers", "0", "--output-dir", out]
     with pytest.raises(SystemExit) as e:
@@ -235,7 +235,7 @@ def test_a_mistyped_run_file_is_one_line_naming_the_field(capsys, tmp_path, text
 def test_lr_nan_on_the_command_line_is_refused_too(capsys, tmp_path):
     from tests.test_train_scripts import user_error
 
-    user_error(capsys, "finetune_vit.py", ["--synthetic", "8", "--lr", "nan", "--output-dir", tmp_path / "out"],
+    user_error(capsys, "finetune_image_classification.py", ["--synthetic", "8", "--lr", "nan", "--output-dir", tmp_path / "out"],
                "--lr", "finite")
     assert not (tmp_path / "out").exists()
 
@@ -251,7 +251,7 @@ def test_the_shipped_run_files_parse_with_every_field_typed(path):
         return
     from tests.test_train_scripts import _main
 
-    script = {"finetune_vit": "finetune_vit.py", "finetune_gpt2": "finetune_gpt2.py"}.get(path.stem, "train_boxdet.py")
+    script = {"finetune_image_classification": "finetune_image_classification.py", "finetune_causal_lm": "finetune_causal_lm.py"}.get(path.stem, "train_boxdet.py")
     mod = _main(script)
     from fastzoo.train.cli import read_run_config
 

@@ -191,7 +191,7 @@ def test_trim_log_drops_the_steps_a_resume_runs_again_and_a_cut_line(tmp_path):
 def test_resume_with_another_n_head_is_one_line_from_the_script(tmp_path, capsys):
     from test_train_scripts import _main
 
-    mod = _main("finetune_vit.py")
+    mod = _main("finetune_image_classification.py")
     common = ["--synthetic", "8", "-b", "4", "--workers", "0", "--steps", "1", "--output-dir", str(tmp_path)]
     tiny = model_kwargs(TINY["vit"], "img_size", "patch_size", "embed_dim", "depth")
     heads = TINY["vit"]["num_heads"]

@@ -46,27 +46,27 @@ def write(tmp_path, text, name="run.yaml"):
 def test_config_fields_become_the_options(tmp_path):
     cfg = write(tmp_path, "model: vit_b16\nattn: eager\nlr: 3.0e-4\nbatch_size: 16\nsynthetic: 8\n"
                           "model_kwargs: {depth: 2, img_size: 32}\namp: bf16\n")
-    args = parse("finetune_vit.py", ["--config", cfg])
+    args = parse("finetune_image_classification.py", ["--config", cfg])
     assert (args.model, args.attn, args.lr, args.batch_size, args.synthetic, args.amp) == ("vit_b16", "eager", 3e-4, 16, 8, "bf16")
     assert args.model_kwargs == {"depth": 2, "img_size": 32}
 
 
 def test_command_line_flags_override_config_fields(tmp_path):
     cfg = write(tmp_path, "attn: eager\nlr: 3.0e-4\nbatch_size: 16\nsynthetic: 8\nmodel_kwargs: {depth: 2, img_size: 32}\n")
-    args = parse("finetune_vit.py", ["--config", cfg, "--lr", "1e-2", "-b", "4", "--model-kwargs", "depth=1"])
+    args = parse("finetune_image_classification.py", ["--config", cfg, "--lr", "1e-2", "-b", "4", "--model-kwargs", "depth=1"])
     assert (args.lr, args.batch_size, args.attn) == (1e-2, 4, "eager")  # given flags win, the rest is the file's
     assert args.model_kwargs == {"depth": 1, "img_size": 32}  # key by key: the flag's key wins, the file's others stay
 
 
 def test_a_command_line_data_source_replaces_the_configs_exclusive_one(tmp_path):
     cfg = write(tmp_path, "data_dir: DATA\n")
-    args = parse("finetune_vit.py", ["--config", cfg, "--synthetic", "8"])
+    args = parse("finetune_image_classification.py", ["--config", cfg, "--synthetic", "8"])
     assert args.synthetic == 8 and args.data_dir is None  # --data-dir and --synthetic are mutually exclusive
 
 
 def test_config_paths_and_lists_take_the_options_types(tmp_path):
     cfg = write(tmp_path, "train_files: [a.txt, b.txt]\ntokenizer: tok/\nmax_tokens: 128\n")
-    args = parse("finetune_gpt2.py", ["--config", cfg])
+    args = parse("finetune_causal_lm.py", ["--config", cfg])
     assert args.train_files == [Path("a.txt"), Path("b.txt")] and args.tokenizer == Path("tok") and args.max_tokens == 128
 
 
@@ -83,24 +83,24 @@ def test_config_paths_and_lists_take_the_options_types(tmp_path):
 def test_bad_config_fields_are_refused_by_name(tmp_path, text, needles):
     cfg = write(tmp_path, text)
     with pytest.raises(UsageError) as e:
-        parse("finetune_vit.py", ["--config", cfg, "--synthetic", "8"])
+        parse("finetune_image_classification.py", ["--config", cfg, "--synthetic", "8"])
     for n in needles:
         assert n in str(e.value)
 
 
 def test_a_bad_config_is_one_line_and_exit_2_from_the_command_line(tmp_path):
     cfg = write(tmp_path, "synthetic: 8\nlr: 1e-3\nwarmup_step: 10\n")
-    proc = run("finetune_vit.py", "--config", cfg)
+    proc = run("finetune_image_classification.py", "--config", cfg)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"finetune_vit.py: error: --config {cfg}: unknown field 'warmup_step'")
+    assert len(lines) == 1 and lines[0].startswith(f"finetune_image_classification.py: error: --config {cfg}: unknown field 'warmup_step'")
     assert "did you mean 'warmup_steps'" in lines[0]
 
 
 def test_every_shipped_config_names_only_real_options():
-    scripts = {"finetune_vit": "finetune_vit.py", "finetune_gpt2": "finetune_gpt2.py", "train_boxdet": "train_boxdet.py"}
+    scripts = {"finetune_image_classification": "finetune_image_classification.py", "finetune_causal_lm": "finetune_causal_lm.py", "train_boxdet": "train_boxdet.py"}
     shipped = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("accuracy_"))
-    assert {p.stem for p in shipped} >= {"finetune_vit", "finetune_gpt2", "train_boxdet_coco", "train_boxdet_synthetic"}
+    assert {p.stem for p in shipped} >= {"finetune_image_classification", "finetune_causal_lm", "train_boxdet_coco", "train_boxdet_synthetic"}
     for p in shipped:
         script = next(v for k, v in scripts.items() if p.stem.startswith(k))
         parse(script, ["--config", p])  # raises UsageError on any unknown or mistyped field
@@ -128,7 +128,7 @@ def _png(path, size, seed):
     Image.fromarray(arr).save(path)
 
 
-def test_recipe_finetune_vit(tmp_path):
+def test_recipe_finetune_image_classification(tmp_path):
     import fastzoo
 
     pre = tmp_path / "vit"
@@ -138,7 +138,7 @@ def test_recipe_finetune_vit(tmp_path):
             _png(tmp_path / "DATA" / "train" / cls / f"{i}.png", 20, hash((cls, i)) % 1000)
     out = tmp_path / "out"
     # CPU: flex has no backward here, so the recipe's attn is the one override beyond size and data.
-    ok(run("finetune_vit.py", "--config", CONFIGS / "finetune_vit.yaml", "--pretrained", pre, "--data-dir", tmp_path / "DATA",
+    ok(run("finetune_image_classification.py", "--config", CONFIGS / "finetune_image_classification.yaml", "--pretrained", pre, "--data-dir", tmp_path / "DATA",
            "--num-classes", "2", "--attn", "sdpa", "-b", "4", "--output-dir", out, *TINY_RUN))
     losses = logged_losses(out)
     assert len(losses) == 2 and all(0 < x < 10 for x in losses)
@@ -147,7 +147,7 @@ def test_recipe_finetune_vit(tmp_path):
     assert cfg["num_classes"] == 2 and cfg["embed_dim"] == TINY["vit"]["embed_dim"]
 
 
-def test_recipe_finetune_gpt2(tmp_path):
+def test_recipe_finetune_causal_lm(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from fastzoo.accuracy.data import bpe_tokenizer
@@ -159,7 +159,7 @@ def test_recipe_finetune_gpt2(tmp_path):
     tok.save_pretrained(tok_dir)
     GPT2LMHeadModel(GPT2Config(**{**TINY["gpt2"], "vocab_size": len(tok)})).save_pretrained(tok_dir)
     out = tmp_path / "out"
-    ok(run("finetune_gpt2.py", "--config", CONFIGS / "finetune_gpt2.yaml", "--pretrained", tok_dir, "--tokenizer", tok_dir,
+    ok(run("finetune_causal_lm.py", "--config", CONFIGS / "finetune_causal_lm.yaml", "--pretrained", tok_dir, "--tokenizer", tok_dir,
            "--train-files", text, "--max-tokens", TINY["gpt2"]["n_positions"], "-b", "2", "--output-dir", out, *TINY_RUN))
     losses = logged_losses(out)
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)

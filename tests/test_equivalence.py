@@ -237,3 +237,35 @@ def test_cli_check_layers_names_the_first_diverging_layer(register, capsys):
     register("wrong_scale_cli_layers", _wrong_scale, CPU_FP32)
     assert main(["check", "vit_s16", "--tiny", "--no-grad", "--attn", "wrong_scale_cli_layers", "--layers"]) == 1
     assert "first diverging layer: blocks.0.attn" in capsys.readouterr().out
+
+
+def test_cli_check_of_a_model_without_attention_passes_no_backend(capsys):
+    """ResNet has no attention layer: the table compares the model once, and for each backend says
+    only what is true here ("not available here" with the reason, else "no attention layer"),
+    never "pass"; a backend asked for by name that cannot run here fails the check."""
+    from fastzoo.attention import backend_class, list_attention
+    from fastzoo.cli import main
+
+    assert main(["check", "resnet18", "--tiny", "--no-grad"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| backend")}
+    assert "| pass |" in rows["none (resnet18 has no attention layer)"]
+    for name in list_attention():
+        here = backend_class(name).unavailable_reason() is None
+        assert "pass" not in rows[name].split("|")[-2], rows[name]
+        assert ("no attention layer" if here else "not available here") in rows[name], rows[name]
+    missing = next((n for n in list_attention() if backend_class(n).unavailable_reason()), None)
+    if missing is not None:
+        assert main(["check", "resnet18", "--tiny", "--no-grad", "--attn", missing]) == 1
+        assert "not available here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_detr_is_checked_on_the_inputs_its_task_declares(backend):
+    """The detection task's example inputs (images with pixel masks of different widths) make DETR
+    checkable like any family: logits and every gradient within fp32's 1e-4."""
+    from fastzoo import equivalence
+
+    res = equivalence.check("detr", backend, overrides=equivalence.tiny_overrides("detr"), batch=3)
+    assert [c.name for c in res.comparisons] == ["logits", "grads"]
+    assert all(c.err <= 1e-4 for c in res.comparisons), res.rows()  # fp32 rule

@@ -470,3 +470,22 @@ def test_another_image_size_resamples_positions_as_transformers_interpolate_pos_
     want, got = ref(pixel_values=x, **kw), ours(pixel_values=x)
     key = "logits" if cls_name in _CLASSIFIERS else "pooler_output"
     assert (got[key] - want[key]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("layer_type", ["bottleneck", "basic"])
+def test_resnet_with_transformers_own_widths_equals_it(layer_type):
+    """transformers' ResNet with a stem and stage widths torchvision's has not (its own tests' config:
+    embedding_size 64, hidden_sizes 10/20/30/40): stem_width / out_channels; from the live model, from
+    its bare state dict (the widths read from the keys), and back."""
+    cfg = T.ResNetConfig(embedding_size=64, hidden_sizes=[10, 20, 30, 40], depths=[1, 1, 2, 1], layer_type=layer_type,
+                         num_labels=3)
+    torch.manual_seed(0)
+    ref = T.ResNetForImageClassification(cfg).eval()
+    x, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    for source in (ref, ref.state_dict()):
+        ours = (fastzoo.create(pretrained=source) if source is ref else
+                fastzoo.create("microsoft/resnet-50", pretrained=source)).eval()
+        want, got = ref(pixel_values=x, labels=labels), ours(pixel_values=x, labels=labels)
+        assert (got.logits - want.logits).abs().max().item() <= ATOL and abs(got.loss.item() - want.loss.item()) <= ATOL
+    fresh = T.ResNetForImageClassification(cfg)
+    fresh.load_state_dict(fastzoo.export_state_dict(ours, "hf"), strict=True)

@@ -75,8 +75,8 @@ def test_hf_vision_swap_builds_fastzoo_models_computing_transformers_function():
         assert type(got) is type(want)
         key = "logits" if arch.startswith("ViT") else "pooler_output"
         assert (got[key] - want[key]).abs().max() <= 1e-4
-    odd = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[10, 20], depths=[1, 1])  # HF's tester's widths
-    with pytest.raises(swap_hf_vision.NotProvidedByFastzoo, match="embedding_size"):
+    odd = transformers.ResNetConfig(hidden_sizes=[10, 20], depths=[1, 1], downsample_in_bottleneck=True)
+    with pytest.raises(swap_hf_vision.NotProvidedByFastzoo, match="downsample_in_bottleneck"):
         swap_hf_vision.build("ResNetModel")(odd)
 
 

@@ -29,11 +29,13 @@ def _images(batch: int = 2) -> torch.Tensor:
 
 
 def test_the_family_has_torchvisions_names():
-    assert NAMES == ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2",
-                     "wide_resnet101_2", "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d"]
+    assert [n for n in NAMES if "/" not in n] == [
+        "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2",
+        "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d"]
+    assert [n for n in NAMES if "/" in n] == [f"microsoft/resnet-{d}" for d in (18, 26, 34, 50, 101, 152)]  # HF hub ids
     assert fastzoo.list_models("resnext*") == ["resnext101_32x8d", "resnext101_64x4d", "resnext50_32x4d"]
-    for name in NAMES:  # each carries timm's pretrained_cfg of the same name
-        assert fastzoo.create(name, device="meta").pretrained_cfg["architecture"] == name
+    for name in NAMES:  # each carries timm's pretrained_cfg of the same name (a hub id: of timm's same network)
+        assert fastzoo.create(name, device="meta").pretrained_cfg["architecture"] == name.replace("microsoft/resnet-", "resnet")
 
 
 @pytest.mark.parametrize("name", NAMES)

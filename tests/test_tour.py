@@ -17,14 +17,14 @@ from fastzoo.bench.harness import Row
 from fastzoo.bench.recipes import BASELINE
 from fastzoo.bench.tour import Entry, recommend
 from fastzoo.registry import specs
-from fastzoo.tasks import DETECTION, TASKS
+from fastzoo.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_OUT_ATOL = 1e-4  # fastzoo.equivalence's rule: fp32 logits within 1e-4 of the original
 FP32_GRAD_RTOL = 1e-4  # gradients: the worst parameter's relative error (fastzoo.parity's rule)
 # every family with quick tour settings, image classifiers first, then causal LMs, then detectors
 ORDERED = sorted((s for s in specs() if s.bench is not None and "quick" in s.bench.sizes), key=lambda s: TASKS.index(s.task))
-MODELS = [s.bench.variant + (" (GIoU loss)" if s.task is DETECTION else "") for s in ORDERED]
+MODELS = [s.bench.variant for s in ORDERED]
 
 
 def _within_rule(r) -> bool:
@@ -41,7 +41,32 @@ def tour(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "fastzoo.cli", "tour", "--quick", "--device", "cpu", "--out", str(out),
                            "--no-progress", "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    STDERR.append(proc.stderr)
     return proc.stdout, json.loads((out / "tour.json").read_text()), out
+
+
+STDERR = []  # the tour's stderr, kept by the fixture
+
+
+def test_stderr_is_clean(tour):
+    """No profiler start/stop or device-probe lines, no warnings about the random configs the tour
+    builds itself: whatever reaches stderr is the user's business (here: nothing)."""
+    noise = [line for line in STDERR[-1].splitlines() if line.strip()]
+    assert not noise, "\n".join(noise[:20])
+
+
+def test_every_speedup_says_whether_it_is_reliable(tour):
+    """--quick times one round: no spread to judge, so every figure is marked unreliable, in the
+    JSON, the table and the printed line; the load before and after is in the header."""
+    stdout, data, _ = tour
+    assert len(data["load"]) == 2 and data["cores"] >= 1
+    assert "load " in stdout and f"on {data['cores']} cores" in stdout
+    for rec in data["recommendations"]:
+        if rec["label"] is not None:
+            assert "one timed round, spread not measured" in rec["unreliable"]
+            assert "UNRELIABLE: one timed round" in rec["line"]
+    table = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert sum("| no: one timed round" in line for line in table) == sum(r["label"] is not None for r in data["recommendations"])
 
 
 def test_every_model_has_a_recommendation_that_passed_parity(tour):
@@ -144,3 +169,20 @@ def test_recommendation_line_shows_each_error_beside_its_bound():
               grad_err=6.9e-3, out_bound=6e-3, grad_bound=2e-2, precision="bf16 autocast")
     line = Recommendation("m", "use", row, None).line()
     assert "logits 2e-03 (<= 6e-03), grads 7e-03 (<= 2e-02), bf16 autocast rule" in line
+
+
+def _timed(label, median, lo, hi, iters=5, peer=False):
+    return Row("g", label, False, "ok", peer=peer, median_s=median, min_s=lo, max_s=hi, iters=iters, speedup=1.0)
+
+
+def test_reliability_flags_spread_load_and_single_rounds():
+    from fastzoo.bench.tour import SPREAD_LIMIT, reliability
+
+    quiet = _timed("a", 1.0, 0.95, 1.05), _timed("peer", 2.0, 1.9, 2.1, peer=True)
+    assert reliability(*quiet, load=[0.5, 0.7], cores=2) == []
+    wide = _timed("a", 1.0, 0.5, 1.0 + SPREAD_LIMIT + 0.1)
+    assert any("a's rounds spread" in w for w in reliability(wide, quiet[1], load=[0.5], cores=2))
+    assert any("load 5.0 on 2 cores" in w for w in reliability(*quiet, load=[1.0, 5.0], cores=2))
+    once = _timed("a", 1.0, 1.0, 1.0, iters=1)
+    assert reliability(once, quiet[1], load=[0.1], cores=2) == ["one timed round, spread not measured"]
+

@@ -49,7 +49,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def run(*args, killer_step=None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     pre = ["-c", KILLER, str(killer_step)] if killer_step else []
-    return subprocess.run([sys.executable, *pre, str(ROOT / "scripts" / "finetune_vit.py"), *map(str, args)],
+    return subprocess.run([sys.executable, *pre, str(ROOT / "scripts" / "finetune_image_classification.py"), *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -108,7 +108,7 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", inject, str(ROOT / "scripts" / "finetune_vit.py"), *ARGS,
+    proc = subprocess.run([sys.executable, "-c", inject, str(ROOT / "scripts" / "finetune_image_classification.py"), *ARGS,
                            "--output-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     err = [line for line in proc.stderr.splitlines() if "error" in line]

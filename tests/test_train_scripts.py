@@ -46,7 +46,8 @@ DROPOUT = {"vit": ["--model-kwargs", "drop_path_rate=0.1", "drop_rate=0.1"], "gp
 # only way its function does not depend on how the batch is split (SyncBatchNorm needs CUDA).
 NO_DROPOUT = {"vit": [], "gpt2": ["--model-kwargs", "resid_pdrop=0", "embd_pdrop=0", "attn_pdrop=0"], "boxdet": []}
 SCRIPTS = {kind: pytest.param(kind, id=kind) for kind in ("vit", "gpt2", "boxdet")}
-FILES = {"vit": "finetune_vit.py", "gpt2": "finetune_gpt2.py", "boxdet": "train_boxdet.py"}
+FILES = {"vit": "finetune_image_classification.py", "gpt2": "finetune_causal_lm.py", "boxdet": "train_boxdet.py"}
+MODELS = {"vit": "vit_s16", "gpt2": "gpt2", "boxdet": "boxdet_r50"}
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +116,7 @@ def test_script_trains_and_writes_checkpoints(full_run):
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert any(k.startswith("eval_") for r in records for k in r), "no evaluation after training"
     # a checkpoint directory is a pretrained= source
-    model = fastzoo.create(json.loads((out / "checkpoint-4" / "config.json").read_text())["fastzoo_model"],
-                           pretrained=out / "checkpoint-4")
+    model = fastzoo.create(MODELS[kind], pretrained=out / "checkpoint-4")
     name, p = next(iter(model.state_dict().items()))
     assert torch.equal(p, weights(out / "checkpoint-4")[name])
 
@@ -186,9 +186,9 @@ def user_error(capsys, script, args, *needles):
 
 
 def test_user_error_in_a_subprocess_is_one_line(tmp_path):
-    proc = run("finetune_vit.py", "--data-dir", tmp_path / "missing")
+    proc = run("finetune_image_classification.py", "--data-dir", tmp_path / "missing")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"finetune_vit.py: error: --data-dir {tmp_path / 'missing'}: "
+    assert proc.stderr.strip().splitlines() == [f"finetune_image_classification.py: error: --data-dir {tmp_path / 'missing'}: "
                                                  "no train/ folder there (expected DATA/train/<class>/<image>)"]
 
 
@@ -203,12 +203,12 @@ def test_user_error_in_a_subprocess_is_one_line(tmp_path):
     (["--replay", "/nonexistent/nan_step3"], ["/nonexistent/nan_step3", "meta.json"]),
 ])
 def test_vit_user_errors(capsys, tmp_path, args, needles):
-    user_error(capsys, "finetune_vit.py", [*args, "--output-dir", tmp_path, "--workers", "0"], *needles)
+    user_error(capsys, "finetune_image_classification.py", [*args, "--output-dir", tmp_path, "--workers", "0"], *needles)
 
 
 def test_vit_unreadable_image_folder(capsys, tmp_path):
     (tmp_path / "train").mkdir()  # a train/ folder without class folders
-    user_error(capsys, "finetune_vit.py", ["--data-dir", tmp_path, "--output-dir", tmp_path / "o"], str(tmp_path / "train"))
+    user_error(capsys, "finetune_image_classification.py", ["--data-dir", tmp_path, "--output-dir", tmp_path / "o"], str(tmp_path / "train"))
 
 
 @pytest.mark.parametrize("args,needles", [
@@ -218,7 +218,7 @@ def test_vit_unreadable_image_folder(capsys, tmp_path):
 ])
 def test_gpt2_user_errors(capsys, tmp_path, text_file, args, needles):
     base = [*GPT2, "--train-files", text_file, "--output-dir", tmp_path, "--workers", "0"]
-    user_error(capsys, "finetune_gpt2.py", [*base, *args], *needles)
+    user_error(capsys, "finetune_causal_lm.py", [*base, *args], *needles)
 
 
 def test_boxdet_unreadable_annotations(capsys, tmp_path):
@@ -258,3 +258,61 @@ def test_boxdet_pretrained_takes_a_detector_or_a_resnet_backbone(tmp_path):
     # fastzoo.create itself refuses a ResNet checkpoint for the whole detector, and says what to do
     with pytest.raises(fastzoo.errors.CheckpointError, match=r"ResNet checkpoint.*load_backbone"):
         fastzoo.create("boxdet_r50", pretrained=tmp_path / "r.pth")
+
+
+# -- one script per task: any family of the task ----------------------------------------------------
+def test_image_classification_script_trains_a_resnet_and_timm_reads_its_checkpoint(tmp_path):
+    """The recipe comes from the model: a convnet has no image size of its own (--img-size), its
+    normalisation is its pretrained_cfg's. The checkpoint is timm's hub format: timm builds the same
+    network from it (logits within fp32's 1e-4)."""
+    import timm
+
+    out = tmp_path / "run"
+    ok(run("finetune_image_classification.py", "--model", "resnet18", "--model-kwargs", "layers=[1,1,1,1]",
+           "--synthetic", 16, "--img-size", 32, "-b", 8, "--steps", 2, "--output-dir", out, *COMMON))
+    losses = train_losses(out)
+    assert sorted(losses) == [1, 2] and all(0 < v < 20 for v in losses.values()), losses
+    ckpt = out / "checkpoint-2"
+    ours = fastzoo.create("resnet18", pretrained=ckpt).eval()
+    theirs = timm.create_model(f"local-dir:{ckpt}", pretrained=True).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert (ours(x) - theirs(x)).abs().max().item() <= 1e-4  # fp32 equivalence rule
+
+
+@pytest.mark.parametrize("name,fields", [
+    ("llama", ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "max_position_embeddings")),
+    ("gpt2", ("n_layer", "n_embd", "n_head", "n_positions")),
+])
+def test_causal_lm_script_trains_any_family_and_transformers_reads_its_checkpoint(name, fields, text_file, tmp_path):
+    """`--model llama` trains (its longest sequence from max_position_embeddings: it has no
+    n_positions); the checkpoint carries model_type and transformers' keys, so
+    AutoModelForCausalLM.from_pretrained reads it and computes fastzoo's logits (fp32: 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    ok(run("finetune_causal_lm.py", "--model", name, "--model-kwargs", *model_kwargs(TINY[name], *fields),
+           "--train-files", text_file, "--max-tokens", 128, "-b", 2, "--validation-split-percentage", 10,
+           "--steps", 2, "--output-dir", out, *COMMON))
+    losses = train_losses(out)
+    assert sorted(losses) == [1, 2] and all(0 < v < 20 for v in losses.values()), losses
+    ckpt = out / "checkpoint-2"
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == name
+    theirs = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ours = fastzoo.create(name, pretrained=ckpt, attn="eager").eval()
+    ids = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        assert (ours(ids).logits - theirs(ids).logits).abs().max().item() <= 1e-4  # fp32 equivalence rule
+
+
+@pytest.mark.parametrize("script,model,needle", [
+    ("finetune_image_classification.py", "llama", "finetune_causal_lm.py"),
+    ("finetune_causal_lm.py", "resnet18", "finetune_image_classification.py"),
+])
+def test_a_model_of_another_task_is_refused_in_one_line_naming_its_script(script, model, needle, text_file, tmp_path):
+    proc = run(script, "--model", model, "--synthetic" if "image" in script else "--train-files",
+               8 if "image" in script else text_file, "--output-dir", tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and f"--model {model}: a " in lines[0] and needle in lines[0], lines

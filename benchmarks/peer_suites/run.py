@@ -135,6 +135,32 @@ HF_LLAMA_VERDICTS: dict[str, tuple[str, str]] = {
                         "FSDP (fastzoo.train.distributed)")),
 }
 
+_DETR_ATTENTIONS = (REFUSED, "output_attentions / output_hidden_states: fastzoo's DETR runs attention through kernels "
+                             "that return no weights and keeps no per-layer states; refused by name in its forward "
+                             "(models/detr/model.py), none returned for the config's flags")
+_DETR_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, _keep_in_fp32_modules, "
+                                   "_can_set_attn_implementation, token-embedding resizing, GenerationMixin, "
+                                   "base_model_prefix): fastzoo's DETR is a FastzooModel with transformers' call, output, "
+                                   "save_pretrained and Trainer conventions (tests/test_detr.py), not a PreTrainedModel")
+_DETR_CHECKPOINTING = (REAL_GAP, "gradient checkpointing: transformers' DETR supports it "
+                                 "(gradient_checkpointing_enable); fastzoo's DETR does not yet")
+HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
+    **{k: v for k, v in HF_DECODER_VERDICTS.items() if v in (_LOADING,) or k in (
+        "test_model_weights_reload_no_missing_tied_weights", "test_cannot_load_with_meta_device_context_manager")},
+    **dict.fromkeys(("test_attention_outputs", "test_hidden_states_output", "test_retain_grad_hidden_states_attentions"),
+                    _DETR_ATTENTIONS),
+    **dict.fromkeys(("test_all_tensors_are_parameter_or_buffer", "test_init_weights_can_init_buffers",
+                     "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_can_set_attention_dynamically",
+                     "test_can_set_attention_dynamically_composite_model", "test_generation_tester_mixin_inheritance",
+                     "test_model_base_model_prefix", "test_resize_embeddings_untied",
+                     "test_resize_embeddings_untied_no_reinit_on_post_init"), _DETR_INTERNALS),
+    **dict.fromkeys(("test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
+                     "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
+                     "test_training_gradient_checkpointing_use_reentrant_false",
+                     "test_training_gradient_checkpointing_use_reentrant_true"), _DETR_CHECKPOINTING),
+    "test_detr_model": (NOT_APPLICABLE, "DetrModel (the bare encoder-decoder): fastzoo provides DetrForObjectDetection"),
+}
+
 # soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
 HEAD_DIM_GAPS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
@@ -173,7 +199,7 @@ _VISION_LOADING = (REFUSED, "transformers' loading options (output_loading_info,
                             "loads all or nothing with create(name, pretrained=...), a new head by num_classes=N")
 _VISION_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, base_model_prefix, "
                                      "_keep_in_fp32_modules, GradientCheckpointingLayer modules / is_gradient_checkpointing, "
-                                     "enable_input_require_grads): fastzoo's image models are timm-API modules, not "
+                                     "enable_input_require_grads, _can_set_attn_implementation): fastzoo's image models are timm-API modules, not "
                                      "PreTrainedModels; gradient_checkpointing_enable() and the Trainer recipe are tested in "
                                      "tests/test_hf_vision.py")
 _POSITIONAL = (REFUSED, "a positional model(pixel_values) is timm's call on the same model (the logits or pooled "
@@ -196,7 +222,10 @@ HF_VISION_VERDICTS: dict[str, tuple[str, str]] = {
         "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_enable_input_require_grads",
         "test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
         "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
-        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true")},
+        "test_training_gradient_checkpointing_use_reentrant_false", "test_training_gradient_checkpointing_use_reentrant_true",
+        "test_can_set_attention_dynamically", "test_can_set_attention_dynamically_composite_model",
+        "test_enable_input_require_grads_with_gradient_checkpointing")},
+    "test_forward_signature": _POSITIONAL,
     "test_model": _POSITIONAL,
     "test_for_image_classification": _POSITIONAL,
     "test_model_main_input_name": _POSITIONAL,
@@ -234,6 +263,13 @@ SUITES = {
         "plugin": "swap_hf_vision",
         "pytest_args": ["--noconftest"],
         "verdicts": HF_VISION_VERDICTS,
+    },
+    "hf-detr": {
+        "title": "transformers' tests/models/detr/test_modeling_detr.py against fastzoo's DETR",
+        "target": "tests/models/detr/test_modeling_detr.py",
+        "plugin": "swap_hf_detr",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_DETR_VERDICTS,
     },
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",

@@ -15,7 +15,12 @@ channels_last where the family's spec says so; ``torch.compile`` with ``--compil
    the original as its users run it (fp32, eager, the library's default attention) and as the
    original under the same recipe; beside each figure its limit: the share of the same-run
    GEMM peak in its precision, and for packed sequences the FLOP-ratio bound;
-3. the recommendation: per model, the fastest path that passed parity, with its recipe.
+3. the recommendation: per model, the fastest path that passed parity, with its recipe;
+4. how far to trust each figure: the tour measures the machine's load (1-minute average, before
+   and after) and the spread of each timed case's rounds, and marks a speed-up *unreliable* where
+   the rounds spread more than ``SPREAD_LIMIT`` of their median, where only one round was timed
+   (``--quick``), or where others loaded the CPU (load above its cores). Started on a busy CPU
+   without ``--threads``, it times at one thread (a shared CPU thrashes with more).
 
 Each family enters through its task's tour entry (``Task.tour``; a detector's times its loss:
 the padded GIoU kernel against torchvision's GIoU).
@@ -24,8 +29,11 @@ Sizes: ``tour`` (the default; about a minute and a half of a 2-core CPU) and ``q
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
-from dataclasses import dataclass
+import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,9 +42,10 @@ from fastzoo import files
 from fastzoo.bench import limits as machine
 from fastzoo.bench.harness import Report, Row, Suite, run_suite
 from fastzoo.bench.report import bound_text
-from fastzoo.machine import device_name, versions
+from fastzoo.machine import device_name, load_average, versions
 from fastzoo.bench.recipes import Recipe
 
+SPREAD_LIMIT = 0.25  # (max - min) / median of a case's timed rounds beyond which its figure is not to be trusted
 # how to bring one's own weights, said after the recommendations (they were measured from random ones)
 BRING = ("Your own checkpoint: fastzoo.create(pretrained=X) reads the family and every size from X, a live timm / "
          "transformers / torchvision model or a save_pretrained directory (transformers' ViT, DeiT, DINOv2, CLIP and "
@@ -65,6 +74,7 @@ class Recommendation:
     use: str  # the code to write: 'fastzoo.create(NAME, attn="varlen") on fastzoo.data.pack(seqs)' and its recipe
     row: Row | None
     peer: Row | None
+    unreliable: list[str] = field(default_factory=list)  # why its speed-up is not to be trusted (empty: it is)
 
     def line(self) -> str:
         if self.row is None:
@@ -73,7 +83,24 @@ class Recommendation:
         vs = f"{r.speedup:.2f}x {p.label}" if r.speedup is not None and p is not None else "no timed original"
         if r.vs_original is not None and not r.original and not (p is not None and p.original):
             vs += f", {r.vs_original:.2f}x the original under the same recipe"
-        return f"{self.model}: {self.use}  ({vs}; parity: {_errors(r, '.0e')})"
+        unreliable = f"  UNRELIABLE: {'; '.join(self.unreliable)}" if self.unreliable else ""
+        return f"{self.model}: {self.use}  ({vs}; parity: {_errors(r, '.0e')}){unreliable}"
+
+
+def reliability(row: Row | None, peer: Row | None, load: list[float], cores: int) -> list[str]:
+    """Why the speed-up of ``row`` over ``peer`` is not to be trusted (empty: nothing seen): one
+    timed round (no spread to judge), rounds of either spread beyond ``SPREAD_LIMIT`` of their
+    median, or a 1-minute load average above the CPU's cores (others competed for it)."""
+    why = []
+    timed = [r for r in (row, peer) if r is not None and r.median_s]
+    if any(r.iters < 2 for r in timed):
+        why.append("one timed round, spread not measured")
+    for r in timed:
+        if r.iters >= 2 and (spread := (r.max_s - r.min_s) / r.median_s) > SPREAD_LIMIT:
+            why.append(f"{r.label}'s rounds spread {spread:.0%} of their median")
+    if load and max(load) > cores:
+        why.append(f"load {max(load):.1f} on {cores} cores: others competed for the CPU")
+    return why
 
 
 # -- what every task's tour entry shares (the entries live beside their suites) --------------------
@@ -107,6 +134,9 @@ class TourResult:
     date: str
     seconds: float
     tried: list[str]  # the recipes' names
+    load: list[float] = field(default_factory=list)  # 1-minute load average before and after
+    cores: int = 0
+    note: str = ""  # what the tour chose because of the machine (one thread on a busy CPU)
 
     @property
     def ok(self) -> bool:
@@ -127,6 +157,7 @@ class TourResult:
                 "same recipe": f"{r.vs_original:.2f}x" if r is not None and r.vs_original is not None else "-",
                 "share of GEMM peak": _gemm_share(r),
                 "FLOP-ratio bound": bound_text(r) if r is not None and bound_text(r) else "-",
+                "reliable": "no: " + "; ".join(rec.unreliable) if rec.unreliable else "yes",
             })
         return out
 
@@ -135,8 +166,9 @@ class TourResult:
         return (f"fastzoo tour on **{rep.device}** ({rep.threads} torch threads), {self.date}; one training step "
                 f"(forward + backward), median of {rep.iters} after {rep.warmup} warm-up, original and fastzoo in "
                 f"interleaved rounds; recipes tried: {'; '.join(self.tried)}; torch {rep.versions.get('torch')}; "
-                f"{self.seconds:.0f} s in all; {machine.Limits(**rep.limits).describe()}. Speed-up: vs the original as its users run it "
-                f"(fp32, eager); same recipe: vs the original under the recommended recipe.")
+                f"{self.seconds:.0f} s in all; {machine.Limits(**rep.limits).describe()}; load "
+                f"{' -> '.join(f'{x:.1f}' for x in self.load)} on {self.cores} cores{self.note}. Speed-up: vs the original "
+                f"as its users run it (fp32, eager); same recipe: vs the original under the recommended recipe.")
 
     def summary_table(self) -> str:
         from fastzoo.text import markdown_table
@@ -152,10 +184,11 @@ class TourResult:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"date": self.date, "seconds": self.seconds, **self.report.to_dict(),
-                "recommendations": [{"model": r.model, "use": r.use, "label": r.row.label if r.row else None,
-                                     "speedup": r.row.speedup if r.row else None, "line": r.line()}
-                                    for r in self.recommendations]}
+        return {"date": self.date, "seconds": self.seconds, **self.report.to_dict(), "load": self.load,
+                "cores": self.cores, "recommendations": [
+                    {"model": r.model, "use": r.use, "label": r.row.label if r.row else None,
+                     "speedup": r.row.speedup if r.row else None, "unreliable": r.unreliable, "line": r.line()}
+                    for r in self.recommendations]}
 
 
 def _parity(r: Row | None) -> str:
@@ -213,17 +246,64 @@ def build_entries(size: str = "tour", device="cpu", *, compile: bool = False) ->
             for s in sorted(chosen, key=lambda s: order.get(s.task, len(TASKS)))]
 
 
-def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progress: bool = True) -> TourResult:
+def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progress: bool = True,
+             threads: int | None = None) -> TourResult:
+    """Every entry, measured; ``threads``: torch's thread count (None: as set, or one on a busy CPU)."""
     import time
     import warnings
-
-    from tqdm.auto import tqdm
 
     # The table says what ran; PyTorch's multi-line warning about uncompiled flex would bury the bar.
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
     t0 = time.perf_counter()
     device = torch.device(device)
+    cores, load, note = os.cpu_count() or 1, [load_average()], ""
+    if threads:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu" and load[0] > cores - 1:  # busy: more threads would thrash against the others
+        torch.set_num_threads(1)
+        note = " (busy at the start: timed at 1 thread)"
+    with quiet_libraries():
+        result = _measure(size, device, compile, progress)
+    report, entries, recs, tried = result
+    load.append(load_average())
+    for rec in recs:
+        rec.unreliable = reliability(rec.row, rec.peer, load, cores) if rec.row is not None else []
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return TourResult(report, entries, recs, date, time.perf_counter() - t0, list(dict.fromkeys(r.name for r in tried)),
+                      load, cores, note)
+
+
+@contextlib.contextmanager
+def quiet_libraries():
+    """The tour builds its originals at random from small configs of its own: transformers' and
+    torch's log warnings about those (token ids beyond a small vocabulary, FX-tracing and CUDA-home
+    notices) say nothing to its user, so they are raised to errors-only while it runs."""
+    names = ("transformers", "torch.fx._symbolic_trace", "torch.utils.cpp_extension")
+    levels = {n: logging.getLogger(n).level for n in names}
+    try:
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        hf_logging = None
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+        if hf_logging is not None:
+            hf_logging.set_verbosity(verbosity)
+
+
+def _measure(size, device, compile, progress):
+    """Build every entry, measure the machine's limits, run the suites; the report, the entries,
+    their recommendations and the recipes tried."""
+    from tqdm.auto import tqdm
+
     entries = build_entries(size, device, compile=compile)
     warmup, iters = TIMING[size]
     tried = [r for e in entries for r in e.groups.values()]
@@ -242,8 +322,7 @@ def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progres
     report = Report("fastzoo tour", first.device, first.dtype, config, warmup, iters, versions(), torch.get_num_threads(),
                     [r for rep in reports for r in rep.rows], "; ".join(skipped) or None, limits=limits.to_dict())
     recs = [recommend(e, rep.rows) for e, rep in zip(entries, reports)]
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return TourResult(report, entries, recs, date, time.perf_counter() - t0, list(dict.fromkeys(r.name for r in tried)))
+    return report, entries, recs, tried
 
 
 def write(result: TourResult, out_dir) -> dict[str, Path]:
@@ -275,9 +354,8 @@ def add_args(p) -> None:
 
 def cmd_tour(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run_tour("quick" if args.quick else "tour", device=device, compile=args.compile, progress=not args.no_progress)
+    result = run_tour("quick" if args.quick else "tour", device=device, compile=args.compile, progress=not args.no_progress,
+                      threads=args.threads)
     paths = write(result, args.out or default_out_dir(device))
     print(result.header() + "\n")
     print(result.summary_table() + "\n")

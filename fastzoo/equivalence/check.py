@@ -87,6 +87,15 @@ class Result:
         }
 
 
+def has_attention(model_name: str) -> bool:
+    """Whether ``model_name`` has attention layers (a convnet has none: no backend is ever asked),
+    read from its tiny config built on the meta device."""
+    from fastzoo.layers.attention import UsesAttention
+
+    model = create(model_name, attn="eager", device="meta", **_checkable(model_name).tiny)
+    return any(isinstance(m, UsesAttention) for m in model.modules())
+
+
 def original(model_name: str, *, seed: int = 0, **overrides) -> nn.Module:
     """The original library's model for ``model_name`` (config from the registry plus
     ``overrides``), at random init from ``seed``, in eval mode and with attention dropout 0."""

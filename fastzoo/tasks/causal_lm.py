@@ -51,5 +51,5 @@ CAUSAL_LM = Task(
     bench="fastzoo.bench.causal_lm:model_suite",
     tour="fastzoo.bench.causal_lm:tour_entry",
     parity={"pydoc_text": "fastzoo.accuracy.parity:Text"},
-    train_script="scripts/finetune_gpt2.py",
+    train_script="scripts/finetune_causal_lm.py",
 )

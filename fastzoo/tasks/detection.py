@@ -1,13 +1,32 @@
-"""Object detection (the box detector): images -> per-query class logits and boxes, trained with
-a set-prediction loss. No original to compare with yet; the tour times its GIoU loss."""
+"""Object detection (DETR, the box detector): images (with a pixel mask) -> per-query class logits
+and boxes, trained with a set-prediction loss. Compared with the original (transformers'
+``DetrForObjectDetection``) on random images whose pixel masks cut each a different width, so the
+encoder's key padding is exercised; the class logits are compared, and every gradient behind
+them. The tour times a DETR training step (set loss included) against transformers' model."""
 from __future__ import annotations
 
-from fastzoo.tasks.task import Task
+import torch
+
+from fastzoo.tasks.task import Inputs, Task
+
+
+def example_inputs(model, batch, gen, caps, notes):
+    """Image i keeps its left ``64 - 16 (i mod 3)`` columns; the rest is padding (a batch of
+    images of different sizes), named by ``pixel_mask`` as transformers' image processors do."""
+    side = 64
+    images = torch.randn(batch, 3, side, side, generator=gen)
+    mask = torch.ones(batch, side, side, dtype=torch.long)
+    for i in range(batch):
+        mask[i, :, side - 16 * (i % 3):] = 0
+    inputs = Inputs((images,), {"pixel_mask": mask}, float_args=True)
+    yield "", inputs, inputs
+
 
 DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
-    tour="fastzoo.bench.giou:tour_entry",
+    inputs=example_inputs,
+    tour="fastzoo.bench.detection:tour_entry",  # a training step against the original (loss and gradients)
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
     # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
     # the Hungarian matcher alone vs DETR's batch-wide cost

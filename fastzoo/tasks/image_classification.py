@@ -31,5 +31,5 @@ IMAGE_CLASSIFICATION = Task(
     bench_quick_batch=2,
     tour="fastzoo.bench.image_classification:tour_entry",
     parity={"digits": "fastzoo.accuracy.parity:Digits", "quadrant": "fastzoo.accuracy.parity:Quadrants"},
-    train_script="scripts/finetune_vit.py",
+    train_script="scripts/finetune_image_classification.py",
 )

@@ -3,8 +3,10 @@
 ::
 
     checkpoint/
-      config.json          the architecture (as ``save_pretrained`` writes it)
-      model.safetensors    the weights, fastzoo key names
+      config.json          the architecture, as the model's ``save_pretrained`` writes it
+      model.safetensors    the weights, likewise: the original library reads the directory
+                           (transformers' ``from_pretrained`` for a decoder, with its
+                           ``model_type``; timm's hub format for an image classifier)
       train_state.pt       optimizer, LR scheduler, step, epoch, position in the epoch's
                            data order, and every RNG state of every process
 
@@ -25,7 +27,10 @@ from fastzoo.errors import CheckpointError
 from fastzoo.models.base import write_pretrained
 from fastzoo.train import distributed as D
 from fastzoo.train.rng import get_rng_state, rng_state_problem, set_rng_state
-from fastzoo.weights import check_config, check_state_dict, read_config_json, read_file
+from fastzoo.registry import spec_of
+from fastzoo.weights import (
+    check_config, check_state_dict, config_from_source, read_config_json, read_file, read_source, to_fastzoo,
+)
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -47,6 +52,43 @@ def model_config_json(model) -> dict:
 def write_weights(path: Path, model, state: dict[str, torch.Tensor]) -> None:
     """``config.json`` + ``model.safetensors`` for ``state`` (a full state dict of ``model``)."""
     write_pretrained(path, model_config_json(model), state)
+
+
+def write_model(path: Path, model, state: dict[str, torch.Tensor]) -> None:
+    """``model`` holding ``state`` (a full state dict of it), as its ``save_pretrained`` writes it:
+    what the original library reads (transformers' ``from_pretrained`` for a decoder, timm's for
+    an image classifier) and ``pretrained=`` reads. Where ``state`` differs from the model's own
+    tensors (a NaN capture's pre-step BatchNorm statistics) they are swapped in for the write and
+    back. A sharded (FSDP) or foreign model is written as :func:`write_weights` writes it."""
+    if not _is_fastzoo_model(model) or _sharded(model):
+        return write_weights(path, model, state)
+    own = model.state_dict()
+    differ = {k: v for k, v in state.items() if k in own and not torch.equal(own[k].detach().cpu(), v.cpu())}
+    kept = {k: own[k].detach().clone() for k in differ}
+    with torch.no_grad():
+        for k, v in differ.items():
+            own[k].copy_(v)
+        try:
+            model.save_pretrained(path)
+        finally:
+            for k, v in kept.items():
+                own[k].copy_(v)
+
+
+def read_model_weights(path: Path, model) -> dict[str, torch.Tensor]:
+    """The weights :func:`write_model` wrote, in ``model``'s own key names (read as ``pretrained=``
+    reads a ``save_pretrained`` directory)."""
+    if not _is_fastzoo_model(model):
+        return read_weights(path)
+    return to_fastzoo(spec_of(model), read_source(path))
+
+
+def _is_fastzoo_model(model) -> bool:
+    return hasattr(model, "config_class") and callable(getattr(model, "save_pretrained", None))
+
+
+def _sharded(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -72,7 +114,7 @@ def save_checkpoint(path, model, optimizer, scheduler, state: TrainState, world:
     if world.is_main:
         try:
             with files.atomic_dir(path) as tmp:
-                write_weights(tmp, model, weights)
+                write_model(tmp, model, weights)
                 torch.save({**asdict(state), "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs,
                             "world_size": world.size}, tmp / STATE_FILE)
         except OSError as e:
@@ -118,8 +160,7 @@ def read_checkpoint(path, model, optimizer) -> Checkpoint:
                               f"resume from a checkpoint-<step> directory")
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"{where}: no {STATE_FILE} there; pass the checkpoint directory a training run wrote")
-    _check_architecture(path, model)
-    weights = read_weights(path)
+    weights = _check_architecture(path, model)
     check_state_dict(model, weights, str(path / MODEL_FILE))
     try:
         data = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
@@ -141,7 +182,9 @@ def read_checkpoint(path, model, optimizer) -> Checkpoint:
     return Checkpoint(weights, data)
 
 
-def _check_architecture(path: Path, model) -> None:
+def _check_architecture(path: Path, model) -> dict[str, torch.Tensor]:
+    """Check the checkpoint's architecture against ``model``'s; its weights in fastzoo's keys. A
+    fastzoo model's checkpoint is read as ``pretrained=`` reads a ``save_pretrained`` directory."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"--resume {path}: no config.json there, so the architecture cannot be checked")
@@ -149,15 +192,20 @@ def _check_architecture(path: Path, model) -> None:
     family = getattr(model, "family", None)
     if config.get("family") not in (None, family):
         raise CheckpointError(f"{cfg_file}: a {config['family']} checkpoint; this run trains a {family} model")
-    if not hasattr(model, "config_class"):
-        return
-    fields = {k: v for k, v in config.items() if k not in ("fastzoo_model", "family")}
+    if not _is_fastzoo_model(model):
+        return read_weights(path)
+    if not (path / MODEL_FILE).is_file():
+        read_weights(path)  # its message: no weights file here
+    spec = spec_of(model)
+    src = read_source(path)
+    fields = config_from_source(spec, src)
     check_config(model, fields, f"--resume {path}")
     own = model.config.to_dict()
     free = [f"{k}: checkpoint {fields[k]!r}, this run {own[k]!r}"
             for k in sorted(model.config_class.fields_of_kind("free")) if k in fields and k in own and own[k] != fields[k]]
     if free:  # training-only fields (dropout...): the user's choice, but the losses will not continue the old run's
         warnings.warn(f"--resume {path}: resuming with other training settings ({'; '.join(free)})", stacklevel=3)
+    return to_fastzoo(spec, src)
 
 
 def load_checkpoint(path, model, optimizer, scheduler, world: D.World) -> TrainState:

@@ -189,11 +189,16 @@ def run_main(main, argv=None) -> None:
     sys.exit(code or 0)
 
 
-def create_model(args: argparse.Namespace, device=None, **overrides):
+def create_model(args: argparse.Namespace, device=None, *, task=None, **overrides):
     """``fastzoo.create`` from ``--model/--attn/--pretrained/--model-kwargs`` (+ the script's own
-    overrides); a bad name or override becomes a one-line error."""
-    from fastzoo.registry import create
+    overrides); a bad name or override becomes a one-line error. ``task``: the task the script
+    trains (a :class:`fastzoo.tasks.Task`); a model of another is refused, naming its script."""
+    from fastzoo.registry import create, get_entry
 
+    if task is not None and get_entry(args.model).spec.task is not task:
+        other = get_entry(args.model).spec.task
+        raise UsageError(f"--model {args.model}: a {other} model; this script trains {task} models"
+                         + (f" (use {other.train_script})" if other.train_script else ""))
     kwargs = {**args.model_kwargs, **overrides}
     try:
         return create(args.model, attn=args.attn, pretrained=args.pretrained, device=device, **kwargs)

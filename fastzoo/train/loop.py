@@ -284,7 +284,7 @@ class Trainer:
     # -- replay --------------------------------------------------------------------------
     def replay(self) -> int:
         """Re-run the captured step; 0 when loss and gradients match bit for bit, 1 otherwise."""
-        cap = nan_guard.read_capture(self.args.replay)
+        cap = nan_guard.read_capture(self.args.replay, self.raw)
         meta = cap["meta"]
         D.load_model_state(self.raw, cap["weights"])
         batch = to_device(cap["batch"], self.device)

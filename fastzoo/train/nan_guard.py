@@ -30,7 +30,7 @@ from torch import nn
 
 from fastzoo import files
 from fastzoo.errors import CheckpointError
-from fastzoo.train.checkpoint import read_weights, write_weights
+from fastzoo.train.checkpoint import read_model_weights, read_weights, write_model
 from fastzoo.train.rng import rng_state_problem
 from fastzoo.weights import read_config_json, read_file
 
@@ -83,7 +83,7 @@ def write_capture(path: Path, *, model: nn.Module, weights: dict, batch, rng_sta
                   grads: dict[str, torch.Tensor] | None, meta: dict) -> Path:
     path = Path(path)
     with files.atomic_dir(path) as tmp:  # a replay never sees half a capture
-        write_weights(tmp, model, weights)
+        write_model(tmp, model, weights)
         torch.save(_to_cpu(batch), tmp / "batch.pt")
         torch.save(rng_state, tmp / "rng.pt")
         observed = {"loss": loss.detach().float().cpu().reshape(())}
@@ -111,8 +111,10 @@ def read_meta(path) -> dict:
     return meta
 
 
-def read_capture(path) -> dict:
-    """Every file of a capture, read and checked; :class:`CheckpointError` names a damaged one."""
+def read_capture(path, model=None) -> dict:
+    """Every file of a capture, read and checked; :class:`CheckpointError` names a damaged one.
+    With ``model``, its weights in the model's key names (as written: the model's
+    ``save_pretrained`` form)."""
     meta = read_meta(path)
     path = resolve_capture_dir(path)
 
@@ -133,7 +135,7 @@ def read_capture(path) -> dict:
         raise CheckpointError(f"--replay {path}: observed.safetensors is missing or holds no loss; the capture is incomplete")
     return {
         "meta": meta,
-        "weights": read_weights(path),
+        "weights": read_weights(path) if model is None else read_model_weights(path, model),
         "batch": batch,
         "rng": rng,
         "loss": observed.pop("loss"),

@@ -33,6 +33,11 @@ class ResNetConfig(ModelConfig):
                                           "* groups channels (timm: base_width; 128: Wide ResNet); basic blocks: 64",
                                           ge=1)
     in_chans: int = weights_decide(3, "image channels", ge=1)
+    stem_width: int | None = weights_decide(None, "the stem conv's output channels; None: channels[0] (torchvision's; "
+                                            "transformers' embedding_size may differ)", ge=1)
+    out_channels: tuple[int, ...] | None = weights_decide(None, "each stage's output channels; None: channels x 1 (basic) "
+                                                          "or x 4 (bottleneck), torchvision's; transformers' hidden_sizes "
+                                                          "need not be", ge=1)
     channels_last: bool = free(False, "NHWC parameters and activations (faster convs on GPU)")
     zero_init_residual: bool = free(False, "init each block's last BN to 0 (init only)")
     frozen_bn: bool = free(False, "BN uses running statistics in train mode too, affine not trained (FrozenBatchNorm2d)")
@@ -46,6 +51,10 @@ class ResNetConfig(ModelConfig):
         if self.global_pool == "" and self.num_classes:
             raise ConfigError(f"global_pool='' (no pooling) needs num_classes=0, got num_classes={self.num_classes}",
                               fields=("global_pool", "num_classes"))
+        if self.out_channels is not None and (len(self.out_channels) != len(self.channels) or (
+                self.block == "basic" and tuple(self.out_channels) != tuple(self.channels))):
+            raise ConfigError(f"out_channels={self.out_channels}: one per stage ({len(self.channels)}), and a basic "
+                              f"block's output is its channels ({self.channels})", fields=("out_channels", "channels"))
         if self.block == "basic" and (self.groups, self.width_per_group) != (1, 64):
             raise ConfigError(f"block='basic' has groups=1 and width_per_group=64 (torchvision's and timm's "
                               f"BasicBlock), got groups={self.groups}, width_per_group={self.width_per_group}",
@@ -61,5 +70,18 @@ class ResNetConfig(ModelConfig):
         return EXPANSION[self.block]
 
     @property
+    def stem(self) -> int:
+        return self.channels[0] if self.stem_width is None else self.stem_width
+
+    def stage_out(self, i: int) -> int:
+        """Stage ``i``'s output channels."""
+        return self.channels[i] * self.expansion if self.out_channels is None else self.out_channels[i]
+
+    @property
+    def torchvision_shaped(self) -> bool:
+        return self.stem_width in (None, self.channels[0]) and self.out_channels in (
+            None, tuple(c * self.expansion for c in self.channels))
+
+    @property
     def num_features(self) -> int:
-        return self.channels[-1] * self.expansion
+        return self.stage_out(-1)

@@ -5,10 +5,10 @@ transformers' ResNet is torchvision's network (v1.5: the stride on a bottleneck'
 BatchNorm eps 1e-5) under other names, so conversion is renaming:
 ``embedder.embedder.convolution`` / ``normalization`` are ``conv1`` / ``bn1``; stage ``S`` block ``L``
 is ``layer{S+1}.{L}``, its ``layer.J`` ``conv{J+1}`` / ``bn{J+1}``, its ``shortcut`` ``downsample``;
-``classifier.1`` is ``fc``. Its config's ``hidden_sizes`` are the stages' output widths (4 x
-torchvision's planes for bottlenecks). Options transformers has and torchvision's ResNet has not
-(a stride on the first 1x1, a downsampling first stage, another activation, a stem of another
-width) are refused by name.
+``classifier.1`` is ``fc``. Its config's ``hidden_sizes`` are the stages' output widths (a bottleneck
+reduces to a quarter of its output, ``channels``); where they or the stem's ``embedding_size`` are not
+torchvision's they are ``out_channels`` / ``stem_width``. Options transformers has and fastzoo's ResNet
+has not (a stride on the first 1x1, a downsampling first stage, another activation) are refused by name.
 """
 from __future__ import annotations
 
@@ -118,17 +118,19 @@ def config_from_json(cfg: dict) -> dict:
         raise CheckpointError(f"config.json: architectures={cfg.get('architectures')!r}; fastzoo's ResNet reads "
                               f"{', '.join(ARCHITECTURES)}")
     block = {"basic": "basic", "bottleneck": "bottleneck"}.get(c.layer_type)
-    channels = tuple(h // EXPANSION[block] for h in c.hidden_sizes) if block else ()
+    channels = tuple(h // EXPANSION[block] for h in c.hidden_sizes) if block else ()  # transformers' reduction
     bad = [f"{name}={value!r} (fastzoo: {want!r})" for name, value, want in (
         ("layer_type", c.layer_type, block or "basic or bottleneck"), ("hidden_act", c.hidden_act, "relu"),
         ("downsample_in_first_stage", c.downsample_in_first_stage, False),
-        ("downsample_in_bottleneck", getattr(c, "downsample_in_bottleneck", False), False),
-        ("embedding_size", c.embedding_size, channels[0] if channels else None)) if value != want]
+        ("downsample_in_bottleneck", getattr(c, "downsample_in_bottleneck", False), False)) if value != want]
     if bad:
         raise CheckpointError(f"config.json: a ResNet fastzoo's (torchvision's) network is not: {'; '.join(bad)}")
     hf = c.to_dict()
     hf["architectures"] = [arch]
+    outs = tuple(c.hidden_sizes)
     return dict(block=block, layers=tuple(c.depths), channels=channels, groups=1, width_per_group=64,
+                stem_width=None if c.embedding_size == channels[0] else c.embedding_size,
+                out_channels=None if outs == tuple(ch * EXPANSION[block] for ch in channels) else outs,
                 in_chans=c.num_channels, num_classes=c.num_labels if arch == "ResNetForImageClassification" else 0,
                 global_pool="avg", hf_config=hf)
 
@@ -138,7 +140,7 @@ def hf_config_dict(config) -> dict:
     _check_fits(config)
     arch = architecture_of(config)
     base = dict(config.hf_config or {})
-    fields = dict(embedding_size=config.channels[0], hidden_sizes=[c * config.expansion for c in config.channels],
+    fields = dict(embedding_size=config.stem, hidden_sizes=[config.stage_out(i) for i in range(len(config.channels))],
                   depths=list(config.layers), layer_type=config.block, hidden_act="relu", num_channels=config.in_chans,
                   downsample_in_first_stage=False, downsample_in_bottleneck=False)
     if arch == "ResNetForImageClassification":
@@ -163,7 +165,16 @@ def infer_config(state: dict) -> dict:
     """What the keys of a transformers ResNet state dict fix (through torchvision's names)."""
     from fastzoo.models.resnet.convert import RESNET
 
-    out = RESNET.infer_config(to_fastzoo(state))
+    tv = to_fastzoo(state)
+    out = RESNET.infer_config(tv)
+    stages = range(1, len(out["layers"]) + 1)
+    last = "conv3" if out["block"] == "bottleneck" else "conv2"
+    outs = tuple(tv[f"layer{s}.0.{last}.weight"].shape[0] for s in stages)
+    channels = tuple(tv[f"layer{s}.0.conv1.weight"].shape[0] for s in stages) if out["block"] == "bottleneck" else outs
+    expansion = EXPANSION[out["block"]]
+    stem = tv["conv1.weight"].shape[0]
+    out.update(channels=channels, groups=1, width_per_group=64, stem_width=None if stem == channels[0] else stem,
+               out_channels=None if outs == tuple(c * expansion for c in channels) else outs)
     arch = "ResNetForImageClassification" if "classifier.1.weight" in state else "ResNetModel"
     return {**out, "hf_config": {"architectures": [arch], "model_type": "resnet"}}
 

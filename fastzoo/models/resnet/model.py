@@ -69,9 +69,10 @@ class Bottleneck(nn.Module):
 
     expansion = EXPANSION["bottleneck"]
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, groups: int = 1, width_per_group: int = 64):
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, groups: int = 1, width_per_group: int = 64,
+                 out: int | None = None):
         super().__init__()
-        width, out = bottleneck_width(planes, groups, width_per_group), planes * self.expansion
+        width, out = bottleneck_width(planes, groups, width_per_group), out or planes * self.expansion
         self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=groups, bias=False)
@@ -100,10 +101,10 @@ def _shortcut(inplanes: int, out: int, stride: int) -> nn.Sequential | None:
     return nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
 
 
-def _block(cfg: ResNetConfig, inplanes: int, planes: int, stride: int = 1) -> nn.Module:
+def _block(cfg: ResNetConfig, inplanes: int, planes: int, out: int, stride: int = 1) -> nn.Module:
     if cfg.block == "basic":
         return BasicBlock(inplanes, planes, stride)
-    return Bottleneck(inplanes, planes, stride, cfg.groups, cfg.width_per_group)
+    return Bottleneck(inplanes, planes, stride, cfg.groups, cfg.width_per_group, out)
 
 
 def _timm_block(architecture: str | None) -> str | None:
@@ -131,7 +132,7 @@ class ResNet(TimmModelAPI, FastzooModel):
     def __init__(self, cfg: ResNetConfig):
         super().__init__()
         self.config = cfg
-        stem = cfg.channels[0]
+        stem = cfg.stem
         self.conv1 = nn.Conv2d(cfg.in_chans, stem, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(stem)
         self.relu = nn.ReLU(inplace=True)
@@ -143,8 +144,8 @@ class ResNet(TimmModelAPI, FastzooModel):
         inplanes = stem
         for i, (n, planes) in enumerate(zip(cfg.layers, cfg.channels)):
             stride = 1 if i == 0 else 2
-            out = planes * cfg.expansion
-            blocks = [_block(cfg, inplanes, planes, stride)] + [_block(cfg, out, planes) for _ in range(n - 1)]
+            out = cfg.stage_out(i)
+            blocks = [_block(cfg, inplanes, planes, out, stride)] + [_block(cfg, out, planes, out) for _ in range(n - 1)]
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
             inplanes = out
             self.feature_info.append(dict(num_chs=inplanes, reduction=4 * 2**i, module=f"layer{i + 1}"))
@@ -264,7 +265,7 @@ class ResNet(TimmModelAPI, FastzooModel):
 
     def timm_model_args(self) -> dict | None:
         c = self.config
-        if c.frozen_bn:  # timm's ResNet has no frozen BatchNorm: in train mode it would be another function
+        if c.frozen_bn or not c.torchvision_shaped:  # timm's ResNet has no frozen BatchNorm, nor other widths
             return None
         if _timm_block(self.pretrained_cfg.get("architecture")) != c.block:  # e.g. resnet50's cfg on basic blocks
             return None

@@ -21,7 +21,7 @@ def torchvision_resnet(cfg: dict) -> nn.Module:
     c = ResNetConfig.from_dict(cfg)
     if c.hf_config is not None:  # a transformers ResNet (microsoft/resnet-*): its own class is the original
         return hf.build(cfg)
-    if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3:
+    if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3 or not c.torchvision_shaped:
         raise ValueError(f"channels={c.channels}, in_chans={c.in_chans}: torchvision's ResNet has the stage widths "
                          f"{TORCHVISION_CHANNELS} and 3 input channels")
     block = BasicBlock if c.block == "basic" else Bottleneck
@@ -33,11 +33,11 @@ def flops(cfg, *, batch: int, img_size: int, train: bool = True) -> int:
     """Conv and fc FLOPs of one step on ``batch`` square images (2 per multiply-add; grouped
     convs count their own channels only)."""
     side = img_size // 4  # after the stride-2 stem and the max-pool
-    stem = cfg.channels[0]
+    stem = cfg.stem
     total = 2 * (img_size // 2) ** 2 * cfg.in_chans * stem * 49
     inplanes = stem
     for stage, (blocks, planes) in enumerate(zip(cfg.layers, cfg.channels)):
-        out = planes * cfg.expansion
+        out = cfg.stage_out(stage)
         for b in range(blocks):
             stride = 2 if b == 0 and stage > 0 else 1
             out_side = side // stride

@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""Fine-tune a fastzoo ViT on an image folder (or a synthetic task), with any attention backend.
+"""Fine-tune any fastzoo image classifier (ViT, ResNet, ...) on an image folder (or a synthetic task).
 
     # ImageFolder layout: DATA/train/<class>/*.jpg and optionally DATA/val/<class>/*.jpg
-    python scripts/finetune_vit.py --model vit_b16 --pretrained vit_b16.safetensors \\
+    python scripts/finetune_image_classification.py --model vit_b16 --pretrained vit_b16.safetensors \\
         --data-dir DATA --num-classes 37 --attn flex --amp bf16 --epochs 5 -b 128 --lr 3e-4
-    torchrun --nproc_per_node 8 scripts/finetune_vit.py ...   # same global batch, DDP
+    torchrun --nproc_per_node 8 scripts/finetune_image_classification.py ...   # same global batch, DDP
 
     # no data at hand: a learnable synthetic task (class = a noisy colour pattern)
-    python scripts/finetune_vit.py --synthetic 512 --model-kwargs img_size=32 patch_size=8 depth=2
+    python scripts/finetune_image_classification.py --synthetic 512 --model-kwargs img_size=32 patch_size=8 depth=2
+    python scripts/finetune_image_classification.py --model resnet18 --synthetic 512 --img-size 32
 
-A new head is created when ``--num-classes`` differs from the checkpoint's. Top-1 accuracy
-on the validation split is printed after every epoch. Everything else (checkpoints,
---resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help.
+The recipe comes from the model: its image size (a ViT's ``img_size``; else ``--img-size`` or the
+size and normalisation of its timm ``pretrained_cfg``), attention backend (``--attn``, for models
+with attention). A new head is created when ``--num-classes`` differs from the checkpoint's. Top-1 accuracy
+on the validation split is printed after every epoch. Checkpoints are directories timm reads
+(``pretrained_cfg_overlay=dict(file=...)``) as well as ``pretrained=`` sources. Everything else
+(--resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from fastzoo.tasks import IMAGE_CLASSIFICATION
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
 from fastzoo.train.cli import create_model, positive_int
 
@@ -58,6 +63,25 @@ def image_folder(root: Path, split: str, img_size, mean, std, train: bool):
         raise UsageError(f"--data-dir {root}: cannot read {root / split} as an image folder: {e}") from e
 
 
+def recipe(model, args) -> tuple[tuple[int, int], tuple, tuple]:
+    """Image size (h, w) and normalisation of ``model``: a fixed size in its config wins (a ViT's
+    position table), then ``--img-size``, then its timm ``pretrained_cfg``; mean and std from the
+    flags, else from the ``pretrained_cfg`` (every image classifier carries one)."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    fixed = getattr(model.config, "img_size", None)
+    if fixed is not None and args.img_size is not None and _pair(fixed) != _pair(args.img_size):
+        raise UsageError(f"--img-size {args.img_size}: {args.model} takes {_pair(fixed)} images (its img_size); "
+                         f"set it with --model-kwargs img_size=...")
+    side = fixed or args.img_size or tuple(cfg.get("input_size", (3, 224, 224))[1:])
+    mean = tuple(args.mean or cfg.get("mean", (0.5, 0.5, 0.5)))
+    std = tuple(args.std or cfg.get("std", (0.5, 0.5, 0.5)))
+    return _pair(side), mean, std
+
+
+def _pair(size) -> tuple[int, int]:
+    return tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+
+
 def build_parser():
     p = train_parser(__doc__.splitlines()[1], model_default="vit_s16")
     g = p.add_argument_group("data")
@@ -67,8 +91,10 @@ def build_parser():
     g.add_argument("--num-classes", type=positive_int, default=None,
                    help="classifier size (default: the image folder's class count, 10 for --synthetic)")
     g.add_argument("--smoothing", type=float, default=0.1, help="label smoothing")
-    g.add_argument("--mean", type=float, nargs=3, default=(0.5, 0.5, 0.5), help="normalisation mean (timm ViT: 0.5)")
-    g.add_argument("--std", type=float, nargs=3, default=(0.5, 0.5, 0.5), help="normalisation std")
+    g.add_argument("--img-size", type=positive_int, default=None,
+                   help="image side for a model without a fixed size (a convnet; default: its pretrained_cfg's)")
+    g.add_argument("--mean", type=float, nargs=3, default=None, help="normalisation mean (default: the model's pretrained_cfg)")
+    g.add_argument("--std", type=float, nargs=3, default=None, help="normalisation std (default: the model's pretrained_cfg)")
     g.add_argument("--channels-last", action="store_true", help="NHWC images and conv weights (faster patch embed on GPU)")
     return p
 
@@ -92,19 +118,19 @@ def main(argv=None) -> int:
             raise UsageError(f"--num-classes {args.num_classes}, but {args.data_dir / 'train'} has {len(classes)} classes")
         args.num_classes = len(classes)
     num_classes = args.num_classes or 10
-    model = create_model(args, device=world.device, num_classes=num_classes)
+    model = create_model(args, device=world.device, task=IMAGE_CLASSIFICATION, num_classes=num_classes)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    img_size = model.config.img_size
+    img_size, mean, std = recipe(model, args)
 
     if args.replay is None:
         if args.synthetic:
             train_set = SyntheticImages(args.synthetic, num_classes, img_size, args.seed)
             eval_set = SyntheticImages(max(1, args.synthetic // 4), num_classes, img_size, args.seed + 1)
         else:
-            train_set = image_folder(args.data_dir, "train", img_size, args.mean, args.std, train=True)
+            train_set = image_folder(args.data_dir, "train", img_size, mean, std, train=True)
             val = next((s for s in ("val", "validation") if (args.data_dir / s).is_dir()), None)
-            eval_set = image_folder(args.data_dir, val, img_size, args.mean, args.std, train=False) if val else None
+            eval_set = image_folder(args.data_dir, val, img_size, mean, std, train=False) if val else None
 
     def images(batch):
         x = batch[0]

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Fine-tune (or train) a fastzoo GPT-2 on text files, with sequences packed to a token budget.
+"""Fine-tune (or train) any fastzoo causal LM (GPT-2, Llama, Qwen2, Mistral) on text files, packed to a token budget.
 
-    python scripts/finetune_gpt2.py --model gpt2 --pretrained gpt2_hf_dir/ --tokenizer gpt2_hf_dir/ \\
+    python scripts/finetune_causal_lm.py --model gpt2 --pretrained gpt2_hf_dir/ --tokenizer gpt2_hf_dir/ \\
         --train-files data/*.txt --max-tokens 16384 -b 8 --lr 5e-5 --amp bf16
-    torchrun --nproc_per_node 8 scripts/finetune_gpt2.py ...   # same global batch, DDP
+    torchrun --nproc_per_node 8 scripts/finetune_causal_lm.py ...   # same global batch, DDP
 
 Documents are the blank-line separated paragraphs of the files, each followed by the
 end-of-text token and cut to ``--max-seq-len`` tokens. They are packed greedily into items
@@ -14,7 +14,11 @@ cross-entropy over all target tokens of the global batch; perplexity on the held
 is printed after every epoch.
 
 Tokenizer: a local Hugging Face tokenizer directory (``--tokenizer DIR``; never the hub),
-or bytes (ids 0..255, end-of-text 256) when none is given.
+or bytes (ids 0..255, end-of-text 256) when none is given. The recipe comes from the model: its
+longest sequence (a learned position table's ``n_positions``; a rotary model's
+``max_position_embeddings``). Checkpoints are directories transformers' ``from_pretrained``
+reads (its ``config.json`` with ``model_type``, its keys) as well as ``pretrained=`` sources.
+``--model`` takes any causal LM of ``fastzoo list`` (gpt2, llama, qwen2, mistral...).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from fastzoo.losses import IGNORE_INDEX, next_token_targets
+from fastzoo.tasks import CAUSAL_LM
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
 from fastzoo.train.cli import create_model, positive_int
 
@@ -98,7 +103,8 @@ def build_parser():
     g.add_argument("--validation-split-percentage", type=float, default=5.0,
                    help="percent of documents held out when no --validation-file is given")
     g.add_argument("--tokenizer", type=Path, default=None, help="local Hugging Face tokenizer directory; default: bytes")
-    g.add_argument("--max-seq-len", type=positive_int, default=None, help="longest document piece (default: n_positions)")
+    g.add_argument("--max-seq-len", type=positive_int, default=None,
+                   help="longest document piece (default: the model's longest position)")
     g.add_argument("--max-tokens", type=positive_int, default=8192, help="token budget of one packed item")
     g.add_argument("--padded", action="store_true", help="pad each batch instead of packing it (attention_mask)")
     return p
@@ -117,12 +123,13 @@ def main(argv=None) -> int:
     world = setup(args)
     tok = load_tokenizer(args.tokenizer)
     vocab = {} if args.pretrained or "vocab_size" in args.model_kwargs else {"vocab_size": len(tok)}
-    model = create_model(args, device=world.device, **vocab)
+    model = create_model(args, device=world.device, task=CAUSAL_LM, **vocab)
     if len(tok) > model.config.vocab_size:
         raise UsageError(f"the tokenizer has {len(tok)} ids but {args.model} has vocab_size {model.config.vocab_size}")
-    max_seq_len = args.max_seq_len or model.config.n_positions
-    if max_seq_len > model.config.n_positions:
-        raise UsageError(f"--max-seq-len {max_seq_len} exceeds the model's n_positions {model.config.n_positions}")
+    longest = model.n_positions  # a learned position table's length; None: rotary, no hard limit
+    max_seq_len = args.max_seq_len or longest or getattr(model.config, "max_position_embeddings", None) or 1024
+    if longest is not None and max_seq_len > longest:
+        raise UsageError(f"--max-seq-len {max_seq_len} exceeds the model's n_positions {longest}")
 
     train_items = eval_items = None
     if args.replay is None:
