@@ -272,6 +272,4 @@ SET_PREDICTION = Loss(
     fused_op=r"^fastzoo::giou",
     fused_impls=("kernel",),
     bench="fastzoo.bench.set_loss",
-    calls={f"fastzoo set_prediction_loss, GIoU {m}": f'fastzoo.losses.set_prediction.set_prediction_loss(logits, boxes, '
-                                                     f'labels, num_classes=C, giou="{m}")' for m in GIOU_MODES},
 )
