@@ -43,6 +43,7 @@ _BUILTIN = {  # name -> where its declaration lives (imported on first use)
     "giou": "fastzoo.losses.giou:GIOU",
     "linear_ce": "fastzoo.losses.linear_ce:LINEAR_CE",
     "lm": "fastzoo.losses.lm:LM",
+    "set_prediction": "fastzoo.losses.set_prediction:SET_PREDICTION",
 }
 _REGISTRY: dict[str, Loss] = {}
 
