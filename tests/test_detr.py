@@ -272,3 +272,27 @@ def test_readme_detr_block_runs_as_written(tmp_path, monkeypatch):
     assert len(ns["results"]) == 3 and torch.isfinite(ns["out"].loss)
     assert ns["det"].attn_name == "varlen" and ns["det"].packs()
     assert transformers.DetrForObjectDetection.from_pretrained(tmp_path / "detr-out").config.num_labels == TINY["num_labels"]
+
+
+def test_peer_suite_swap_builds_fastzoo_detr_from_the_testers_config():
+    """benchmarks/peer_suites/swap_hf_detr.py: transformers' test config (its ResNet backbone with
+    widths not divisible by 4, gelu) -> fastzoo's DETR, equal to transformers' model on its weights."""
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peer_suites"))
+    import swap_hf_detr
+
+    resnet = transformers.ResNetConfig(hidden_sizes=[10, 20, 30, 40], depths=[1, 1, 2, 1], out_features=["stage4"])
+    cfg = transformers.DetrConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
+                                  decoder_attention_heads=8, encoder_ffn_dim=4, decoder_ffn_dim=4, num_queries=12,
+                                  activation_function="gelu", use_timm_backbone=False, backbone_config=resnet,
+                                  use_pretrained_backbone=False, dropout=0.0)
+    hf = transformers.DetrForObjectDetection(cfg).eval()
+    ours = swap_hf_detr.FastzooDetrForObjectDetection(cfg).eval()
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert (hf(pixel_values=x).logits - ours(pixel_values=x).logits).abs().max() <= OUT_TOL

@@ -17,14 +17,14 @@ from fastzoo.bench.harness import Row
 from fastzoo.bench.recipes import BASELINE
 from fastzoo.bench.tour import Entry, recommend
 from fastzoo.registry import specs
-from fastzoo.tasks import DETECTION, TASKS
+from fastzoo.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_OUT_ATOL = 1e-4  # fastzoo.equivalence's rule: fp32 logits within 1e-4 of the original
 FP32_GRAD_RTOL = 1e-4  # gradients: the worst parameter's relative error (fastzoo.parity's rule)
 # every family with quick tour settings, image classifiers first, then causal LMs, then detectors
 ORDERED = sorted((s for s in specs() if s.bench is not None and "quick" in s.bench.sizes), key=lambda s: TASKS.index(s.task))
-MODELS = [s.bench.variant + (" (GIoU loss)" if s.task is DETECTION else "") for s in ORDERED]
+MODELS = [s.bench.variant for s in ORDERED]
 
 
 def _within_rule(r) -> bool:

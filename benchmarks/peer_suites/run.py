@@ -129,20 +129,51 @@ HF_LLAMA_VERDICTS: dict[str, tuple[str, str]] = {
                                                      "not provide"),
     "test_tp_plan_matches_params": (NOT_APPLICABLE, "model.tp_plan: transformers' tensor-parallel plan; fastzoo's "
                                                     "distributed training is DDP / FSDP (fastzoo.train.distributed)"),
-    **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
-        REAL_GAP, "the test reads model.config.head_dim for the cache's shape: fastzoo's one config of the Llama "
-                  "layouts keeps head_dim=None (hidden_size // num_attention_heads) where transformers' Qwen2Config "
-                  "has no head_dim at all (the test's default); generate with the static cache gives transformers' "
-                  "tokens (tests/test_decoder_transformers_flags.py)")),
     **dict.fromkeys(("test_tp_forward", "test_tp_backward", "test_tp_generation"), (
         NOT_APPLICABLE, "transformers' tensor parallelism (from_pretrained(tp_plan='auto') in spawned processes, "
                         "which pickle the class by its transformers name); fastzoo's distributed training is DDP / "
                         "FSDP (fastzoo.train.distributed)")),
 }
 
+_DETR_ATTENTIONS = (REFUSED, "output_attentions / output_hidden_states: fastzoo's DETR runs attention through kernels "
+                             "that return no weights and keeps no per-layer states; refused by name in its forward "
+                             "(models/detr/model.py), none returned for the config's flags")
+_DETR_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internals (init_weights, _keep_in_fp32_modules, "
+                                   "_can_set_attn_implementation, token-embedding resizing, GenerationMixin, "
+                                   "base_model_prefix): fastzoo's DETR is a FastzooModel with transformers' call, output, "
+                                   "save_pretrained and Trainer conventions (tests/test_detr.py), not a PreTrainedModel")
+_DETR_CHECKPOINTING = (REAL_GAP, "gradient checkpointing: transformers' DETR supports it "
+                                 "(gradient_checkpointing_enable); fastzoo's DETR does not yet")
+HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
+    **{k: v for k, v in HF_DECODER_VERDICTS.items() if v in (_LOADING,) or k in (
+        "test_model_weights_reload_no_missing_tied_weights", "test_cannot_load_with_meta_device_context_manager")},
+    **dict.fromkeys(("test_attention_outputs", "test_hidden_states_output", "test_retain_grad_hidden_states_attentions"),
+                    _DETR_ATTENTIONS),
+    **dict.fromkeys(("test_all_tensors_are_parameter_or_buffer", "test_init_weights_can_init_buffers",
+                     "test_keep_in_fp32_modules", "test_keep_in_fp32_modules_exist", "test_can_set_attention_dynamically",
+                     "test_can_set_attention_dynamically_composite_model", "test_generation_tester_mixin_inheritance",
+                     "test_model_base_model_prefix", "test_resize_embeddings_untied",
+                     "test_resize_embeddings_untied_no_reinit_on_post_init"), _DETR_INTERNALS),
+    **dict.fromkeys(("test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
+                     "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
+                     "test_training_gradient_checkpointing_use_reentrant_false",
+                     "test_training_gradient_checkpointing_use_reentrant_true"), _DETR_CHECKPOINTING),
+    "test_detr_model": (NOT_APPLICABLE, "DetrModel (the bare encoder-decoder): fastzoo provides DetrForObjectDetection"),
+}
+
 # soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
-HF_SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
-    **HF_LLAMA_VERDICTS,
+HEAD_DIM_GAPS: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
+        REAL_GAP, "the test reads model.config.head_dim for the cache's shape: fastzoo's one config of the Llama-style "
+                  "layouts keeps head_dim=None when it is hidden_size // num_attention_heads, where transformers' "
+                  "config holds the number (Qwen2Config has no head_dim: the test's default applies); generate with "
+                  "the static cache gives transformers' tokens (tests/test_decoder_transformers_flags.py)")),
+}
+SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
+    **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
+        REFUSED, "a static cache with sliding-window layers on a packed-only backend (varlen: fastzoo's default for a "
+                 "soft-capping layout, sdpa having no soft-capping) is refused by name: it reads every key; with eager "
+                 "the static cache generates transformers' tokens (tests/test_decoder_transformers_flags.py)")),
     **dict.fromkeys(("test_eager_matches_sdpa_inference", "test_sdpa_padding_matches_padding_free_with_position_ids",
                      "test_can_set_attention_dynamically", "test_sdpa_can_dispatch_non_composite_models"), (
         REFUSED, "attn_implementation='sdpa' on a soft-capping layout: fastzoo's sdpa backend has no attention-logit "
@@ -216,7 +247,8 @@ SUITES = {
         "plugin": "swap_hf_llama",
         # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
         "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
-        "verdicts": HF_SOFTCAP_VERDICTS if folder.startswith("gemma") else HF_LLAMA_VERDICTS,
+        "verdicts": {**HF_LLAMA_VERDICTS, **(SOFTCAP_VERDICTS if folder.startswith("gemma") else {}),
+                     **(HEAD_DIM_GAPS if not folder.startswith("gemma") else {})},
     } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
     "hf-vit": {
         "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",
@@ -231,6 +263,13 @@ SUITES = {
         "plugin": "swap_hf_vision",
         "pytest_args": ["--noconftest"],
         "verdicts": HF_VISION_VERDICTS,
+    },
+    "hf-detr": {
+        "title": "transformers' tests/models/detr/test_modeling_detr.py against fastzoo's DETR",
+        "target": "tests/models/detr/test_modeling_detr.py",
+        "plugin": "swap_hf_detr",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_DETR_VERDICTS,
     },
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
@@ -358,6 +397,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--source", default="", help="where the checkout's tests came from (a line in the results)")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the peer's own model")
+    p.add_argument("--reclassify", action="store_true",
+                   help="no pytest: the verdicts of this file applied again to --out's recorded <suite>.json")
     p.add_argument("--reuse-baseline", action="store_true",
                    help="take the run on the peer's own model from --out's <suite>-original.json (written by a full run)")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k forward")
@@ -367,6 +408,14 @@ def main(argv=None) -> int:
         p.error(f"--checkout: {args.checkout / suite['target']} does not exist")
     load = " ".join(os.getloadavg().__repr__().strip("()").split())
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.reclassify:
+        recorded = json.loads((args.out / f"{args.suite}.json").read_text())
+        kept = args.out / f"{args.suite}-original.json"
+        baseline = json.loads(kept.read_text())["tests"] if kept.is_file() else None
+        old = recorded["summary"]
+        results = {k: {"outcome": t["outcome"], "message": t["message"]} for k, t in recorded["tests"].items()}
+        write(args.out, args.suite, suite, results, baseline, old["deselected"], old["seconds"], old["load"], old["source"])
+        return 0
     seconds = {}
     baseline = None
     with tempfile.TemporaryDirectory() as logs:

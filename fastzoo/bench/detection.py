@@ -30,7 +30,17 @@ def image_batch(images: int, sizes, num_labels: int, device, seed: int = 0):
     return x.to(device), mask.to(device), labels
 
 
-def train_step(model, x, mask, labels, items: int) -> Step:
+def step_flops(run) -> float:
+    """FLOPs of one call of ``run`` (a training step), counted by torch's ``FlopCounterMode``
+    (matmuls and convolutions, forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return float(counter.get_total_flops())
+
+
+def train_step(model, x, mask, labels, items: int, flops: float | None = None) -> Step:
     params = [p for p in model.parameters() if p.requires_grad]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -45,7 +55,7 @@ def train_step(model, x, mask, labels, items: int) -> Step:
         loss = run()
         return {"output": loss.detach()[None], **{f"grad:{n}": p.grad.clone() for n, p in zip(names, params)}}
 
-    return Step(run=run, items=items, outputs=outputs)
+    return Step(run=run, items=items, outputs=outputs, flops=flops)
 
 
 def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=((160, 224), (128, 192)),
@@ -62,14 +72,16 @@ def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, s
     original = entry.spec.original.build(cfg).to(device).train()
     x, mask, labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
 
+    def counted(model) -> Step:  # a step with its own FLOPs: the packed encoder skips the padding's work
+        return train_step(model, x, mask, labels, images, step_flops(train_step(model, x, mask, labels, images).run))
+
     def ours(attn: str):
         return fastzoo.create(name, pretrained=original, attn=attn, loss="kernel").to(device).train()
 
-    cases = [Case(f"{entry.spec.original.description}, fp32", lambda: train_step(original, x, mask, labels, images),
-                  peer=True, reference=True),
-             Case("fastzoo, SDPA + fused GIoU set loss, fp32", lambda: train_step(ours("sdpa"), x, mask, labels, images)),
+    cases = [Case(f"{entry.spec.original.description}, fp32", lambda: counted(original), peer=True, reference=True),
+             Case("fastzoo, SDPA + fused GIoU set loss, fp32", lambda: counted(ours("sdpa"))),
              Case("fastzoo, packed encoder (varlen) + fused GIoU set loss, fp32",
-                  lambda: train_step(ours("varlen"), x, mask, labels, images))]
+                  lambda: counted(ours("varlen")))]
     reads = {"original": host_reads(train_step(original, x, mask, labels, images).run),
              "fastzoo sdpa": host_reads(train_step(ours("sdpa"), x, mask, labels, images).run)}
     group = Group(f"{name} training step, {images} images of sizes {list(sizes)}", cases, unit="images/s",
@@ -77,3 +89,20 @@ def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, s
     config_out = {"model": f"{name} with {config}", "batch": f"{images} images, sizes {list(sizes)}, padded + pixel_mask",
                   "host reads per step": reads}
     return Suite("detection_step", [group], config=config_out, device=device)
+
+
+def tour_entry(spec, size, device, compile):
+    """The tour's entry for a detector (its task's ``tour``): one training step against its original
+    (loss and every gradient checked), at the family's ``tour`` / ``quick`` workload: ``batch`` images
+    of two sizes (``img_size`` square, and half as high), padded, with a pixel mask."""
+    from fastzoo.bench.recipes import BASELINE
+    from fastzoo.bench.tour import Entry
+
+    w = spec.bench.sizes[size]
+    name, side = spec.bench.variant, w.img_size
+    suite = detection_step_suite(name, config=dict(w.config), images=w.batch, sizes=((side, side), (side // 2, side)),
+                                 device=device)
+    labels = [c.label for c in suite.groups[0].cases]
+    paths = {labels[1]: f'fastzoo.create("{name}", pretrained=hf_detr)',
+             labels[2]: f'fastzoo.create("{name}", pretrained=hf_detr, attn="varlen")'}
+    return Entry(name, labels[0], suite, paths, {suite.groups[0].name: BASELINE}, device.type)

@@ -205,25 +205,6 @@ def giou_suite(setting: GIoUSetting = TARGET_SETTING, *, device="cpu", dtype=tor
                  device=device, limits=limits or None, interleave=True)
 
 
-REAL_SHARE = 5  # the tour's workload: 1 to slots / REAL_SHARE real boxes per image (about 10 % real), the rest padding
-
-
-def tour_entry(spec, size, device, compile):
-    """The tour's entry for a detector (its task's ``tour``): its loss, the padded GIoU kernel
-    against torchvision's GIoU on the real pairs, at the family's ``tour`` / ``quick`` sizes."""
-    from fastzoo.bench.recipes import BASELINE
-    from fastzoo.bench.tour import Entry
-
-    w = spec.bench.sizes[size]
-    s = giou_suite(GIoUSetting(w.name, w.batch, w.config["num_queries"], max(1, w.config["num_queries"] // REAL_SHARE)),
-                   device=device, limits=False)
-    name = spec.bench.variant
-    modes = {"fastzoo per-sample loop": "per_sample", "fastzoo concat": "concat", "fastzoo padded": "padded",
-             "fastzoo padded kernel (validity from target)": "kernel"}
-    paths = {label: f'fastzoo.create("{name}", loss="{m}")' for label, m in modes.items()}
-    paths.update(G.GIOU.calls)  # how to call the loss itself, as the loss declares it
-    return Entry(f"{name} (GIoU loss)", "torchvision on concatenated real pairs", s, paths, {s.groups[0].name: BASELINE},
-                 device.type)
 
 
 BATCH_FIELD = "images"  # the setting's field --batch-size sets

@@ -297,8 +297,5 @@ GIOU = Loss(
     fused_op=r"^fastzoo::giou",
     fused_impls=("kernel", "auto"),
     bench="fastzoo.bench.giou",
-    calls={"fastzoo kernel": "fastzoo.losses.giou_loss_kernel(pred[mask], target[mask])",
-           "fastzoo padded kernel (mask)": "fastzoo.losses.giou_loss_padded(pred, target, mask)",
-           "fastzoo kernel (pairs given)": 'fastzoo.losses.giou_loss(pred, target, impl="kernel")'},
 )
 

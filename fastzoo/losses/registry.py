@@ -4,15 +4,14 @@ Each loss file declares one :class:`Loss`, as an attention backend declares its 
 and ``kernel_ops``: its implementations (the ``impl=`` words), the ops that are its kernels in a
 profiler trace, its own fused op and the implementations that ask for it, and its benchmark
 suite. ``fastzoo.explain`` reads them to attribute and check a loss's kernels, ``fastzoo bench
-NAME`` to find a loss suite, the tour to say how to call what it timed; none of them knows a loss
-by name (Hugging Face's ``LOSS_MAPPING`` plays the same part). A suite sits on a floor above
-this one, so it is named by import path.
+NAME`` to find a loss suite; neither knows a loss by name (Hugging Face's ``LOSS_MAPPING`` plays
+the same part). A suite sits on a floor above this one, so it is named by import path.
 """
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,7 @@ class Loss:
     the vectorised closed form ran; ``fused_impls``: the ``impl=`` words that ask for that op (when
     it does not run, ``explain`` reports a fallback). ``bench``: the module of its ``fastzoo bench NAME``
     suite (its ``TARGET_SETTING``, the ``BATCH_FIELD`` that ``--batch-size`` sets, and
-    ``cli_suite(setting, *, device, dtype)``); ``calls``:
-    a suite row's label -> the code a user writes for it (the tour's "use here").
+    ``cli_suite(setting, *, device, dtype)``).
     """
 
     name: str
@@ -39,13 +37,13 @@ class Loss:
     fused_op: str | None = None
     fused_impls: tuple[str, ...] = ()
     bench: str | None = None
-    calls: Mapping[str, str] = field(default_factory=dict)
 
 
 _BUILTIN = {  # name -> where its declaration lives (imported on first use)
     "giou": "fastzoo.losses.giou:GIOU",
     "linear_ce": "fastzoo.losses.linear_ce:LINEAR_CE",
     "lm": "fastzoo.losses.lm:LM",
+    "set_prediction": "fastzoo.losses.set_prediction:SET_PREDICTION",
 }
 _REGISTRY: dict[str, Loss] = {}
 

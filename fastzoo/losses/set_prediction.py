@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastzoo.kernel_ranges import kernel_range
 from fastzoo.losses.giou import PAD_BOX, giou_loss_concat, giou_loss_padded, giou_loss_per_sample
+from fastzoo.losses.registry import Loss
 
 GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
 
@@ -181,6 +183,13 @@ def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=
         eos_coefficient, giou = config.eos_coefficient, config.loss
     if giou not in GIOU_MODES:
         raise ValueError(f"giou={giou!r}: choose one of {', '.join(GIOU_MODES)}")
+    with kernel_range("loss", "set_prediction_loss", giou):  # for fastzoo.explain; a no-op otherwise
+        return _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
+                                    bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou, num_boxes)
+
+
+def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
+                         bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou, num_boxes):
     if logits_LBQC.ndim != 4 or boxes_LBQ4.shape != (*logits_LBQC.shape[:3], 4):
         raise ValueError(f"logits must be [L, B, Q, C+1] and boxes [L, B, Q, 4], got {tuple(logits_LBQC.shape)} and "
                          f"{tuple(boxes_LBQ4.shape)}")
@@ -251,3 +260,16 @@ def _giou_sums(mode: str, pred_LBM4: Tensor, tgt_LBM4: Tensor, matched_LBM: Tens
             tgts = [g[mm] for g, mm in zip(tgt_LBM4[layer], m)]
             sums.append(giou_loss_per_sample(preds, tgts, eps=0.0, validate=False))
     return torch.stack(sums)
+
+
+SET_PREDICTION = Loss(
+    name="set_prediction",
+    description="DETR's set loss (Hungarian matching, class CE + L1 + GIoU, auxiliary layers), transformers' terms",
+    functions=("set_prediction_loss",),
+    impls={"per_sample": "GIoU term in a loop over images", "concat": "GIoU term on the gathered pairs",
+           "padded": "GIoU term on the padded pairs, plain ops", "kernel": "GIoU term through the fused padded op"},
+    kernel_ops=r"^fastzoo::giou",
+    fused_op=r"^fastzoo::giou",
+    fused_impls=("kernel",),
+    bench="fastzoo.bench.set_loss",
+)

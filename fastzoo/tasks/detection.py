@@ -2,7 +2,7 @@
 and boxes, trained with a set-prediction loss. Compared with the original (transformers'
 ``DetrForObjectDetection``) on random images whose pixel masks cut each a different width, so the
 encoder's key padding is exercised; the class logits are compared, and every gradient behind
-them. The tour times its GIoU loss."""
+them. The tour times a DETR training step (set loss included) against transformers' model."""
 from __future__ import annotations
 
 import torch
@@ -26,10 +26,9 @@ DETECTION = Task(
     name="detection",
     description="images -> class logits and boxes per query (set prediction)",
     inputs=example_inputs,
-    tour="fastzoo.bench.giou:tour_entry",
+    tour="fastzoo.bench.detection:tour_entry",  # a training step against the original (loss and gradients)
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
-    # parts of its training step: the whole set loss (matcher + terms, all decoder layers) vs transformers',
-    # the Hungarian matcher alone vs DETR's batch-wide cost
-    suites={"set_loss": "fastzoo.bench.set_loss", "matcher": "fastzoo.bench.matcher"},
+    # a part of its training step (the whole set loss is a declared loss: fastzoo bench set_prediction)
+    suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher alone vs DETR's batch-wide cost
     train_script="scripts/train_boxdet.py",
 )

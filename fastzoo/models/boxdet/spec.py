@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastzoo.models.boxdet.convert import BOXDET, BOXDET_BACKBONE
 from fastzoo.models.boxdet.model import BoxDetector
-from fastzoo.models.spec import BenchSettings, ModelSpec, Variant, Workload
+from fastzoo.models.spec import ModelSpec, Variant
 from fastzoo.tasks import DETECTION
 
 SPEC = ModelSpec(
@@ -18,9 +18,5 @@ SPEC = ModelSpec(
     ),
     converters=(BOXDET, BOXDET_BACKBONE),
     tiny=dict(layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), hidden_dim=32, num_queries=6),
-    bench=BenchSettings(  # the tour times the detector's GIoU loss: batch images x num_queries box slots
-        variant="boxdet_r50", library="torchvision", channels_last=True,
-        sizes={"tour": Workload("256 images x 256 slots", dict(num_queries=256), batch=256),
-               "quick": Workload("16 images x 16 slots", dict(num_queries=16), batch=16)}),
 )
 SPECS = (SPEC,)

@@ -87,6 +87,8 @@ class DetrConfig(ModelConfig):
                                   f"(backbone='transformers') takes any sizes",
                                   fields=("backbone", "embedding_size", "hidden_sizes"))
 
+    is_encoder_decoder = True  # transformers' DetrConfig says so (read by its tools); not a field
+
     @property
     def num_classes(self) -> int:
         return self.num_labels

@@ -259,6 +259,15 @@ class DetrForObjectDetection(FastzooModel):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
 
+    @classmethod
+    def can_generate(cls) -> bool:  # transformers' question of every model: DETR does not generate
+        return False
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' ``num_parameters`` (``Trainer`` counts FLOPs with it)."""
+        skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters() if (p.requires_grad or not only_trainable) and id(p) not in skip)
+
     def attention_needs(self) -> dict:
         return {"head_dim": self.config.d_model // self.config.encoder_attention_heads, "causal": False,
                 "grid_2d": False, "padding_mask": True, "unpads": True}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastzoo.models.detr.config import DetrConfig
 from fastzoo.models.detr.convert import HF
 from fastzoo.models.detr.model import DetrForObjectDetection
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.tasks import DETECTION
 
 
@@ -20,6 +20,11 @@ def build_original(cfg: dict):
     return transformers.DetrForObjectDetection(hf)
 
 
+TINY = dict(backbone="transformers", embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1), d_model=32,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            encoder_layers=2, decoder_layers=2, num_queries=8, num_labels=5)
+# the tour's DETR: timm's ResNet-18 backbone under the full-size transformer (6+6 layers, width 256, 100 queries)
+R18 = dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512))
 R50 = dict(backbone="timm", layer_type="bottleneck", depths=(3, 4, 6, 3), hidden_sizes=(256, 512, 1024, 2048))
 SPEC = ModelSpec(
     family="detr",
@@ -34,10 +39,13 @@ SPEC = ModelSpec(
     ),
     converters=(HF,),
     # transformers' own ResNet backbone at its test sizes: any widths, seconds on a CPU
-    tiny=dict(backbone="transformers", embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1),
-              d_model=32, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-              decoder_ffn_dim=64, encoder_layers=2, decoder_layers=2, num_queries=8, num_labels=5),
+    tiny=TINY,
     original=Original(build_original, "transformers DetrForObjectDetection (eager attention)",
                       attn_dropout_field="attention_dropout"),
+    bench=BenchSettings(  # the tour: a training step against transformers' model on mixed-size padded images
+        variant="detr", library="transformers", compile=False,
+        sizes={"tour": Workload("DETR, ResNet-18 backbone, 6+6 layers, 4 images of 160x160 / 80x160", R18, batch=4,
+                                img_size=160),
+               "quick": Workload("tiny DETR, 2 images of 96x96 / 48x96", TINY, batch=2, img_size=96)}),
 )
 SPECS = (SPEC,)
