@@ -1,6 +1,8 @@
 """Multi-head self-attention whose inner product runs through a swappable backend."""
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
@@ -12,12 +14,32 @@ from fastzoo.attention.base import AttentionBackend, AttnContext
 class AttentionSlot:
     """The backend (and its name) that every attention layer of one model calls, held as
     one value: ``set_attention`` swaps it with a single assignment, so a thread never sees
-    some layers switched and others not, nor a name that disagrees with the layers."""
+    some layers switched and others not, nor a name that disagrees with the layers. A forward
+    runs :meth:`pinned`: its thread keeps the backend it started with for all its layers while
+    other threads switch (a forward whose input was read for one backend never meets another)."""
 
-    __slots__ = ("current",)
+    __slots__ = ("current", "_local")
 
     def __init__(self, name: str | None, backend: AttentionBackend | None):
         self.current = (name, backend)
+        self._local = threading.local()
+
+    @property
+    def active(self) -> tuple:
+        """The (name, backend) this thread's running forward started with, else the current one."""
+        return getattr(self._local, "pinned", None) or self.current
+
+    @contextmanager
+    def pinned(self):
+        """This thread's forward (and any forward it nests) on the backend current at its start."""
+        if getattr(self._local, "pinned", None) is not None:
+            yield
+            return
+        self._local.pinned = self.current
+        try:
+            yield
+        finally:
+            self._local.pinned = None
 
 
 class UsesAttention(nn.Module):
@@ -53,7 +75,7 @@ class UsesAttention(nn.Module):
 
     @property
     def backend(self) -> AttentionBackend | None:
-        return None if self.slot is None else self.slot.current[1]
+        return None if self.slot is None else self.slot.active[1]
 
     @backend.setter
     def backend(self, backend: AttentionBackend) -> None:  # this layer alone (the model's set_attention sets all)

@@ -79,7 +79,7 @@ class Sequences:
     def next_token_targets(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """``[N]`` target of each token the layers see: the label of the next token of the
         same sequence (:func:`fastzoo.losses.lm.next_token_targets`), ``ignore_index`` at each
-        sequence's end."""
+        sequence's end and at padding (which predicts nothing, whatever its label's neighbour)."""
         if self.form == "nested":
             if not labels.is_nested or not torch.equal(labels.offsets(), self.offsets):
                 raise ValueError("labels: with NestedTensor input_ids, give NestedTensor labels of the same lengths")
@@ -92,6 +92,11 @@ class Sequences:
         if self.boundaries is not None:  # packed forms: shift along the flattened tokens, cut at the ends
             return next_token_targets(labels.reshape(1, -1), cu_seqlens=self.boundaries, ignore_index=ignore_index)[0]
         targets_BS = next_token_targets(labels, ignore_index=ignore_index)
+        if self.form == "padded" and self.ctx.key_padding_mask is not None:
+            # a padding position predicts nothing, as in the unpadded form (where it is not run at all):
+            # its output is a fully masked attention row (left padding), whose value each kernel defines its own way
+            queries_BS = self.ctx.key_padding_mask[:, -targets_BS.shape[1]:]
+            targets_BS = targets_BS.masked_fill(~queries_BS, ignore_index)
         if self.form == "unpadded":
             return targets_BS.reshape(-1).index_select(0, self.unpadded.indices)
         return targets_BS.reshape(-1)

@@ -62,10 +62,8 @@ class FastzooModel(nn.Module):
 
         The backend is built and checked against this model's needs first; nothing changes
         if it fails. The switch is one assignment to the slot all layers share, so threads
-        sharing the model see either the old backend everywhere or the new one everywhere
-        (a forward already running may finish its remaining layers on the new one: every
-        backend computes the same function, and one that cannot serve the forward's
-        context raises rather than computing something else).
+        sharing the model see either the old backend everywhere or the new one everywhere;
+        a forward already running finishes on the backend it started with.
         """
         from fastzoo.layers.attention import UsesAttention
 
@@ -100,8 +98,17 @@ class FastzooModel(nn.Module):
 
     @property
     def attention_backend(self):
+        """The backend this thread's forward runs on (the one current when it started), else the current one."""
         slot = self.__dict__.get("_attn_slot")
-        return None if slot is None else slot.current[1]
+        return None if slot is None else slot.active[1]
+
+    def __call__(self, *args, **kwargs):
+        # one forward, one backend: a set_attention from another thread meanwhile applies from the next call
+        slot = self.__dict__.get("_attn_slot")
+        if slot is None or torch.compiler.is_compiling():
+            return super().__call__(*args, **kwargs)
+        with slot.pinned():
+            return super().__call__(*args, **kwargs)
 
     def extra_config(self) -> dict:
         """Keys config.json carries for other readers (timm's hub format for image classifiers)."""

@@ -10,8 +10,9 @@ A model's config is a dataclass whose every field says, where it is declared, wh
   init, ``channels_last``, loss settings): a checkpoint may differ in it.
 
 Each declaration also carries the field's meaning and its constraint (``ge``/``gt``/``le``/
-``choices``), and the annotation gives its type. :class:`ModelConfig` checks every field
-against its type and constraint (and every float for being finite) exactly once, when a config is made (from overrides, a
+``choices``, and ``multiple_of``: the name of another field whose value this one's must be a
+multiple of), and the annotation gives its type; a tuple's constraint holds for each element.
+:class:`ModelConfig` checks every field against its type and constraint (and every float for being finite) exactly once, when a config is made (from overrides, a
 YAML, a config.json or a checkpoint), and raises :class:`~fastzoo.errors.ConfigError`
 naming the field; a subclass adds the checks that tie fields together in ``validate``.
 Code that compares configs (``fastzoo.weights``) reads the declarations, not tables of
@@ -37,21 +38,23 @@ KINDS = {
 }
 
 
-def _field(kind, default, doc, *, ge=None, gt=None, le=None, choices=None, compare=None):
+def _field(kind, default, doc, *, ge=None, gt=None, le=None, choices=None, multiple_of=None, compare=None):
     meta = {"kind": kind, "doc": doc, "ge": ge, "gt": gt, "le": le,
-            "choices": tuple(choices) if choices is not None else None, "compare": compare}
+            "choices": tuple(choices) if choices is not None else None, "multiple_of": multiple_of, "compare": compare}
     return dataclasses.field(default=default, metadata=meta)
 
 
-def weights_decide(default, doc: str, *, ge=None, gt=None, le=None, choices=None, compare=None):
+def weights_decide(default, doc: str, *, ge=None, gt=None, le=None, choices=None, multiple_of=None, compare=None):
     """A field the checkpoint's tensors decide (see the module docstring). ``compare``: the part
-    of the value that matters when comparing with a checkpoint (default: the whole value)."""
-    return _field(WEIGHTS, default, doc, ge=ge, gt=gt, le=le, choices=choices, compare=compare)
+    of the value that matters when comparing with a checkpoint (default: the whole value).
+    ``multiple_of``: the name of the field this one's value (each element of a tuple) must be a
+    multiple of (None in that field: no constraint)."""
+    return _field(WEIGHTS, default, doc, ge=ge, gt=gt, le=le, choices=choices, multiple_of=multiple_of, compare=compare)
 
 
-def changes_function(default, doc: str, *, ge=None, gt=None, le=None, choices=None, compare=None):
+def changes_function(default, doc: str, *, ge=None, gt=None, le=None, choices=None, multiple_of=None, compare=None):
     """A field that changes the function but that the tensors cannot show."""
-    return _field(FUNCTION, default, doc, ge=ge, gt=gt, le=le, choices=choices, compare=compare)
+    return _field(FUNCTION, default, doc, ge=ge, gt=gt, le=le, choices=choices, multiple_of=multiple_of, compare=compare)
 
 
 def free(default, doc: str, *, ge=None, gt=None, le=None, choices=None):
@@ -85,6 +88,8 @@ class ModelConfig:
         hints = _hints(type(self))
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked(type(self), f, hints[f.name], getattr(self, f.name)))
+        for f in dataclasses.fields(self):
+            _check_multiple(self, f)
         self.validate()
 
     def validate(self) -> None:
@@ -147,6 +152,8 @@ def _constraint_text(meta) -> str:
         parts.append(f"<= {meta['le']}")
     if meta.get("choices"):
         parts.append("one of " + ", ".join(map(repr, meta["choices"])))
+    if meta.get("multiple_of"):
+        parts.append(f"a multiple of {meta['multiple_of']}")
     return " and ".join(parts)
 
 
@@ -202,6 +209,17 @@ def _check_range(value, meta) -> bool:
     return True
 
 
+def _check_multiple(cfg, f: dataclasses.Field) -> None:
+    """The declared ``multiple_of``: ``f``'s value (each element of a tuple) a multiple of another field's."""
+    other = f.metadata.get("multiple_of")
+    value, divisor = getattr(cfg, f.name), getattr(cfg, other) if other else None
+    if divisor is None or value is None:
+        return
+    if any(v % divisor for v in (value if isinstance(value, tuple) else (value,))):
+        raise ConfigError(f"{f.name}={value} is not divisible by {other}={divisor} [{type(cfg).__name__}.{f.name}: "
+                          f"{f.metadata.get('doc', '')}]", fields=(f.name, other))
+
+
 def _checked(cls, f: dataclasses.Field, tp, value):
     meta = f.metadata
     where = f"{cls.__name__}.{f.name}" + (f": {meta['doc']}" if meta.get("doc") else "")
@@ -210,7 +228,8 @@ def _checked(cls, f: dataclasses.Field, tp, value):
     except _Mismatch:
         raise ConfigError(f"{f.name}={value!r}: must be {_type_text(tp)}, got {type(value).__name__} [{where}]",
                           fields=(f.name,)) from None
-    if meta.get("choices") is not None and value not in meta["choices"]:
+    if meta.get("choices") is not None and value is not None and any(
+            v not in meta["choices"] for v in (value if isinstance(value, tuple) else (value,))):
         raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(map(repr, meta['choices']))} [{where}]",
                           fields=(f.name,))
     if not all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, float)):

@@ -25,6 +25,8 @@ def check_images(images_BCHW: torch.Tensor, in_chans: int, img_size: tuple[int, 
     """``images_BCHW`` unchanged, or a ValueError naming what is wrong with it. ``weight``: the
     first layer's, whose device and dtype the images must have (any floating dtype under
     autocast, which casts both to its own)."""
+    if not isinstance(images_BCHW, torch.Tensor):
+        raise ValueError(f"images must be a torch.Tensor [B, C, H, W], got {type(images_BCHW).__name__}")
     if images_BCHW.ndim != 4:
         raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images_BCHW.shape)}")
     if images_BCHW.shape[1] != in_chans:

@@ -194,6 +194,7 @@ class CausalLM(CausalLMConventions, FastzooModel):
             targets_N = seqs.to_layers(shift_labels).reshape(-1).long()
         else:
             targets_N = seqs.next_token_targets(labels)
+        _check_targets(targets_N, self.config.vocab_size, "shift_labels" if shift_labels is not None else "labels")
         reduction = "mean" if num_items_in_batch is None else "sum"
         h_ND = h.reshape(-1, h.shape[-1])
         logits = None
@@ -227,6 +228,18 @@ class CausalLM(CausalLMConventions, FastzooModel):
     def gradient_checkpointing_disable(self):
         super().gradient_checkpointing_disable()
         self.body.checkpoint_kwargs = None
+
+
+def _check_targets(targets_N: torch.Tensor, vocab_size: int, name: str) -> None:
+    """A ValueError naming ``name`` for a target that is neither a token id nor IGNORE_INDEX (free on
+    the CPU in eager; on a GPU it would be a host sync, so there the kernels' own checks stand)."""
+    if targets_N.device.type != "cpu" or not targets_N.numel() or torch.compiler.is_compiling():
+        return
+    bad = (targets_N != IGNORE_INDEX) & ((targets_N < 0) | (targets_N >= vocab_size))
+    if bool(bad.any()):
+        value = int(targets_N[bad.nonzero()[0, 0]])
+        raise ValueError(f"{name} must be token ids in [0, {vocab_size}) (vocab_size) or {IGNORE_INDEX} (ignored), "
+                         f"got {value}")
 
 
 def _drop_tied_head(module, state_dict, prefix, local_metadata) -> None:

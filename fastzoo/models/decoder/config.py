@@ -24,9 +24,9 @@ class GPT2Config(ModelConfig):
 
     vocab_size: int = weights_decide(50257, "tokens in the vocabulary", ge=1)
     n_positions: int = weights_decide(1024, "longest sequence (learned position embeddings)", ge=1)
-    n_embd: int = weights_decide(768, "width D", ge=1)
+    n_embd: int = weights_decide(768, "width D", ge=1, multiple_of="n_head")
     n_layer: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
-    n_head: int = changes_function(12, "attention heads; n_embd must divide by it", ge=1)
+    n_head: int = changes_function(12, "attention heads", ge=1)
     n_inner: int | None = weights_decide(None, "MLP hidden width; None: 4 * n_embd", ge=1,
                                          compare=lambda c: c.n_inner or 4 * c.n_embd)
     activation_function: str = changes_function("gelu_new", "MLP activation (HF ACT2FN name)", choices=HF_ACTIVATIONS)
@@ -58,10 +58,6 @@ class GPT2Config(ModelConfig):
         """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
         return self
 
-    def validate(self):
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}", fields=("n_embd", "n_head"))
-
 
 LAYOUTS = tuple(LAYOUT_TABLE)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -82,12 +78,14 @@ class LlamaConfig(ModelConfig):
 
     model_type: str = changes_function("llama", "the Hugging Face layout: " + ", ".join(LAYOUTS), choices=LAYOUTS)
     vocab_size: int = weights_decide(32000, "tokens in the vocabulary", ge=1)
-    hidden_size: int = weights_decide(4096, "width D", ge=1)
+    hidden_size: int = weights_decide(4096, "width D (transformers' configs: a multiple of the query heads, head_dim given or not)", ge=1,
+                                      multiple_of="num_attention_heads")
     intermediate_size: int = weights_decide(11008, "gated MLP hidden width", ge=1)
     num_hidden_layers: int = weights_decide(32, "decoder blocks", ge=1, le=MAX_BLOCKS)
-    num_attention_heads: int = changes_function(32, "query heads", ge=1)
+    num_attention_heads: int = changes_function(32, "query heads (a multiple of the key/value heads)", ge=1,
+                                                multiple_of="num_key_value_heads")
     num_key_value_heads: int | None = changes_function(
-        None, "key/value heads (grouped-query attention); divides num_attention_heads; None: num_attention_heads",
+        None, "key/value heads (grouped-query attention); None: num_attention_heads",
         ge=1, compare=lambda c: c.kv_heads)
     head_dim: int | None = changes_function(None, "width of a head; None: hidden_size // num_attention_heads", ge=2,
                                             compare=lambda c: c.head_size)
@@ -203,15 +201,9 @@ class LlamaConfig(ModelConfig):
 
     def validate(self):
         layout = self.layout
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                              f"{self.num_attention_heads}; give head_dim", fields=("hidden_size", "num_attention_heads"))
         if self.head_size % 2:
             raise ConfigError(f"head_dim={self.head_size}: rotary embeddings rotate pairs, the head width must be even",
                               fields=("head_dim",))
-        if self.num_attention_heads % self.kv_heads:
-            raise ConfigError(f"num_key_value_heads={self.kv_heads} must divide num_attention_heads={self.num_attention_heads}",
-                              fields=("num_key_value_heads", "num_attention_heads"))
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         own = {name for lay in LAYOUT_TABLE.values() for name in lay.fields}
         for name in sorted(own - set(layout.fields)):

@@ -24,6 +24,9 @@ def torchvision_resnet(cfg: dict) -> nn.Module:
     if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3 or not c.torchvision_shaped:
         raise ValueError(f"channels={c.channels}, in_chans={c.in_chans}: torchvision's ResNet has the stage widths "
                          f"{TORCHVISION_CHANNELS} and 3 input channels")
+    if c.num_classes == 0:  # torchvision builds Linear(C, 0): empty logits, where fastzoo (as timm) returns the features
+        raise ValueError("num_classes=0: torchvision's ResNet has no headless form (it builds a head with 0 outputs); "
+                         "fastzoo's returns the pooled features, as timm's")
     block = BasicBlock if c.block == "basic" else Bottleneck
     return TorchvisionResNet(block, list(c.layers), num_classes=c.num_classes, groups=c.groups,
                              width_per_group=c.width_per_group)

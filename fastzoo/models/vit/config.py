@@ -14,7 +14,8 @@ class ViTConfig(ModelConfig):
     """timm ``VisionTransformer`` field names and defaults; each field's kind (see
     :mod:`fastzoo.models.config`), meaning and constraint is declared with it."""
 
-    img_size: int | tuple[int, int] = weights_decide(224, "input height and width (an int: square)", ge=1)
+    img_size: int | tuple[int, int] = weights_decide(224, "input height and width (an int: square)", ge=1,
+                                                      multiple_of="patch_size")
     patch_size: int = weights_decide(16, "side of a square patch", ge=1)
     in_chans: int = weights_decide(3, "image channels", ge=1)
     num_classes: int = weights_decide(1000, "classifier outputs; 0: no head, forward returns features", ge=0)
@@ -22,9 +23,9 @@ class ViTConfig(ModelConfig):
                                         "(a learned query attends to every token: SigLIP), 'token_avg' (class token and "
                                         "mean patch token concatenated: DINOv2's classifier); '' (none): forward_head "
                                         "returns every token", choices=POOLS)
-    embed_dim: int = weights_decide(768, "token width D", ge=1)
+    embed_dim: int = weights_decide(768, "token width D", ge=1, multiple_of="num_heads")
     depth: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
-    num_heads: int = changes_function(12, "attention heads; embed_dim must divide by it", ge=1)
+    num_heads: int = changes_function(12, "attention heads", ge=1)
     mlp_ratio: float = weights_decide(4.0, "MLP hidden width / embed_dim", gt=0)
     qkv_bias: bool = weights_decide(True, "bias in the q, k, v projection")
     class_token: bool = weights_decide(True, "a learned class token before the patches")
@@ -59,16 +60,10 @@ class ViTConfig(ModelConfig):
     def validate(self):
         if isinstance(self.img_size, int):
             self.img_size = (self.img_size, self.img_size)
-        if self.img_size[0] % self.patch_size or self.img_size[1] % self.patch_size:
-            raise ConfigError(f"img_size={self.img_size} is not divisible by patch_size={self.patch_size}",
-                              fields=("img_size", "patch_size"))
         if int(self.embed_dim * self.mlp_ratio) < 1:
             raise ConfigError(f"mlp_ratio={self.mlp_ratio} gives an MLP of int({self.embed_dim} * {self.mlp_ratio}) = 0 "
                               f"hidden units; the hidden width embed_dim * mlp_ratio must be at least 1",
                               fields=("mlp_ratio", "embed_dim"))
-        if self.embed_dim % self.num_heads:
-            raise ConfigError(f"embed_dim={self.embed_dim} is not divisible by num_heads={self.num_heads}",
-                              fields=("embed_dim", "num_heads"))
         if self.global_pool in ("token", "token_avg") and not self.class_token:
             raise ConfigError(f"global_pool={self.global_pool!r} needs class_token=True; use global_pool='avg' without "
                               f"a class token", fields=("global_pool", "class_token"))
