@@ -12,6 +12,8 @@ module only reads its pieces into the output class, so the timm call on the same
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -157,3 +159,33 @@ def resnet_forward(model, pixel_values, labels=None, *, output_hidden_states=Non
     loss = classification_loss(logits, labels, cfg, num_items_in_batch) if labels is not None else None
     return _finish(outputs.ImageClassifierOutputWithNoAttention(loss=loss, logits=logits, hidden_states=hidden),
                    return_dict)
+
+
+class TransformersCall:
+    """transformers' call beside timm's and torchvision's: a call with keywords (``model(pixel_values=,
+    labels=, ...)``) returns transformers' output class through ``hf_forward``; ``model(images)`` runs
+    ``forward``. The choice lives in ``__call__``, so ``forward`` keeps the one-tensor signature that
+    FX tracers (torchvision's ``create_feature_extractor``, timm's) and ``torch.compile`` see."""
+
+    def __init_subclass__(cls, **kwargs):
+        # transformers' Trainer reads the call's keywords from ``forward``'s signature (which columns to
+        # keep, which are labels): it says what ``__call__`` takes; FX reads the code, not this
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            sig = inspect.signature(cls.forward)
+            hf = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in ("pixel_values", "labels")]
+            cls.forward.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *hf,
+                                                                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+
+    def hf_forward(self, pixel_values, labels=None, **kwargs):
+        raise NotImplementedError
+
+    def __call__(self, *args, **kwargs):
+        if not kwargs or set(kwargs) == {"images_BCHW"}:
+            return super().__call__(*args, **kwargs)
+        pixel_values = kwargs.pop("pixel_values", None)
+        if args:
+            if pixel_values is not None or len(args) > 1:
+                raise TypeError("give the images once: model(images) or model(pixel_values=images, ...)")
+            pixel_values = args[0]
+        return self.hf_forward(pixel_values, kwargs.pop("labels", None), **kwargs)

@@ -122,7 +122,7 @@ def _timm_block(architecture: str | None) -> str | None:
     return {"BasicBlock": "basic", "Bottleneck": "bottleneck"}.get(type(first).__name__)
 
 
-class ResNet(TimmModelAPI, FastzooModel):
+class ResNet(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
     family = "resnet"
     config_class = ResNetConfig
     timm_architecture = "resnet50"
@@ -247,14 +247,13 @@ class ResNet(TimmModelAPI, FastzooModel):
             x = torch.flatten(x, 1)
         return x if pre_logits else self.fc(x)
 
-    def forward(self, images_BCHW: torch.Tensor | None = None, *, pixel_values: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **hf_kwargs):
-        """torchvision's and timm's call: ``model(images)`` -> logits. transformers' call (any of its
-        keywords): ``model(pixel_values=, labels=, ...)`` -> its output class (ResNetForImageClassification's)."""
-        if pixel_values is None and labels is None and not hf_kwargs:
-            return self.forward_head(self.forward_features(images_BCHW))
-        return hf_outputs.resnet_forward(self, images_BCHW if pixel_values is None else pixel_values, labels,
-                                         **hf_kwargs)
+    def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        """timm's and torchvision's call: ``model(images)`` -> logits (pooled features without a head).
+        transformers' call (``model(pixel_values=, labels=, ...)``) -> its output class: :meth:`hf_forward`."""
+        return self.forward_head(self.forward_features(images_BCHW))
+
+    def hf_forward(self, pixel_values, labels=None, **kwargs):
+        return hf_outputs.resnet_forward(self, pixel_values, labels, **kwargs)
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """timm's parameter groups (layer decay): the stem, then one group per block (per stage if ``coarse``)."""

@@ -53,7 +53,7 @@ class Block(nn.Module):
         return x_BSD + self.drop_path2(self.ls2(self.mlp(self.norm2(x_BSD))))
 
 
-class VisionTransformer(TimmModelAPI, FastzooModel):
+class VisionTransformer(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
     family = "vit"
     config_class = ViTConfig
     timm_architecture = "vit_base_patch16_224"
@@ -239,13 +239,13 @@ class VisionTransformer(TimmModelAPI, FastzooModel):
                  "act_layer", "drop_rate", "pos_drop_rate", "attn_drop_rate", "proj_drop_rate", "drop_path_rate")
         return {"img_size": list(c.img_size), **{n: getattr(c, n) for n in names}}
 
-    def forward(self, images_BCHW: torch.Tensor | None = None, *, pixel_values: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **hf_kwargs):
-        """timm's call: ``model(images)`` -> logits (pooled features without a head). transformers'
-        call (any of its keywords): ``model(pixel_values=, labels=, ...)`` -> its output class."""
-        if pixel_values is None and labels is None and not hf_kwargs:
-            return self.forward_head(self.forward_features(images_BCHW))
-        return hf_outputs.vit_forward(self, images_BCHW if pixel_values is None else pixel_values, labels, **hf_kwargs)
+    def forward(self, images_BCHW: torch.Tensor) -> torch.Tensor:
+        """timm's and torchvision's call: ``model(images)`` -> logits (pooled features without a head).
+        transformers' call (``model(pixel_values=, labels=, ...)``) -> its output class: :meth:`hf_forward`."""
+        return self.forward_head(self.forward_features(images_BCHW))
+
+    def hf_forward(self, pixel_values, labels=None, **kwargs):
+        return hf_outputs.vit_forward(self, pixel_values, labels, **kwargs)
 
     def adapt_checkpoint(self, state, changed):
         fresh, notes = [], []
