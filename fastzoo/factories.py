@@ -115,6 +115,9 @@ def _register(library: str) -> None:
         warnings.warn(f"fastzoo could not register its models with {library}: {type(e).__name__}: {e}", stacklevel=3)
 
 
+_WATCHED: set[str] = set()  # libraries whose import registers fastzoo's models when it happens
+
+
 class _ThenRegister(importlib.abc.Loader):
     """The library's own loader; once the library has run, its models are registered."""
 
@@ -127,6 +130,7 @@ class _ThenRegister(importlib.abc.Loader):
     def exec_module(self, module):
         self.loader.exec_module(module)
         module.__loader__ = module.__spec__.loader = self.loader  # the library sees its own loader again
+        _WATCHED.discard(self.library)
         _register(self.library)
 
     def __getattr__(self, attr):  # resources, source: the library's loader answers
@@ -137,13 +141,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for a library still to register with, it asks the other finders
     and wraps the loader they give."""
 
-    def __init__(self, libraries: set[str]):
-        self.libraries = libraries
-
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.libraries:
+        # watched until imported, not until first looked up: ``importlib.util.find_spec("timm")`` (how
+        # transformers asks whether timm is installed) finds without importing
+        if fullname not in _WATCHED:
             return None
-        self.libraries.discard(fullname)
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if finder is not self and find is not None else None
@@ -163,5 +165,6 @@ def install() -> None:
             _register(library)
         else:
             later.add(library)
+    _WATCHED.update(later)
     if later and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(later))
+        sys.meta_path.insert(0, _AfterImport())

@@ -55,10 +55,11 @@ def randomize(model: nn.Module, seed: int = 1) -> nn.Module:
     return model
 
 
-def backends(*, backward: bool = False, device: str = "cpu", **needs) -> list[tuple[str, dict]]:
+def backends(*, backward: bool = False, device: str = "cpu", dtype: torch.dtype | None = None,
+             **needs) -> list[tuple[str, dict]]:
     """``(name, options)`` of every registered backend, default and each declared variant (e.g.
     ``sdpa_backend="math"``), that runs on ``device`` here, with a backward there if ``backward``,
-    and whose capabilities have each of ``needs`` (``varlen=True``, ``padding_mask=True``...).
+    in ``dtype`` there if given, and whose capabilities have each of ``needs`` (``varlen=True``, ``padding_mask=True``...).
     The registry decides: a new backend is tested without editing a list."""
     from fastzoo.attention import backend_class, get_backend, list_attention
 
@@ -70,6 +71,7 @@ def backends(*, backward: bool = False, device: str = "cpu", **needs) -> list[tu
             except Exception:  # a variant this machine cannot build (a kernel library missing)
                 continue
             runs = device in caps.devices and (not backward or device in caps.backward)
+            runs = runs and (dtype is None or dtype in caps.devices[device])  # e.g. a bf16-only kernel another test registered
             if runs and all(getattr(caps, k) == v for k, v in needs.items()) and (name, options) not in out:
                 out.append((name, options))
     return out

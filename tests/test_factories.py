@@ -45,6 +45,14 @@ def test_a_library_imported_before_fastzoo_is_registered_with_at_once():
     assert out.split() == ["True", "True"]
 
 
+def test_a_library_looked_up_before_it_is_imported_is_still_registered_with():
+    """transformers asks ``importlib.util.find_spec("timm")`` whether timm is installed, which finds
+    without importing: the import that follows must still register fastzoo's names."""
+    out = _python("import importlib.util, fastzoo\nassert importlib.util.find_spec('timm') is not None\n"
+                  "import timm\nprint(timm.is_model('fastzoo_resnet50'), timm.is_model('fastzoo_vit_b16'))")
+    assert out.split() == ["True", "True"]
+
+
 def test_every_image_classifier_name_is_in_both_factories():
     from torchvision.models import list_models
 
