@@ -24,6 +24,12 @@ class AttentionSlot:
         self.current = (name, backend)
         self._local = threading.local()
 
+    def __getstate__(self):  # pickle / deepcopy: the backend, not a running forward's pin (a thread's state)
+        return self.current
+
+    def __setstate__(self, current):
+        self.current, self._local = current, threading.local()
+
     @property
     def active(self) -> tuple:
         """The (name, backend) this thread's running forward started with, else the current one."""
