@@ -1,6 +1,8 @@
 """Fixtures built from the family specs (``fastzoo/models/<family>/spec.py``): each family's
 tiny config, the original library's model on the same config, and one way to randomise weights
 that random init leaves trivial (BatchNorm statistics)."""
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -133,3 +135,12 @@ def assert_lora_equals_original(ours: nn.Module, original: nn.Module, target_mod
     assert c.err <= equivalence.FP32_GRAD_RTOL, f"grad of {c.worst}: relative error {c.err:.2e}"
     assert all(p.grad is None for n, p in mine.named_parameters() if n not in trainable)  # the base is frozen
     return mine, theirs
+
+
+@pytest.fixture
+def fast_switching():
+    """Threads switch every microsecond (a race that needs an unlucky switch shows in a short test)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)

@@ -42,14 +42,6 @@ def _input(model, family, draw):
     return (ids,), {"attention_mask": torch.ones_like(ids), "use_cache": False}
 
 
-@pytest.fixture
-def fast_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(old)
-
-
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
     f == "vit", strict=False, reason="found by the long profile, not yet fixed: a ViT run from threads while "
     "set_attention switches raised in a forward")) for f in FAMILIES])

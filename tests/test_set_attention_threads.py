@@ -20,14 +20,6 @@ BACKENDS = ["eager", "sdpa"]
 TOL = 1e-5  # eager vs sdpa, fp32 CPU: the same function up to summation order
 
 
-@pytest.fixture
-def fast_switching():
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(old)
-
-
 def layer_backends(model) -> set:
     from fastzoo.layers.attention import UsesAttention
 
