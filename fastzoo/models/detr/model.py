@@ -217,6 +217,18 @@ class DetrForObjectDetection(FastzooModel):
     def is_gradient_checkpointing(self) -> bool:
         return any(getattr(m, "gradient_checkpointing", False) for m in self.modules())
 
+    def enable_input_require_grads(self):
+        """transformers' (PEFT calls it with gradient checkpointing): the input projection's output
+        requires grad, so that with every weight below a layer frozen (adapters only), the reentrant
+        checkpoint still sees an input that needs a gradient and passes the layer's gradients on."""
+        self.disable_input_require_grads()
+        self.__dict__["_require_grads_hook"] = self.model.input_projection.register_forward_hook(_output_requires_grad)
+
+    def disable_input_require_grads(self):
+        hook = self.__dict__.pop("_require_grads_hook", None)
+        if hook is not None:
+            hook.remove()
+
     def get_input_embeddings(self):
         """transformers' answer for DETR: it has no input embeddings (its input is ``pixel_values``)."""
         raise NotImplementedError("DETR has no input embeddings: its input is pixel_values")
@@ -281,6 +293,10 @@ class DetrForObjectDetection(FastzooModel):
 
         cfg = {**self.hf_config().to_dict(), "architectures": ["DetrForObjectDetection"]}
         return write_pretrained(path, cfg, self.state_dict(), weights_format="pt")
+
+
+def _output_requires_grad(module, args, output):
+    output.requires_grad_(True)
 
 
 def _check_pixels(pixel_values, pixel_mask, channels: int):
