@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SPECS, TINY
+from conftest import SPECS, TINY, backends
 
 import fastzoo
 from fastzoo.errors import ConfigError
@@ -120,3 +120,173 @@ def test_flex_from_two_threads_at_once():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_a_non_finite_pixel_stays_in_its_image_on_every_backend():
+    """Looked for after the non-finite-image property failed: a NaN or inf pixel spoils its own image's
+    logits and no other's, on every CPU backend (the nested and varlen ones pack the images into one row)."""
+    cfg = {**TINY["vit"], "reg_tokens": 2}
+    clean_x = torch.randn(3, 3, cfg["img_size"], cfg["img_size"], generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = fastzoo.create("vit_s16", attn="eager", **cfg).eval()
+    for name, options in backends():
+        model.set_attention(name, **options)
+        for value in (float("nan"), float("inf"), -float("inf")):
+            x = clean_x.clone()
+            x[1, 2, 5, 7] = value
+            with torch.no_grad():
+                clean, out = model(clean_x), model(x)
+            assert not torch.isfinite(out[1]).any(), (name, options, value)
+            assert torch.equal(out[[0, 2]], clean[[0, 2]]), (name, options, value)  # the same rows, the same sums
+
+
+def test_a_config_whose_logits_are_nan_for_every_image_is_timms_too():
+    """Found as 'a non-finite pixel changed another image's logits': with embed_dim=1 every LayerNorm
+    computes (x - mean) / sqrt(var + eps) = 0 / sqrt(eps), and norm_eps=5e-324 (a float64) is 0 in the
+    float32 the norm computes in, so every logit of every image is 0/0 = NaN, the clean batch's included:
+    no image spoiled another. timm computes the same NaNs; the property compares NaN with NaN as equal."""
+    cfg = {**TINY["vit"], "embed_dim": 1, "num_heads": 1, "depth": 1, "norm_eps": 5e-324}
+    torch.manual_seed(0)
+    ref = SPECS["vit"].original.build(dict(cfg)).eval()
+    ours = fastzoo.create("vit_s16", pretrained=ref, **cfg).eval()
+    x = torch.randn(2, 3, cfg["img_size"], cfg["img_size"])
+    with torch.no_grad():
+        assert ours(x).isnan().all() and ref(x).isnan().all()
+    ok = {**cfg, "norm_eps": 1e-6}
+    with torch.no_grad():
+        assert torch.isfinite(fastzoo.create("vit_s16", **ok).eval()(x)).all()
+
+
+def test_token_avg_pooling_with_a_norm_after_pooling_is_refused():
+    """Found by the threads and non-finite-image properties (the forward raised in every thread):
+    global_pool='token_avg' with fc_norm=True built a LayerNorm(embed_dim) after pooling and fed it the
+    2 * embed_dim pooled features (RuntimeError in forward). DINOv2's classifier, the one original of
+    'token_avg', norms every token before pooling; timm has no 'token_avg'."""
+    with pytest.raises(ConfigError, match="global_pool='token_avg'.*fc_norm") as e:
+        fastzoo.create("vit_s16", **{**TINY["vit"], "global_pool": "token_avg", "fc_norm": True})
+    assert set(e.value.fields) == {"global_pool", "fc_norm"}
+    model = fastzoo.create("vit_s16", **{**TINY["vit"], "global_pool": "token_avg", "fc_norm": None}).eval()
+    assert model(torch.randn(1, 3, TINY["vit"]["img_size"], TINY["vit"]["img_size"])).shape == (1, TINY["vit"]["num_classes"])
+
+
+def _sdpa_flags() -> dict:
+    cuda = torch.backends.cuda
+    return {f.__name__: f() for f in (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled,
+                                      cuda.cudnn_sdp_enabled)}
+
+
+def test_pinned_sdpa_kernels_from_threads_leave_torchs_flags_as_they_were(monkeypatch):
+    """Found by the threads property once pinned kernels were in it: torch's sdpa_kernel sets process-wide
+    flags, so threads entering and leaving it interleaved ran on one another's kernels ('No viable backend
+    for scaled_dot_product_attention' in an unpinned or nested call that met a pin) and left one kernel
+    enabled for the whole process. Each SDPA call here takes 20 ms (torch's own, after a sleep), time for
+    every other thread to come in: a pinned call must see only its kernel, the others the flags as set."""
+    import copy
+    import threading
+    import time
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    seen, who = [], threading.local()
+
+    def slow_sdpa(*args, **kwargs):
+        before = _sdpa_flags()
+        time.sleep(0.02)
+        seen.append((who.kernel, before, _sdpa_flags()))
+        return real(*args, **kwargs)
+
+    cfg = TINY["vit"]
+    torch.manual_seed(0)
+    base = fastzoo.create("vit_s16", attn="eager", **cfg).eval()
+    x = torch.randn(2, 3, cfg["img_size"], cfg["img_size"])
+    with torch.no_grad():
+        want = base(x)
+    flags, errors, worst = _sdpa_flags(), [], [0.0]
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", slow_sdpa)
+
+    def run(name, options):
+        who.kernel = options.get("sdpa_backend")
+        model = copy.deepcopy(base).set_attention(name, **options)
+        try:
+            for _ in range(2):
+                with torch.no_grad():
+                    worst[0] = max(worst[0], (model(x) - want).abs().max().item())
+        except Exception as e:  # noqa: BLE001 -- any error is the failure looked for
+            errors.append(e)
+
+    runs = [("sdpa", {"sdpa_backend": "math"}), ("sdpa", {"sdpa_backend": "flash"}), ("sdpa", {}), ("nested", {})]
+    threads = [threading.Thread(target=run, args=r) for r in runs * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors[0]
+    only = {"math": "math_sdp_enabled", "flash": "flash_sdp_enabled"}
+    for kernel, before, after in seen:
+        want_flags = flags if kernel is None else {k: k == only[kernel] for k in flags}
+        assert before == after == want_flags, (kernel, before, after)
+    assert len(seen) == 2 * 2 * 4 * cfg["depth"]  # threads x forwards x layers: every call seen
+    assert worst[0] <= 1e-4  # fastzoo.equivalence's fp32 rule: each kernel against eager
+    assert _sdpa_flags() == flags
+
+
+def test_a_pinned_sdpa_call_that_raises_leaves_the_flags_and_the_other_threads_free():
+    import threading
+
+    from torch.nn.attention import SDPBackend
+
+    from fastzoo.attention.sdpa import sdpa
+
+    flags = _sdpa_flags()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError):
+        sdpa(q, q, torch.randn(1, 2, 5, 8), kernel=SDPBackend.MATH)  # 4 keys, 5 values
+    assert _sdpa_flags() == flags
+    out = []
+    t = threading.Thread(target=lambda: out.append(sdpa(q, q, q)))
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and torch.allclose(out[0], torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+
+def test_gemma_without_a_sliding_window_is_refused_as_transformers_refuses_it():
+    """Found: gemma2 with sliding_window=None was accepted and ran its sliding layers as full attention.
+    transformers' Gemma 2 and 3 build the sliding-window mask on every forward and raise ('Could not find
+    a `sliding_window`') without a window, even when no layer slides: no original to equal. Refused
+    when the config is made, naming the field."""
+    from test_llama import hf_model
+
+    hf = hf_model("gemma2")
+    cfg = fastzoo.create("gemma2", pretrained=hf).config.to_dict()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    hf.config.sliding_window = None
+    for kinds in (("sliding_attention", "full_attention"), ("full_attention", "full_attention")):
+        with pytest.raises(ConfigError, match="sliding_window=None") as e:
+            fastzoo.create("gemma2", **{**cfg, "sliding_window": None, "layer_types": kinds})
+        assert "sliding_window" in e.value.fields
+        hf.config.layer_types = list(kinds)
+        with pytest.raises(ValueError, match="sliding_window"):
+            hf(ids, use_cache=False)
+
+
+def test_a_sliding_layer_without_a_window_is_refused_where_full_layers_run():
+    """The same rule for the other layouts with layer_types (Qwen2, Qwen3, SmolLM3): transformers builds
+    the sliding mask only when a layer slides, so a sliding layer without a window is refused and a
+    windowless model of full layers runs, equal to transformers'."""
+    from test_llama import hf_model
+
+    hf = hf_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    cfg = fastzoo.create("qwen2", pretrained=hf).config.to_dict()
+    assert cfg["layer_types"] == ("full_attention", "sliding_attention")
+    with pytest.raises(ConfigError, match="sliding_window=None with sliding_attention layers") as e:
+        fastzoo.create("qwen2", **{**cfg, "sliding_window": None})
+    assert set(e.value.fields) == {"sliding_window", "layer_types"}
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    hf.config.sliding_window = None
+    with pytest.raises(ValueError, match="sliding_window"):
+        hf(ids, use_cache=False)
+    full = hf_model("qwen2", use_sliding_window=False)  # the same weights (seed), no window, every layer full
+    assert full.config.sliding_window is None and set(full.config.layer_types) == {"full_attention"}
+    ours = fastzoo.create("qwen2", attn="eager", pretrained=full).eval()
+    with torch.no_grad():
+        assert (ours(ids).logits - full(ids, use_cache=False).logits).abs().max() <= 1e-4  # the fp32 rule

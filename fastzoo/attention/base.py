@@ -81,6 +81,9 @@ class Capabilities:
     min_cuda_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()  # import names the backend needs
     install: str | None = None  # how to get those packages
+    # "module:attribute" that must be true once the packages import: their compiled kernels loaded
+    # (xFormers imports without its C++/CUDA extension when the wheel was built for another torch)
+    kernels_loaded: str | None = None
     verified: str = "not verified on hardware"  # where parity was last shown
 
     def dtypes_text(self) -> str:

@@ -18,11 +18,10 @@ bottom-right masks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fastzoo.attention import packing
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
-from fastzoo.attention.sdpa import SDPA_OPS
+from fastzoo.attention.sdpa import SDPA_OPS, sdpa
 from fastzoo.attention.varlen import packed_sdpa
 
 
@@ -61,7 +60,7 @@ class NestedBackend(AttentionBackend):
                     x_THD.contiguous(), offsets=offsets.long(), max_seqlen=max_seqlen).transpose(1, 2)
 
             k_args = (seqlens.cu_k, seqlens.max_k)
-            o_NHjD = F.scaled_dot_product_attention(
+            o_NHjD = sdpa(
                 jagged_NHjD(q_THD, seqlens.cu_q, seqlens.max_q), jagged_NHjD(k_THD, *k_args), jagged_NHjD(v_THD, *k_args),
                 dropout_p=ctx.dropout_p, is_causal=ctx.causal and not cached, scale=ctx.scale,
             )

@@ -3,14 +3,19 @@
 ``sdpa_backend=None`` lets PyTorch pick; ``flash`` | ``efficient`` | ``cudnn`` | ``math``
 pins it with ``torch.nn.attention.sdpa_kernel`` so that a benchmark measures the kernel it
 names and a request the kernel cannot serve fails instead of quietly running another one.
+Those flags are process-wide, so every SDPA call fastzoo makes goes through :func:`sdpa`: a pinned
+call sets them and runs while no other SDPA call does, unpinned calls run side by side and
+never see another thread's pin.
 Causal-only attention uses ``is_causal=True`` (top-left aligned, so only when there are
 as many queries as keys; decoding with a KV cache gets an explicit bottom-right mask); padding and packed sequences use a boolean
 mask built from the same ``mask_mod`` as the reference, so their meaning cannot drift.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +76,59 @@ def math_reason(q, ctx) -> str:
     return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
             "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
             "print each kernel's reason)")
+
+
+class _SharedFlags:
+    """Who may read or set torch's SDPA kernel flags (``sdpa_kernel`` sets them for the whole process,
+    not per thread): any number of unpinned calls read them at once; a pinned call sets them, runs and
+    restores them alone. A waiting pinned call goes first, so a stream of unpinned calls cannot starve it."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = self._pins_waiting = 0
+        self._pinned = False
+
+    @contextlib.contextmanager
+    def read(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pinned and not self._pins_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def pin(self, kernel: SDPBackend):
+        with self._cond:
+            self._pins_waiting += 1
+            self._cond.wait_for(lambda: not self._pinned and not self._readers)
+            self._pins_waiting -= 1
+            self._pinned = True
+        try:
+            with sdpa_kernel(kernel):  # restores the flags on the way out, an exception included
+                yield
+        finally:
+            with self._cond:
+                self._pinned = False
+                self._cond.notify_all()
+
+
+_FLAGS = _SharedFlags()
+
+
+def sdpa(q, k, v, *, kernel: SDPBackend | None = None, **kwargs):
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)``, on ``kernel`` only if given, safe from
+    threads (see :class:`_SharedFlags`). Under ``torch.compile`` the flags are read at trace time
+    and the graph keeps the kernel chosen: no lock there."""
+    if kernel is None:
+        guard = contextlib.nullcontext() if torch.compiler.is_compiling() else _FLAGS.read()
+    else:
+        guard = sdpa_kernel(kernel) if torch.compiler.is_compiling() else _FLAGS.pin(kernel)
+    with guard:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def _dense_mask(ctx, B, Sq, Sk, device):
@@ -142,7 +200,4 @@ class SdpaBackend(AttentionBackend):
                                    lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
         kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale,
                       enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
-        if self.kernel is None:
-            return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
-        with sdpa_kernel(self.kernel):
-            return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
+        return sdpa(q_BHSD, k_BHSD, v_BHSD, kernel=self.kernel, **kwargs)

@@ -41,6 +41,7 @@ from fastzoo.attention import masks, packing
 from fastzoo.attention.availability import device_present, unavailable
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile, capability_problems, repeat_kv
 from fastzoo.attention.flash import Fa2Backend, fa2_varlen
+from fastzoo.attention.sdpa import sdpa
 from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
 
@@ -154,11 +155,11 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
 
 
 def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
-    """``F.scaled_dot_product_attention``, or with ``softcap`` its math written out with the scores
+    """:func:`fastzoo.attention.sdpa.sdpa`, or with ``softcap`` its math written out with the scores
     capped (``softcap * tanh(score / softcap)``) before the mask, as the eager reference does."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
     if enable_gqa:
         groups = q.shape[-3] // k.shape[-3]
         k, v = (x.repeat_interleave(groups, dim=-3) for x in (k, v))
