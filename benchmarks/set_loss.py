@@ -20,19 +20,20 @@ PARTS = ("set_loss", "detr_step")
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
-    reports = []
+    """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step)."""
+    reports = {}
     if "set_loss" in parts:
         for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
             suite = set_loss_suite(setting, device=device)
             suite.limits = limits.measure(device, quick=quick)
-            reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
-                                out, stem))
+            reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
+                                 out, stem)
     if "detr_step" in parts:
         suite = detection_step_suite("detr", config=DETR_STEP, device=device,
                                      recipes=recipes(get_entry("detr").spec.bench, device))
         suite.limits = limits.measure(device, quick=quick)
-        reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
-                            out, "detr_step"))
+        reports["detr_step"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
+                                              interleave=True), out, "detr_step")
     return reports
 
 
