@@ -60,7 +60,8 @@ _CAPS = {
         _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         head_dim_multiple=8,  # aten's FlashAttention-2 varlen entry: head dim a multiple of 8 (it does not pad)
         gqa=False, window=VARLEN_TAKES_SCALE,  # window_size from torch 2.11
-        packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
+        packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'",
+        verified="H100 (torch 2.11): GPT-2 and ViT-B/16 bf16/fp16",
         # kv_cache: causal runs aten's FlashAttention-2 kernel (never cuDNN: torch routes window_size != (-1, -1)
         # away from it), which aligns causal bottom-right per sequence when cu_seq_k holds more keys
     ),
