@@ -24,7 +24,9 @@ ImageNet's statistics and padded per batch with a ``pixel_mask``; boxes are DETR
 epoch the validation loss and COCO mAP (torchmetrics' MeanAveragePrecision: map, map_50, map_75) are
 printed and logged. Checkpoints are directories transformers' ``DetrForObjectDetection.from_pretrained``
 reads (``config.json`` with ``id2label``, ``model.safetensors``), written atomically. Everything else
-(--amp bf16, --resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help.
+(--amp bf16, --resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help. Under
+torchrun each process computes transformers' loss on its share of the global batch (its own box count
+and class weights, as transformers' loss without accelerate) and DDP averages the gradients.
 """
 from __future__ import annotations
 
