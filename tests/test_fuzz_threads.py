@@ -57,10 +57,7 @@ def test_threads_and_switches_give_the_serial_result(family, data, fast_switchin
     if not any(isinstance(m, UsesAttention) for m in model.modules()):
         pytest.skip(f"{family} has no attention layers: set_attention has nothing to switch")
     usable = []
-    # flex (and varlen's flex impl) is left out: its uncompiled CPU path runs a dynamo trace whose
-    # process-wide "compiling" flag makes another thread's flex call refuse as compiled flex on CPU
-    # (test_fuzz_found.py keeps that case as a known failure)
-    for name, options in [b for b in CPU_BACKENDS if "flex" not in (b[0], b[1].get("impl"))]:
+    for name, options in CPU_BACKENDS:
         try:
             model.set_attention(name, **options)
             usable.append((name, options))

@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.tracing import tracing
 
 _H100 = "H100 (torch 2.11): ViT-B/16 and GPT-2"  # benchmarks/results/NVIDIA-H100-80GB-HBM3
 _KERNELS = {
@@ -126,9 +127,9 @@ def sdpa(q, k, v, *, kernel: SDPBackend | None = None, **kwargs):
     threads (see :class:`_SharedFlags`). Under ``torch.compile`` the flags are read at trace time
     and the graph keeps the kernel chosen: no lock there."""
     if kernel is None:
-        guard = contextlib.nullcontext() if torch.compiler.is_compiling() else _FLAGS.read()
+        guard = contextlib.nullcontext() if tracing() else _FLAGS.read()
     else:
-        guard = sdpa_kernel(kernel) if torch.compiler.is_compiling() else _FLAGS.pin(kernel)
+        guard = sdpa_kernel(kernel) if tracing() else _FLAGS.pin(kernel)
     with guard:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
