@@ -24,7 +24,9 @@ ImageNet's statistics and padded per batch with a ``pixel_mask``; boxes are DETR
 epoch the validation loss and COCO mAP (torchmetrics' MeanAveragePrecision: map, map_50, map_75) are
 printed and logged. Checkpoints are directories transformers' ``DetrForObjectDetection.from_pretrained``
 reads (``config.json`` with ``id2label``, ``model.safetensors``), written atomically. Everything else
-(--amp bf16, --resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help.
+(--amp bf16, --resume, NaN capture and --replay, torchrun) is fastzoo.train's; see --help. Under
+torchrun each process computes transformers' loss on its share of the global batch (its own box count
+and class weights, as transformers' loss without accelerate) and DDP averages the gradients.
 """
 from __future__ import annotations
 
@@ -103,24 +105,23 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     check_data(parser, args)
+    train_set = eval_set = None
     if args.synthetic is not None:
         id2label = SYNTHETIC_LABELS
-    else:
+        if args.replay is None:
+            train_set, eval_set = synthetic(args.synthetic, args.img_size or 64, args.seed)
+    elif args.replay is not None:  # the captured batch is replayed: the classes are all that is read
         id2label = read_coco(args.train_ann, args.label_ids)[2]
-        if args.val_ann is not None and read_coco(args.val_ann, args.label_ids)[2] != id2label:
+    else:
+        sizes = {"label_ids": args.label_ids, "shortest_edge": args.img_size or 800, "longest_edge": args.max_size}
+        train_set = CocoDetection(args.train_images, args.train_ann, **sizes)
+        eval_set = CocoDetection(args.val_images, args.val_ann, **sizes) if args.val_images else None
+        id2label = train_set.id2label
+        if eval_set is not None and eval_set.id2label != id2label:
             raise UsageError(f"--val-ann {args.val_ann}: its categories differ from --train-ann {args.train_ann}'s")
     world = setup(args)
     overrides = {"num_labels": len(id2label), "id2label": id2label, **({"loss": args.giou} if args.giou else {})}
     model = create_model(args, device=world.device, task=DETECTION, **overrides)
-
-    train_set = eval_set = None
-    if args.replay is None:
-        if args.synthetic is not None:
-            train_set, eval_set = synthetic(args.synthetic, args.img_size or 64, args.seed)
-        else:
-            sizes = {"label_ids": args.label_ids, "shortest_edge": args.img_size or 800, "longest_edge": args.max_size}
-            train_set = CocoDetection(args.train_images, args.train_ann, **sizes)
-            eval_set = CocoDetection(args.val_images, args.val_ann, **sizes) if args.val_images else None
 
     def loss(net, batch):
         out = net(pixel_values=batch["pixel_values"], pixel_mask=batch["pixel_mask"], labels=batch["labels"])

@@ -192,3 +192,33 @@ def test_user_errors_name_the_problem(case, coco, capsys, tmp_path):
     else:
         args, needles = ["--synthetic", 8, "--label-ids", "names"], ["--label-ids", "invalid choice"]
     user_error(capsys, "finetune_detection.py", [*args, "--output-dir", tmp_path / "o", "--workers", 0], *needles)
+
+
+def test_boxdet_r50_is_refused_naming_detr():
+    """One detector family: the name of a DETR head on a bare ResNet is refused, pointing to DETR."""
+    with pytest.raises(fastzoo.errors.UnknownModelError, match=r"'boxdet_r50' is not reproduced by fastzoo.*create\('detr'\)"):
+        fastzoo.create("boxdet_r50")
+    assert not fastzoo.list_models("boxdet*") and "facebook/detr-resnet-50" in fastzoo.list_models("*detr*")
+
+
+def test_a_state_dict_file_and_a_live_model_are_checkpoints_too(coco, hf_detr, tmp_path):
+    """--pretrained takes transformers' weights file alone (its sizes read from the keys; the head
+    counts, which keys cannot tell, given as --model-kwargs), as create(pretrained=) takes a live model."""
+    from safetensors.torch import save_file
+    from test_train_scripts import _main
+    from transformers import DetrForObjectDetection
+
+    hf = DetrForObjectDetection.from_pretrained(hf_detr)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "detr.safetensors")
+    train_images, train_ann, _, _ = coco
+    out = tmp_path / "run"
+    assert _main("finetune_detection.py").main([
+        "--model", "facebook/detr-resnet-50", "--pretrained", str(tmp_path / "detr.safetensors"), "--model-kwargs",
+        "encoder_attention_heads=2", "decoder_attention_heads=2", "--train-images", str(train_images), "--train-ann",
+        str(train_ann), "--img-size", "32", "-b", "8", "--steps", "1", "--workers", "0", "--output-dir", str(out)]) == 0
+    trained = DetrForObjectDetection.from_pretrained(out / "checkpoint-1")
+    frozen = [k for k in hf.state_dict() if ".backbone." in k and "num_batches_tracked" not in k]
+    assert frozen and all(torch.equal(trained.state_dict()[k], hf.state_dict()[k]) for k in frozen)
+    live = fastzoo.create(pretrained=hf, num_labels=10, id2label={i: str(i) for i in range(10)})
+    assert live.class_labels_classifier.out_features == 11 and torch.equal(
+        live.model.query_position_embeddings.weight, hf.model.query_position_embeddings.weight)
