@@ -19,21 +19,22 @@ PARTS = ("set_loss", "detr_step")
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
-    reports = []
+    """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step)."""
+    reports = {}
     if "set_loss" in parts:
         for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
             suite = set_loss_suite(setting, device=device)
             suite.limits = limits.measure(device, quick=quick)
-            reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
-                                out, stem))
+            reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
+                                 out, stem)
     if "detr_step" in parts:
         # fp32, and the fastest low-precision recipe the tour finds for it here (bf16 autocast with
         # channels_last: its fp32 channels_last and bf16 NCHW rows are slower); `fastzoo tour` tries every one
         tried = [BASELINE] + [Recipe("bf16 autocast", channels_last=True)] * native_bf16(device)
         suite = detection_step_suite("detr", config=DETR_STEP, device=device, recipes=tried)
         suite.limits = limits.measure(device, quick=quick)
-        reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
-                            out, "detr_step"))
+        reports["detr_step"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
+                                              interleave=True), out, "detr_step")
     return reports
 
 

@@ -54,6 +54,7 @@ import torch
 from fastzoo.attention.availability import package_available, unavailable  # noqa: F401  (re-exported)
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.text import dtype_name  # noqa: F401  (re-exported: backends name dtypes in messages)
+from fastzoo.tracing import tracing
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FLOATS, HALF = (FP32, BF16, FP16), (BF16, FP16)  # the dtype sets backends declare
@@ -361,7 +362,7 @@ def check_context(ctx: AttnContext, Sq: int, Sk: int) -> None:
     if ctx.window is not None and (not ctx.causal or isinstance(ctx.window, bool) or int(ctx.window) < 1):
         raise ValueError(f"window: a sliding window is a positive number of keys on a causal context (query i sees "
                          f"keys j with i - j < window), got window={ctx.window!r} with causal={ctx.causal}")
-    if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
+    if ctx.cu_seqlens_k is not None and not tracing():  # once per forward (one host read)
         ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk, ctx.causal))
 
 

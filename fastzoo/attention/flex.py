@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from fastzoo.attention import flex_cpu_repro, masks
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.tracing import tracing
 
 _compiled_flex = {}
 
@@ -130,7 +131,7 @@ class FlexBackend(AttentionBackend):
 
     def check_call(self, q, k, ctx):
         super().check_call(q, k, ctx)
-        if not q.is_cuda and (self.opts["compile"] or torch.compiler.is_compiling()) and self._cpu_refusal:
+        if not q.is_cuda and (self.opts["compile"] or tracing()) and self._cpu_refusal:
             _refuse_compiled_on_cpu(self)
 
     def _block_mask(self, ctx, B, Sq, Sk, device):

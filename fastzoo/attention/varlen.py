@@ -44,6 +44,7 @@ from fastzoo.attention.flash import Fa2Backend, fa2_varlen
 from fastzoo.attention.sdpa import sdpa
 from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.tracing import tracing
 
 TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 # torch 2.10: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
@@ -131,7 +132,7 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
     """
     kv = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     gqa = k_THD.shape[1] != q_THD.shape[1]
-    if torch.compiler.is_compiling():
+    if tracing():
         return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *kv, causal=causal, scale=scale,
                           dropout_p=dropout_p, ctx=ctx, window=window, softcap=softcap)
     def build():

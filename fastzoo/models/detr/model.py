@@ -41,6 +41,7 @@ from fastzoo.attention.base import AttnContext
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.detr.backbone import DetrConvEncoder
 from fastzoo.models.detr.config import DetrConfig
+from fastzoo.models.timm_api import check_images
 
 def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None) -> torch.Tensor:
     """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``."""
@@ -267,7 +268,8 @@ class DetrForObjectDetection(FastzooModel):
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             raise ValueError("output_attentions / output_hidden_states: fastzoo's DETR does not return per-layer "
                              "attentions or hidden states (the attention kernels never materialise the weights)")
-        pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels)
+        pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
+                                                 self.class_labels_classifier.weight)
         h_LBQD = self.model(pixel_values, pixel_mask, self.packs())
         logits_LBQC, boxes_LBQ4 = self.heads(h_LBQD)
         loss = loss_dict = aux = None
@@ -278,6 +280,16 @@ class DetrForObjectDetection(FastzooModel):
         out = DetrObjectDetectionOutput(loss=loss, loss_dict=loss_dict, logits=logits_LBQC[-1], pred_boxes=boxes_LBQ4[-1],
                                         auxiliary_outputs=aux, last_hidden_state=h_LBQD[-1])
         return out if return_dict is not False else out.to_tuple()
+
+    def adapt_checkpoint(self, state, changed):
+        """``num_labels`` set against a checkpoint: a fresh class head (transformers' ``from_pretrained(...,
+        num_labels=, ignore_mismatched_sizes=True)``); boxes, queries and the rest load."""
+        if "num_labels" not in changed:
+            return state, [], []
+        had = state.pop("class_labels_classifier.weight").shape[0] - 1
+        state.pop("class_labels_classifier.bias", None)
+        return state, ["class_labels_classifier.weight", "class_labels_classifier.bias"], [
+            f"num_labels={self.config.num_labels}: fresh class_labels_classifier (the checkpoint has {had} labels)"]
 
     def hf_config(self):
         """This architecture as a ``transformers.DetrConfig``."""
@@ -299,12 +311,14 @@ def _output_requires_grad(module, args, output):
     output.requires_grad_(True)
 
 
-def _check_pixels(pixel_values, pixel_mask, channels: int):
-    """The images ``[B, C, H, W]`` and their mask ``[B, H, W]`` (None when nothing is padded: read
-    from the mask's values on the host only when it is given)."""
+def _check_pixels(pixel_values, pixel_mask, channels: int, weight: torch.Tensor):
+    """The images ``[B, C, H, W]`` (floating, on the device and in the dtype of ``weight`` unless under
+    autocast) and their mask ``[B, H, W]`` (None when nothing is padded: read from the mask's values
+    on the host only when it is given)."""
     if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4 or pixel_values.shape[1] != channels:
         raise ValueError(f"pixel_values must be a [B, {channels}, H, W] tensor, got "
                          f"{getattr(pixel_values, 'shape', type(pixel_values).__name__)}")
+    check_images(pixel_values, channels, weight=weight)
     if pixel_mask is None:
         return pixel_values, None
     B, _, H, W = pixel_values.shape
