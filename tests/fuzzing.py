@@ -116,6 +116,26 @@ def _value(tp, meta, base, multiple: int | None = None) -> st.SearchStrategy:
     return st.one_of(strategies)
 
 
+def _described(tp) -> bool:
+    """Whether the declarations describe values of annotation ``tp`` (scalars and tuples of them)."""
+    for arm in _optional(tp)[1]:
+        origin, args = typing.get_origin(arm), typing.get_args(arm)
+        if arm not in (int, float, bool, str) and not (origin is tuple and all(a in (int, float, bool, str, Ellipsis)
+                                                                             for a in args)):
+            return False
+    return True
+
+
+def _variant_values(spec, name: str, base) -> list:
+    """``base`` and each distinct value the spec's variants give field ``name`` (a ResNet's
+    ``hf_config``: none, or the transformers config it stands in for, whose sizes the other fields set)."""
+    out = [base]
+    for v in spec.variants:
+        if name in v.config and v.config[name] not in out:
+            out.append(v.config[name])
+    return out
+
+
 def _order(fields) -> list:
     """Fields with each ``multiple_of`` target before the fields that refer to it."""
     by_name = {f.name: f for f in fields}
@@ -161,6 +181,9 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, sma
     def draw_field(f):
         if f.name in fixed:
             values[f.name] = fixed[f.name]
+            return
+        if not _described(hints[f.name]):  # a dict of settings: its tiny value or one a variant gives it
+            values[f.name] = draw(st.sampled_from(_variant_values(spec, f.name, base[f.name])))
             return
         target = f.metadata.get("multiple_of")
         multiple = values.get(target) if target else None

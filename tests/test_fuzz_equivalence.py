@@ -100,20 +100,24 @@ def _kernel_grads(g, r_grads, p_grads, plain_grads):
 # -- inputs per task --------------------------------------------------------------------------------
 @st.composite
 def image_case(draw, model):
+    """1 to 4 batches of images, each a case against the original (the models are built once)."""
     cfg = model.config
-    side = getattr(cfg, "img_size", None)
-    if side is None:  # a convnet takes any size
-        # from 32 px: torch 2.14's CPU bf16 backward of a grouped stride-2 conv on a 1x1 map reads
-        # uninitialised memory (weight gradients ~1e25 from the second call on; torchvision's too)
-        side = (draw(st.integers(32, 48), label="height"), draw(st.integers(32, 48), label="width"))
-    batch = draw(st.integers(1, 3), label="batch")
-    seed = draw(st.integers(0, 2**16), label="input seed")
-    x = torch.randn(batch, cfg.in_chans, *side, generator=torch.Generator().manual_seed(seed))
+    cases = []
+    for _ in range(draw(st.integers(1, 4), label="inputs")):
+        side = getattr(cfg, "img_size", None)
+        if side is None:  # a convnet takes any size
+            # from 32 px: torch 2.14's CPU bf16 backward of a grouped stride-2 conv on a 1x1 map reads
+            # uninitialised memory (weight gradients ~1e25 from the second call on; torchvision's too)
+            side = (draw(st.integers(32, 48), label="height"), draw(st.integers(32, 48), label="width"))
+        batch = draw(st.integers(1, 3), label="batch")
+        seed = draw(st.integers(0, 2**16), label="input seed")
+        x = torch.randn(batch, cfg.in_chans, *side, generator=torch.Generator().manual_seed(seed))
 
-    def call(m):
-        return equivalence.logits_of(m(x)).reshape(batch, -1), None
+        def call(m, x=x, batch=batch):
+            return equivalence.logits_of(m(x)).reshape(batch, -1), None
 
-    return [("images", call, call, {"grads": True})]
+        cases.append(("images", call, call, {"grads": True}))
+    return cases
 
 
 def _lengths(draw, S, batch):
@@ -233,7 +237,9 @@ def _check_equivalence(family: str, data) -> None:
     train = spec.task.name == "causal-lm" and data.draw(st.booleans(), label="train mode")
     from fuzzing import configs
 
-    cfg = data.draw(configs(spec, fixed=_deterministic(spec) if train else None), label="config")
+    # small sizes three times in four: e.g. a ResNet of any widths (transformers' original); else the defaults (torchvision's)
+    small = data.draw(st.sampled_from([True, True, True, False]), label="small sizes")
+    cfg = data.draw(configs(spec, fixed=_deterministic(spec) if train else None, small=small), label="config")
     precision = data.draw(st.sampled_from(["fp32", "bf16"]), label="precision")
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="weights seed"))
     try:

@@ -120,3 +120,14 @@ def test_flex_from_two_threads_at_once():
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_a_bottleneck_resnet_narrower_than_a_quarter_of_its_output_has_no_transformers_form():
+    """Found: out_channels=(1, 1, 1, 1) on torchvision's widths wrote a transformers config whose
+    bottlenecks have 1 // 4 = 0 channels (transformers' width is a quarter of the output): another
+    network than the one asked for. Now refused by name."""
+    from fastzoo.errors import CheckpointError
+    from fastzoo.models.resnet import hf
+
+    with pytest.raises(CheckpointError, match="a quarter of its output"):
+        hf.build(dict(TINY["resnet"], out_channels=(1, 1, 1, 1), hf_config={"architectures": ["ResNetForImageClassification"]}))
