@@ -1,34 +1,44 @@
 """DETR's set loss per step (matcher + every term, 6 decoder layers, forward + backward),
 transformers' ForObjectDetectionLoss vs fastzoo's set_prediction_loss in each GIoU mode, at 8 and
 32 images x 100 queries with 1-50 boxes each, host reads per step counted; then a DETR training
-step (ResNet-18 timm backbone, 6+6 layers at width 256, 100 queries, two image sizes padded) vs
-transformers' DetrForObjectDetection in fp32 on the same weights.
+step (ResNet-18 timm backbone, 6+6 layers at width 256, 100 queries, two image sizes padded;
+forward with labels, loss, backward, fused AdamW step) vs transformers' DetrForObjectDetection
+in fp32 on the same weights, per recipe (fp32, bf16 autocast where the CPU computes bf16,
+channels_last) and attention backend.
 
-    python benchmarks/set_loss.py --threads 1
+    python benchmarks/set_loss.py --threads 1 [--part detr_step]
 """
 from _common import parser, save, setup, timing
 from fastzoo.bench import limits, run_suite
 from fastzoo.bench.detection import detection_step_suite
+from fastzoo.bench.recipes import recipes
 from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, set_loss_suite
+from fastzoo.registry import get_entry
 
 DETR_STEP = dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512))
+PARTS = ("set_loss", "detr_step")
 
 
-def run(device, out, *, quick, compile=None, note="", progress=True):
+def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
     reports = []
-    for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
-        suite = set_loss_suite(setting, device=device)
+    if "set_loss" in parts:
+        for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
+            suite = set_loss_suite(setting, device=device)
+            suite.limits = limits.measure(device, quick=quick)
+            reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
+                                out, stem))
+    if "detr_step" in parts:
+        suite = detection_step_suite("detr", config=DETR_STEP, device=device,
+                                     recipes=recipes(get_entry("detr").spec.bench, device))
         suite.limits = limits.measure(device, quick=quick)
         reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
-                            out, stem))
-    suite = detection_step_suite("detr", config=DETR_STEP, device=device)
-    suite.limits = limits.measure(device, quick=quick)
-    reports.append(save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
-                        out, "detr_step"))
+                            out, "detr_step"))
     return reports
 
 
 if __name__ == "__main__":
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--part", choices=PARTS, action="append", help="run only this part (repeatable; default: both)")
+    args = p.parse_args()
     device, out = setup(args)
-    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress)
+    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress, parts=args.part or PARTS)

@@ -253,11 +253,18 @@ def test_set_loss_suite_equals_transformers_and_reads_the_host_once_per_step():
 def test_detection_step_suite_checks_loss_and_gradients():
     from fastzoo.bench import run_suite
     from fastzoo.bench.detection import detection_step_suite
+    from fastzoo.bench.recipes import BASELINE, Recipe
 
-    suite = detection_step_suite("detr", config=TINY, images=2, sizes=((64, 64), (32, 48)))
+    suite = detection_step_suite("detr", config=TINY, images=2, sizes=((64, 64), (32, 48)),
+                                 recipes=(BASELINE, Recipe("bf16 autocast", channels_last=True)))
     assert suite.config["host reads per step"]["fastzoo sdpa"] == 1
     report = run_suite(suite, warmup=0, iters=1, progress=False)
-    assert [r.status for r in report.rows] == ["ok"] * 3, [(r.label, r.status, r.max_err) for r in report.rows]
+    fp32, bf16 = ([r for r in report.rows if r.group.endswith(name)] for name in ("| fp32", "| bf16 autocast, channels_last"))
+    assert [r.status for r in fp32] == ["ok"] * 4, [(r.label, r.status, r.max_err) for r in fp32]
+    assert all(r.max_err <= OUT_TOL and r.grad_err <= GRAD_TOL for r in fp32[1:])  # fp32: the original's own rule
+    # bf16 autocast: the original under it sets the bound (3x its own error vs fp32), the fp32 peer is not gated
+    assert [r.status for r in bf16] == ["ok"] * 5 and bf16[0].precision == "fp32" and bf16[0].max_err is None
+    assert all(r.max_err <= r.out_bound and r.grad_err <= r.grad_bound for r in bf16[1:])
 
 
 def test_readme_detr_block_runs_as_written(tmp_path, monkeypatch):

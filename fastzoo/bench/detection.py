@@ -1,14 +1,28 @@
-"""A detection model's training step (forward, set loss, backward) against its original on the same
-weights and the same batch of images of different sizes (padded, with a pixel mask): the original
-in fp32 with its reference attention, fastzoo on its recommended path (SDPA, the fused GIoU kernel
-in the padded set loss, one host read per step) and on the packed-encoder path (varlen: the
-encoder runs on the real tokens only). Parity: loss and every parameter gradient.
+"""A detection model's training step (forward with labels, set loss, backward, optimizer step)
+against its original on the same weights and the same batch of images of different sizes
+(padded, with a pixel mask), per recipe (precision, memory format) and per attention backend.
+
+Each group is one recipe. Its cases: the original as its users run it (fp32, eager: the peer
+every speed-up is against), the original under the group's recipe (``vs original, same
+recipe``; in bf16 autocast it sets the tolerance: at most 3x its own error vs fp32), and fastzoo
+per backend under the recipe (the fused GIoU kernel in the padded set loss, one host read per
+step; ``varlen`` / ``nested`` run the encoder on each image's real tokens only). The optimizer is
+transformers ``Trainer``'s default (fused AdamW), the same for every case. Parity: the loss and
+every parameter gradient against the original in fp32 in the group's memory format.
 """
 from __future__ import annotations
+
+import copy
+from functools import cache
 
 import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
+from fastzoo.bench.recipes import BASELINE, Recipe
+
+# eager: on a CPU in bf16, torch's fused attention kernels train slower than matmul-softmax-matmul at
+# DETR's lengths (100 queries, 10^2-10^3 keys, head dim 32); so every backend is timed
+BACKENDS = ("sdpa", "eager", "varlen")
 
 
 def image_batch(images: int, sizes, num_labels: int, device, seed: int = 0):
@@ -40,69 +54,122 @@ def step_flops(run) -> float:
     return float(counter.get_total_flops())
 
 
-def train_step(model, x, mask, labels, items: int, flops: float | None = None) -> Step:
+def train_step(model, x, mask, labels, items: int, recipe: Recipe = BASELINE, flops: float | None = None) -> Step:
+    """One training step of ``model`` under ``recipe`` (bf16 autocast or not; the memory format is
+    the model's and ``x``'s): ``run`` steps the optimizer, ``outputs`` (parity) leaves the weights."""
     params = [p for p in model.parameters() if p.requires_grad]
     names = [n for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, fused=True)
 
-    def run():
+    def forward_backward():
         for p in params:
             p.grad = None
-        loss = model(pixel_values=x, pixel_mask=mask, labels=labels).loss
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=recipe.autocast):
+            loss = model(pixel_values=x, pixel_mask=mask, labels=labels).loss
         loss.backward()
         return loss
 
+    def run():
+        loss = forward_backward()
+        optimizer.step()
+        return loss
+
     def outputs():
-        loss = run()
-        return {"output": loss.detach()[None], **{f"grad:{n}": p.grad.clone() for n, p in zip(names, params)}}
+        loss = forward_backward()
+        return {"output": loss.detach().float()[None], **{f"grad:{n}": p.grad.clone() for n, p in zip(names, params)}}
 
     return Step(run=run, items=items, outputs=outputs, flops=flops)
 
 
+class _Workload:
+    """The original (random init from the seed, never stepped: every case starts from its weights),
+    the batch, and each case's model and step."""
+
+    def __init__(self, name, config, images, sizes, device, seed):
+        from fastzoo.registry import get_entry
+
+        self.name, self.images, self.device = name, images, device
+        entry = get_entry(name)
+        cfg = {**entry.config, **config, "dropout": 0.0}
+        torch.manual_seed(seed)
+        self.original = entry.spec.original.build(cfg).to(device).train()
+        self.description = entry.spec.original.description
+        self.x, self.mask, self.labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
+
+    def original_model(self, recipe: Recipe):
+        model = copy.deepcopy(self.original)
+        return model.to(memory_format=torch.channels_last) if recipe.channels_last else model
+
+    def fastzoo(self, attn: str, recipe: Recipe):
+        import fastzoo
+
+        return fastzoo.create(self.name, pretrained=self.original, attn=attn, loss="kernel",
+                              channels_last=recipe.channels_last).to(self.device).train()
+
+    def step(self, model, recipe: Recipe, *, counted: bool = True, gate: bool = True) -> Step:
+        """The timed step; ``counted``: with its own FLOPs (the packed encoder skips the padding's
+        work); ``gate=False``: not parity-checked (the fp32 peer in another recipe's group)."""
+        x = self.x.contiguous(memory_format=torch.channels_last) if recipe.channels_last else self.x
+        s = train_step(model, x, self.mask, self.labels, self.images, recipe)
+        if counted:
+            s.flops = step_flops(train_step(copy.deepcopy(model), x, self.mask, self.labels, self.images, recipe).run)
+        if not gate:
+            s.outputs = None
+        return s
+
+    @cache
+    def reference(self, channels_last: bool) -> dict:
+        """The original's fp32 outputs in the memory format (channels_last sums convolutions in another order)."""
+        recipe = Recipe(channels_last=channels_last)
+        return self.step(self.original_model(recipe), recipe, counted=False).outputs()
+
+
 def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=((160, 224), (128, 192)),
-                         device="cpu", seed: int = 0) -> Suite:
-    """``name``'s training step at ``config`` (its original's field names) vs its original."""
-    import fastzoo
+                         device="cpu", seed: int = 0, recipes=(BASELINE,), backends=BACKENDS) -> Suite:
+    """``name``'s training step at ``config`` (its original's field names) vs its original, per recipe and backend."""
     from fastzoo.bench.set_loss import host_reads
-    from fastzoo.registry import get_entry
 
     device = torch.device(device)
-    entry = get_entry(name)
-    cfg = {**entry.config, **config, "dropout": 0.0}
-    torch.manual_seed(seed)
-    original = entry.spec.original.build(cfg).to(device).train()
-    x, mask, labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
-
-    def counted(model) -> Step:  # a step with its own FLOPs: the packed encoder skips the padding's work
-        return train_step(model, x, mask, labels, images, step_flops(train_step(model, x, mask, labels, images).run))
-
-    def ours(attn: str):
-        return fastzoo.create(name, pretrained=original, attn=attn, loss="kernel").to(device).train()
-
-    cases = [Case(f"{entry.spec.original.description}, fp32", lambda: counted(original), peer=True, reference=True),
-             Case("fastzoo, SDPA + fused GIoU set loss, fp32", lambda: counted(ours("sdpa"))),
-             Case("fastzoo, packed encoder (varlen) + fused GIoU set loss, fp32",
-                  lambda: counted(ours("varlen")))]
-    reads = {"original": host_reads(train_step(original, x, mask, labels, images).run),
-             "fastzoo sdpa": host_reads(train_step(ours("sdpa"), x, mask, labels, images).run)}
-    group = Group(f"{name} training step, {images} images of sizes {list(sizes)}", cases, unit="images/s",
-                  reference=lambda: train_step(original, x, mask, labels, images).outputs())
+    w = _Workload(name, config, images, sizes, device, seed)
+    groups = []
+    for recipe in recipes:
+        baseline, low = recipe == BASELINE, recipe.dtype != torch.float32
+        peer = f"{w.description}, fp32"
+        cases = [Case(peer, lambda: w.step(w.original_model(BASELINE), BASELINE, gate=baseline), peer=True,
+                      reference=baseline, original=baseline, dtype=torch.float32)]
+        if not baseline:
+            cases.append(Case(f"{w.description}, {recipe.name}", lambda r=recipe: w.step(w.original_model(r), r),
+                              reference=True, original=True))
+        for b in backends:
+            cases.append(Case(f"fastzoo {b}, {recipe.name}", lambda b=b, r=recipe: w.step(w.fastzoo(b, r), r)))
+        groups.append(Group(f"{name} training step, {images} images of sizes {list(sizes)} | {recipe.name}", cases,
+                            unit="images/s", reference=lambda cl=recipe.channels_last: w.reference(cl),
+                            dtype=recipe.dtype if low else None))
+    reads = {"original": host_reads(w.step(w.original_model(BASELINE), BASELINE, counted=False).run),
+             "fastzoo sdpa": host_reads(w.step(w.fastzoo("sdpa", BASELINE), BASELINE, counted=False).run)}
     config_out = {"model": f"{name} with {config}", "batch": f"{images} images, sizes {list(sizes)}, padded + pixel_mask",
+                  "step": "forward with labels, set loss, backward, fused AdamW step",
                   "host reads per step": reads}
-    return Suite("detection_step", [group], config=config_out, device=device)
+    return Suite("detection_step", groups, config=config_out, device=device)
+
+
+def use_code(name: str, label: str) -> str:
+    """The code a user writes for the fastzoo case ``label`` (the tour adds its recipe's)."""
+    return f'fastzoo.create("{name}", pretrained=hf_detr, attn="{label[len("fastzoo "):].split(",")[0]}")'
 
 
 def tour_entry(spec, size, device, compile):
-    """The tour's entry for a detector (its task's ``tour``): one training step against its original
-    (loss and every gradient checked), at the family's ``tour`` / ``quick`` workload: ``batch`` images
-    of two sizes (``img_size`` square, and half as high), padded, with a pixel mask."""
-    from fastzoo.bench.recipes import BASELINE
-    from fastzoo.bench.tour import Entry
+    """The tour's entry for a detector (its task's ``tour``): one training step per recipe worth
+    trying here and per backend, against its original (loss and every gradient checked), at the
+    family's ``tour`` / ``quick`` workload: ``batch`` images of two sizes (``img_size`` square, and
+    half as high), padded, with a pixel mask."""
+    from fastzoo.bench.recipes import recipes
+    from fastzoo.bench.tour import Entry, recipe_groups
 
     w = spec.bench.sizes[size]
     name, side = spec.bench.variant, w.img_size
+    tried = recipes(spec.bench, device, compile=False)
     suite = detection_step_suite(name, config=dict(w.config), images=w.batch, sizes=((side, side), (side // 2, side)),
-                                 device=device)
-    labels = [c.label for c in suite.groups[0].cases]
-    paths = {labels[1]: f'fastzoo.create("{name}", pretrained=hf_detr)',
-             labels[2]: f'fastzoo.create("{name}", pretrained=hf_detr, attn="varlen")'}
-    return Entry(name, labels[0], suite, paths, {suite.groups[0].name: BASELINE}, device.type)
+                                 device=device, recipes=tried)
+    paths = {c.label: use_code(name, c.label) for g in suite.groups for c in g.cases if c.label.startswith("fastzoo")}
+    return Entry(name, suite.groups[0].cases[0].label, suite, paths, recipe_groups(suite, tried), device.type)

@@ -67,6 +67,8 @@ class DetrConfig(ModelConfig):
                      "(padded pairs, plain ops) | kernel (padded pairs, the fused op: no gather, no host sync)",
                      choices=GIOU_MODES)
     channels_last: bool = free(False, "NHWC backbone parameters and activations")
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                        "checkpointing on (as gradient_checkpointing_enable())")
 
     def validate(self):
         for heads, name in ((self.encoder_attention_heads, "encoder_attention_heads"),

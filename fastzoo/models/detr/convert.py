@@ -78,7 +78,8 @@ class HfDetrConverter:
         names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
                  "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
                  "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
-                 "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient")
+                 "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient",
+                 "gradient_checkpointing")
         out = {k: cfg[k] for k in names if k in cfg}
         labels = cfg.get("id2label")
         out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)

@@ -103,7 +103,22 @@ class DetrMLP(nn.Module):
         return F.dropout(self.fc2(x), self.dropout, self.training)
 
 
-class DetrEncoderLayer(nn.Module):
+class CheckpointedLayer(nn.Module):
+    """A layer gradient checkpointing recomputes in the backward instead of keeping its activations,
+    switched as transformers' ``GradientCheckpointingLayer`` is (``gradient_checkpointing``, and the
+    ``torch.utils.checkpoint`` call with the model's options in ``_gradient_checkpointing_func``).
+    Every tensor it differentiates through is a positional argument, so the reentrant variant
+    (which sees only those) gives the same gradients."""
+
+    gradient_checkpointing = False
+
+    def __call__(self, *args):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(super().__call__, *args)
+        return super().__call__(*args)
+
+
+class DetrEncoderLayer(CheckpointedLayer):
     def __init__(self, cfg: DetrConfig):
         super().__init__()
         self.self_attn = DetrAttention(cfg.d_model, cfg.encoder_attention_heads, cfg.attention_dropout)
@@ -121,7 +136,7 @@ class DetrEncoderLayer(nn.Module):
         return x_BSD
 
 
-class DetrDecoderLayer(nn.Module):
+class DetrDecoderLayer(CheckpointedLayer):
     def __init__(self, cfg: DetrConfig):
         super().__init__()
         self.self_attn = DetrAttention(cfg.d_model, cfg.decoder_attention_heads, cfg.attention_dropout)
@@ -132,10 +147,9 @@ class DetrDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x_BQD, query_pos_BQD, memory, self_ctx, cross_ctx):
-        """``memory``: the encoder's output and its position embedding, ``[B, S, D]`` each, or packed
-        ``[1, T, D]`` with ``cross_ctx`` carrying the offsets (then the queries go in packed too)."""
-        mem, mem_pos = memory
+    def forward(self, x_BQD, query_pos_BQD, mem, mem_pos, self_ctx, cross_ctx):
+        """``mem``, ``mem_pos``: the encoder's output and its position embedding, ``[B, S, D]`` each, or
+        packed ``[1, T, D]`` with ``cross_ctx`` carrying the offsets (then the queries go in packed too)."""
         x_BQD = self.self_attn_layer_norm(x_BQD + F.dropout(self.self_attn(x_BQD, query_pos_BQD, self_ctx),
                                                             self.dropout, self.training))
         B, Q, D = x_BQD.shape
@@ -188,7 +202,7 @@ class DetrModel(nn.Module):
         h_BQD = torch.zeros_like(query_pos_BQD)
         self_ctx, outs = AttnContext(), []
         for layer in self.decoder.layers:
-            h_BQD = layer(h_BQD, query_pos_BQD, (x, pos), self_ctx, cross_ctx)
+            h_BQD = layer(h_BQD, query_pos_BQD, x, pos, self_ctx, cross_ctx)
             if cfg.auxiliary_loss:
                 h_BQD = self.decoder.layernorm(h_BQD)
                 outs.append(h_BQD)
@@ -235,6 +249,7 @@ class DetrForObjectDetection(FastzooModel):
     family = "detr"
     config_class = DetrConfig
     main_input_name = "pixel_values"
+    supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 
     def __init__(self, cfg: DetrConfig):
         super().__init__()
@@ -245,6 +260,8 @@ class DetrForObjectDetection(FastzooModel):
         self.class_labels_classifier = nn.Linear(cfg.d_model, cfg.num_labels + 1)
         self.bbox_predictor = DetrMLPPredictionHead(cfg.d_model, 4)
         self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     def _init_weights(self):
         """transformers' init: normal(0, 0.02) Linear/Conv/Embedding weights and zero biases
@@ -262,6 +279,37 @@ class DetrForObjectDetection(FastzooModel):
     @classmethod
     def can_generate(cls) -> bool:  # transformers' question of every model: DETR does not generate
         return False
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
+                                      offload: bool = False):
+        """transformers' switch (its ``Trainer`` calls it with ``gradient_checkpointing=True``): the
+        encoder and decoder layers (every one, or every ``every_n_layers``-th of each) recompute their
+        activations in the backward through ``torch.utils.checkpoint`` (non-reentrant unless
+        ``gradient_checkpointing_kwargs`` says otherwise; RNG state kept, so dropout and the gradients
+        are unchanged). The backbone keeps its activations, as in transformers. ``offload=True``
+        (activations in pinned host memory) is refused."""
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint
+
+        if offload:
+            raise ValueError("offload=True: fastzoo's DETR does not offload checkpointed activations; leave it False")
+        if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
+        func = partial(checkpoint, **{"use_reentrant": False, **(gradient_checkpointing_kwargs or {})})
+        for stack in (self.model.encoder.layers, self.model.decoder.layers):
+            for i, layer in enumerate(stack):
+                layer._gradient_checkpointing_func = func
+                layer.gradient_checkpointing = i % every_n_layers == 0
+
+    def gradient_checkpointing_disable(self):
+        for m in self.modules():
+            if isinstance(m, CheckpointedLayer):
+                m.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(m.gradient_checkpointing for m in self.modules() if isinstance(m, CheckpointedLayer))
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' ``num_parameters`` (``Trainer`` counts FLOPs with it)."""

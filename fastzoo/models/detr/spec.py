@@ -43,7 +43,7 @@ SPEC = ModelSpec(
     original=Original(build_original, "transformers DetrForObjectDetection (eager attention)",
                       attn_dropout_field="attention_dropout"),
     bench=BenchSettings(  # the tour: a training step against transformers' model on mixed-size padded images
-        variant="detr", library="transformers", compile=False,
+        variant="detr", library="transformers", compile=False, channels_last=True,
         sizes={"tour": Workload("DETR, ResNet-18 backbone, 6+6 layers, 4 images of 160x160 / 80x160", R18, batch=4,
                                 img_size=160),
                "quick": Workload("tiny DETR, 2 images of 96x96 / 48x96", TINY, batch=2, img_size=96)}),
