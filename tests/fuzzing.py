@@ -27,6 +27,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
@@ -239,6 +240,18 @@ def just_outside(spec) -> list[tuple[str, object]]:
         if not optional and f.default is not None:
             out.append((f.name, None))
     return out
+
+
+def compare_finite(name, ours, ref, peer=None):
+    """``equivalence.compare_outputs``, where non-finite reference values (a loss over no target,
+    a config whose original overflows) must be non-finite in ours too and the finite ones are compared."""
+    from fastzoo import equivalence
+
+    bad = ~torch.isfinite(ref)
+    if not torch.equal(bad, ~torch.isfinite(ours)):
+        return equivalence.Comparison(name + " (non-finite at other places than the original's)", float("inf"), 0.0)
+    fill = (lambda t: None if t is None else t.masked_fill(bad | ~torch.isfinite(t), 0))
+    return equivalence.compare_outputs(name, fill(ours), fill(ref), fill(peer))
 
 
 # -- results (long profile) -----------------------------------------------------------------------

@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import SPECS, backends
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
-from fuzzing import configs, count, examples, fail, non_default
+from fuzzing import compare_finite, configs, count, examples, fail, non_default
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
@@ -32,7 +32,7 @@ from hypothesis.errors import HypothesisException
 import fastzoo
 from fastzoo import equivalence
 from fastzoo.attention import get_backend
-from fastzoo.errors import BackendUnavailableError
+from fastzoo.errors import BackendUnavailableError, FastzooError
 from fastzoo.models.config import FREE
 
 FAMILIES = [f for f, s in SPECS.items() if s.original is not None and s.task.name == "detection"]
@@ -88,10 +88,10 @@ def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], traine
     if list(out) != list(ref):
         return [f"{label}: outputs {sorted(set(out) ^ set(ref))} on one side only"]
     for k, v in ref.items():
-        c = equivalence.compare_outputs(k, out[k], v)
+        c = compare_finite(k, out[k], v)
         if not c.passed:
             problems.append(f"{label}: {k} err {c.err:.3g} > {c.bound:.3g}")
-    if g:
+    if g and all(torch.isfinite(v).all() for v in r_grads.values()):
         if set(g) != trained:
             problems.append(f"{label}: gradients of {sorted(set(g) ^ trained)[:4]} where the config trains otherwise")
         c = equivalence.compare_grads("grads", g, {k: r_grads[k] for k in g})
@@ -125,8 +125,10 @@ def check_detection(family: str, data) -> None:
 def _check_detection(family: str, data) -> None:
     spec = SPECS[family]
     cls = spec.config_class
-    quiet = {f.name: 0.0 for f in dataclasses.fields(cls) if "dropout" in f.name}
-    cfg = data.draw(configs(spec, fixed=quiet, small=True), label="config")
+    fixed = {f.name: 0.0 for f in dataclasses.fields(cls) if "dropout" in f.name}  # a deterministic step
+    # gradient checkpointing fails inside torch with the nested backend (tests/test_fuzz_found.py): drawn once served or refused
+    fixed["gradient_checkpointing"] = False
+    cfg = data.draw(configs(spec, fixed=fixed, small=True), label="config")
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="weights seed"))
     try:
         ref = spec.original.build(non_default(spec, cfg))
@@ -150,7 +152,15 @@ def _check_detection(family: str, data) -> None:
 
     trained = {n for n, p in fastzoo_model(cfg["loss"]).named_parameters() if p.requires_grad}
     images, mask, labels = data.draw(detection_input(models[cfg["loss"]].config), label="inputs")
-    want = _run(ref, images, mask, labels, grads=True)
+    try:
+        want = _run(ref, images, mask, labels, grads=True)
+    except Exception:  # noqa: BLE001 -- the original cannot run it: fastzoo runs it or refuses it by name
+        count(f"equivalence/{family}", original_refused=1)
+        try:
+            _run(models[cfg["loss"]], images, mask, labels, grads=True)
+        except (ValueError, FastzooError):
+            pass
+        assume(False)
     start = modes.index(cfg["loss"])
     failures, compared, refused = [], 0, 0
     for i, (name, options) in enumerate(CPU_BACKENDS):  # backend i in GIoU mode start + i: each mode on some
