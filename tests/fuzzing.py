@@ -164,12 +164,16 @@ def non_default(spec, cfg: dict) -> dict:
 
 
 @st.composite
-def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30):
+def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30,
+            variant_values: bool = False):
     """A valid config (a dict of the original library's field names) of ``spec``'s family: each
     field its ``base`` value (default: the spec's tiny config over the class defaults) or a
     value drawn from its declaration; ``fixed``: fields left as given. ``small``: a size the tiny
     config leaves at a default above :data:`SMALL` (a ResNet's stage widths) is drawn up to
-    :data:`SMALL` too (for properties where the original, which may need the default, is not built)."""
+    :data:`SMALL` too (for properties where the original, which may need the default, is not built).
+    ``variant_values``: a field of a type the declarations do not describe (a dict of settings) takes
+    its tiny value or one a variant gives it (a ResNet's or ViT's ``hf_config``: transformers' original
+    then); else its tiny value."""
     cls = spec.config_class
     hints = typing.get_type_hints(cls)
     fields = _order(dataclasses.fields(cls))
@@ -183,7 +187,7 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, sma
         if f.name in fixed:
             values[f.name] = fixed[f.name]
             return
-        if not _described(hints[f.name]):  # a dict of settings: its tiny value or one a variant gives it
+        if variant_values and not _described(hints[f.name]):
             values[f.name] = draw(st.sampled_from(_variant_values(spec, f.name, base[f.name])))
             return
         target = f.metadata.get("multiple_of")
@@ -286,6 +290,16 @@ def results_path() -> Path | None:
 
 
 FAILURES = ("mismatches", "bare_exceptions", "half_loads", "wrong_accepts", "hangs")
+MEANING = {  # what the results file's counters count
+    "examples": "hypothesis examples that ran to the end (a config and its inputs; rejected draws not counted)",
+    "cases": "equivalence: one config x input compared with the original on one backend (outputs, loss, gradients); "
+             "concurrency: one thread's forward compared with the serial result",
+    "refused": "requests refused by name as declared (a backend without the capability; a bad input or config)",
+    "original_refused": "draws the original library cannot build or run (nothing to compare; not an example)",
+    "failures": "mismatches, bare_exceptions, half_loads, wrong_accepts, hangs: failing runs, hypothesis's "
+                "replays and shrinking steps of one failure included",
+}
+_WRITTEN: set = set()  # results files this process has started (a run's file holds that run only)
 
 
 @pytest.fixture(autouse=True)
@@ -307,7 +321,10 @@ def write_results(prop: str) -> None:
     if path is None:
         return
     with _LOCK:
-        data = json.loads(path.read_text()) if path.is_file() else {"profile": PROFILE, "properties": {}}
+        fresh = path not in _WRITTEN or not path.is_file()
+        data = {"profile": PROFILE, "properties": {}} if fresh else json.loads(path.read_text())
+        _WRITTEN.add(path)
+        data["meaning"] = MEANING
         row = {"examples": 0, **{k: 0 for k in FAILURES}, **_COUNTS.get(prop, {})}
         row["seconds"] = round(row.get("seconds", 0.0), 1)
         row["passed"] = not any(row[k] for k in FAILURES)

@@ -229,7 +229,8 @@ def _check_equivalence(family: str, data) -> None:
 
     # small sizes three times in four: e.g. a ResNet of any widths (transformers' original); else the defaults (torchvision's)
     small = data.draw(st.sampled_from([True, True, True, False]), label="small sizes")
-    cfg = data.draw(configs(spec, fixed=_deterministic(spec) if train else None, small=small), label="config")
+    cfg = data.draw(configs(spec, fixed=_deterministic(spec) if train else None, small=small, variant_values=True),
+                    label="config")
     precision = data.draw(st.sampled_from(["fp32", "bf16"]), label="precision")
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="weights seed"))
     try:
@@ -258,7 +259,7 @@ def _check_equivalence(family: str, data) -> None:
 
         peer = copy.deepcopy(ref)
     # a model without attention runs on one backend: more inputs per built pair (cases cost less than builds)
-    cases = (image_case(ours, (1, 4) if with_attention else (2, 8)) if spec.task.name == "image-classification"
+    cases = (image_case(ours, (1, 3) if with_attention else (3, 10)) if spec.task.name == "image-classification"
              else token_case(ours, train))
     failures, compared, refused = [], 0, 0
     for form, call, ref_call, needs in data.draw(cases, label="inputs"):
@@ -320,7 +321,7 @@ def _check_equivalence(family: str, data) -> None:
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
     f == "vit", strict=False, reason="found, open: a small ViT (embed_dim 52, 2 heads, in_chans 1) under bf16 autocast "
     "is 2.7-4.5x past 3x the original's own bf16 error on flex / nested / sdpa-math; under diagnosis")) for f in FAMILIES])
-@examples(ci=6, long=420)
+@examples(ci=6, long=300)
 @given(data=st.data())
 def test_fastzoo_equals_the_original_for_any_config_and_input(family, data):
     check_equivalence(family, data)

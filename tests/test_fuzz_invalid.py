@@ -42,7 +42,7 @@ def _refused_by_name(prop, call, names: tuple[str, ...], *, kinds=(ValueError,))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@examples(ci=25, long=400)
+@examples(ci=25, long=500)
 @given(data=st.data())
 def test_config_values_just_outside_a_constraint_are_refused_naming_the_field(family, data):
     spec = SPECS[family]
@@ -181,11 +181,13 @@ def _detection_bad(model, draw):
 
 
 BAD_INPUTS = {"image-classification": _image_bad, "causal-lm": _token_bad, "detection": _detection_bad}
-INPUT_FAMILIES = [f for f in FAMILIES if SPECS[f].task.name in BAD_INPUTS]
+# a detector without an original has no transformers call convention to be fed through
+INPUT_FAMILIES = [f for f in FAMILIES if SPECS[f].task.name in BAD_INPUTS
+                  and (SPECS[f].task.name != "detection" or SPECS[f].original is not None)]
 
 
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
-@examples(ci=25, long=300)
+@examples(ci=25, long=500)
 @given(data=st.data())
 def test_bad_inputs_are_refused_naming_the_argument_and_change_nothing(family, data):
     spec = SPECS[family]
