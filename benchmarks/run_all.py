@@ -21,13 +21,14 @@ import matcher
 import gpt2_varlen
 import llama_packed
 import resnet
+import set_loss
 import vit
 from _common import dtype_for, parser, setup
 from fastzoo.machine import device_name, versions
 from fastzoo.accuracy.backends import train_parity
 
 SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "llama_packed": llama_packed.run, "giou": giou.run, "matcher": matcher.run,
-          "linear_ce": linear_ce.run, "resnet50": resnet.run}
+          "linear_ce": linear_ce.run, "resnet50": resnet.run, "set_loss": set_loss.run}
 
 
 def _timed(report, label, group):
@@ -66,7 +67,7 @@ def targets(reports: dict) -> list[str]:
         else:
             why = "; ".join(f"{r.label}: {r.status} ({r.note})" for r in q.rows if r.median_s is None)
             lines.append(f"- GIoU fused vs per-sample loop (>= 200x) and vs torchvision (>= 3x): not measured ({why})")
-    lines += loss_targets(reports)
+    lines += loss_targets(reports) + detr_targets(reports)
     v = reports.get("vit")
     if v is not None and not v.skipped:
         for group in dict.fromkeys(r.group for r in v.rows):
@@ -110,6 +111,32 @@ def loss_targets(reports: dict) -> list[str]:
     return lines
 
 
+def detr_targets(reports: dict) -> list[str]:
+    """DETR's set loss vs transformers' at B=8 (>= 4x) and B=32 (>= 15x) with the host reads per step
+    (goal <= 2), and its training step vs transformers' fp32 eager (>= 1.5x)."""
+    lines = []
+    for stem, goal in (("set_loss", 4), ("set_loss_b32", 15)):
+        r = reports.get(stem)
+        if r is None or r.skipped:
+            continue
+        peer = next((x for x in r.rows if x.peer and x.median_s), None)
+        best = min((x for x in r.rows if not x.peer and x.median_s), key=lambda x: x.median_s, default=None)
+        if peer and best:
+            a = peer.median_s / best.median_s
+            reads = r.config.get("host reads per step", {})
+            lines.append(f"- DETR set loss, {r.config.get('batch', stem)}: {best.label} {a:.2f}x {peer.label.split(' (')[0]} "
+                         f"(target >= {goal}x: {'met' if a >= goal else 'not met'}); host reads per step {reads}")
+    r = reports.get("detr_step")
+    if r is not None and not r.skipped:
+        peer = next((x for x in r.rows if x.peer and x.median_s), None)
+        best = min((x for x in r.rows if not x.peer and x.median_s), key=lambda x: x.median_s, default=None)
+        if peer and best:
+            a = peer.median_s / best.median_s
+            lines.append(f"- DETR training step: {best.label} {a:.2f}x {peer.label} (target >= 1.5x: "
+                         f"{'met' if a >= 1.5 else 'not met'})")
+    return lines
+
+
 NOTES_MARKER = "<!-- notes: written by hand, kept as is by run_all.py (everything from this line on) -->"
 
 
@@ -131,8 +158,10 @@ def main():
     reports, sections = {}, []
     for name, run in SUITES.items():
         if name in wanted:
-            reports[name] = run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=progress)
-            sections.append(f"{reports[name].to_markdown()}\n" + (f"![{name}]({name}.png)\n" if (out / f"{name}.png").exists() else ""))
+            result = run(device, out, quick=args.quick, compile=args.compile, note=args.note, progress=progress)
+            for stem, report in (result.items() if isinstance(result, dict) else [(name, result)]):  # a suite of several
+                reports[stem] = report
+                sections.append(f"{report.to_markdown()}\n" + (f"![{stem}]({stem}.png)\n" if (out / f"{stem}.png").exists() else ""))
     if "parity_train" in wanted:
         tp = train_parity(fastzoo.list_attention(available_only=True), steps=300, device=device, dtype=dtype_for(device),
                           progress=progress)

@@ -248,14 +248,15 @@ def just_outside(spec) -> list[tuple[str, object]]:
 
 def compare_finite(name, ours, ref, peer=None):
     """``equivalence.compare_outputs``, where non-finite reference values (a loss over no target,
-    a config whose original overflows) must be non-finite in ours too and the finite ones are compared."""
+    a config whose original overflows) must be non-finite in ours too and the finite ones are compared;
+    ``peer``: the original's low-precision runs (a list) or None."""
     from fastzoo import equivalence
 
     bad = ~torch.isfinite(ref)
     if not torch.equal(bad, ~torch.isfinite(ours)):
         return equivalence.Comparison(name + " (non-finite at other places than the original's)", float("inf"), 0.0)
-    fill = (lambda t: None if t is None else t.masked_fill(bad | ~torch.isfinite(t), 0))
-    return equivalence.compare_outputs(name, fill(ours), fill(ref), fill(peer))
+    fill = (lambda t: t.masked_fill(bad | ~torch.isfinite(t), 0))
+    return equivalence.compare_outputs(name, fill(ours), fill(ref), peer and [fill(t) for t in peer])
 
 
 # -- results (long profile) -----------------------------------------------------------------------

@@ -113,15 +113,16 @@ def test_cli_flags_override_and_a_bad_field_is_one_line_exit_2(tmp_path):
     assert (tmp_path / "accuracy_digits_resnet.png").read_bytes()[:4] == b"\x89PNG"
 
 
-BOXDET = ROOT / "configs" / "accuracy_canvas_boxdet.yaml"
+DETR = ROOT / "configs" / "accuracy_canvas_detr.yaml"
 
 
 def test_same_weights_check_catches_a_different_function_that_free_running_curves_miss():
     """An arm that computes another loss (GIoU weighted 2.5x more) is caught by the same-weights
     check, even when the free-running tolerances are too loose to see it."""
     loose = ["tolerance.train_loss=100", "tolerance.eval_loss=100", "tolerance.eval_metric=1"]
-    cfg = load_config(BOXDET, SHORT + loose)
-    cfg.arms = [cfg.arms[2], dataclasses.replace(cfg.arms[2], name="padded, other weighting", model_kwargs={"loss_giou": 5.0})]
+    cfg = load_config(DETR, SHORT + loose)
+    cfg.arms = [cfg.arms[0], dataclasses.replace(cfg.arms[3], name="padded, other weighting",
+                                                 model_kwargs={"giou_loss_coefficient": 5.0})]
     report = run(cfg, progress=False)
     other = report.arms[1]
     assert other.status == "disagrees" and "same_weights_loss" in other.note and not report.agree
@@ -130,17 +131,17 @@ def test_same_weights_check_catches_a_different_function_that_free_running_curve
 
 def test_kernel_arm_rounds_differently_but_computes_the_same_function():
     """The fused GIoU kernel's hand-written backward rounds differently from autograd through
-    torch ops (1 ulp on some box gradients): from the same weights the loss is equal and the
-    gradients agree within fastzoo check's 1e-4; a free-running tolerance tighter than the
-    rounding marks the arms "drifts", not "disagrees"."""
-    cfg = load_config(BOXDET, SHORT + ["tolerance.eval_loss=1.0e-12"])
-    cfg.arms = [cfg.arms[2], cfg.arms[3]]  # padded (torch ops) vs kernel
+    torch ops: from the same weights the loss is equal and the gradients agree with transformers'
+    within fastzoo check's 1e-4; a free-running tolerance tighter than the rounding marks the arm
+    "drifts", not "disagrees"."""
+    cfg = load_config(DETR, SHORT + ["tolerance.train_loss=1.0e-12", "tolerance.same_weights_grad=1.0e-4"])
+    cfg.arms = [cfg.arms[0], cfg.arms[4]]  # transformers' DETR vs fastzoo, eager attention, GIoU kernel
     report = run(cfg, progress=False)
     kernel = report.arms[1]
     assert kernel.same_weights["steps"] == [0]
     assert kernel.diff["same_weights_loss"] <= cfg.tolerance.same_weights_loss
-    assert 0 < kernel.diff["same_weights_grad"] <= cfg.tolerance.same_weights_grad  # not bit-equal: rounding
-    assert kernel.status == ("drifts" if kernel.diff["eval_loss"] > 1e-12 else "ok")
+    assert 0 < kernel.diff["same_weights_grad"] <= 1e-4  # not bit-equal: rounding
+    assert kernel.status == ("drifts" if kernel.diff["train_loss"] > 1e-12 else "ok")
     assert report.agree
 
 

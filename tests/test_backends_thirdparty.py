@@ -52,6 +52,23 @@ def test_unavailable_backend_refuses_at_create_naming_package_and_install(name):
     assert "Available on this machine: " in msg and "eager" in msg
 
 
+def test_xformers_without_its_compiled_kernels_is_unavailable_by_name():
+    """xFormers imports when its wheel was built for another torch, then every call fails ("No operator
+    found"): the backend is refused at create, naming the cause, not at the first forward."""
+    from dataclasses import replace
+
+    from fastzoo.attention.availability import unavailable
+    from fastzoo.attention.xformers import XformersBackend
+
+    xformers = pytest.importorskip("xformers", reason="xformers is not installed: its load check cannot be shown")
+    on_cpu = replace(XformersBackend.capabilities, devices={"cpu": (torch.float32,)})  # past the device check
+    reason = unavailable(on_cpu)
+    if xformers._has_cpp_library:
+        assert reason is None
+    else:
+        assert "xformers._has_cpp_library is false" in reason and torch.__version__ in reason
+
+
 def _package_installed(package):
     from fastzoo.attention.base import package_available
 

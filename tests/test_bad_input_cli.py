@@ -68,8 +68,8 @@ def test_bench_bad_arguments(capsys, case):
 
 CHECK = {
     "unknown model": (["check", "vit_nope", "--tiny"], ["unknown model 'vit_nope'"]),
-    "a model without an original": (["check", "boxdet_r50", "--tiny"], ["'boxdet_r50' (boxdet) has no original to check"]),
-    "... without --tiny too": (["check", "boxdet_r50"], ["has no original to check"]),
+    "a name fastzoo refuses": (["check", "boxdet_r50", "--tiny"], ["'boxdet_r50' is not reproduced by fastzoo",
+                                                                    "create('detr')"]),
     "unknown backend": (["check", "vit_s16", "--tiny", "--attn", "nope"], ["unknown attention backend 'nope'"]),
     "unknown backend option": (["check", "vit_s16", "--tiny", "--attn", "sdpa:bogus=1"], ["unknown option(s) ['bogus']"]),
     "batch 0": (["check", "vit_s16", "--tiny", "--batch", "0"], ["--batch", "positive"]),

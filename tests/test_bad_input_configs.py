@@ -40,7 +40,7 @@ from conftest import tiny_of
 import fastzoo
 from fastzoo.errors import CheckpointError, ConfigError, UnknownFieldError
 
-TINY = {name: tiny_of(name) for name in ("vit_s16", "gpt2", "resnet50", "boxdet_r50")}
+TINY = {name: tiny_of(name) for name in ("vit_s16", "gpt2", "resnet50", "detr")}
 NAN, INF = float("nan"), float("inf")
 HUGE = 10**12
 
@@ -75,11 +75,12 @@ OVERRIDES = [
         ("global_pool", "max"), ("global_pool", ""), ("layers", (10**9, 1, 1, 1)), ("channels", (10**9, 8, 8, 8)),
         ("layers", [1, 1, 1, 1, 1]), ("frozen_bn", "no"), ("channels_last", 1), ("num_classes", 1.5)]],
     ("resnet50", {"laayers": (1, 1, 1, 1)}, "laayers"),
-    # detector
-    *[("boxdet_r50", {k: v}, k) for k, v in [
-        ("num_queries", 0), ("num_classes", 0), ("hidden_dim", 0), ("hidden_dim", 3), ("eos_coef", 0.0), ("eos_coef", NAN),
-        ("loss_giou", NAN), ("loss_bbox", -1.0), ("cost_giou", INF), ("loss", "fast"), ("matcher", "greedy"),
-        ("layers", (1, 1, 1)), ("num_queries", HUGE), ("num_queries", True), ("cost_class", NAN), ("loss_ce", INF)]],
+    # DETR
+    *[("detr", {k: v}, k) for k, v in [
+        ("num_queries", 0), ("num_labels", 0), ("d_model", 0), ("d_model", 31), ("eos_coefficient", 0.0),
+        ("eos_coefficient", NAN), ("giou_loss_coefficient", NAN), ("bbox_loss_coefficient", -1.0), ("giou_cost", INF),
+        ("loss", "fast"), ("freeze_backbone", "some"), ("backbone", "torchvision"), ("depths", (1, 1, 1)),
+        ("num_queries", HUGE), ("num_queries", True), ("class_cost", NAN), ("id2label", {0: "a"}), ("dropout", 1.5)]],
 ]
 
 
@@ -251,7 +252,8 @@ def test_the_shipped_run_files_parse_with_every_field_typed(path):
         return
     from tests.test_train_scripts import _main
 
-    script = {"finetune_image_classification": "finetune_image_classification.py", "finetune_causal_lm": "finetune_causal_lm.py"}.get(path.stem, "train_boxdet.py")
+    script = {"finetune_image_classification": "finetune_image_classification.py", "finetune_causal_lm": "finetune_causal_lm.py",
+              "finetune_detection": "finetune_detection.py"}[path.stem]
     mod = _main(script)
     from fastzoo.train.cli import read_run_config
 

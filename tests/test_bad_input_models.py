@@ -1,4 +1,4 @@
-"""Bad input to the models' forwards and the detector's loss: a ValueError naming the
+"""Bad input to the models' forwards and DETR's labels: a ValueError naming the
 argument, and nothing changed (weights, and buffers such as BatchNorm running statistics:
 models are in train mode, where a forward that got half-way would have updated them).
 
@@ -14,7 +14,7 @@ from conftest import TINY
 import fastzoo
 
 VIT, GPT2 = TINY["vit"], TINY["gpt2"]
-DET = {**TINY["boxdet"], "num_classes": 4}  # the class range [0, 4) that the labels 9 and -1 below fall outside
+DET = {**TINY["detr"], "num_labels": 4}  # the class range [0, 4) that the labels 9 and -1 below fall outside
 S, V, P = VIT["img_size"], GPT2["vocab_size"], GPT2["n_positions"]
 
 
@@ -89,23 +89,36 @@ def test_gpt2_bad_inputs_are_named(case):
     assert_refused(model, lambda: model(**kwargs), needle)
 
 
-BOX = torch.tensor([[0.1, 0.1, 0.5, 0.5]])
+BOX = torch.tensor([[0.3, 0.3, 0.4, 0.4]])  # cx, cy, w, h
+
+
+def _labels(boxes, classes):
+    return [{"class_labels": c, "boxes": b} for b, c in zip(boxes, classes)]
+
+
 DET_BAD = {
-    "a NaN box": (lambda: ([BOX * float("nan"), BOX], [torch.tensor([1]), torch.tensor([2])]), "boxes[0]: box 0 is not finite"),
-    "an inverted box": (lambda: ([BOX[:, [2, 3, 0, 1]], BOX], [torch.tensor([1]), torch.tensor([2])]), "x2 < x1"),
-    "3 coordinates": (lambda: ([BOX[:, :3], BOX], [torch.tensor([1]), torch.tensor([2])]), "boxes[0] must be an [n, 4] tensor"),
-    "a class past num_classes": (lambda: ([BOX, BOX], [torch.tensor([9]), torch.tensor([2])]), "labels must be class ids in [0, 4)"),
-    "a negative class": (lambda: ([BOX, BOX], [torch.tensor([-1]), torch.tensor([2])]), "labels must be class ids in [0, 4)"),
-    "more labels than boxes": (lambda: ([BOX, BOX], [torch.tensor([1, 2]), torch.tensor([2])]), "labels[0] must be an integer tensor"),
-    "float labels": (lambda: ([BOX, BOX], [torch.tensor([1.0]), torch.tensor([2.0])]), "labels[0] must be an integer tensor"),
-    "targets for one image of two": (lambda: ([BOX], [torch.tensor([1])]), "targets has 1 images but the outputs have 2"),
-    "pixel coordinates": (lambda: ([BOX * 32, BOX], [torch.tensor([1]), torch.tensor([2])]), "normalised to [0, 1]"),
+    "a NaN box": (lambda: _labels([BOX * float("nan"), BOX], [torch.tensor([1]), torch.tensor([2])]),
+                  "labels[0]['boxes'][0] = [nan, nan, nan, nan]: boxes must be finite"),
+    "a negative width": (lambda: _labels([BOX * torch.tensor([1, 1, -1, 1]), BOX], [torch.tensor([1]), torch.tensor([2])]),
+                         "with w >= 0 and h >= 0"),
+    "3 coordinates": (lambda: _labels([BOX[:, :3], BOX], [torch.tensor([1]), torch.tensor([2])]),
+                      "labels[0]['boxes'] must be a float [n, 4] tensor"),
+    "a class past num_labels": (lambda: _labels([BOX, BOX], [torch.tensor([9]), torch.tensor([2])]),
+                                "labels[0]['class_labels'][0] = 9: class ids must lie in [0, 4)"),
+    "a negative class": (lambda: _labels([BOX, BOX], [torch.tensor([1]), torch.tensor([-1])]),
+                         "labels[1]['class_labels'][0] = -1"),
+    "more labels than boxes": (lambda: _labels([BOX, BOX], [torch.tensor([1, 2]), torch.tensor([2])]),
+                               "labels[0]['class_labels'] must be an integer tensor of shape (1,)"),
+    "float labels": (lambda: _labels([BOX, BOX], [torch.tensor([1.0]), torch.tensor([2.0])]),
+                     "labels[0]['class_labels'] must be an integer tensor"),
+    "labels for one image of two": (lambda: _labels([BOX], [torch.tensor([1])]), "labels must be a list of 2 dicts"),
+    "a dict without boxes": (lambda: [{"class_labels": torch.tensor([1])}, {"class_labels": torch.tensor([1])}],
+                             "labels[0] must be a dict with 'class_labels' [n] and 'boxes' [n, 4]"),
 }
 
 
 @pytest.mark.parametrize("case", list(DET_BAD))
-def test_detector_bad_targets_are_named(case):
-    model = fastzoo.create("boxdet_r50", **DET).train()
-    outputs = model(torch.randn(2, 3, 32, 32))
-    targets, labels = DET_BAD[case][0]()
-    assert_refused(model, lambda: model.loss(outputs, targets, labels), DET_BAD[case][1])
+def test_detr_bad_labels_are_named(case):
+    model = fastzoo.create("detr", **DET).train()
+    images = torch.randn(2, 3, 32, 32)
+    assert_refused(model, lambda: model(pixel_values=images, labels=DET_BAD[case][0]()), DET_BAD[case][1])

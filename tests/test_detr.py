@@ -279,6 +279,7 @@ def test_readme_detr_block_runs_as_written(tmp_path, monkeypatch):
     assert len(ns["results"]) == 3 and torch.isfinite(ns["out"].loss)
     assert ns["det"].attn_name == "varlen" and ns["det"].packs()
     assert transformers.DetrForObjectDetection.from_pretrained(tmp_path / "detr-out").config.num_labels == TINY["num_labels"]
+    assert ns["pets"].config.id2label == {0: "cat", 1: "dog"} and ns["pets"].class_labels_classifier.out_features == 3
 
 
 def test_peer_suite_swap_builds_fastzoo_detr_from_the_testers_config():

@@ -67,6 +67,25 @@ def test_gradients_equal_the_run_without_checkpointing(attn, reentrant):
     assert err[worst] <= GRAD_RTOL, (worst, err[worst])
 
 
+def test_adapters_only_train_through_reentrant_checkpointing_with_input_require_grads():
+    """PEFT's set-up: every weight frozen but the attention's query projections; the reentrant
+    checkpoint sees no input needing a gradient unless enable_input_require_grads marks one."""
+    plain = _model()
+    for n, p in plain.named_parameters():
+        p.requires_grad_(n.endswith("q_proj.weight"))
+    ckpt = copy.deepcopy(plain)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    _, ref = _grads(plain)
+    ckpt.enable_input_require_grads()
+    _, got = _grads(ckpt)
+    assert set(got) == set(ref) and len(ref) == 2 * TINY["decoder_layers"] + TINY["encoder_layers"]
+    assert all(torch.allclose(got[n], ref[n], rtol=1e-5, atol=1e-7) for n in ref)
+    ckpt.disable_input_require_grads()
+    # without it no layer's input needs a gradient: torch warns, and nothing upstream of the loss trains
+    with pytest.warns(UserWarning, match="requires_grad"), pytest.raises(RuntimeError, match="does not require grad"):
+        _grads(ckpt)
+
+
 def test_switch_as_transformers_and_its_config_field():
     model = _model()
     assert type(model).supports_gradient_checkpointing and not model.is_gradient_checkpointing

@@ -158,6 +158,40 @@ def test_run_all_keeps_the_hand_written_notes(tmp_path):
     assert run_all.NOTES_MARKER in committed.read_text(), "the CPU set's narrative sits below the marker"
 
 
+def _run_all():
+    spec = importlib.util.spec_from_file_location("run_all_under_test", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    saved_path = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        spec.loader.exec_module(run_all)
+    finally:
+        sys.path[:] = saved_path
+    return run_all
+
+
+def test_run_all_runs_the_set_loss_suite_and_states_its_targets():
+    """benchmarks/set_loss.py is one of run_all's suites (its three reports: B=8, B=32, the DETR step),
+    and the targets section reads them: here from the committed CPU results."""
+    import json
+
+    from fastzoo.bench.report import Report, Row
+
+    run_all = _run_all()
+    assert run_all.SUITES["set_loss"] is sys.modules["set_loss"].run
+    folder = ROOT / "benchmarks" / "results" / "cpu-2core"
+    reports = {}
+    for stem in ("set_loss", "set_loss_b32", "detr_step"):
+        d = json.loads((folder / f"{stem}.json").read_text())
+        reports[stem] = Report(**{**d, "rows": [Row(**r) for r in d["rows"]]})
+    lines = run_all.detr_targets(reports)
+    assert len(lines) == 3, lines
+    rows = reports["set_loss"].rows
+    ratio = next(r for r in rows if r.peer).median_s / min(r.median_s for r in rows if not r.peer)
+    assert f"{ratio:.2f}x" in lines[0] and "target >= 4x" in lines[0] and "'transformers': 31" in lines[0]
+    assert "target >= 15x" in lines[1] and "target >= 1.5x" in lines[2]
+
+
 def test_gpt2_block_and_its_trainer_run_after_readme_command_1(tmp_path, monkeypatch):
     """README "GPT-2 and packed sequences", as written, at tiny size: what README command 1
     installs (the ``[bench]`` extra) carries what the block needs (transformers' Trainer needs

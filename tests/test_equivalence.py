@@ -114,9 +114,17 @@ def test_unavailable_backend_raises_like_create():
         check_parity("vit_s16", "fa2", device="cpu", dtype=torch.bfloat16, **VIT)
 
 
-def test_model_without_an_original_is_refused_by_name():
-    with pytest.raises(ValueError, match="boxdet_r50.*no original to check against"):
-        check_parity("boxdet_r50", "sdpa")
+def test_model_without_an_original_is_refused_by_name(monkeypatch):
+    """A family registered without an original (a user's own) cannot be checked, and is told so."""
+    import dataclasses
+    import importlib
+    import types
+
+    module = importlib.import_module("fastzoo.equivalence.check")
+    spec = dataclasses.replace(module.get_entry("detr").spec, family="mydet", original=None)
+    monkeypatch.setattr(module, "get_entry", lambda name: types.SimpleNamespace(spec=spec))
+    with pytest.raises(ValueError, match="mydet_tiny.*no original to check against"):
+        check_parity("mydet_tiny", "sdpa")
 
 
 def test_backend_spec_parsing():

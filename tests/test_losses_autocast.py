@@ -1,18 +1,14 @@
 """Every loss path under autocast and with mixed dtypes: bf16 / fp16 predictions
 against fp32 targets, on CPU, through every GIoU implementation and layout, the fused LM-head
-cross-entropy and the detector's loss; each matches the fp32 reference within the dtype's
-tolerance. And the README recipe ``train_boxdet.py --giou kernel --amp bf16``,
-at tiny size."""
+cross-entropy and DETR's set loss; each matches the fp32 reference within the dtype's
+tolerance (the detection script's ``--amp bf16`` recipe runs in tests/test_finetune_detection.py)."""
 import pytest
 import torch
-from conftest import TINY
 from torchvision.ops import generalized_box_iou_loss as tv_giou_loss
 
-import fastzoo
 from fastzoo.data.boxes import collate_boxes
 from fastzoo.losses import giou_loss, giou_loss_padded
 from tests.test_giou import box_pairs, random_boxes, ran
-from tests.test_train_scripts import BOXDET, COMMON, ok, run
 
 # one rounding of the boxes to the dtype (8 / 11 significant bits), amplified by up to ~4 in the
 # loss's differences of coordinates: rtol on the values; grads the same, relative to their scale
@@ -90,41 +86,35 @@ def test_every_giou_path_under_autocast(dtype):
         assert (glow - g32).abs().max() <= 4 * TOL[dtype] * g32.abs().max(), path
 
 
+@pytest.mark.parametrize("giou", ["kernel", "padded"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_detector_loss_under_autocast_matches_fp32(dtype):
-    model = fastzoo.create("boxdet_r50", **TINY["boxdet"], matcher="order").eval()
-    assert model.config.loss == "kernel"  # the detector's default: the padded fused op
+def test_detr_set_loss_under_autocast_matches_fp32(dtype, giou):
+    """DETR's set loss on low-precision predictions (what an autocast forward gives) against the
+    same values in fp32: the same assignment (the values are equal), every term in fp32, within
+    the dtype's tolerance, and the gradient too."""
+    from fastzoo.losses.set_prediction import set_prediction_loss
+
     g = torch.Generator().manual_seed(1)
-    images = torch.randn(3, 3, 32, 32, generator=g)
-    targets = collate_boxes([random_boxes(n, g).clamp(0, 1) for n in (2, 0, 3)])
+    L, B, Q, C = 2, 3, 6, 4
+    logits = torch.randn(L, B, Q, C + 1, generator=g).to(dtype)
+    boxes = torch.rand(L, B, Q, 4, generator=g).mul(0.5).add(0.25).to(dtype)
+    labels = [{"class_labels": torch.randint(0, C, (n,), generator=g), "boxes": torch.rand(n, 4, generator=g) * 0.4 + 0.3}
+              for n in (2, 0, 3)]
 
-    def loss_and_grad(autocast):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
-            parts = model.loss_components(model(images), targets)
-        parts["loss"].backward()
-        return {k: v.detach() for k, v in parts.items()}, model.bbox_embed.layers[-1].weight.grad.clone()
+    def loss_and_grads(lo, bo):
+        lo, bo = lo.clone().requires_grad_(), bo.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=lo.dtype != torch.float32):
+            loss, parts = set_prediction_loss(lo, bo, labels, num_classes=C, giou=giou)
+        loss.backward()
+        return loss.detach(), parts, lo.grad.float(), bo.grad.float()
 
-    (p32, g32), (plow, glow) = loss_and_grad(False), loss_and_grad(True)
-    with torch.autocast("cpu", dtype=dtype):
-        report = fastzoo.explain(model, images, loss=lambda out: model.loss(out, targets), allow_fallback=True)
-    assert [r.executed[0] for r in report.rows if r.where == "giou_loss_padded"] == [
-        "fastzoo::giou_loss_masked (compiled kernel)"]
-    for k in ("loss_giou", "loss_bbox", "loss_ce"):
-        assert plow[k].dtype == torch.float32
-        # a whole network in low precision: a few % (bf16) of drift, as in the attention equivalence rule
-        assert abs(plow[k] - p32[k]) <= 16 * TOL[dtype] * max(abs(p32[k]), 1e-3), (k, plow[k], p32[k])
-    assert (glow - g32).abs().max() <= 32 * TOL[dtype] * g32.abs().max()
-
-
-def test_readme_recipe_giou_kernel_amp_bf16(tmp_path):
-    """README / the script's docstring: ``train_boxdet.py ... --giou kernel --amp bf16
-    --channels-last`` (crashed on mixed dtypes), at tiny size."""
-    out = tmp_path / "run"
-    ok(run("train_boxdet.py", *BOXDET, *COMMON, "--giou", "kernel", "--amp", "bf16", "--channels-last",
-           "--steps", 2, "--output-dir", out))
-    losses = [line for line in (out / "log.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert len(losses) == 2 and "nan" not in " ".join(losses).lower()
+    l32, p32, gl32, gb32 = loss_and_grads(logits.float(), boxes.float())
+    low, plow, gllow, gblow = loss_and_grads(logits, boxes)
+    assert low.dtype == torch.float32 and all(v.dtype == torch.float32 for v in plow.values())
+    for k in ("loss_giou", "loss_bbox", "loss_ce", "loss_giou_0"):
+        assert abs(plow[k] - p32[k]) <= 4 * TOL[dtype] * max(abs(p32[k]), 1e-3), (k, plow[k], p32[k])
+    assert (gblow - gb32).abs().max() <= 4 * TOL[dtype] * gb32.abs().max()
+    assert (gllow - gl32).abs().max() <= 4 * TOL[dtype] * gl32.abs().max()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,14 +15,14 @@ from conftest import tiny_of
 import fastzoo
 from fastzoo.cli import main
 from fastzoo.errors import CheckpointError, ConfigError, UnknownFieldError
-from fastzoo.models.boxdet import BoxDetConfig
 from fastzoo.models.config import FREE, FUNCTION, KINDS, WEIGHTS
 from fastzoo.models.decoder import GPT2Config
+from fastzoo.models.detr import DetrConfig
 from fastzoo.models.resnet import ResNetConfig
 from fastzoo.models.vit import ViTConfig
 
-TINY = {name: tiny_of(name) for name in ("vit_s16", "gpt2", "resnet50", "boxdet_r50")}
-CONFIGS = {"vit_s16": ViTConfig, "gpt2": GPT2Config, "resnet50": ResNetConfig, "boxdet_r50": BoxDetConfig}
+TINY = {name: tiny_of(name) for name in ("vit_s16", "gpt2", "resnet50", "detr")}
+CONFIGS = {"vit_s16": ViTConfig, "gpt2": GPT2Config, "resnet50": ResNetConfig, "detr": DetrConfig}
 
 # model -> (field, bad value, what the message says)
 BAD = [
@@ -33,8 +33,8 @@ BAD = [
     ("vit_s16", "global_pool", "max", "choose one of"), ("vit_s16", "qkv_bias", "yes", "must be bool"),
     ("resnet50", "layers", [1, 0, 1, 1], ">= 1"), ("resnet50", "num_classes", -1, ">= 0"),
     ("resnet50", "channels", "64", "must be tuple"), ("resnet50", "channels_last", 1, "must be bool"),
-    ("boxdet_r50", "num_queries", 0, ">= 1"), ("boxdet_r50", "hidden_dim", 2.5, "must be int"),
-    ("boxdet_r50", "loss", "fast", "choose one of"), ("boxdet_r50", "eos_coef", 0.0, "> 0"),
+    ("detr", "num_queries", 0, ">= 1"), ("detr", "d_model", 2.5, "must be int"),
+    ("detr", "loss", "fast", "choose one of"), ("detr", "eos_coefficient", 0.0, "> 0"),
 ]
 
 
@@ -56,7 +56,7 @@ def test_the_same_check_runs_when_the_config_is_made_from_a_dict(model, field, v
     ("vit_s16", "embed_dim", "num_heads", {"embed_dim": 32, "num_heads": 3}),
     ("vit_s16", "img_size", "patch_size", {"img_size": 30}),
     ("resnet50", "layers", "channels", {"layers": [1, 1]}),
-    ("boxdet_r50", "layers", "channels", {"channels": [4, 4]}),
+    ("detr", "depths", "hidden_sizes", {"depths": [1, 1]}),
 ])
 def test_fields_that_must_agree_are_named_together(model, a, b, values):
     with pytest.raises(ConfigError) as e:
@@ -79,7 +79,7 @@ def test_lists_from_json_become_tuples_and_ints_become_floats():
 # -- from a config.json --------------------------------------------------------------------------
 @pytest.mark.parametrize("model, field, value", [
     ("gpt2", "n_head", 0), ("gpt2", "n_layer", "2"), ("vit_s16", "num_heads", 0), ("vit_s16", "depth", "one"),
-    ("resnet50", "layers", [1, -1, 1, 1]), ("boxdet_r50", "num_queries", 0),
+    ("resnet50", "layers", [1, -1, 1, 1]), ("detr", "num_queries", 0),
 ])
 def test_a_bad_value_in_a_config_json_names_the_field_and_loads_nothing(tmp_path, model, field, value):
     fastzoo.create(model, **TINY[model]).save_pretrained(tmp_path)
@@ -105,8 +105,8 @@ def test_every_field_declares_its_kind_and_meaning(model):
 
 
 @pytest.mark.parametrize("model, field, value", [
-    ("resnet50", "channels_last", True), ("boxdet_r50", "channels_last", True), ("boxdet_r50", "loss", "per_sample"),
-    ("boxdet_r50", "eos_coef", 0.5), ("boxdet_r50", "matcher", "order"), ("vit_s16", "drop_path_rate", 0.1),
+    ("resnet50", "channels_last", True), ("detr", "channels_last", True), ("detr", "loss", "per_sample"),
+    ("detr", "eos_coefficient", 0.5), ("detr", "freeze_backbone", "all"), ("vit_s16", "drop_path_rate", 0.1),
     ("gpt2", "attn_pdrop", 0.0),
 ])
 def test_a_checkpoint_that_differs_only_in_a_free_field_loads(tmp_path, model, field, value):

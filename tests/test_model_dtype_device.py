@@ -16,7 +16,7 @@ from conftest import TINY
 import fastzoo
 from tests.test_peer_api import NARROW, RESNET_TINY, VIT_TINY
 
-IMAGE_MODELS = {"vit": ("vit_s16", VIT_TINY), "resnet": ("resnet50", {**RESNET_TINY, **NARROW}), "boxdet": ("boxdet_r50", TINY["boxdet"])}
+IMAGE_MODELS = {"vit": ("vit_s16", VIT_TINY), "resnet": ("resnet50", {**RESNET_TINY, **NARROW}), "detr": ("detr", TINY["detr"])}
 LOW = [torch.float16, torch.bfloat16]
 
 

@@ -1,7 +1,7 @@
 """The ResNet family under torchvision's and timm's names (resnet18 ... resnext101_64x4d), beyond
 what tests/test_registry.py checks of every name (full-size parameter count, one block per stage
 against torchvision): timm's weights of each block kind load, tell their shape and go back; the
-FLOP count is the one torch counts; the box detector takes each kind as its backbone."""
+FLOP count is the one torch counts."""
 import pytest
 import timm
 import torch
@@ -67,19 +67,3 @@ def test_timm_weights_load_and_export_back(name, tmp_path):
     assert (back(x) - named(x)).abs().max().item() <= 1e-4  # fastzoo.equivalence's fp32 tolerance
     if ours.config.block == "basic":  # resnet50's pretrained_cfg on basic blocks: timm would build bottlenecks
         assert "architecture" not in ours.extra_config()
-
-
-@pytest.mark.parametrize("name", KINDS)
-def test_box_detector_takes_it_as_backbone(name):
-    """Sizes from the variant; C5 channels from the backbone; the torchvision model's weights load
-    into it; a detector state dict tells its backbone's kind back."""
-    tv = _torchvision(name).eval()
-    det = fastzoo.create("boxdet_r50", **{**get_entry(name).config, **ONE_BLOCK}, hidden_dim=16, num_queries=2).eval()
-    assert det.input_proj.in_channels == tv.fc.in_features
-    det.load_backbone(tv)
-    x = _images(1)
-    c5 = torch.nn.Sequential(*list(tv.children())[:-2])(x)
-    assert (det.backbone.forward_features(x) - c5).abs().max().item() <= 1e-4  # fastzoo.equivalence's fp32 tolerance
-    again = fastzoo.create("boxdet_r50", pretrained=det.state_dict())
-    for field in ("block", "layers", "channels", "groups", "width_per_group"):
-        assert getattr(again.config, field) == getattr(det.config, field), field

@@ -142,8 +142,6 @@ _DETR_INTERNALS = (NOT_APPLICABLE, "reads transformers' PreTrainedModel internal
                                    "_can_set_attn_implementation, token-embedding resizing, GenerationMixin, "
                                    "base_model_prefix): fastzoo's DETR is a FastzooModel with transformers' call, output, "
                                    "save_pretrained and Trainer conventions (tests/test_detr.py), not a PreTrainedModel")
-_DETR_CHECKPOINTING = (REAL_GAP, "gradient checkpointing: transformers' DETR supports it "
-                                 "(gradient_checkpointing_enable); fastzoo's DETR does not yet")
 HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
     **{k: v for k, v in HF_DECODER_VERDICTS.items() if v in (_LOADING,) or k in (
         "test_model_weights_reload_no_missing_tied_weights", "test_cannot_load_with_meta_device_context_manager")},
@@ -154,10 +152,6 @@ HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
                      "test_can_set_attention_dynamically_composite_model", "test_generation_tester_mixin_inheritance",
                      "test_model_base_model_prefix", "test_resize_embeddings_untied",
                      "test_resize_embeddings_untied_no_reinit_on_post_init"), _DETR_INTERNALS),
-    **dict.fromkeys(("test_gradient_checkpointing_backward_compatibility", "test_gradient_checkpointing_enable_disable",
-                     "test_peft_gradient_checkpointing_enable_disable", "test_training_gradient_checkpointing",
-                     "test_training_gradient_checkpointing_use_reentrant_false",
-                     "test_training_gradient_checkpointing_use_reentrant_true"), _DETR_CHECKPOINTING),
     "test_detr_model": (NOT_APPLICABLE, "DetrModel (the bare encoder-decoder): fastzoo provides DetrForObjectDetection"),
 }
 

@@ -8,7 +8,7 @@ import difflib
 from dataclasses import dataclass, field
 
 from fastzoo.errors import ConfigError, UnknownModelError
-from fastzoo.losses.boxes import GIOU_LAYOUTS
+from fastzoo.losses.set_prediction import GIOU_MODES
 from fastzoo.registry import get_entry
 from fastzoo.tasks import TASKS
 from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
@@ -22,7 +22,7 @@ class Arm:
     original: bool = False  # the original library's model (timm / torchvision / Hugging Face)
     attn: str | None = None  # fastzoo attention backend
     layout: str | None = None  # a decoder's input: padded | packed | nested
-    loss: str | None = None  # box detector GIoU mode: per_sample | concat | padded | kernel
+    loss: str | None = None  # DETR GIoU mode: per_sample | concat | padded | kernel
     model_kwargs: dict = field(default_factory=dict)  # extra fastzoo.create overrides for this arm
     # A rounding control: this arm's initial weights times (1 + nudge * random sign), e.g. 1e-7 (about
     # one fp32 ulp). It shows how far two runs drift from a rounding-size difference alone; reported,
@@ -152,8 +152,8 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
             raise ConfigError(f"{where}: arm {a.name!r}: nudge must be in [0, 0.01) (a rounding-size perturbation), got {a.nudge}")
         if a.layout is not None and a.layout not in LAYOUTS:
             raise ConfigError(f"{where}: arm {a.name!r}: layout {a.layout!r} is not one of {', '.join(LAYOUTS)}")
-        if a.loss is not None and a.loss not in GIOU_LAYOUTS:
-            raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_LAYOUTS)}")
+        if a.loss is not None and a.loss not in GIOU_MODES:
+            raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_MODES)}")
         if a.amp is not None:
             try:
                 parse_dtype(a.amp, what="amp")

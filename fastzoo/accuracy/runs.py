@@ -49,9 +49,11 @@ from fastzoo.train.schedule import warmup_schedule
 
 def _original(cfg: RunConfig):
     """The original library's model of ``cfg.model``, built from its config and ``cfg.overrides``, as
-    its users run it (the family's spec); None for a family without one (the box detector: its arms
-    differ in the loss)."""
-    return get_entry(cfg.model).spec.original_as_users_run_it(model_config(cfg))
+    its users run it (the family's spec)."""
+    original = get_entry(cfg.model).spec.original_as_users_run_it(model_config(cfg))
+    if original is None:
+        raise ConfigError(f"model {cfg.model}: its family has no original library model to start the arms from")
+    return original
 
 
 def _models(cfg: RunConfig, device):
@@ -61,7 +63,6 @@ def _models(cfg: RunConfig, device):
 
     torch.manual_seed(cfg.seed)
     original = _original(cfg)
-    init = None if original is not None else fastzoo.create(cfg.model, **cfg.overrides)
     out = []
     hf = _as_transformers(cfg, original) if any(a.hf for a in cfg.arms) else None
     for arm in cfg.arms:
@@ -69,14 +70,9 @@ def _models(cfg: RunConfig, device):
             if arm.hf:
                 m = copy.deepcopy(hf) if arm.original else fastzoo.create(pretrained=hf, attn=arm.attn or "sdpa")
             elif arm.original:
-                if original is None:
-                    raise ConfigError(f"arm {arm.name!r}: {cfg.model} has no original library model")
                 m = copy.deepcopy(original)
-            elif original is not None:
-                m = _fastzoo(cfg, arm, copy.deepcopy(original), device)
             else:
-                m = fastzoo.create(cfg.model, **{**cfg.overrides, **({"loss": arm.loss} if arm.loss else {}), **arm.model_kwargs})
-                m.load_state_dict(init.state_dict())
+                m = _fastzoo(cfg, arm, copy.deepcopy(original), device)
             if arm.nudge:
                 _nudge(m, arm.nudge, cfg.seed)
             out.append(m.to(device))
@@ -105,7 +101,8 @@ def _fastzoo(cfg: RunConfig, arm: Arm, original, device):
     for the dtype it computes in (the arm's autocast dtype: a bf16-only kernel serves a bf16 arm)."""
     import fastzoo
 
-    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **arm.model_kwargs)
+    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **({"loss": arm.loss} if arm.loss else {}),
+                       **arm.model_kwargs)
     amp = precision(arm)
     return m.set_attention(arm.attn or "sdpa", device=device, dtype=None if amp == "fp32" else parse_dtype(amp))
 

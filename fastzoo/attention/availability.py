@@ -40,11 +40,11 @@ def unavailable(caps) -> str | None:
     a machine that cannot use it. Cached: none of this changes within a process, and per-call
     kernel choice (``varlen``) asks it on every forward.
     """
-    return _unavailable(caps.packages, caps.install, tuple(caps.devices), caps.min_cuda_capability)
+    return _unavailable(caps.packages, caps.install, tuple(caps.devices), caps.min_cuda_capability, caps.kernels_loaded)
 
 
 @functools.lru_cache(maxsize=None)
-def _unavailable(packages, install, devices, min_cuda_capability) -> str | None:
+def _unavailable(packages, install, devices, min_cuda_capability, kernels_loaded=None) -> str | None:
     problems = []
     missing = [p for p in packages if not package_available(p)]
     if missing:
@@ -64,6 +64,11 @@ def _unavailable(packages, install, devices, min_cuda_capability) -> str | None:
                 first = str(e).splitlines()[0] if str(e) else ""
                 problems.append(f"has {p} installed, but it does not import ({type(e).__name__}: {first}); "
                                 "reinstall it for this torch/CUDA")
+    if not problems and kernels_loaded:
+        module, attr = kernels_loaded.split(":")
+        if not getattr(importlib.import_module(module), attr, False):
+            problems.append(f"has {module} installed, but its compiled kernels do not load ({module}.{attr} is false: "
+                            f"a wheel built for another torch/CUDA than torch {torch.__version__}); reinstall it for this torch/CUDA")
     return "; ".join(problems) or None
 
 

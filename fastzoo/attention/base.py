@@ -54,6 +54,7 @@ import torch
 from fastzoo.attention.availability import package_available, unavailable  # noqa: F401  (re-exported)
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.text import dtype_name  # noqa: F401  (re-exported: backends name dtypes in messages)
+from fastzoo.tracing import tracing
 
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
 FLOATS, HALF = (FP32, BF16, FP16), (BF16, FP16)  # the dtype sets backends declare
@@ -81,6 +82,9 @@ class Capabilities:
     min_cuda_capability: tuple[int, int] | None = None
     packages: tuple[str, ...] = ()  # import names the backend needs
     install: str | None = None  # how to get those packages
+    # "module:attribute" that must be true once the packages import: their compiled kernels loaded
+    # (xFormers imports without its C++/CUDA extension when the wheel was built for another torch)
+    kernels_loaded: str | None = None
     verified: str = "not verified on hardware"  # where parity was last shown
 
     def dtypes_text(self) -> str:
@@ -358,7 +362,7 @@ def check_context(ctx: AttnContext, Sq: int, Sk: int) -> None:
     if ctx.window is not None and (not ctx.causal or isinstance(ctx.window, bool) or int(ctx.window) < 1):
         raise ValueError(f"window: a sliding window is a positive number of keys on a causal context (query i sees "
                          f"keys j with i - j < window), got window={ctx.window!r} with causal={ctx.causal}")
-    if ctx.cu_seqlens_k is not None and not torch.compiler.is_compiling():  # once per forward (one host read)
+    if ctx.cu_seqlens_k is not None and not tracing():  # once per forward (one host read)
         ctx.cached(("checked cu_seqlens_k", Sk), lambda: check_seqlens(ctx.cu_seqlens, ctx.cu_seqlens_k, Sk, ctx.causal))
 
 

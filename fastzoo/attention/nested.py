@@ -18,11 +18,10 @@ bottom-right masks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fastzoo.attention import packing
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
-from fastzoo.attention.sdpa import SDPA_OPS
+from fastzoo.attention.sdpa import SDPA_OPS, sdpa
 from fastzoo.attention.varlen import packed_sdpa
 
 
@@ -32,7 +31,7 @@ class NestedBackend(AttentionBackend):
     capabilities = Capabilities(
         devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
         head_dim_on=(("cuda", 1, 8),),  # jagged SDPA's flash / efficient kernels: head dim a multiple of 8
-        verified="CPU fp32 (torch 2.14.1); CUDA jagged path not verified on hardware",
+        verified="CPU fp32 (torch 2.14.1); H100 (torch 2.11): GPT-2 bf16 packed, ViT-B/16 (dense: no padding)",
     )
 
     kernel_ops = SDPA_OPS
@@ -61,7 +60,7 @@ class NestedBackend(AttentionBackend):
                     x_THD.contiguous(), offsets=offsets.long(), max_seqlen=max_seqlen).transpose(1, 2)
 
             k_args = (seqlens.cu_k, seqlens.max_k)
-            o_NHjD = F.scaled_dot_product_attention(
+            o_NHjD = sdpa(
                 jagged_NHjD(q_THD, seqlens.cu_q, seqlens.max_q), jagged_NHjD(k_THD, *k_args), jagged_NHjD(v_THD, *k_args),
                 dropout_p=ctx.dropout_p, is_causal=ctx.causal and not cached, scale=ctx.scale,
             )

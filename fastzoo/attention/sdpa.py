@@ -3,14 +3,19 @@
 ``sdpa_backend=None`` lets PyTorch pick; ``flash`` | ``efficient`` | ``cudnn`` | ``math``
 pins it with ``torch.nn.attention.sdpa_kernel`` so that a benchmark measures the kernel it
 names and a request the kernel cannot serve fails instead of quietly running another one.
+Those flags are process-wide, so every SDPA call fastzoo makes goes through :func:`sdpa`: a pinned
+call sets them and runs while no other SDPA call does, unpinned calls run side by side and
+never see another thread's pin.
 Causal-only attention uses ``is_causal=True`` (top-left aligned, so only when there are
 as many queries as keys; decoding with a KV cache gets an explicit bottom-right mask); padding and packed sequences use a boolean
 mask built from the same ``mask_mod`` as the reference, so their meaning cannot drift.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fastzoo.attention import masks
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.tracing import tracing
 
+_H100 = "H100 (torch 2.11): ViT-B/16 and GPT-2"  # benchmarks/results/NVIDIA-H100-80GB-HBM3
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -27,7 +34,7 @@ _KERNELS = {
     "math": SDPBackend.MATH,
 }
 _BASE = Capabilities(devices={"cpu": FLOATS, "cuda": FLOATS}, varlen=True, kv_cache=True, gqa=True, window=True,
-                     verified="CPU fp32 (torch 2.14.1)")
+                     verified=f"CPU fp32 (torch 2.14.1); {_H100} bf16/fp16/fp32")
 # What each pinned kernel takes, from PyTorch's sdp_utils checks. On CPU "flash" is
 # PyTorch's C++ flash kernel (fp32 too, masks allowed); on CUDA it is FlashAttention-2.
 # enable_gqa: flash and math take grouped k/v; the memory-efficient kernel's dense check is
@@ -38,13 +45,14 @@ _KERNEL_CAPS = {
     "math": _BASE,
     "flash": dataclasses.replace(
         _BASE, devices={"cpu": FLOATS, "cuda": HALF}, max_head_dim=256, min_cuda_capability=(8, 0),
-        verified=("CPU fp32 (torch 2.14.1); on CUDA it takes no attn_mask: padding, packed, KV cache and window "
+        verified=("CPU fp32 (torch 2.14.1); H100 (torch 2.11): ViT-B/16 bf16/fp16; on CUDA it takes no attn_mask: padding, packed, KV cache and window "
                   "refused (at create given the model's device, else per call)"),
     ),
-    "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, gqa=False, verified="not verified on hardware"),
+    "efficient": dataclasses.replace(_BASE, devices={"cuda": FLOATS}, gqa=False,
+                                     verified="H100 (torch 2.11): ViT-B/16 bf16/fp16"),
     "cudnn": dataclasses.replace(
         _BASE, devices={"cuda": HALF}, max_head_dim=128, min_cuda_capability=(8, 0), gqa=False,
-        verified="not verified on hardware; dropout in multiples of 1/16 only, >= 2 keys",
+        verified="H100 (torch 2.11): ViT-B/16 bf16/fp16; dropout in multiples of 1/16 only, >= 2 keys",
     ),
 }
 
@@ -71,6 +79,65 @@ def math_reason(q, ctx) -> str:
     return (f"PyTorch's dispatcher chose math ({known}torch.backends.cuda.can_use_flash_attention / "
             "can_use_efficient_attention(SDPAParams(q, k, v, mask, dropout, is_causal, enable_gqa), debug=True) "
             "print each kernel's reason)")
+
+
+class _SharedFlags:
+    """Who may read or set torch's SDPA kernel flags (``sdpa_kernel`` sets them for the whole process,
+    not per thread): any number of unpinned calls read them at once (``with flags.read():``); a pinned
+    call sets them, runs and restores them alone (``with flags.pin(kernel):``). A waiting pinned call
+    goes first, so a stream of unpinned calls cannot starve it. The read path is a plain lock taken
+    twice (about 1 us a call on CPU), not a generator-based context manager."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = self._pins_waiting = 0
+        self._pinned = False
+
+    def read(self) -> "_SharedFlags":
+        return self
+
+    def __enter__(self):
+        with self._cond:
+            while self._pinned or self._pins_waiting:
+                self._cond.wait()
+            self._readers += 1
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._readers -= 1
+            if not self._readers and self._pins_waiting:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def pin(self, kernel: SDPBackend):
+        with self._cond:
+            self._pins_waiting += 1
+            while self._pinned or self._readers:
+                self._cond.wait()
+            self._pins_waiting -= 1
+            self._pinned = True
+        try:
+            with sdpa_kernel(kernel):  # restores the flags on the way out, an exception included
+                yield
+        finally:
+            with self._cond:
+                self._pinned = False
+                self._cond.notify_all()
+
+
+_FLAGS = _SharedFlags()
+
+
+def sdpa(q, k, v, *, kernel: SDPBackend | None = None, **kwargs):
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)``, on ``kernel`` only if given, safe from
+    threads (see :class:`_SharedFlags`). Under ``torch.compile`` the flags are read at trace time
+    and the graph keeps the kernel chosen: no lock there."""
+    if kernel is None:
+        guard = contextlib.nullcontext() if tracing() else _FLAGS.read()
+    else:
+        guard = sdpa_kernel(kernel) if tracing() else _FLAGS.pin(kernel)
+    with guard:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def _dense_mask(ctx, B, Sq, Sk, device):
@@ -142,7 +209,4 @@ class SdpaBackend(AttentionBackend):
                                    lambda: _dense_mask(ctx, B, Sq, Sk, q_BHSD.device))
         kwargs = dict(attn_mask=attn_mask, dropout_p=ctx.dropout_p, is_causal=only_causal, scale=ctx.scale,
                       enable_gqa=k_BHSD.shape[1] != q_BHSD.shape[1])
-        if self.kernel is None:
-            return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
-        with sdpa_kernel(self.kernel):
-            return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **kwargs)
+        return sdpa(q_BHSD, k_BHSD, v_BHSD, kernel=self.kernel, **kwargs)

@@ -41,8 +41,10 @@ from fastzoo.attention import masks, packing
 from fastzoo.attention.availability import device_present, unavailable
 from fastzoo.attention.base import FLOATS, HALF, AttentionBackend, Capabilities, KernelProfile, capability_problems, repeat_kv
 from fastzoo.attention.flash import Fa2Backend, fa2_varlen
+from fastzoo.attention.sdpa import sdpa
 from fastzoo.attention.xformers import XformersBackend, xformers_varlen
 from fastzoo.errors import BackendUnavailableError
+from fastzoo.tracing import tracing
 
 TORCH_VERSION = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 # torch 2.10: varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)
@@ -59,7 +61,8 @@ _CAPS = {
         _BASE, devices={"cuda": HALF}, dropout=False, backward=("cuda",), max_head_dim=256, min_cuda_capability=(8, 0),
         head_dim_multiple=8,  # aten's FlashAttention-2 varlen entry: head dim a multiple of 8 (it does not pad)
         gqa=False, window=VARLEN_TAKES_SCALE,  # window_size from torch 2.11
-        packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'", verified="not verified on hardware",
+        packages=("torch.nn.attention.varlen",), install="pip install 'torch>=2.11'",
+        verified="H100 (torch 2.11): GPT-2 and ViT-B/16 bf16/fp16",
         # kv_cache: causal runs aten's FlashAttention-2 kernel (never cuDNN: torch routes window_size != (-1, -1)
         # away from it), which aligns causal bottom-right per sequence when cu_seq_k holds more keys
     ),
@@ -129,7 +132,7 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
     """
     kv = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     gqa = k_THD.shape[1] != q_THD.shape[1]
-    if torch.compiler.is_compiling():
+    if tracing():
         return _slot_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, *kv, causal=causal, scale=scale,
                           dropout_p=dropout_p, ctx=ctx, window=window, softcap=softcap)
     def build():
@@ -154,11 +157,11 @@ def packed_sdpa(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen: int, *, causal: boo
 
 
 def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap):
-    """``F.scaled_dot_product_attention``, or with ``softcap`` its math written out with the scores
+    """:func:`fastzoo.attention.sdpa.sdpa`, or with ``softcap`` its math written out with the scores
     capped (``softcap * tanh(score / softcap)``) before the mask, as the eager reference does."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
     if enable_gqa:
         groups = q.shape[-3] // k.shape[-3]
         k, v = (x.repeat_interleave(groups, dim=-3) for x in (k, v))

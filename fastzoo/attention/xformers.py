@@ -75,6 +75,7 @@ class XformersBackend(LibraryBackend):
         kv_cache=True,  # LowerTriangularFromBottomRightMask when there are fewer queries than keys
         min_cuda_capability=(6, 0),  # "NVIDIA GPUs with compute capability above 6.0 (P100+)"
         packages=("xformers.ops",),  # the module called (memory_efficient_attention, fmha)
+        kernels_loaded="xformers:_has_cpp_library",  # it imports without them, then every call fails
         install="pip install xformers",
         verified="not verified on hardware",
     )

@@ -176,7 +176,8 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
     with bar if own else nullcontext():
         for group in suite.groups:
             bar.set_postfix_str(f"{group.name}: reference")
-            ref = group.reference() if group.reference is not None else None
+            with true_fp32():
+                ref = group.reference() if group.reference is not None else None
             ref_in_dtype = None
             rows, pending = [], []
             for case in sorted(group.cases, key=lambda c: not c.reference):  # reference first: it sets the tolerance
@@ -211,6 +212,19 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
     return report
 
 
+@contextlib.contextmanager
+def true_fp32():
+    """Parity outputs in fp32 proper: TF32 off for CUDA matmuls and cuDNN convolutions (cuDNN's default
+    is on, and two orders of TF32 rounding differ by ~1e-4 on a gradient), restored afterwards. Timing
+    keeps the process's settings."""
+    matmul, conv = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, conv
+
+
 def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
     """Build the case and gate it on parity: (row, its outputs, the step to time or None, warm-up left)."""
     row = Row(group.name, case.label, case.compiled, "ok", peer=case.peer, unit=group.unit, floor=case.floor,
@@ -230,7 +244,8 @@ def _prepare_case(case, group, ref, ref_in_dtype, suite, warmup):
         parity_ran = ref is not None and step.outputs is not None
         if parity_ran:
             t0 = time.perf_counter()
-            got = step.outputs()
+            with true_fp32():
+                got = step.outputs()
             row.first_step_s = time.perf_counter() - t0 if case.compiled else None
             low = (group.dtype or suite.dtype) != torch.float32
             peer = (got if case.reference else ref_in_dtype) if low else None

@@ -1,22 +1,142 @@
-"""Detection batches for a DataLoader: images stacked, box targets collated on the CPU in
-every layout the loss takes (:class:`fastzoo.losses.boxes.BoxTargets`, re-exported here with
-:func:`collate_boxes`, which builds it)."""
+"""Detection data for a DataLoader: a COCO-format set with its categories (:class:`CocoDetection`)
+and batches in transformers' DETR convention (:func:`collate_detection`: ``pixel_values``,
+``pixel_mask``, ``labels``). :class:`~fastzoo.losses.boxes.BoxTargets` and :func:`collate_boxes`
+(every layout the GIoU loss takes) are re-exported here.
+
+COCO's ``category_id`` becomes the class label in one of two ways (``label_ids=``):
+
+- ``"contiguous"`` (default): the categories sorted by id are numbered 0..K-1, ``id2label`` gives
+  their names; a model of ``num_labels = K``, as transformers' object-detection guide builds from a
+  dataset's categories;
+- ``"category_id"``: the id itself is the label, as transformers' ``DetrImageProcessor`` passes it
+  (``facebook/detr-resnet-50`` has 91 labels: COCO's ids run to 90; ids without a category are
+  named ``"N/A"`` as in its config). Fine-tuning a COCO checkpoint on COCO keeps its head this way.
+
+Boxes: COCO's ``[x, y, w, h]`` in pixels become ``(cx, cy, w, h)`` normalised by the image's own
+size (DETR's targets); crowd regions and empty boxes are skipped (transformers' rule); a box is
+clipped to the image. Images are resized so the shorter side is ``shortest_edge`` and the longer
+at most ``longest_edge`` (DETR's 800 / 1333), normalised with ImageNet's mean and std, and padded
+per batch to the largest, ``pixel_mask`` marking the real pixels.
+"""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from fastzoo.errors import FastzooError
 from fastzoo.losses.boxes import BoxTargets, collate_boxes
 
-__all__ = ["BoxTargets", "collate_boxes", "collate_detection"]
+__all__ = ["BoxTargets", "CocoDetection", "LABEL_IDS", "collate_boxes", "collate_detection", "read_coco"]
+
+LABEL_IDS = ("contiguous", "category_id")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def collate_detection(batch: Sequence[tuple], num_classes: int | None = None) -> tuple[Tensor, BoxTargets]:
-    """``DataLoader(collate_fn=collate_detection)``: items are ``(image, boxes)`` or
-    ``(image, boxes, labels)``; returns stacked images and :class:`BoxTargets`, validated here
-    (``functools.partial(collate_detection, num_classes=C)`` checks the labels as well)."""
-    images = torch.stack([item[0] for item in batch])
-    labels = [item[2] for item in batch] if len(batch[0]) > 2 else None
-    return images, collate_boxes([item[1] for item in batch], labels, num_classes=num_classes)
+class CocoError(FastzooError, ValueError):
+    """A COCO annotation file that cannot be read, named with what is wrong in it."""
+
+
+def read_coco(ann_file, label_ids: str = "contiguous") -> tuple[list[dict], dict[int, dict], dict[int, str]]:
+    """``(images, targets, id2label)`` of a COCO instances JSON: the ``images`` entries, per image
+    id ``{"class_labels" [n], "boxes" [n, 4] cxcywh in [0, 1]}``, and class label -> name."""
+    if label_ids not in LABEL_IDS:
+        raise ValueError(f"label_ids={label_ids!r}: choose one of {', '.join(LABEL_IDS)}")
+    try:
+        data = json.loads(Path(ann_file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CocoError(f"cannot read COCO annotations {ann_file}: {e}") from e
+    try:
+        images = list(data["images"])
+        sizes = {im["id"]: (float(im["width"]), float(im["height"])) for im in images}
+        names = {int(c["id"]): str(c["name"]) for c in data["categories"]}
+        if not names:
+            raise CocoError(f"{ann_file}: 'categories' is empty: a detector needs at least one class")
+        if label_ids == "contiguous":
+            label_of = {cid: i for i, cid in enumerate(sorted(names))}
+            id2label = {i: names[cid] for cid, i in label_of.items()}
+        else:
+            if min(names) < 0:
+                raise CocoError(f"{ann_file}: category id {min(names)} is negative: not a class label")
+            label_of = {cid: cid for cid in names}
+            id2label = {i: names.get(i, "N/A") for i in range(max(names) + 1)}
+        boxes: dict = {i: [] for i in sizes}
+        labels: dict = {i: [] for i in sizes}
+        for n, a in enumerate(data.get("annotations", [])):
+            if a.get("iscrowd", 0):
+                continue
+            if a["image_id"] not in sizes:
+                raise CocoError(f"{ann_file}: annotations[{n}] has image_id {a['image_id']!r}, which no image has")
+            if a["category_id"] not in label_of:
+                raise CocoError(f"{ann_file}: annotations[{n}] has category_id {a['category_id']!r}, which is not "
+                                f"in 'categories' ({', '.join(map(str, sorted(names)))})")
+            W, H = sizes[a["image_id"]]
+            x, y, w, h = (float(v) for v in a["bbox"])
+            x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(x + w, W), min(y + h, H)
+            if x1 <= x0 or y1 <= y0:
+                continue
+            boxes[a["image_id"]].append([(x0 + x1) / 2 / W, (y0 + y1) / 2 / H, (x1 - x0) / W, (y1 - y0) / H])
+            labels[a["image_id"]].append(label_of[a["category_id"]])
+    except CocoError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise CocoError(f"{ann_file}: not COCO detection format (images with id/width/height, categories with "
+                        f"id/name, annotations with image_id/category_id/bbox): missing or bad {e}") from e
+    targets = {i: {"class_labels": torch.tensor(labels[i], dtype=torch.long),
+                   "boxes": torch.tensor(boxes[i], dtype=torch.float32).reshape(-1, 4)} for i in sizes}
+    return images, targets, id2label
+
+
+class CocoDetection(torch.utils.data.Dataset):
+    """Item ``i``: ``(image [3, h, w] normalised, target)``, the target transformers' label dict
+    (``class_labels``, ``boxes`` cxcywh), ``image_id`` and ``orig_size`` ``(height, width)``."""
+
+    def __init__(self, image_dir, ann_file, *, label_ids: str = "contiguous", shortest_edge: int = 800,
+                 longest_edge: int = 1333):
+        if not Path(image_dir).is_dir():
+            raise CocoError(f"image directory {image_dir} does not exist")
+        self.image_dir, self.shortest_edge, self.longest_edge = Path(image_dir), shortest_edge, longest_edge
+        self.images, self.targets, self.id2label = read_coco(ann_file, label_ids)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i):
+        from PIL import Image
+        from torchvision.transforms import functional as TF
+
+        info = self.images[i]
+        path = self.image_dir / info["file_name"]
+        try:
+            img = Image.open(path).convert("RGB")
+        except OSError as e:
+            raise CocoError(f"cannot read image {path}: {e}") from e
+        w, h = img.size
+        scale = min(self.shortest_edge / min(w, h), self.longest_edge / max(w, h))
+        # normalised boxes stay valid under a resize
+        x = TF.to_tensor(TF.resize(img, [max(1, round(h * scale)), max(1, round(w * scale))], antialias=True))
+        target = {**self.targets[info["id"]], "image_id": torch.tensor(info["id"]), "orig_size": torch.tensor([h, w])}
+        return TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD), target
+
+
+def collate_detection(batch: Sequence[tuple]) -> dict:
+    """``DataLoader(collate_fn=collate_detection)``: ``(image [3, h, w], target dict)`` items ->
+    ``{"pixel_values" [B, 3, H, W], "pixel_mask" [B, H, W], "labels"}``, each image at the top left of
+    the largest size, ``pixel_mask`` 1 on its pixels (``DetrImageProcessor.pad``'s layout); what a
+    DETR model's forward takes as keywords."""
+    if not batch:
+        raise ValueError("collate_detection: an empty batch")
+    images = [item[0] for item in batch]
+    if any(not isinstance(x, Tensor) or x.ndim != 3 or x.shape[0] != images[0].shape[0] for x in images):
+        raise ValueError(f"collate_detection: images must be [C, h, w] tensors with one C, got "
+                         f"{[tuple(getattr(x, 'shape', ())) for x in images]}")
+    H, W = max(x.shape[1] for x in images), max(x.shape[2] for x in images)
+    pixel_values = images[0].new_zeros(len(images), images[0].shape[0], H, W)
+    pixel_mask = torch.zeros(len(images), H, W, dtype=torch.long)
+    for i, x in enumerate(images):
+        pixel_values[i, :, : x.shape[1], : x.shape[2]] = x
+        pixel_mask[i, : x.shape[1], : x.shape[2]] = 1
+    return {"pixel_values": pixel_values, "pixel_mask": pixel_mask, "labels": [dict(item[1]) for item in batch]}

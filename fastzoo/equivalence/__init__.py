@@ -22,8 +22,9 @@ The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):
 
 - fp32: ``max|ours - ref| <= 1e-4`` for outputs; gradients by a relative error (below).
 - fp16/bf16 (flash-attn's rule): ``max|ours - ref| <= 3 * max|peer - ref| + floor``, where
-  the peer is the original run in the same dtype on the same device: a kernel may be as
-  inexact as plain PyTorch in that dtype, times three, and no worse.
+  the peer is the original run in the same dtype on the same device, on its reference kernels
+  and on the kernels its users get, the worse of the two (:mod:`fastzoo.equivalence.rule` says
+  why): a kernel may be as inexact as the original in that dtype, times three, and no worse.
 
 The gradient error of one parameter is ``max|g - g_ref| / max(max|g_ref|, 1e-2 * G)``, with
 ``G`` the largest reference gradient of the model: relative, because gradient magnitudes

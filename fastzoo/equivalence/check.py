@@ -149,7 +149,9 @@ def check(
     # The fastzoo model reads its config and weights from the original, as a user would.
     ours = create(model_name, attn=backend, attn_options=options, pretrained=ref, device=device, dtype=dtype)
     ours.train(False)
-    peer = copy.deepcopy(ref).to(device=device, dtype=dtype) if low else None
+    # the original in the low precision on its reference kernels and on its users' (equivalence.rule)
+    peer = [m.to(device=device, dtype=dtype) for m in (copy.deepcopy(ref), spec.as_users_run_it(copy.deepcopy(ref)))] \
+        if low else None
     ref = ref.to(device)
 
     gen = torch.Generator().manual_seed(seed + 1)

@@ -4,6 +4,7 @@ converter; optionally the per-layer report."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -63,7 +64,7 @@ def compare(
     original_inputs: Inputs | tuple | None = None,
     grads: bool = True,
     layers: bool = False,
-    peer: nn.Module | None = None,
+    peer: nn.Module | Sequence[nn.Module] | None = None,
     device="cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
@@ -74,7 +75,7 @@ def compare(
     Both must hold the same weights and be in the mode to compare in (eval: no dropout).
     ``inputs`` is an :class:`Inputs` or a tuple of positional arguments; ``original_inputs``
     when the original takes another form of the same batch (padded vs packed). ``peer``: the
-    original in ``dtype`` (low precision: sets the tolerance). ``layers=True`` also returns the
+    original in ``dtype``, or its runs on each of its kernels (low precision: sets the tolerance). ``layers=True`` also returns the
     per-layer :class:`LayerReport` (fp32 only: a low-precision run differs everywhere a little).
     Returns the comparisons (outputs, then gradients) and the report or None.
     """
@@ -87,12 +88,12 @@ def compare(
     ours = _run(model, inputs, dtype, device, seed=seed, grads=grads, layers=layers, against=ref)
     own = {n for n, _ in model.named_parameters()}  # the original's extra names (an HF tied head) are not compared
     ref_grads = {k: v for k, v in _in_fastzoo_names(model, original, ref.grads).items() if k in own} if grads else {}
-    low = _run(peer, original_inputs, dtype, device, seed=seed, grads=grads) if peer is not None else None
-    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, low.out_NC if low else None)]
+    peers = [] if peer is None else list(peer) if isinstance(peer, Sequence) else [peer]
+    low = [_run(p, original_inputs, dtype, device, seed=seed, grads=grads) for p in peers]
+    comps = [compare_outputs(name, ours.out_NC, ref.out_NC, [r.out_NC for r in low] or None)]
     if grads:
-        peer_grads = None
-        if low is not None:
-            peer_grads = {k: v for k, v in _in_fastzoo_names(model, peer, low.grads).items() if k in ref_grads}
-        comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads))
+        peer_grads = [{k: v for k, v in _in_fastzoo_names(model, p, r.grads).items() if k in ref_grads}
+                      for p, r in zip(peers, low)]
+        comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads or None))
     report = layer_report(model, ours, ref, ref_grads, FP32_LAYER_RTOL) if layers else None
     return comps, report

@@ -2,10 +2,21 @@
 apply (see :mod:`fastzoo.equivalence`): fp32 within fixed tolerances; a low precision within
 ``LOW_FACTOR`` times the original's own error in it (flash-attn's rule); gradients by a relative
 error with a floor.
+
+"The original's own error" in a low precision is the worse of the original's two runs in it: on its
+reference kernels (timm's eager attention, as fastzoo's ``eager``) and on the kernels its users get
+(``ModelSpec.as_users_run_it``: timm's fused attention, Hugging Face's SDPA). With the reference run
+alone the rule failed the original itself: a ViT (img_size 8, patch 8, one head, 64 wide, one
+class) under CPU bf16 autocast, 200 seeds, timm's own fused attention was past 3x timm's eager
+error in 9 (up to 7.1x), exactly as often as fastzoo's SDPA, which runs that kernel. A fused
+kernel keeps the attention's scores and probabilities in fp32 where the eager path rounds them
+to bf16: a different rounding, whose max error over a few logits the eager run's error alone
+does not bound. Against the worse of both runs: 0 of 200 past 3x on every backend.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +51,18 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
-def compare_outputs(name: str, out: torch.Tensor, ref: torch.Tensor, peer: torch.Tensor | None = None) -> Comparison:
-    """``out`` against the fp32 ``ref``; ``peer``: the original in the same low precision (None in fp32)."""
+def _runs(peer) -> list:
+    return list(peer) if isinstance(peer, Sequence) else [peer]
+
+
+def compare_outputs(name: str, out: torch.Tensor, ref: torch.Tensor,
+                    peer: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Comparison:
+    """``out`` against the fp32 ``ref``; ``peer``: the original in the same low precision (None in
+    fp32), or its runs on each of its kernels (the module docstring): the worst one's error counts."""
     err = _max_abs(out, ref)
     if peer is None:
         return Comparison(name, err, FP32_OUT_ATOL)
-    peer_err = _max_abs(peer, ref)
+    peer_err = max(_max_abs(p, ref) for p in _runs(peer))
     return Comparison(name, err, LOW_FACTOR * peer_err + LOW_OUT_FLOOR, peer_err)
 
 
@@ -67,12 +84,13 @@ def _grad_error(g: dict, ref: dict) -> tuple[float, str]:
     return worst, worst_name
 
 
-def compare_grads(name: str, g: dict, ref: dict, peer: dict | None = None) -> Comparison:
-    """Parameter gradients ``g`` against ``ref`` (same names), by the relative rule above."""
+def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | None = None) -> Comparison:
+    """Parameter gradients ``g`` against ``ref`` (same names), by the relative rule above; ``peer`` as
+    in :func:`compare_outputs`."""
     err, worst = _grad_error(g, ref)
     if peer is None:
         return Comparison(name, err, FP32_GRAD_RTOL, worst=worst)
-    peer_err, _ = _grad_error(peer, ref)
+    peer_err = max(_grad_error(p, ref)[0] for p in _runs(peer))
     return Comparison(name, err, LOW_FACTOR * peer_err + LOW_GRAD_FLOOR, peer_err, worst=worst)
 
 

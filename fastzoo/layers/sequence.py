@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from fastzoo.attention import packing
 from fastzoo.attention.base import AttnContext, Capabilities, check_offsets
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
+from fastzoo.tracing import tracing
 
 
 @dataclass
@@ -162,7 +163,7 @@ def read_sequences(
     # HF-flattened rows: positions restarting with no mask (and no cache) are packed sequences
     maybe_flat = not packed and mask_BK is None and position_ids is not None and not past_length and S > 1
     read = {}
-    if not torch.compiler.is_compiling():  # values: one fused device computation, one host read
+    if not tracing():  # values: one fused device computation, one host read
         read = _check_values(input_ids, mask_BS, attention_mask, position_ids, cu_seqlens, max_seqlen, unpad,
                              maybe_flat, B, S, n_positions=n_positions, vocab_size=vocab_size, keys_BK=keys_BK)
     if x.numel() == 0 or B * S == 0:  # no tokens: nothing to attend over
@@ -175,7 +176,7 @@ def read_sequences(
             position_ids = positions_from_cu_seqlens(cu_seqlens, S)[None]
         ctx = AttnContext(causal=True, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **attn)
         return Sequences(x, position_ids, ctx, (B, S), "packed", boundaries=cu_seqlens)
-    if maybe_flat and (read.get("sequence_starts", 0) > B or torch.compiler.is_compiling() and B == 1):
+    if maybe_flat and (read.get("sequence_starts", 0) > B or tracing() and B == 1):
         return _read_flattened(x, position_ids, read, B, S, attn)
     if position_ids is None:
         position_ids = torch.arange(past_length, past_length + S, device=x.device)[None]
@@ -329,7 +330,7 @@ def _check_ids(input_ids: torch.Tensor) -> None:
 
 
 def _check_length(total: int, n_positions: int, past_length: int) -> None:
-    if torch.compiler.is_compiling():
+    if tracing():
         torch._check(total <= n_positions, lambda: f"input_ids: {total} positions; n_positions={n_positions}")
     elif total > n_positions:
         cached = f" ({past_length} in the KV cache)" if past_length else ""

@@ -1,6 +1,5 @@
-"""Box targets of a set-prediction loss, in every layout the GIoU loss takes, and the GIoU
-term over matched pairs in the layout a detector's config picks. Images hold different
-numbers of boxes (zero is legal).
+"""Box targets in every layout the GIoU loss takes. Images hold different numbers of boxes
+(zero is legal).
 
 :func:`collate_boxes` builds, on the CPU and in one go, the three layouts the GIoU loss
 modes take (``fastzoo/losses/giou.py``):
@@ -15,8 +14,7 @@ So a batch moves to the GPU as a handful of tensors (``.to(device, non_blocking=
 after ``pin_memory()``, which the DataLoader calls), never one copy per image, and the
 list layout costs no copy at all. Boxes are validated here, on the CPU, where it costs
 no device sync; the losses can then skip value checks (``validate=False``), and with
-``num_classes=`` the labels are checked here too (``checked_classes``), so the detector's
-loss skips its own label check (a host sync per step on a GPU).
+``num_classes=`` the labels are checked here too (``checked_classes``).
 """
 from __future__ import annotations
 
@@ -26,9 +24,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from fastzoo.losses.giou import (
-    PAD_BOX, check_boxes, first_bad_box, giou_loss_concat, giou_loss_padded, giou_loss_per_sample,
-)
+from fastzoo.losses.giou import PAD_BOX, check_boxes, first_bad_box
 
 
 @dataclass
@@ -145,29 +141,3 @@ def _check_values(boxes, counts, cat: Tensor, cat_labels: Tensor, *, validate: b
                          f"the image width and y by its height")
     if code & _BAD_LABEL:
         raise ValueError(f"labels must be class ids in [0, {num_classes}), got values {cat_labels.unique().tolist()}")
-
-
-# How the GIoU term over matched pairs runs (a detector's ``loss`` field); all give the same sum.
-GIOU_LAYOUTS = ("per_sample", "concat", "padded", "kernel")
-
-
-def matched_giou_sum(layout: str, boxes_BQ4: Tensor, matched_N4: Tensor, query_N: Tensor, targets: BoxTargets) -> Tensor:
-    """Sum of 1 - GIoU over the matched (prediction, target) pairs, in ``layout``:
-    per_sample (a loop over images) | concat (the gathered pairs) | padded (padded pairs, plain
-    ops) | kernel (padded pairs through the fused op: no gather, no host sync). ``query_N`` is
-    the query matched to each target box (concatenated order); ``matched_N4`` those queries' boxes."""
-    if layout not in GIOU_LAYOUTS:
-        raise ValueError(f"layout={layout!r}: choose one of {', '.join(GIOU_LAYOUTS)}")
-    tb = targets
-    if layout == "per_sample":
-        preds = [boxes_BQ4[b, q] for b, q in enumerate(query_N.split(tb.counts))]
-        return giou_loss_per_sample(preds, tb.per_image(), reduction="sum", validate=False)
-    if layout == "concat":
-        return giou_loss_concat(matched_N4, tb.boxes, reduction="sum", validate=False)
-    # padded: each target slot's matched prediction, gathered on the device (no host sync);
-    # padded slots read query 0 and are masked out by the inverted box in tb.padded
-    B, M = tb.mask.shape
-    query_BM = torch.zeros(B, M, dtype=torch.long, device=query_N.device).index_put((tb.batch_index, tb.slot), query_N)
-    pred_BM4 = boxes_BQ4.gather(1, query_BM[..., None].expand(-1, -1, 4))
-    impl = "kernel" if layout == "kernel" else "torch"
-    return giou_loss_padded(pred_BM4, tb.padded, reduction="sum", impl=impl, validate=False)

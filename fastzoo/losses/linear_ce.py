@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from fastzoo.kernel_ranges import kernel_range
 from fastzoo.losses.lm import IGNORE_INDEX
 from fastzoo.losses.registry import Loss
+from fastzoo.tracing import tracing
 
 IMPLS = ("auto", "reference", "fused", "torch")
 REDUCTIONS = ("mean", "sum", "none")
@@ -140,7 +141,7 @@ def _check(hidden, weight, target, ignore_index):
         raise ValueError(f"hidden_ND is {hidden.dtype} but weight_VD is {weight.dtype}: cast one (or run under autocast)")
     target = target.reshape(-1).long()
     # free on CPU in eager; on a GPU (or traced by torch.compile) it would be a host sync
-    if target.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling():
+    if target.device.type == "cpu" and target.numel() and not tracing():
         bad = (target != ignore_index) & ((target < 0) | (target >= weight.shape[0]))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])

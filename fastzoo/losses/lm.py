@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fastzoo.losses.registry import Loss
+from fastzoo.tracing import tracing
 
 IGNORE_INDEX = -100
 
@@ -85,7 +86,7 @@ def _check_cu_seqlens(cu_seqlens, total: int) -> None:
             or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
         what = type(cu_seqlens).__name__ if not isinstance(cu_seqlens, torch.Tensor) else f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1] of offsets, got {what}")
-    if torch.compiler.is_compiling():
+    if tracing():
         return
     first, last, shortest = torch.stack([cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] - cu_seqlens[:-1]).min()]).tolist()
     if first != 0 or last != total or shortest <= 0:

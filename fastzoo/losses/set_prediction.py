@@ -118,8 +118,10 @@ def matching_cost(logits_LBQC: Tensor, boxes_LBQ4: Tensor, t: PaddedTargets, cla
     L, B, Q, C = logits_LBQC.shape
     M = t.labels_BM.shape[1]
     prob_LBQC = logits_LBQC.softmax(-1)
-    ids_BM = t.labels_BM.clamp(0, C - 1)  # an id out of range is refused after the host read (_target_problems)
-    p_LBQM = prob_LBQC.gather(-1, ids_BM[None, :, None, :].expand(L, B, Q, M))
+    # a class id out of range is refused by name after this read (_target_problems): clamped here so
+    # the gather does not fail first (a RuntimeError on the CPU, a device-side assert on CUDA)
+    labels_BM = t.labels_BM.clamp(0, C - 1)
+    p_LBQM = prob_LBQC.gather(-1, labels_BM[None, :, None, :].expand(L, B, Q, M))
     l1_LBQM = (boxes_LBQ4[..., :, None, :] - t.boxes_BM4[None, :, None, :, :]).abs().sum(-1)
     giou_LBQM = pairwise_giou(center_to_corners(boxes_LBQ4), center_to_corners(t.boxes_BM4)[None])
     return bbox_cost * l1_LBQM + class_cost * -p_LBQM + giou_cost * -giou_LBQM

@@ -10,6 +10,7 @@ from torch import nn
 
 from fastzoo.attention import AttnRequest, default_backend, get_backend
 from fastzoo.models.config import ModelConfig  # noqa: F401  (each model file's config base)
+from fastzoo.tracing import tracing
 
 _SLOT_LOCK = threading.Lock()
 
@@ -105,7 +106,7 @@ class FastzooModel(nn.Module):
     def __call__(self, *args, **kwargs):
         # one forward, one backend: a set_attention from another thread meanwhile applies from the next call
         slot = self.__dict__.get("_attn_slot")
-        if slot is None or torch.compiler.is_compiling():
+        if slot is None or tracing():
             return super().__call__(*args, **kwargs)
         with slot.pinned():
             return super().__call__(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Object detection (DETR, the box detector): images (with a pixel mask) -> per-query class logits
+"""Object detection (DETR): images (with a pixel mask) -> per-query class logits
 and boxes, trained with a set-prediction loss. Compared with the original (transformers'
 ``DetrForObjectDetection``) on random images whose pixel masks cut each a different width, so the
 encoder's key padding is exercised; the class logits are compared, and every gradient behind
@@ -30,5 +30,5 @@ DETECTION = Task(
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
     # a part of its training step (the whole set loss is a declared loss: fastzoo bench set_prediction)
     suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher alone vs DETR's batch-wide cost
-    train_script="scripts/train_boxdet.py",
+    train_script="scripts/finetune_detection.py",
 )

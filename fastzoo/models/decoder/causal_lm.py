@@ -27,6 +27,7 @@ from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy, softcap_logits
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
+from fastzoo.tracing import tracing
 
 
 # The logits block the training loss may hold: one pass over the LM head (the gradient computed
@@ -143,7 +144,7 @@ class CausalLM(CausalLMConventions, FastzooModel):
         """The KV cache this call fills (None: no cache)."""
         if use_cache is None:  # HF's default in eval mode; none in training and while compiling / exporting
             use_cache = past_key_values is not None or (
-                self.config.use_cache and not self.training and not torch.compiler.is_compiling())
+                self.config.use_cache and not self.training and not tracing())
             if use_cache and past_key_values is None and not self.attention_backend.capabilities.kv_cache:
                 use_cache = False  # a default, not a request: a backend without a cache just returns none
         if not use_cache:
@@ -233,7 +234,7 @@ class CausalLM(CausalLMConventions, FastzooModel):
 def _check_targets(targets_N: torch.Tensor, vocab_size: int, name: str) -> None:
     """A ValueError naming ``name`` for a target that is neither a token id nor IGNORE_INDEX (free on
     the CPU in eager; on a GPU it would be a host sync, so there the kernels' own checks stand)."""
-    if targets_N.device.type != "cpu" or not targets_N.numel() or torch.compiler.is_compiling():
+    if targets_N.device.type != "cpu" or not targets_N.numel() or tracing():
         return
     bad = (targets_N != IGNORE_INDEX) & ((targets_N < 0) | (targets_N >= vocab_size))
     if bool(bad.any()):

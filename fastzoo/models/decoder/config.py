@@ -224,6 +224,16 @@ class LlamaConfig(ModelConfig):
                                   "(layouts with per-layer windows: " + ", ".join(
                                       t for t, lay in LAYOUT_TABLE.items() if lay.windows == "layer_types") + ")",
                                   fields=("layer_types", "model_type"))
+            sliding = [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
+            if sliding and self.sliding_window is None and not layout.window_required:
+                raise ConfigError(f"sliding_window=None with sliding_attention layers ({', '.join(map(str, sliding))} in "
+                                  "layer_types): a sliding layer needs its window (transformers refuses such a config "
+                                  "at its first forward); set sliding_window, or make those layers full_attention",
+                                  fields=("sliding_window", "layer_types"))
+        if layout.window_required and self.sliding_window is None:
+            raise ConfigError(f"sliding_window=None: transformers' {self.model_type} builds its sliding-window mask on every "
+                              "forward and refuses a config without a window, sliding layers or not; set sliding_window "
+                              "(layer_types says which layers slide)", fields=("sliding_window", "model_type"))
         if self.no_rope_layers is not None and (len(self.no_rope_layers) != self.num_hidden_layers
                                                 or not set(self.no_rope_layers) <= {0, 1}):
             raise ConfigError(f"no_rope_layers={list(self.no_rope_layers)}: 1 (rotary) or 0 (none) per layer "

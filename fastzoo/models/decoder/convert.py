@@ -259,10 +259,11 @@ def hf_to_fields(hf) -> dict:
         fields["sliding_window"] = window
     elif layout.windows == "layer_types":
         kinds = list(hf.layer_types or [])
-        if "sliding_attention" in kinds and window is not None:
+        if ("sliding_attention" in kinds or layout.window_required) and window is not None:
             fields["sliding_window"] = window
         per_type_rope = isinstance(fields["rope_parameters"], dict) and "full_attention" in fields["rope_parameters"]
-        if len(set(kinds)) > 1 and (fields["sliding_window"] is not None or per_type_rope):
+        windowed = fields["sliding_window"] is not None and "full_attention" in kinds  # None: every layer slides
+        if windowed or len(set(kinds)) > 1 and per_type_rope:
             fields["layer_types"] = tuple(kinds)
     if model_type == "smollm3":  # stated either way: a variant's own list must not outlive another depth
         fields["no_rope_layers"] = None if all(hf.no_rope_layers) else tuple(hf.no_rope_layers)

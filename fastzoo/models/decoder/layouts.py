@@ -35,13 +35,14 @@ class Layout:
     embed_scale: bool = False  # token embeddings times sqrt(hidden_size) (Gemma)
     qkv_bias: bool = False  # q/k/v biases always (Qwen2), whatever attention_bias says
     windows: str = "none"  # "none"; "all": every layer (sliding_window); "layer_types": per layer
+    window_required: bool = False  # transformers builds the sliding mask on every forward: sliding_window set (Gemma)
     fields: tuple[str, ...] = ()  # the config fields only this layout has (others must keep their defaults)
     act_field: str = "hidden_act"  # the config.json name of the MLP activation
     refused: tuple[tuple[str, str], ...] = ()  # (transformers field, why) that fastzoo refuses when set
 
 
 _GEMMA = dict(norms="sandwich", gemma_norm=True, weight_in_fp32=True, embed_scale=True, windows="layer_types",
-              act_field="hidden_activation")
+              window_required=True, act_field="hidden_activation")
 LAYOUTS = {
     "llama": Layout("LlamaForCausalLM", fields=("attention_bias", "mlp_bias")),
     "qwen2": Layout("Qwen2ForCausalLM", qkv_bias=True, windows="layer_types"),

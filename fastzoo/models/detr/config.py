@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastzoo.errors import ConfigError
+from fastzoo.losses.set_prediction import GIOU_MODES
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 
-GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
 BACKBONES = ("timm", "transformers")  # the two ResNet backbones transformers' DETR builds
 # which backbone parameters are frozen: transformers 5.17 freezes nothing of its timm backbone (its
 # freezing rule asks for "resnet" in the backbone's model_type, "timm_backbone") and all of its own
@@ -25,6 +25,8 @@ class DetrConfig(ModelConfig):
     """transformers' names; each field's kind, meaning and constraint is declared with it."""
 
     num_labels: int = weights_decide(91, "object classes (COCO's ids run to 90); logits have one more: no object", ge=1)
+    id2label: dict | None = free(None, "class id -> name, as transformers' config (None: transformers' LABEL_<id>); "
+                                 "post-processing and save_pretrained carry it")
     num_queries: int = weights_decide(100, "object queries: the most objects an image can hold", ge=1)
     d_model: int = weights_decide(256, "width of the transformer", ge=4)
     encoder_layers: int = weights_decide(6, "encoder layers", ge=1, le=MAX_BLOCKS)
@@ -84,6 +86,13 @@ class DetrConfig(ModelConfig):
         if len(self.depths) != len(self.hidden_sizes):
             raise ConfigError(f"depths={self.depths} and hidden_sizes={self.hidden_sizes} must have the same length",
                               fields=("depths", "hidden_sizes"))
+        if self.id2label is not None:
+            if not isinstance(self.id2label, dict) or sorted(map(int, self.id2label)) != list(range(self.num_labels)):
+                raise ConfigError(f"id2label must map every class id 0..{self.num_labels - 1} (num_labels={self.num_labels}) "
+                                  f"to a name, got {len(self.id2label) if isinstance(self.id2label, dict) else self.id2label!r}"
+                                  f"{' ids' if isinstance(self.id2label, dict) else ''}; give num_labels and id2label together",
+                                  fields=("id2label", "num_labels"))
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
         if self.class_cost == self.bbox_cost == self.giou_cost == 0:
             raise ConfigError("class_cost, bbox_cost and giou_cost are all 0: the matching has no cost",
                               fields=("class_cost", "bbox_cost", "giou_cost"))

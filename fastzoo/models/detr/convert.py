@@ -83,6 +83,8 @@ class HfDetrConverter:
         out = {k: cfg[k] for k in names if k in cfg}
         labels = cfg.get("id2label")
         out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)
+        if labels:
+            out["id2label"] = {int(k): v for k, v in labels.items()}
         return {**out, **_backbone_from_config(cfg)}
 
 
@@ -165,6 +167,8 @@ def hf_config(cfg: DetrConfig):
              "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
              "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient", "num_labels")
     fields = {k: getattr(cfg, k) for k in names}
+    if cfg.id2label is not None:
+        fields.update(id2label=dict(cfg.id2label), label2id={v: k for k, v in cfg.id2label.items()})
     # transformers types the cost and loss weights as int: whole numbers go in as ints, others after
     fractional = {k: v for k, v in fields.items() if k in _INT_WEIGHTS and not float(v).is_integer()}
     fields.update({k: int(v) if k in _INT_WEIGHTS and k not in fractional else v for k, v in fields.items()})

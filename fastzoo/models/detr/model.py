@@ -18,6 +18,8 @@ The function, as transformers 5.17 computes it:
 - heads: ``class_labels_classifier`` (``num_labels`` + "no object") and ``bbox_predictor``, a
   3-layer MLP, sigmoid -> (cx, cy, w, h) in [0, 1] of the unpadded image.
 
+The encoder and decoder layers live in ``transformer.py``.
+
 Attention runs through the model's backend (``set_attention``), the pixel mask as a key-padding
 mask. A backend without padding masks but with packed sequences (``varlen``, ``nested``) gets the
 real feature positions only: the encoder runs on the unpadded tokens of each image, and the
@@ -36,13 +38,10 @@ from torch import nn
 
 from fastzoo.attention import packing
 from fastzoo.attention.base import AttnContext
-from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.base import FastzooModel
 from fastzoo.models.detr.backbone import DetrConvEncoder
 from fastzoo.models.detr.config import DetrConfig
-
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
-
+from fastzoo.models.timm_api import check_images
 
 def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None) -> torch.Tensor:
     """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``."""
@@ -64,110 +63,18 @@ def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.
     return torch.cat((py, px), dim=3).flatten(1, 2)
 
 
-class DetrAttention(UsesAttention):
-    """transformers' ``DetrSelfAttention`` / ``DetrCrossAttention``: position embeddings are added to
-    the queries' and the keys' inputs, never to the values'."""
-
-    def __init__(self, d_model: int, heads: int, dropout: float):
-        super().__init__()
-        self.heads, self.head_dim = heads, d_model // heads
-        self.attn_dropout = nn.Dropout(dropout)
-        self.k_proj = nn.Linear(d_model, d_model)
-        self.v_proj = nn.Linear(d_model, d_model)
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.o_proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x_BSD, pos_BSD, ctx: AttnContext, kv_BKD=None, kpos_BKD=None):
-        q_in = x_BSD if pos_BSD is None else x_BSD + pos_BSD
-        if kv_BKD is None:  # self-attention
-            kv_BKD, k_in = x_BSD, q_in
-        else:
-            k_in = kv_BKD if kpos_BKD is None else kv_BKD + kpos_BKD
-        B, S, D = x_BSD.shape
-        q_BHSD = self.q_proj(q_in).view(B, S, self.heads, self.head_dim).transpose(1, 2)
-        k_BHKD = self.k_proj(k_in).view(*kv_BKD.shape[:2], self.heads, self.head_dim).transpose(1, 2)
-        v_BHKD = self.v_proj(kv_BKD).view(*kv_BKD.shape[:2], self.heads, self.head_dim).transpose(1, 2)
-        o_BHSD = self.attend(q_BHSD, k_BHKD, v_BHKD, ctx)
-        return self.o_proj(o_BHSD.transpose(1, 2).reshape(B, S, D))
-
-
-class DetrMLP(nn.Module):
-    def __init__(self, cfg: DetrConfig, ffn_dim: int):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, cfg.d_model)
-        self.act, self.activation_dropout, self.dropout = ACTIVATIONS[cfg.activation_function], cfg.activation_dropout, cfg.dropout
-
-    def forward(self, x):
-        x = F.dropout(self.act(self.fc1(x)), self.activation_dropout, self.training)
-        return F.dropout(self.fc2(x), self.dropout, self.training)
-
-
-class CheckpointedLayer(nn.Module):
-    """A layer gradient checkpointing recomputes in the backward instead of keeping its activations,
-    switched as transformers' ``GradientCheckpointingLayer`` is (``gradient_checkpointing``, and the
-    ``torch.utils.checkpoint`` call with the model's options in ``_gradient_checkpointing_func``).
-    Every tensor it differentiates through is a positional argument, so the reentrant variant
-    (which sees only those) gives the same gradients."""
-
-    gradient_checkpointing = False
-
-    def __call__(self, *args):
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return self._gradient_checkpointing_func(super().__call__, *args)
-        return super().__call__(*args)
-
-
-class DetrEncoderLayer(CheckpointedLayer):
-    def __init__(self, cfg: DetrConfig):
-        super().__init__()
-        self.self_attn = DetrAttention(cfg.d_model, cfg.encoder_attention_heads, cfg.attention_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.mlp = DetrMLP(cfg, cfg.encoder_ffn_dim)
-        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.dropout = cfg.dropout
-
-    def forward(self, x_BSD, pos_BSD, ctx):
-        x_BSD = self.self_attn_layer_norm(x_BSD + F.dropout(self.self_attn(x_BSD, pos_BSD, ctx), self.dropout, self.training))
-        x_BSD = self.final_layer_norm(x_BSD + self.mlp(x_BSD))
-        if self.training:  # transformers clamps non-finite values (after a host read): the same, without it
-            big = torch.finfo(x_BSD.dtype).max - 1000
-            x_BSD = x_BSD.clamp(-big, big)
-        return x_BSD
-
-
-class DetrDecoderLayer(CheckpointedLayer):
-    def __init__(self, cfg: DetrConfig):
-        super().__init__()
-        self.self_attn = DetrAttention(cfg.d_model, cfg.decoder_attention_heads, cfg.attention_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.encoder_attn = DetrAttention(cfg.d_model, cfg.decoder_attention_heads, cfg.attention_dropout)
-        self.encoder_attn_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.mlp = DetrMLP(cfg, cfg.decoder_ffn_dim)
-        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
-        self.dropout = cfg.dropout
-
-    def forward(self, x_BQD, query_pos_BQD, mem, mem_pos, self_ctx, cross_ctx):
-        """``mem``, ``mem_pos``: the encoder's output and its position embedding, ``[B, S, D]`` each, or
-        packed ``[1, T, D]`` with ``cross_ctx`` carrying the offsets (then the queries go in packed too)."""
-        x_BQD = self.self_attn_layer_norm(x_BQD + F.dropout(self.self_attn(x_BQD, query_pos_BQD, self_ctx),
-                                                            self.dropout, self.training))
-        B, Q, D = x_BQD.shape
-        packed = mem.shape[0] != B or cross_ctx.cu_seqlens is not None
-        x_in, pos_in = (x_BQD.reshape(1, B * Q, D), query_pos_BQD.reshape(1, B * Q, D)) if packed else (x_BQD, query_pos_BQD)
-        cross = self.encoder_attn(x_in, pos_in, cross_ctx, mem, mem_pos).view(B, Q, D)
-        x_BQD = self.encoder_attn_layer_norm(x_BQD + F.dropout(cross, self.dropout, self.training))
-        return self.final_layer_norm(x_BQD + self.mlp(x_BQD))
-
-
 class DetrEncoder(nn.Module):
     def __init__(self, cfg: DetrConfig):
+        from fastzoo.models.detr.transformer import DetrEncoderLayer
+
         super().__init__()
         self.layers = nn.ModuleList(DetrEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
 
 
 class DetrDecoder(nn.Module):
     def __init__(self, cfg: DetrConfig):
+        from fastzoo.models.detr.transformer import DetrDecoderLayer
+
         super().__init__()
         self.layers = nn.ModuleList(DetrDecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.layernorm = nn.LayerNorm(cfg.d_model)
@@ -303,13 +210,29 @@ class DetrForObjectDetection(FastzooModel):
                 layer.gradient_checkpointing = i % every_n_layers == 0
 
     def gradient_checkpointing_disable(self):
-        for m in self.modules():
-            if isinstance(m, CheckpointedLayer):
-                m.gradient_checkpointing = False
+        for stack in (self.model.encoder.layers, self.model.decoder.layers):
+            for layer in stack:
+                layer.gradient_checkpointing = False
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return any(m.gradient_checkpointing for m in self.modules() if isinstance(m, CheckpointedLayer))
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.modules())
+
+    def enable_input_require_grads(self):
+        """transformers' (PEFT calls it with gradient checkpointing): the input projection's output
+        requires grad, so that with every weight below a layer frozen (adapters only), the reentrant
+        checkpoint still sees an input that needs a gradient and passes the layer's gradients on."""
+        self.disable_input_require_grads()
+        self.__dict__["_require_grads_hook"] = self.model.input_projection.register_forward_hook(_output_requires_grad)
+
+    def disable_input_require_grads(self):
+        hook = self.__dict__.pop("_require_grads_hook", None)
+        if hook is not None:
+            hook.remove()
+
+    def get_input_embeddings(self):
+        """transformers' answer for DETR: it has no input embeddings (its input is ``pixel_values``)."""
+        raise NotImplementedError("DETR has no input embeddings: its input is pixel_values")
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' ``num_parameters`` (``Trainer`` counts FLOPs with it)."""
@@ -345,7 +268,8 @@ class DetrForObjectDetection(FastzooModel):
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             raise ValueError("output_attentions / output_hidden_states: fastzoo's DETR does not return per-layer "
                              "attentions or hidden states (the attention kernels never materialise the weights)")
-        pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels)
+        pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
+                                                 self.class_labels_classifier.weight)
         h_LBQD = self.model(pixel_values, pixel_mask, self.packs())
         logits_LBQC, boxes_LBQ4 = self.heads(h_LBQD)
         loss = loss_dict = aux = None
@@ -356,6 +280,16 @@ class DetrForObjectDetection(FastzooModel):
         out = DetrObjectDetectionOutput(loss=loss, loss_dict=loss_dict, logits=logits_LBQC[-1], pred_boxes=boxes_LBQ4[-1],
                                         auxiliary_outputs=aux, last_hidden_state=h_LBQD[-1])
         return out if return_dict is not False else out.to_tuple()
+
+    def adapt_checkpoint(self, state, changed):
+        """``num_labels`` set against a checkpoint: a fresh class head (transformers' ``from_pretrained(...,
+        num_labels=, ignore_mismatched_sizes=True)``); boxes, queries and the rest load."""
+        if "num_labels" not in changed:
+            return state, [], []
+        had = state.pop("class_labels_classifier.weight").shape[0] - 1
+        state.pop("class_labels_classifier.bias", None)
+        return state, ["class_labels_classifier.weight", "class_labels_classifier.bias"], [
+            f"num_labels={self.config.num_labels}: fresh class_labels_classifier (the checkpoint has {had} labels)"]
 
     def hf_config(self):
         """This architecture as a ``transformers.DetrConfig``."""
@@ -373,12 +307,18 @@ class DetrForObjectDetection(FastzooModel):
         return write_pretrained(path, cfg, self.state_dict(), weights_format="pt")
 
 
-def _check_pixels(pixel_values, pixel_mask, channels: int):
-    """The images ``[B, C, H, W]`` and their mask ``[B, H, W]`` (None when nothing is padded: read
-    from the mask's values on the host only when it is given)."""
+def _output_requires_grad(module, args, output):
+    output.requires_grad_(True)
+
+
+def _check_pixels(pixel_values, pixel_mask, channels: int, weight: torch.Tensor):
+    """The images ``[B, C, H, W]`` (floating, on the device and in the dtype of ``weight`` unless under
+    autocast) and their mask ``[B, H, W]`` (None when nothing is padded: read from the mask's values
+    on the host only when it is given)."""
     if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4 or pixel_values.shape[1] != channels:
         raise ValueError(f"pixel_values must be a [B, {channels}, H, W] tensor, got "
                          f"{getattr(pixel_values, 'shape', type(pixel_values).__name__)}")
+    check_images(pixel_values, channels, weight=weight)
     if pixel_mask is None:
         return pixel_values, None
     B, _, H, W = pixel_values.shape

@@ -38,6 +38,13 @@ SPEC = ModelSpec(
                 "transformers DetrForObjectDetection (facebook/detr-resnet-101)", aliases=("facebook/detr-resnet-101",)),
     ),
     converters=(HF,),
+    refused={
+        "boxdet_r50": "fastzoo's one detector is DETR, transformers' DetrForObjectDetection: create('detr'), or "
+                      "create('facebook/detr-resnet-50', pretrained=...) for its checkpoints; a DETR head on a bare "
+                      "ResNet (no transformer) has no original library, and its checkpoints do not load into DETR",
+        **{f"facebook/detr-resnet-{d}-dc5": f"DETR-DC5 (a dilated last backbone stage, transformers' dilation=True) is "
+                                            f"not built; facebook/detr-resnet-{d} is" for d in (50, 101)},
+    },
     # transformers' own ResNet backbone at its test sizes: any widths, seconds on a CPU
     tiny=TINY,
     original=Original(build_original, "transformers DetrForObjectDetection (eager attention)",

@@ -67,6 +67,9 @@ class ViTConfig(ModelConfig):
         if self.global_pool in ("token", "token_avg") and not self.class_token:
             raise ConfigError(f"global_pool={self.global_pool!r} needs class_token=True; use global_pool='avg' without "
                               f"a class token", fields=("global_pool", "class_token"))
+        if self.global_pool == "token_avg" and self.fc_norm:
+            raise ConfigError("global_pool='token_avg' norms every token before pooling (DINOv2's classifier), it has no "
+                              "norm after pooling: use fc_norm=None or False", fields=("global_pool", "fc_norm"))
         if self.dist_token and not self.class_token:
             raise ConfigError("dist_token=True needs class_token=True (DeiT's tokens: class, distillation, patches)",
                               fields=("dist_token", "class_token"))
