@@ -137,6 +137,13 @@ def assert_lora_equals_original(ours: nn.Module, original: nn.Module, target_mod
     return mine, theirs
 
 
+def sdpa_flags() -> dict:
+    """torch's process-wide SDPA kernel flags (what ``torch.nn.attention.sdpa_kernel`` sets)."""
+    cuda = torch.backends.cuda
+    return {f.__name__: f() for f in (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled,
+                                      cuda.cudnn_sdp_enabled)}
+
+
 @pytest.fixture
 def fast_switching():
     """Threads switch every microsecond (a race that needs an unlucky switch shows in a short test)."""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SPECS, TINY, backends
+from conftest import SPECS, TINY, backends, sdpa_flags
 
 import fastzoo
 from fastzoo.errors import ConfigError
@@ -159,7 +159,6 @@ def test_another_threads_flex_call_is_not_tracing_here():
     assert seen["fastzoo"] == 0
 
 
-
 def test_a_non_finite_pixel_stays_in_its_image_on_every_backend():
     """Looked for after the non-finite-image property failed: a NaN or inf pixel spoils its own image's
     logits and no other's, on every CPU backend (the nested and varlen ones pack the images into one row)."""
@@ -207,12 +206,6 @@ def test_token_avg_pooling_with_a_norm_after_pooling_is_refused():
     assert model(torch.randn(1, 3, TINY["vit"]["img_size"], TINY["vit"]["img_size"])).shape == (1, TINY["vit"]["num_classes"])
 
 
-def _sdpa_flags() -> dict:
-    cuda = torch.backends.cuda
-    return {f.__name__: f() for f in (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled,
-                                      cuda.cudnn_sdp_enabled)}
-
-
 def test_pinned_sdpa_kernels_from_threads_leave_torchs_flags_as_they_were(monkeypatch):
     """Found by the threads property once pinned kernels were in it: torch's sdpa_kernel sets process-wide
     flags, so threads entering and leaving it interleaved ran on one another's kernels ('No viable backend
@@ -227,9 +220,9 @@ def test_pinned_sdpa_kernels_from_threads_leave_torchs_flags_as_they_were(monkey
     seen, who = [], threading.local()
 
     def slow_sdpa(*args, **kwargs):
-        before = _sdpa_flags()
+        before = sdpa_flags()
         time.sleep(0.02)
-        seen.append((who.kernel, before, _sdpa_flags()))
+        seen.append((who.kernel, before, sdpa_flags()))
         return real(*args, **kwargs)
 
     cfg = TINY["vit"]
@@ -238,7 +231,7 @@ def test_pinned_sdpa_kernels_from_threads_leave_torchs_flags_as_they_were(monkey
     x = torch.randn(2, 3, cfg["img_size"], cfg["img_size"])
     with torch.no_grad():
         want = base(x)
-    flags, errors, worst = _sdpa_flags(), [], [0.0]
+    flags, errors, worst = sdpa_flags(), [], [0.0]
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", slow_sdpa)
 
     def run(name, options):
@@ -265,7 +258,7 @@ def test_pinned_sdpa_kernels_from_threads_leave_torchs_flags_as_they_were(monkey
         assert before == after == want_flags, (kernel, before, after)
     assert len(seen) == 2 * 2 * 4 * cfg["depth"]  # threads x forwards x layers: every call seen
     assert worst[0] <= 1e-4  # fastzoo.equivalence's fp32 rule: each kernel against eager
-    assert _sdpa_flags() == flags
+    assert sdpa_flags() == flags
 
 
 def test_a_pinned_sdpa_call_that_raises_leaves_the_flags_and_the_other_threads_free():
@@ -275,11 +268,11 @@ def test_a_pinned_sdpa_call_that_raises_leaves_the_flags_and_the_other_threads_f
 
     from fastzoo.attention.sdpa import sdpa
 
-    flags = _sdpa_flags()
+    flags = sdpa_flags()
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(RuntimeError):
         sdpa(q, q, torch.randn(1, 2, 5, 8), kernel=SDPBackend.MATH)  # 4 keys, 5 values
-    assert _sdpa_flags() == flags
+    assert sdpa_flags() == flags
     out = []
     t = threading.Thread(target=lambda: out.append(sdpa(q, q, q)))
     t.start()

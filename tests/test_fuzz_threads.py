@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from conftest import SPECS, backends
+from conftest import SPECS, backends, sdpa_flags
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
 from fuzzing import configs, count, examples, fail
 from hypothesis import given
@@ -27,13 +27,6 @@ from fastzoo.layers.attention import UsesAttention
 
 FAMILIES = [f for f, s in SPECS.items() if s.task.name in ("image-classification", "causal-lm")]
 CPU_BACKENDS = backends()  # pinned SDPA kernels (sdpa_backend=) included: their flags are process-wide
-
-
-def _sdpa_flags() -> dict:
-    """torch's process-wide SDPA kernel flags (what ``sdpa_kernel`` sets)."""
-    cuda = torch.backends.cuda
-    return {f.__name__: f() for f in (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled,
-                                      cuda.cudnn_sdp_enabled)}
 
 
 def _input(model, family, draw):
@@ -73,7 +66,7 @@ def test_threads_and_switches_give_the_serial_result(family, data, fast_switchin
     scales = [max(1.0, s.abs().max().item()) for s in serial]
     schedule = data.draw(st.lists(st.sampled_from(usable), min_size=1, max_size=20), label="switches")
     stop, errors, worst = threading.Event(), [], [0.0]
-    flags = _sdpa_flags()
+    flags = sdpa_flags()
 
     def switch():
         i = 0
@@ -108,8 +101,8 @@ def test_threads_and_switches_give_the_serial_result(family, data, fast_switchin
         fail(prop, "bare_exceptions", f"{type(errors[0]).__name__}: {errors[0]}")
     if worst[0] > equivalence.FP32_OUT_ATOL:
         fail(prop, "mismatches", f"a threaded forward differs from the serial one by {worst[0]:.3g}")
-    if _sdpa_flags() != flags:
-        fail(prop, "mismatches", f"torch's SDPA kernel flags were {flags}, the threads left {_sdpa_flags()}")
+    if sdpa_flags() != flags:
+        fail(prop, "mismatches", f"torch's SDPA kernel flags were {flags}, the threads left {sdpa_flags()}")
     layers = {m.backend.name for m in model.modules() if isinstance(m, UsesAttention)}
     if layers != {model.attn_name}:
         fail(prop, "mismatches", f"layers on {layers}, the model says {model.attn_name}")
