@@ -174,7 +174,8 @@ def test_a_non_finite_pixel_stays_in_its_image_on_every_backend():
             with torch.no_grad():
                 clean, out = model(clean_x), model(x)
             assert not torch.isfinite(out[1]).any(), (name, options, value)
-            assert torch.equal(out[[0, 2]], clean[[0, 2]]), (name, options, value)  # the same rows, the same sums
+            # the same rows through the same kernels: equal but for a reordered sum (the property's 1e-5)
+            assert torch.allclose(out[[0, 2]], clean[[0, 2]], atol=1e-5, rtol=0), (name, options, value)
 
 
 def test_a_config_whose_logits_are_nan_for_every_image_is_timms_too():
