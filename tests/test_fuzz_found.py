@@ -422,3 +422,13 @@ def test_a_vit_whose_hf_config_transformers_cannot_express_is_refused_by_name(tm
         model.save_pretrained(tmp_path)
     except (CheckpointError, ConfigError):
         pass
+
+
+def test_a_constant_loss_has_zero_gradients_compared_absolutely():
+    """Found: GPT-2 with vocab_size=1 in train mode: the loss over one class is constant, transformers'
+    gradients are exactly 0 and fastzoo's rounding noise (~1e-7) measured 1e23 "relative" to the rule's floor."""
+    from fastzoo import equivalence
+
+    zero = {"w": torch.zeros(3)}
+    assert equivalence.compare_grads("grads", {"w": torch.full((3,), 1e-7)}, zero).passed
+    assert not equivalence.compare_grads("grads", {"w": torch.full((3,), 1e-3)}, zero).passed  # 1e-4 absolute then
