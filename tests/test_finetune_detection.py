@@ -222,3 +222,15 @@ def test_a_state_dict_file_and_a_live_model_are_checkpoints_too(coco, hf_detr, t
     live = fastzoo.create(pretrained=hf, num_labels=10, id2label={i: str(i) for i in range(10)})
     assert live.class_labels_classifier.out_features == 11 and torch.equal(
         live.model.query_position_embeddings.weight, hf.model.query_position_embeddings.weight)
+
+
+def test_two_gloo_processes_train_and_gather_the_map(tmp_path):
+    """torchrun with 2 processes: each trains on its share of the global batch and evaluates its share of
+    the validation images; the mAP is reported (torchmetrics syncs its states over the process group
+    when it computes, which runs on every process: a collective that one process skipped would hang)."""
+    out = tmp_path / "run"
+    ok(run("finetune_detection.py", "--synthetic", 16, "--model-kwargs", *DETR_SIZES, "dropout=0", "--steps", 2, "-b", 8,
+           "--device", "cpu", "--output-dir", out, *COMMON, nproc=2))
+    assert sorted(train_losses(out)) == [1, 2]
+    evals = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "eval_map" in r]
+    assert len(evals) == 1 and 0.0 <= evals[0]["eval_map_50"] <= 1.0 and evals[0]["eval_loss"] > 0
