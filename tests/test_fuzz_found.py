@@ -445,3 +445,19 @@ def test_a_vit_whose_hf_config_transformers_cannot_express_is_refused_by_name(tm
         model.save_pretrained(tmp_path)
     except (CheckpointError, ConfigError):
         pass
+
+
+@pytest.mark.xfail(strict=False, reason="found, open: under bf16 autocast fastzoo's training-mode (fused) LM loss over a "
+                   "one-token vocabulary leaves gradients of ~1e-2 where transformers' are exactly 0")
+def test_a_constant_loss_under_bf16_has_zero_gradients_as_the_original():
+    """Found (equivalence property replaying the long run's vocab_size=1 case in bf16): the loss over one
+    class is constant; transformers' bf16 gradients are exactly 0, fastzoo's fused path gives 8e-3 to 1e-2."""
+    cfg = {**TINY["gpt2"], "vocab_size": 1, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    torch.manual_seed(0)
+    model = fastzoo.create("gpt2", attn="eager", **cfg).train()
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.float().backward()
+    worst = max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
+    assert worst <= 1e-5, worst  # the bf16 rule's floor, where the original's own error is exactly 0
