@@ -27,6 +27,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
@@ -116,6 +117,26 @@ def _value(tp, meta, base, multiple: int | None = None) -> st.SearchStrategy:
     return st.one_of(strategies)
 
 
+def _described(tp) -> bool:
+    """Whether the declarations describe values of annotation ``tp`` (scalars and tuples of them)."""
+    for arm in _optional(tp)[1]:
+        origin, args = typing.get_origin(arm), typing.get_args(arm)
+        if arm not in (int, float, bool, str) and not (origin is tuple and all(a in (int, float, bool, str, Ellipsis)
+                                                                             for a in args)):
+            return False
+    return True
+
+
+def _variant_values(spec, name: str, base) -> list:
+    """``base`` and each distinct value the spec's variants give field ``name`` (a ResNet's
+    ``hf_config``: none, or the transformers config it stands in for, whose sizes the other fields set)."""
+    out = [base]
+    for v in spec.variants:
+        if name in v.config and v.config[name] not in out:
+            out.append(v.config[name])
+    return out
+
+
 def _order(fields) -> list:
     """Fields with each ``multiple_of`` target before the fields that refer to it."""
     by_name = {f.name: f for f in fields}
@@ -143,12 +164,16 @@ def non_default(spec, cfg: dict) -> dict:
 
 
 @st.composite
-def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30):
+def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30,
+            variant_values: bool = False):
     """A valid config (a dict of the original library's field names) of ``spec``'s family: each
     field its ``base`` value (default: the spec's tiny config over the class defaults) or a
     value drawn from its declaration; ``fixed``: fields left as given. ``small``: a size the tiny
     config leaves at a default above :data:`SMALL` (a ResNet's stage widths) is drawn up to
-    :data:`SMALL` too (for properties where the original, which may need the default, is not built)."""
+    :data:`SMALL` too (for properties where the original, which may need the default, is not built).
+    ``variant_values``: a field of a type the declarations do not describe (a dict of settings) takes
+    its tiny value or one a variant gives it (a ResNet's or ViT's ``hf_config``: transformers' original
+    then); else its tiny value."""
     cls = spec.config_class
     hints = typing.get_type_hints(cls)
     fields = _order(dataclasses.fields(cls))
@@ -161,6 +186,9 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, sma
     def draw_field(f):
         if f.name in fixed:
             values[f.name] = fixed[f.name]
+            return
+        if variant_values and not _described(hints[f.name]):
+            values[f.name] = draw(st.sampled_from(_variant_values(spec, f.name, base[f.name])))
             return
         target = f.metadata.get("multiple_of")
         multiple = values.get(target) if target else None
@@ -218,6 +246,19 @@ def just_outside(spec) -> list[tuple[str, object]]:
     return out
 
 
+def compare_finite(name, ours, ref, peer=None):
+    """``equivalence.compare_outputs``, where non-finite reference values (a loss over no target,
+    a config whose original overflows) must be non-finite in ours too and the finite ones are compared;
+    ``peer``: the original's low-precision runs (a list) or None."""
+    from fastzoo import equivalence
+
+    bad = ~torch.isfinite(ref)
+    if not torch.equal(bad, ~torch.isfinite(ours)):
+        return equivalence.Comparison(name + " (non-finite at other places than the original's)", float("inf"), 0.0)
+    fill = (lambda t: t.masked_fill(bad | ~torch.isfinite(t), 0))
+    return equivalence.compare_outputs(name, fill(ours), fill(ref), peer and [fill(t) for t in peer])
+
+
 # -- results (long profile) -----------------------------------------------------------------------
 _LOCK = threading.Lock()
 _COUNTS: dict[str, dict] = {}
@@ -250,6 +291,16 @@ def results_path() -> Path | None:
 
 
 FAILURES = ("mismatches", "bare_exceptions", "half_loads", "wrong_accepts", "hangs")
+MEANING = {  # what the results file's counters count
+    "examples": "hypothesis examples that ran to the end (a config and its inputs; rejected draws not counted)",
+    "cases": "equivalence: one config x input compared with the original on one backend (outputs, loss, gradients); "
+             "concurrency: one thread's forward compared with the serial result",
+    "refused": "requests refused by name as declared (a backend without the capability; a bad input or config)",
+    "original_refused": "draws the original library cannot build or run (nothing to compare; not an example)",
+    "failures": "mismatches, bare_exceptions, half_loads, wrong_accepts, hangs: failing runs, hypothesis's "
+                "replays and shrinking steps of one failure included",
+}
+_WRITTEN: set = set()  # results files this process has started (a run's file holds that run only)
 
 
 @pytest.fixture(autouse=True)
@@ -271,7 +322,10 @@ def write_results(prop: str) -> None:
     if path is None:
         return
     with _LOCK:
-        data = json.loads(path.read_text()) if path.is_file() else {"profile": PROFILE, "properties": {}}
+        fresh = path not in _WRITTEN or not path.is_file()
+        data = {"profile": PROFILE, "properties": {}} if fresh else json.loads(path.read_text())
+        _WRITTEN.add(path)
+        data["meaning"] = MEANING
         row = {"examples": 0, **{k: 0 for k in FAILURES}, **_COUNTS.get(prop, {})}
         row["seconds"] = round(row.get("seconds", 0.0), 1)
         row["passed"] = not any(row[k] for k in FAILURES)

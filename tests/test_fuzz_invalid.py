@@ -42,7 +42,7 @@ def _refused_by_name(prop, call, names: tuple[str, ...], *, kinds=(ValueError,))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@examples(ci=25, long=400)
+@examples(ci=25, long=500)
 @given(data=st.data())
 def test_config_values_just_outside_a_constraint_are_refused_naming_the_field(family, data):
     spec = SPECS[family]
@@ -130,12 +130,64 @@ def _token_bad(model, draw):
     return kind, call, (name,)
 
 
-BAD_INPUTS = {"image-classification": _image_bad, "causal-lm": _token_bad}
-INPUT_FAMILIES = [f for f in FAMILIES if SPECS[f].task.name in BAD_INPUTS]
+def _detection_bad(model, draw):
+    cfg = model.config
+    B, C = draw(st.integers(1, 3), label="batch"), cfg.num_channels
+    x, mask = torch.randn(B, C, 64, 64), torch.ones(B, 64, 64, dtype=torch.long)
+    n = draw(st.integers(1, 4), label="boxes")
+    i, j = draw(st.integers(0, B - 1), label="image"), draw(st.integers(0, n - 1), label="box")
+    labels = [{"class_labels": torch.randint(0, cfg.num_labels, (n,)), "boxes": torch.rand(n, 4) * 0.5 + 0.25}
+              for _ in range(B)]
+
+    def box(value, coord=None):  # one coordinate of one box set to ``value``
+        c = draw(st.integers(0, 3), label="coordinate") if coord is None else coord
+        labels[i]["boxes"][j, c] = value
+        return labels
+
+    def with_(**t):
+        labels[i] = {**labels[i], **t}
+        return labels
+
+    kinds = {
+        "labels not a list": lambda: labels[0],
+        "one label dict too few": lambda: labels[1:] if B > 1 else [],
+        "one label dict too many": lambda: labels + labels[:1],
+        "no boxes key": lambda: [dict(class_labels=t["class_labels"]) for t in labels],
+        "'labels' for 'class_labels'": lambda: [dict(labels=t["class_labels"], boxes=t["boxes"]) for t in labels],
+        "boxes of 3 coordinates": lambda: with_(boxes=labels[i]["boxes"][:, :3]),
+        "boxes of rank 1": lambda: with_(boxes=labels[i]["boxes"].reshape(-1)),
+        "int boxes": lambda: with_(boxes=labels[i]["boxes"].long()),
+        "boxes not a tensor": lambda: with_(boxes=labels[i]["boxes"].tolist()),
+        "box past 1": lambda: box(1.0 + draw(st.floats(1e-3, 10), label="by")),
+        "negative box coordinate": lambda: box(-draw(st.floats(1e-3, 10), label="by")),
+        "NaN box": lambda: box(float("nan")),
+        "infinite box": lambda: box(draw(st.sampled_from([float("inf"), -float("inf")]))),
+        "class id = num_labels": lambda: with_(class_labels=labels[i]["class_labels"].index_fill(0, torch.tensor([j]),
+                                                                                                  cfg.num_labels)),
+        "negative class id": lambda: with_(class_labels=labels[i]["class_labels"].index_fill(0, torch.tensor([j]), -1)),
+        "float class ids": lambda: with_(class_labels=labels[i]["class_labels"].float()),
+        "one class id too few": lambda: with_(class_labels=labels[i]["class_labels"][1:]),
+    }
+    masks = {
+        "mask of another height": torch.ones(B, 63, 64, dtype=torch.long),
+        "mask of another batch": torch.ones(B + 1, 64, 64, dtype=torch.long),
+        "mask of rank 4": mask[:, None],
+    }
+    kind = draw(st.sampled_from(sorted(kinds) + sorted(masks)), label="bad input")
+    if kind in masks:
+        return kind, (lambda: model(pixel_values=x, pixel_mask=masks[kind], labels=labels)), ("pixel_mask",)
+    bad = kinds[kind]()
+    return kind, (lambda: model(pixel_values=x, pixel_mask=mask, labels=bad)), ("labels",)
+
+
+BAD_INPUTS = {"image-classification": _image_bad, "causal-lm": _token_bad, "detection": _detection_bad}
+# a detector without an original has no transformers call convention to be fed through
+INPUT_FAMILIES = [f for f in FAMILIES if SPECS[f].task.name in BAD_INPUTS
+                  and (SPECS[f].task.name != "detection" or SPECS[f].original is not None)]
 
 
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
-@examples(ci=25, long=300)
+@examples(ci=25, long=500)
 @given(data=st.data())
 def test_bad_inputs_are_refused_naming_the_argument_and_change_nothing(family, data):
     spec = SPECS[family]

@@ -23,7 +23,7 @@ device, no read). The GIoU term runs in ``giou`` mode: ``per_sample`` (a loop ov
 through the fused op). GIoU is transformers' formula (no epsilon).
 
 Errors: labels that are not a list of ``{"class_labels": [n] int, "boxes": [n, 4] float}``, boxes
-that are not finite or have a negative width or height, class ids outside ``[0, num_classes)``
+that are not finite or leave [0, 1] (a negative width or height, pixel coordinates), class ids outside ``[0, num_classes)``
 raise ``ValueError`` naming the image; a non-finite matching cost (NaN / Inf predictions, which
 make scipy fail inside transformers) names the decoder layer and the image. An image may have no
 boxes, or more boxes than queries (then, as transformers, ``Q`` of them are matched).
@@ -127,10 +127,14 @@ def matching_cost(logits_LBQC: Tensor, boxes_LBQ4: Tensor, t: PaddedTargets, cla
     return bbox_cost * l1_LBQM + class_cost * -p_LBQM + giou_cost * -giou_LBQM
 
 
+def _bad_boxes(b: Tensor, mask_BM: Tensor) -> Tensor:
+    """Which real boxes are not finite (cx, cy, w, h) in [0, 1] (NaN compares false: caught by the range)."""
+    return ~((b >= 0) & (b <= 1)).all(-1) & mask_BM
+
+
 def _target_problems(t: PaddedTargets, num_classes: int) -> Tensor:
     """A [2] flag on the device: some real box is malformed, some class id is out of range."""
-    b = t.boxes_BM4
-    bad_box = (~torch.isfinite(b).all(-1) | (b[..., 2] < 0) | (b[..., 3] < 0)) & t.mask_BM
+    bad_box = _bad_boxes(t.boxes_BM4, t.mask_BM)
     bad_label = ((t.labels_BM < 0) | (t.labels_BM >= num_classes)) & t.mask_BM
     return torch.stack([bad_box.any(), bad_label.any()]).float()
 
@@ -138,10 +142,10 @@ def _target_problems(t: PaddedTargets, num_classes: int) -> Tensor:
 def _raise_target_problem(flags, t: PaddedTargets, num_classes: int) -> None:
     if flags[0]:
         b = t.boxes_BM4.cpu()
-        bad = (~torch.isfinite(b).all(-1) | (b[..., 2] < 0) | (b[..., 3] < 0)) & t.mask_BM.cpu()
+        bad = _bad_boxes(b, t.mask_BM.cpu())
         i, j = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"labels[{i}]['boxes'][{j}] = {b[i, j].tolist()}: boxes must be finite (cx, cy, w, h) "
-                         f"with w >= 0 and h >= 0, normalised to [0, 1]")
+                         f"normalised to [0, 1] (so w >= 0 and h >= 0)")
     if flags[1]:
         lab = t.labels_BM.cpu()
         bad = ((lab < 0) | (lab >= num_classes)) & t.mask_BM.cpu()

@@ -73,6 +73,12 @@ class DetrConfig(ModelConfig):
                                         "checkpointing on (as gradient_checkpointing_enable())")
 
     def validate(self):
+        if self.d_model % 4:  # d_model / 2 features per axis, in (sin, cos) pairs
+            raise ConfigError(f"d_model={self.d_model}: the sine position embedding needs a multiple of 4 (d_model / 2 "
+                              f"features per axis, in sin / cos pairs)", fields=("d_model",))
+        if self.backbone == "transformers" and self.layer_type == "bottleneck" and min(self.hidden_sizes) < 4:
+            raise ConfigError(f"hidden_sizes={self.hidden_sizes}: transformers' bottleneck is a quarter of its output "
+                              f"wide, so each stage needs at least 4 channels", fields=("hidden_sizes", "layer_type"))
         for heads, name in ((self.encoder_attention_heads, "encoder_attention_heads"),
                             (self.decoder_attention_heads, "decoder_attention_heads")):
             if self.d_model % heads:

@@ -96,6 +96,10 @@ def _check_fits(config) -> None:
         bad.append("frozen_bn=True")
     if config.global_pool != "avg":
         bad.append(f"global_pool={config.global_pool!r}")
+    outs = [config.stage_out(i) for i in range(len(config.channels))]
+    if config.block == "bottleneck" and any(c != o // 4 for c, o in zip(config.channels, outs)):
+        bad.append(f"channels={config.channels} with out_channels={tuple(outs)} (transformers' bottleneck is a quarter "
+                   f"of its output wide: channels = out_channels // 4)")
     if bad:
         raise CheckpointError(f"this ResNet has no transformers form: {'; '.join(bad)}")
 
