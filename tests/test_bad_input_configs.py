@@ -14,11 +14,11 @@ Three doors a config comes in by:
 3. a YAML run file (``--config``, ``configs/*.yaml``) with mistyped fields: the script's one
    line ``error: --config FILE: FIELD: ...`` and exit status 2, and no output directory.
 
-The cases: 168 bad inputs (108 overrides, 2 configs made directly, 1 size past this machine,
+The cases: 170 bad inputs (110 overrides, 2 configs made directly, 1 size past this machine,
 31 config.json edits, 25 run-file fields, 1 command line), each a named error. Among them the
 values a plain type check lets through: overrides ViT ``init_values`` = nan / inf,
-``mlp_ratio=1e-9`` (an MLP of width 0) or ``inf``, GPT-2 ``layer_norm_epsilon`` = inf, detector
-``hidden_dim=3`` (no position embedding), ``cost_giou`` / ``loss_ce`` = inf; the same in configs
+``mlp_ratio=1e-9`` (an MLP of width 0) or ``inf``, GPT-2 ``layer_norm_epsilon`` = inf, DETR
+``d_model=31`` (not divisible by the heads), ``giou_cost`` = inf, ``class_cost`` = nan; the same in configs
 made directly and in config.json; run-file values of the wrong type or range on untyped fields
 (``batch_size: 0 / -1 / true / 2.5``, ``epochs: null / [1, 2]``, ``lr: .nan / .inf / -1e-3``,
 ``weight_decay: .nan``, a 2-value ``mean``, ``warmup_steps: -3``, ``model_kwargs: {init_values:

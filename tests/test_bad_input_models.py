@@ -100,7 +100,7 @@ DET_BAD = {
     "a NaN box": (lambda: _labels([BOX * float("nan"), BOX], [torch.tensor([1]), torch.tensor([2])]),
                   "labels[0]['boxes'][0] = [nan, nan, nan, nan]: boxes must be finite"),
     "a negative width": (lambda: _labels([BOX * torch.tensor([1, 1, -1, 1]), BOX], [torch.tensor([1]), torch.tensor([2])]),
-                         "with w >= 0 and h >= 0"),
+                         "(so w >= 0 and h >= 0)"),
     "3 coordinates": (lambda: _labels([BOX[:, :3], BOX], [torch.tensor([1]), torch.tensor([2])]),
                       "labels[0]['boxes'] must be a float [n, 4] tensor"),
     "a class past num_labels": (lambda: _labels([BOX, BOX], [torch.tensor([9]), torch.tensor([2])]),

@@ -13,8 +13,9 @@ COCO's ``category_id`` becomes the class label in one of two ways (``label_ids=`
   named ``"N/A"`` as in its config). Fine-tuning a COCO checkpoint on COCO keeps its head this way.
 
 Boxes: COCO's ``[x, y, w, h]`` in pixels become ``(cx, cy, w, h)`` normalised by the image's own
-size (DETR's targets); crowd regions and empty boxes are skipped (transformers' rule); a box is
-clipped to the image. Images are resized so the shorter side is ``shortest_edge`` and the longer
+size, padding excluded (the DETR code's targets, which facebook/detr-resnet-50 was trained on;
+``DetrImageProcessor.pad`` with ``update_bboxes=True`` normalises by the padded size instead); crowd
+regions and empty boxes are skipped and a box is clipped to the image (transformers' rule). Images are resized so the shorter side is ``shortest_edge`` and the longer
 at most ``longest_edge`` (DETR's 800 / 1333), normalised with ImageNet's mean and std, and padded
 per batch to the largest, ``pixel_mask`` marking the real pixels.
 """

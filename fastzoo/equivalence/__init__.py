@@ -30,7 +30,8 @@ The gradient error of one parameter is ``max|g - g_ref| / max(max|g_ref|, 1e-2 *
 ``G`` the largest reference gradient of the model: relative, because gradient magnitudes
 differ by orders between layers, with a floor so that gradients that are zero in exact
 arithmetic (e.g. the key bias, which softmax ignores) do not divide rounding noise by
-rounding noise. The reported gradient error is the worst parameter's. A foreign original's
+rounding noise; where every reference gradient is exactly zero (a loss constant in every
+weight) there is no ``G``, and the scale is 1. The reported gradient error is the worst parameter's. A foreign original's
 gradients are translated to fastzoo's names by the same converter that translates its
 weights (:mod:`fastzoo.weights`), transposes included.
 
