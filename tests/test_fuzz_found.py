@@ -461,3 +461,25 @@ def test_a_constant_loss_under_bf16_has_zero_gradients_as_the_original():
     loss.float().backward()
     worst = max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
     assert worst <= 1e-5, worst  # the bf16 rule's floor, where the original's own error is exactly 0
+
+
+def test_fp32_logits_of_1e7_are_compared_at_fp32_resolution():
+    """Found by the long profile: Granite with ``logits_scaling=1.19e-7`` divides its logits by it, to ~1e7,
+    where one fp32 unit in the last place is ~1; every backend was 0.75 from transformers' eager logits,
+    'past' the absolute 1e-4. The fp32 rule reads 16 ulps of the largest value there, 1e-4 below 52."""
+    from fastzoo import equivalence
+
+    cfg = {**TINY["llama"], "model_type": "granite", "logits_scaling": 1.192092896e-07}
+    torch.manual_seed(0)
+    hf = SPECS["llama"].original.build(cfg).eval()
+    ours = fastzoo.create("llama", pretrained=hf, attn="sdpa").eval()
+    ids = torch.randint(0, cfg["vocab_size"], (2, 6))
+    with torch.no_grad():
+        a, b = ours(ids).logits, hf(ids).logits
+    top = b.abs().max().item()
+    assert top > 1e5  # the fuzzed regime: fp32 resolves these logits to O(1e-2) or coarser
+    c = equivalence.compare_outputs("logits", a, b)
+    assert c.passed and c.err > equivalence.FP32_OUT_ATOL < c.bound, (c.err, c.bound)  # failed the absolute rule alone
+    assert c.bound <= equivalence.FP32_OUT_ULPS * torch.finfo(torch.float32).eps * top * 1.0001
+    ordinary = b / top * 10  # logits up to 10 keep the absolute rule
+    assert equivalence.compare_outputs("logits", ordinary, ordinary).bound == equivalence.FP32_OUT_ATOL

@@ -13,7 +13,7 @@ from fastzoo.attention import get_backend
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerReport
 from fastzoo.equivalence.rule import (
-    FP32_GRAD_RTOL, FP32_OUT_ATOL, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR, Comparison,
+    FP32_GRAD_RTOL, FP32_OUT_ATOL, FP32_OUT_ULPS, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR, Comparison,
 )
 from fastzoo.registry import create, get_entry, spec_of, specs
 from fastzoo.tasks import Inputs
@@ -138,7 +138,8 @@ def check(
         model_name, backend, options, str(device), dtype_name(dtype),
         rule=(f"max|ours-ref| <= {LOW_FACTOR:g} * max|original_{dtype_name(dtype)}-ref| + floor "
               f"(floor {LOW_OUT_FLOOR:g} outputs, {LOW_GRAD_FLOOR:g} relative grads)") if low else
-             (f"fp32: max|ours-ref| <= {FP32_OUT_ATOL:g} (outputs), relative grad error <= {FP32_GRAD_RTOL:g}"),
+             (f"fp32: max|ours-ref| <= {FP32_OUT_ATOL:g} or {FP32_OUT_ULPS} ulps of max|ref| (outputs), "
+              f"relative grad error <= {FP32_GRAD_RTOL:g}"),
         reference=spec.original.description,
     )
     ref = original(model_name, seed=seed, **(overrides or {}))
