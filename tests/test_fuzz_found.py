@@ -166,7 +166,7 @@ def test_a_non_finite_pixel_stays_in_its_image_on_every_backend():
     clean_x = torch.randn(3, 3, cfg["img_size"], cfg["img_size"], generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = fastzoo.create("vit_s16", attn="eager", **cfg).eval()
-    for name, options in backends():
+    for name, options in backends(dtype=torch.float32):
         model.set_attention(name, **options)
         for value in (float("nan"), float("inf"), -float("inf")):
             x = clean_x.clone()
@@ -348,7 +348,7 @@ def test_the_bf16_bound_is_the_originals_error_on_its_users_kernels_too():
     eager_bf16, users_bf16 = logits(copy.deepcopy(ref), True), logits(spec.as_users_run_it(copy.deepcopy(ref)), True)
     assert not equivalence.compare_outputs("timm, fused attention", users_bf16, want, eager_bf16).passed
     ours = fastzoo.create("vit_s16", pretrained=ref, attn="eager")
-    for name, options in backends():
+    for name, options in backends(dtype=torch.bfloat16):
         ours.set_attention(name, **options)
         c = equivalence.compare_outputs("logits", logits(ours, True), want, [eager_bf16, users_bf16])
         assert c.passed, (name, options, c)
