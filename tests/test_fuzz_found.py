@@ -9,7 +9,7 @@ import torch
 from conftest import SPECS, TINY, backends, sdpa_flags
 
 import fastzoo
-from fastzoo.errors import ConfigError
+from fastzoo.errors import BackendUnavailableError, ConfigError
 
 
 def _left_padded(vocab: int):
@@ -167,7 +167,10 @@ def test_a_non_finite_pixel_stays_in_its_image_on_every_backend():
     torch.manual_seed(0)
     model = fastzoo.create("vit_s16", attn="eager", **cfg).eval()
     for name, options in backends(dtype=torch.float32):
-        model.set_attention(name, **options)
+        try:
+            model.set_attention(name, **options)
+        except BackendUnavailableError:  # refused at the switch, by name (a test's registered kernel, say): not run
+            continue
         for value in (float("nan"), float("inf"), -float("inf")):
             x = clean_x.clone()
             x[1, 2, 5, 7] = value
@@ -349,7 +352,10 @@ def test_the_bf16_bound_is_the_originals_error_on_its_users_kernels_too():
     assert not equivalence.compare_outputs("timm, fused attention", users_bf16, want, eager_bf16).passed
     ours = fastzoo.create("vit_s16", pretrained=ref, attn="eager")
     for name, options in backends(dtype=torch.bfloat16):
-        ours.set_attention(name, **options)
+        try:
+            ours.set_attention(name, **options)
+        except BackendUnavailableError:  # refused at the switch, by name (a test's registered kernel, say): not run
+            continue
         c = equivalence.compare_outputs("logits", logits(ours, True), want, [eager_bf16, users_bf16])
         assert c.passed, (name, options, c)
 
