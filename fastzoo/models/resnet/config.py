@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from fastzoo.errors import ConfigError
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.resnet.hf_config import check as check_hf_config
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # a block's output channels per unit of its stage's ``channels``
 
@@ -42,7 +43,8 @@ class ResNetConfig(ModelConfig):
     zero_init_residual: bool = free(False, "init each block's last BN to 0 (init only)")
     frozen_bn: bool = free(False, "BN uses running statistics in train mode too, affine not trained (FrozenBatchNorm2d)")
     hf_config: dict | None = free(None, "the transformers config this model came from or stands in for (its class, "
-                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it")
+                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it; "
+                                  "refused where its class is another network than the other fields'")
 
     def validate(self):
         if len(self.layers) != len(self.channels) or not self.layers:
@@ -64,6 +66,8 @@ class ResNetConfig(ModelConfig):
             raise ConfigError(f"channels={self.channels} with width_per_group={self.width_per_group} leaves a "
                               f"bottleneck without 3x3 channels (int(channels * width_per_group / 64) is 0)",
                               fields=("channels", "width_per_group"))
+        if self.hf_config is not None:
+            check_hf_config(self)
 
     @property
     def expansion(self) -> int:
