@@ -396,22 +396,27 @@ def test_a_bottleneck_resnet_narrower_than_a_quarter_of_its_output_has_no_transf
         hf.build(dict(TINY["resnet"], out_channels=(1, 1, 1, 1), hf_config={"architectures": ["ResNetForImageClassification"]}))
 
 
-@pytest.mark.xfail(strict=False, raises=RuntimeError, reason="found, open: torch.utils.checkpoint's pack hook reads the shape of the "
-                   "nested tensor inside jagged SDPA (RuntimeError); to be served or refused by name")
-def test_detr_gradient_checkpointing_on_the_nested_backend_trains_or_is_refused_by_name():
-    """Found: DETR with gradient checkpointing on the nested backend raised torch's RuntimeError in the backward."""
-    from fastzoo.errors import FastzooError
-
-    model = fastzoo.create("detr", attn="nested", **TINY["detr"]).train()
-    mask = torch.ones(2, 64, 64, dtype=torch.long)
-    mask[1, :, 40:] = 0
-    labels = [{"class_labels": torch.tensor([1]), "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2]])}] * 2
-    try:
+@pytest.mark.parametrize("family", ["detr", "vit", "gpt2"])
+def test_non_reentrant_checkpointing_on_the_nested_backend_is_refused_by_name_both_ways(family):
+    """Found: DETR with gradient checkpointing on the nested backend raised torch's RuntimeError in the
+    backward (non-reentrant torch.utils.checkpoint reads the shape of the strided NestedTensors of CPU's
+    jagged SDPA; without that check its recompute makes jagged tensors of another ragged size); ViT the
+    same. Now refused where it is asked for, naming both, and nothing changes; the reentrant kind is served
+    (its gradients: tests/test_detr_checkpointing.py)."""
+    name, match = SPECS[family].variants[0].name, "'nested' cannot run inside non-reentrant gradient checkpointing"
+    model = fastzoo.create(name, attn="nested", **TINY[family])
+    with pytest.raises(BackendUnavailableError, match=match):
         model.gradient_checkpointing_enable()
-    except (ValueError, FastzooError):
-        return  # refused by name: the other good answer
-    model(pixel_values=torch.randn(2, 3, 64, 64), pixel_mask=mask, labels=labels).loss.backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert not model.attention_checkpointed() and model.attn_name == "nested"
+    model.set_attention("sdpa").gradient_checkpointing_enable()
+    with pytest.raises(BackendUnavailableError, match=match):
+        model.set_attention("nested")
+    assert model.attention_checkpointed() and model.attn_name == "sdpa"
+    if family != "vit":  # timm's switch is non-reentrant whatever it is asked
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        assert model.set_attention("nested").attn_name == "nested" and not model.attention_checkpointed()
+        with pytest.raises(BackendUnavailableError, match=match):
+            fastzoo.create(name, attn="nested", **TINY[family], gradient_checkpointing=True)  # the config field
 
 
 @pytest.mark.parametrize("where, value, match", [
