@@ -209,7 +209,7 @@ def _check_detection(family: str, data) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@examples(ci=3, long=240)
+@examples(ci=3, long=280)
 @given(data=st.data())
 def test_a_detector_equals_the_original_for_any_config_and_input(family, data):
     check_detection(family, data)
