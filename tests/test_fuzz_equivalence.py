@@ -320,7 +320,7 @@ def _check_equivalence(family: str, data) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@examples(ci=6, long=300)
+@examples(ci=6, long=380)
 @given(data=st.data())
 def test_fastzoo_equals_the_original_for_any_config_and_input(family, data):
     check_equivalence(family, data)

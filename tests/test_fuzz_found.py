@@ -385,6 +385,57 @@ def test_gradients_of_a_loss_constant_in_every_weight_are_compared_on_a_scale_of
         assert c.passed == passes and c.err == pytest.approx(noise), c
 
 
+def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp32_rounding():
+    """Found: the packed path (varlen: one SDPA per image, torch's CPU flash kernel) gave DETR's
+    ``input_projection.weight`` a gradient 1.42e-4 of its scale from transformers' eager, past the
+    1e-4 bound, where transformers' SDPA agrees with its eager to 2e-7. That gradient cancels:
+    transformers' own fp32 gradient is 5.2e-5 of the scale from its fp64 one, the packed path on
+    torch's math kernel gives the same 5.2e-5, and the flash kernel 1.7e-4. Rounding, not another
+    function: the fp32 bound counts the original's own rounding against fp64 (3x), and stays tight
+    enough that a gradient off by 10x that rounding fails."""
+    from test_fuzz_detection import detector_step, nontrivial_statistics, original_rounding
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fastzoo import equivalence
+
+    spec = SPECS["detr"]
+    fields = dict(num_labels=5, num_queries=6, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+                  decoder_ffn_dim=26, encoder_attention_heads=2, decoder_attention_heads=2, activation_function="silu",
+                  dropout=0.0, backbone="transformers", layer_type="basic", depths=(1, 1, 1, 1),
+                  hidden_sizes=(30, 30, 28, 15), embedding_size=8, bbox_cost=0.0, bbox_loss_coefficient=0.0)
+    torch.manual_seed(579)
+    ref = spec.original.build(fields)
+    nontrivial_statistics(ref)
+    for p in ref.parameters():
+        p.requires_grad_(True)
+    ref.eval()
+    images = torch.randn(2, 3, 64, 42, generator=torch.Generator().manual_seed(1398))
+    mask = torch.zeros(2, 64, 42, dtype=torch.long)
+    mask[0, :33, :1] = mask[1, :1, :1] = 1  # one real feature position in the second image, two in the first
+    labels = [{"class_labels": torch.tensor([4, 0]),
+               "boxes": torch.tensor([[0.0364, 0.1444, 0.0, 0.0], [0.3088, 0.6743, 0.9361, 0.7871]])},
+              {"class_labels": torch.zeros(0, dtype=torch.long), "boxes": torch.zeros(0, 4)}]
+    want = detector_step(ref, images, mask, labels, grads=True)[1]
+    users, exact = original_rounding(ref, images, mask, labels)
+    model = fastzoo.create("detr", pretrained=ref, attn="varlen", dropout=0.0, bbox_cost=0.0, bbox_loss_coefficient=0.0).eval()
+    name = "model.input_projection.weight"
+
+    def error(g, r):
+        return ((g[name] - r[name]).abs().max() / r[name].abs().max()).item()
+
+    got = detector_step(model, images, mask, labels, grads=True)[1]
+    with sdpa_kernel(SDPBackend.MATH):
+        on_math = detector_step(model, images, mask, labels, grads=True)[1]
+    hf_rounding = error(want, exact)
+    assert error(on_math, exact) < 1.5 * hf_rounding < error(got, exact)  # the kernel's rounding, not the model's
+    want, users, exact = ({k: r[k] for k in got} for r in (want, users, exact))  # what fastzoo trains
+    c = equivalence.compare_grads("grads", got, want, kernels=users, exact=exact)
+    assert c.passed, c
+    off = dict(got)  # the bound is this parameter's own: 10x its rounding fails
+    off[name] = want[name] + 10 * hf_rounding * want[name].abs().max() * torch.sign(torch.randn_like(want[name]))
+    assert not equivalence.compare_grads("grads", off, want, kernels=users, exact=exact).passed
+
+
 def test_a_bottleneck_resnet_narrower_than_a_quarter_of_its_output_has_no_transformers_form():
     """Found: out_channels=(1, 1, 1, 1) on torchvision's widths wrote a transformers config whose
     bottlenecks have 1 // 4 = 0 channels (transformers' width is a quarter of the output): another
