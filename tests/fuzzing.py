@@ -344,4 +344,6 @@ def write_results(prop: str) -> None:
                     examples_setting=os.environ.get("FASTZOO_FUZZ_EXAMPLES") or PROFILE)
         data["written"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)  # a reader never sees half a file

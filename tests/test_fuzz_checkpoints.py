@@ -67,7 +67,7 @@ def _damage(draw, raw: bytes) -> tuple[bytes, list[int]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@examples(ci=10, long=150)
+@examples(ci=10, long=500)
 @given(data=st.data())
 def test_a_damaged_checkpoint_is_refused_or_loaded_as_written_never_half(family, data, tmp_path_factory):
     spec = SPECS[family]

@@ -2,7 +2,8 @@
 original's function (transformers' ``DetrForObjectDetection``) on every CPU attention backend that
 accepts the request and in every GIoU mode: class logits, boxes, every decoder layer's auxiliary
 outputs, the loss, each ``loss_dict`` term and every parameter gradient, by the fp32 rule
-(``fastzoo.equivalence``: outputs and losses within 1e-4, gradients within 1e-4 of their scale).
+(``fastzoo.equivalence``: outputs and losses within 1e-4, gradients within 1e-4 of their scale or
+3x the original's own fp32 rounding, measured on its SDPA and against its fp64 run).
 
 Configs come from the spec's declarations (:mod:`fuzzing`; dropout fields fixed at 0 so a training
 step is deterministic), at the spec's tiny sizes and below. Inputs: 1 to 3 images of one size
@@ -66,11 +67,12 @@ def detection_input(draw, cfg):
     return images, mask, labels
 
 
-def _run(model, images, mask, labels, *, grads: bool) -> tuple[dict, dict]:
+def detector_step(model, images, mask, labels, *, grads: bool) -> tuple[dict, dict]:
     """The compared tensors of one call (fp32), and the parameter gradients of its loss."""
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(grads):
-        out = model(pixel_values=images, pixel_mask=mask, labels=[dict(t) for t in labels])
+        out = model(pixel_values=images, pixel_mask=mask, labels=[{k: v.to(images.dtype) if v.is_floating_point() else v
+                                                                   for k, v in t.items()} for t in labels])
     t = {"logits": out.logits, "pred_boxes": out.pred_boxes, "loss": out.loss.reshape(1),
          **{f"loss_dict[{k}]": torch.as_tensor(v).reshape(1) for k, v in out.loss_dict.items()}}
     for i, aux in enumerate(out.auxiliary_outputs or []):
@@ -82,7 +84,23 @@ def _run(model, images, mask, labels, *, grads: bool) -> tuple[dict, dict]:
     return {k: v.detach().float() for k, v in t.items()}, g
 
 
-def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], trained: set, users: dict) -> list[str]:
+def original_rounding(ref, images, mask, labels) -> tuple[dict, dict]:
+    """The original's gradients on its users' kernels (transformers' SDPA) and in fp64: what its own
+    fp32 rounding measurably is (``equivalence.compare_grads``' ``kernels`` and ``exact``)."""
+    users = copy.deepcopy(ref)
+    users.config._attn_implementation = "sdpa"  # the DETR attention reads it per call (its ResNet backbone has none)
+    users_grads = detector_step(users, images, mask, labels, grads=True)[1]
+    exact = copy.deepcopy(ref).double()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the loss makes its class weights in the default dtype
+    try:
+        exact_grads = detector_step(exact, images.double(), mask, labels, grads=True)[1]
+    finally:
+        torch.set_default_dtype(default)
+    return users_grads, exact_grads
+
+
+def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], trained: set, rounding: tuple[dict, dict]) -> list[str]:
     out, g = got
     ref, r_grads = want
     problems = []
@@ -95,13 +113,14 @@ def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], traine
     if g and all(torch.isfinite(v).all() for v in r_grads.values()):
         if set(g) != trained:
             problems.append(f"{label}: gradients of {sorted(set(g) ^ trained)[:4]} where the config trains otherwise")
-        c = equivalence.compare_grads("grads", g, {k: r_grads[k] for k in g}, kernels={k: users[k] for k in g} if set(g) <= set(users) else None)
+        users, exact = ({k: r[k] for k in g if k in r} for r in rounding)
+        c = equivalence.compare_grads("grads", g, {k: r_grads[k] for k in g}, kernels=users, exact=exact)
         if not c.passed:
-            problems.append(f"{label}: grads err {c.err:.3g} > {c.bound:.3g} ({c.worst}; the original's own kernels: {c.peer_err:.3g})")
+            problems.append(f"{label}: grads err {c.err:.3g} > {c.bound:.3g} ({c.worst}; the original's own rounding: {c.peer_err:.3g})")
     return problems
 
 
-def _nontrivial(ref) -> None:
+def nontrivial_statistics(ref) -> None:
     """BatchNorm statistics and biases that random init leaves at 0 / 1."""
     with torch.no_grad():
         for name, b in ref.named_buffers():
@@ -127,8 +146,6 @@ def _check_detection(family: str, data) -> None:
     spec = SPECS[family]
     cls = spec.config_class
     fixed = {f.name: 0.0 for f in dataclasses.fields(cls) if "dropout" in f.name}  # a deterministic step
-    # gradient checkpointing fails inside torch with the nested backend (tests/test_fuzz_found.py): drawn once served or refused
-    fixed["gradient_checkpointing"] = False
     cfg = data.draw(configs(spec, fixed=fixed, small=True), label="config")
     torch.manual_seed(data.draw(st.integers(0, 2**16), label="weights seed"))
     try:
@@ -136,7 +153,7 @@ def _check_detection(family: str, data) -> None:
     except Exception:  # noqa: BLE001 -- the original cannot build it (transformers' timm path names standard ResNets only)
         count(f"equivalence/{family}", original_refused=1)
         assume(False)
-    _nontrivial(ref)
+    nontrivial_statistics(ref)
     for p in ref.parameters():  # every gradient, whatever the config freezes (see the module docstring)
         p.requires_grad_(True)
     train = data.draw(st.booleans(), label="train mode")
@@ -154,18 +171,15 @@ def _check_detection(family: str, data) -> None:
     trained = {n for n, p in fastzoo_model(cfg["loss"]).named_parameters() if p.requires_grad}
     images, mask, labels = data.draw(detection_input(models[cfg["loss"]].config), label="inputs")
     try:
-        want = _run(ref, images, mask, labels, grads=True)
+        want = detector_step(ref, images, mask, labels, grads=True)
     except Exception:  # noqa: BLE001 -- the original cannot run it: fastzoo runs it or refuses it by name
         count(f"equivalence/{family}", original_refused=1)
         try:
-            _run(models[cfg["loss"]], images, mask, labels, grads=True)
+            detector_step(models[cfg["loss"]], images, mask, labels, grads=True)
         except (ValueError, FastzooError):
             pass
         assume(False)
-    users = copy.deepcopy(ref)  # the original on its users' kernels: its own fp32 disagreement widens the bound
-    users.config._attn_implementation = "sdpa"  # the DETR attention reads it per call (its ResNet backbone has none)
-    users_grads = _run(users, images, mask, labels, grads=True)[1]
-    del users
+    rounding = original_rounding(ref, images, mask, labels)
     start = modes.index(cfg["loss"])
     failures, compared, refused = [], 0, 0
     for i, (name, options) in enumerate(CPU_BACKENDS):  # backend i in GIoU mode start + i: each mode on some
@@ -180,23 +194,20 @@ def _check_detection(family: str, data) -> None:
         grads = "cpu" in get_backend(name, **options).capabilities.backward
         if not grads:  # forward-only here: the backward must be refused by name, the forward must match
             try:
-                _run(model, images, mask, labels, grads=True)
+                detector_step(model, images, mask, labels, grads=True)
                 failures.append(f"{label}: ran a backward that its capabilities say it has not on cpu")
             except BackendUnavailableError:
                 pass
-        got = _run(model, images, mask, labels, grads=grads)
-        failures += _compare(label, got, (want[0], want[1] if grads else {}), trained, users_grads)
+        got = detector_step(model, images, mask, labels, grads=grads)
+        failures += _compare(label, got, (want[0], want[1] if grads else {}), trained, rounding)
         compared += 1
     count(f"equivalence/{family}", examples=1, cases=compared, refused=refused, mismatches=len(failures))
     assert not failures, f"config {cfg}, mask {mask is not None}, boxes {[len(t['boxes']) for t in labels]}: " + "; ".join(
         failures)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(
-    strict=False, reason="found by the long profile, open: the packed encoder (varlen) gives input_projection.weight a "
-    "gradient 1.42e-4 of the rule's scale from transformers' (padded image, 2 images with 2 and 0 boxes), where "
-    "transformers' own eager and SDPA agree to 2.1e-7 and fastzoo's nested passes: undiagnosed")) for f in FAMILIES])
-@examples(ci=3, long=240)
+@pytest.mark.parametrize("family", FAMILIES)
+@examples(ci=3, long=280)
 @given(data=st.data())
 def test_a_detector_equals_the_original_for_any_config_and_input(family, data):
     check_detection(family, data)

@@ -1,7 +1,8 @@
 """Property: one model run from several threads at once, with ``set_attention`` switching it
 between the backends that accept it in between, gives each thread the result a serial run gives.
 
-A random valid config of each family with attention layers, a random input per thread, a random
+A random valid config of each family with attention layers, a random input per thread (a detector:
+padded images of two sizes, so packed and padded backends take other paths), a random
 schedule of switches (which backends, how many, pinned SDPA kernels included); every forward's logits
 must be within the fp32 rule (1e-4 times the logits' scale, at least 1: the backends compute the same
 function up to summation order) of the serial result; after the switches stop every layer is on the
@@ -25,13 +26,19 @@ from fastzoo import equivalence
 from fastzoo.errors import BackendUnavailableError
 from fastzoo.layers.attention import UsesAttention
 
-FAMILIES = [f for f, s in SPECS.items() if s.task.name in ("image-classification", "causal-lm")]
+FAMILIES = [f for f, s in SPECS.items() if s.task.name in ("image-classification", "causal-lm", "detection")]
 CPU_BACKENDS = backends()  # pinned SDPA kernels (sdpa_backend=) included: their flags are process-wide
 
 
 def _input(model, family, draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16), label="input seed"))
     cfg = model.config
+    if SPECS[family].task.name == "detection":  # padded images: the packed backends get each image's real tokens
+        B, H, W = draw(st.integers(1, 2)), draw(st.integers(32, 64), label="height"), draw(st.integers(32, 64), label="width")
+        mask = torch.zeros(B, H, W, dtype=torch.long)
+        for i in range(B):
+            mask[i, :draw(st.integers(H // 2, H)), :draw(st.integers(W // 2, W))] = 1
+        return (), {"pixel_values": torch.randn(B, cfg.num_channels, H, W, generator=gen), "pixel_mask": mask}
     if SPECS[family].task.name == "image-classification":
         side = getattr(cfg, "img_size", None) or (32, 32)
         return (torch.randn(draw(st.integers(1, 2)), cfg.in_chans, *side, generator=gen),), {}

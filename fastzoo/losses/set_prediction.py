@@ -224,9 +224,11 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
     target_LBQ = torch.full((L, B, Q + 1), C, dtype=torch.long, device=device)
     target_LBQ.scatter_(2, torch.where(matched_LBM, q_LBM, Q), t.labels_BM[None].expand(L, B, M))
     target_LBQ = target_LBQ[..., :Q]
-    weight = torch.ones(C + 1, device=device, dtype=logits_LBQC.dtype)
-    weight[C] = eos_coefficient
     ce_LBQ = F.cross_entropy(logits_LBQC.flatten(0, 2), target_LBQ.flatten(), reduction="none").view(L, B, Q)
+    # the class weights in the loss's precision (fp32 under autocast, as transformers' weighted cross-entropy):
+    # in bf16, 0.1 is 0.1001 and a sum of a hundred of them is off by 2e-3
+    weight = torch.ones(C + 1, device=device, dtype=ce_LBQ.dtype)
+    weight[C] = eos_coefficient
     w_LBQ = weight[target_LBQ]
     loss_ce = (ce_LBQ * w_LBQ).sum((1, 2)) / w_LBQ.sum((1, 2))
 
