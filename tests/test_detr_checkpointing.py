@@ -1,8 +1,9 @@
 """DETR's gradient checkpointing, transformers' switch (``gradient_checkpointing_enable``): the
 encoder and decoder layers recompute their activations in the backward, and every gradient equals
 the run that kept them (dropout on: the recompute draws the same masks), for both variants of
-``torch.utils.checkpoint``, on padded and packed (varlen) encoder tokens; with transformers'
-``Trainer`` it trains the steps the plain model trains."""
+``torch.utils.checkpoint``, on padded and packed (varlen) encoder tokens, and for the reentrant one
+on jagged NestedTensors (nested refuses the non-reentrant one: tests/test_fuzz_found.py); with
+transformers' ``Trainer`` it trains the steps the plain model trains."""
 import copy
 
 import pytest
@@ -46,8 +47,8 @@ def _model(attn="sdpa"):
     return fastzoo.create("detr", **TINY, attn=attn, dropout=0.1, auxiliary_loss=True, freeze_backbone="none").train()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("attn, reentrant", [("sdpa", False), ("sdpa", True), ("varlen", False), ("varlen", True),
+                                             ("nested", True)])
 def test_gradients_equal_the_run_without_checkpointing(attn, reentrant):
     plain = _model(attn)
     ckpt = copy.deepcopy(plain)

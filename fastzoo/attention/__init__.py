@@ -111,7 +111,8 @@ __all__ = [
 
 
 MATRIX_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen",
-                  "kv cache", "gqa", "window", "softcap", "score_mod", "dropout", "backward", "compile", "head dim", "verified")
+                  "kv cache", "gqa", "window", "softcap", "score_mod", "dropout", "backward", "checkpoint", "compile",
+                  "head dim", "verified")
 
 
 def capability_matrix() -> list[dict]:
@@ -150,6 +151,7 @@ def _matrix_row(label: str, backend: AttentionBackend) -> dict:
         "score_mod": yes(caps.score_mod),
         "dropout": yes(caps.dropout),
         "backward": "/".join(caps.backward) or "no",
+        "checkpoint": "yes" if caps.checkpoint else "reentrant only",
         "compile": yes(caps.compile),
         "head dim": head,
         "verified": caps.verified,

@@ -75,6 +75,9 @@ class Capabilities:
     softcap: bool = False  # scores soft-capped, cap * tanh(score / cap), before the mask (ctx.softcap)
     dropout: bool = True  # attention dropout (ctx.dropout_p > 0)
     backward: tuple[str, ...] = ("cpu", "cuda")  # device types on which backward works
+    # runs inside non-reentrant torch.utils.checkpoint (gradient checkpointing): what it saves for the
+    # backward passes checkpoint's hooks and is recomputed alike
+    checkpoint: bool = True
     compile: bool = True
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
@@ -152,6 +155,7 @@ class AttnRequest:
     device: str | None = None
     dtype: torch.dtype | None = None
     backward: bool | None = None
+    checkpoint: bool = False  # the layers run inside non-reentrant torch.utils.checkpoint (gradient checkpointing)
     at_call: bool = False  # made from one call's tensors (AttentionBackend.call_request): wording of refusals
 
 
@@ -329,6 +333,11 @@ def capability_problems(caps: Capabilities, req: AttnRequest) -> list[str]:
     if req.backward and dev is not None and dev not in caps.backward:
         problems.append(f"has no backward on {dev}: run under torch.no_grad() / inference_mode, or pick another backend"
                         if at_call else f"has no backward on {dev} (backward on: {'/'.join(caps.backward) or 'none'})")
+    if req.checkpoint and not caps.checkpoint:
+        problems.append("cannot run inside non-reentrant gradient checkpointing (torch.utils.checkpoint), which this "
+                        "model asks for: call gradient_checkpointing_disable(), pass gradient_checkpointing_kwargs="
+                        "{'use_reentrant': True} where the model takes it, or pick a backend with checkpoint (eager, "
+                        "sdpa, varlen)")
     return problems
 
 

@@ -31,6 +31,10 @@ class NestedBackend(AttentionBackend):
     capabilities = Capabilities(
         devices={"cpu": FLOATS, "cuda": FLOATS}, padding_mask=False, varlen=True, kv_cache=True,
         head_dim_on=(("cuda", 1, 8),),  # jagged SDPA's flash / efficient kernels: head dim a multiple of 8
+        # non-reentrant torch.utils.checkpoint reads the shape of each tensor saved for the backward, which
+        # the strided NestedTensors of CPU's jagged math have none of, and its recompute builds new jagged
+        # tensors whose ragged size is another symbol than the saved graph's (torch 2.14)
+        checkpoint=False,
         verified="CPU fp32 (torch 2.14.1); H100 (torch 2.11): GPT-2 bf16 packed, ViT-B/16 (dense: no padding)",
     )
 

@@ -5,10 +5,9 @@ The fused path follows Liger-Kernel's fused linear cross-entropy and Apple's Cut
 Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"):
 the logits are computed one ``[rows, cols]`` block at a time (tokens x vocabulary), never all
 at once. A first pass keeps each token's running ``logsumexp`` (online softmax); a second pass
-recomputes each block, turns it into ``softmax`` in place and adds it into the gradients of
-``hidden`` and ``weight`` right there, in the forward; the ``- onehot(target)`` part is added
-once after the blocks (the target's weight row into each token's gradient, the token's hidden
-state into its target's row), and each target's logit is its hidden state dotted with that row.
+recomputes each block, turns it into ``softmax - onehot(target)`` in place and adds it into the
+gradients of ``hidden`` and ``weight`` right there, in the forward; each target's logit is its
+hidden state dotted with the target's row of the weight.
 The backward then only scales those saved gradients by the upstream gradient. The peak is the
 two gradients (which any path returns) plus one block no larger than ``hidden`` (at or below
 torch's chunked op). The first pass runs before the gradients exist, so its blocks may hold as
@@ -27,7 +26,10 @@ as fast as the logits path or faster on a CPU for a fraction of its memory
 - ``"auto"``: the fastest on the device (:data:`AUTO_IMPL`, from ``benchmarks/results``).
 
 Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as the
-reference does; the loss is fp32.
+reference does; the loss is fp32. As in the reference's backward, ``softmax - onehot`` is formed
+in fp32 and only then rounded to the matmuls' dtype: a confident token's gradient
+(``p - 1 -> 0``) stays small instead of the difference of two rounded terms of size 1 (a loss
+constant in the weights, a one-class vocabulary, has gradients of exactly 0, as the reference's).
 
 ``softcap`` (Gemma's ``final_logit_softcapping``): the loss of the capped logits
 ``cap * tanh(logits / cap)``, still one block at a time: each block is capped where it is
@@ -222,11 +224,14 @@ def scratch_rows(vocab: int, acc: torch.dtype) -> int:
 def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows: int, acc: torch.dtype):
     """Per-token loss and the gradients of ``c * sum_i loss_i`` over the valid tokens, in one pass
     over token chunks (Liger-Kernel's order: three matmuls). Each chunk's ``[rows, V]`` logits turn
-    into ``exp(logit - max)`` in place; the softmax's ``1 / sum`` is folded into per-row scales of
-    the ``[rows, D]`` operands and results, so the block is never normalised. Below fp32 the
-    exponentials are taken a few rows at a time in an fp32 scratch (:func:`scratch_rows`) and
-    written back in the matmuls' dtype. One chunk (every token) writes the weight's gradient once, in the matmuls'
-    dtype, as the reference's backward does; several add into an ``acc`` accumulator."""
+    into ``exp(logit - max)`` in place, less the row's ``sum`` at its target (``sum * (softmax -
+    onehot)``). In fp32 the rest of ``d loss / d logits`` (``1 / sum`` and the token's weight) is
+    folded into per-row scales of the ``[rows, D]`` operands and results, so the block is never
+    normalised. Below fp32 the exponentials are taken a few rows at a time in an fp32 scratch
+    (:func:`scratch_rows`), scaled there and rounded once to the matmuls' dtype, as the reference's
+    backward rounds its ``d loss / d logits``. One chunk (every token) writes the weight's gradient
+    once, in the matmuls' dtype, as the reference's backward does; several add into an ``acc``
+    accumulator."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
     dt = h_ND.dtype
@@ -241,29 +246,29 @@ def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows
     for s, e in _spans(n, rows):
         t_c, valid_c = safe_t_N[s:e], valid_N[s:e]
         logits = torch.mm(h_ND[s:e], w_VD.T, out=block[: (e - s) * v].view(e - s, v))
-        inv_z = torch.empty(e - s, 1, dtype=acc, device=h_ND.device)
+        k = valid_c.to(acc)[:, None] * c  # d (c * sum loss) / d loss_i
+        row_scale = None if low else torch.empty(e - s, 1, dtype=acc, device=h_ND.device)  # k / sum, per row
         for a, b in _spans(e - s, sub):
             x = scratch[: (b - a) * v].view(b - a, v).copy_(logits[a:b]) if low else logits[a:b]
             picked = x.gather(1, t_c[a:b, None]).squeeze(1)
             m = x.amax(1, keepdim=True)
             z = torch.exp(x.sub_(m), out=x).sum(1, keepdim=True)
             loss_N[s + a:s + b] = torch.where(valid_c[a:b], m.squeeze(1) + z.squeeze(1).log() - picked, 0.0)
-            inv_z[a:b] = z.reciprocal()
-            if low:
-                logits[a:b].copy_(x)
-        k = valid_c.to(acc)[:, None] * c  # d (c * sum loss) / d loss_i
-        if want_h:  # (exp @ W) / z - W[target], per valid row
-            g = torch.mm(logits, w_VD).to(acc).mul_(inv_z).sub_(w_VD[t_c].to(acc))
-            grad_h[s:e] = g.mul_(k)
-        if want_w:  # exp^T @ (h / z) - onehot^T @ h, per valid row
-            h_k = h_ND[s:e].to(acc) * k
-            h_kz = (h_k * inv_z).to(dt)
+            x.scatter_add_(1, t_c[a:b, None], -z)  # - onehot, before any rounding to the matmuls' dtype
+            if low:  # scaled and rounded in one op
+                torch.mul(x, k[a:b] / z, out=logits[a:b])
+            else:
+                row_scale[a:b] = k[a:b] / z
+        if want_h:  # (d loss / d logits) @ W
+            g = torch.mm(logits, w_VD)
+            grad_h[s:e] = g.to(acc) if low else g.mul_(row_scale)
+        if want_w:  # (d loss / d logits)^T @ h
+            h_c = h_ND[s:e] if low else h_ND[s:e] * row_scale
             if grad_w is None:  # the first chunk's product starts the gradient (in acc when more follow)
-                grad_w = torch.mm(logits.T, h_kz)
+                grad_w = torch.mm(logits.T, h_c)
                 grad_w = grad_w if whole else grad_w.to(acc)
             else:
-                grad_w.add_(logits.T @ h_kz) if low else grad_w.addmm_(logits.T, h_kz)
-            grad_w.index_add_(0, t_c, h_k.to(grad_w.dtype), alpha=-1)
+                grad_w.add_(logits.T @ h_c) if low else grad_w.addmm_(logits.T, h_c)
     if want_w and grad_w is None:  # no tokens
         grad_w = torch.zeros_like(w_VD)
     return loss_N, grad_h, grad_w
@@ -314,15 +319,14 @@ def _logsumexp_pass(h_ND, w_VD, rows: int, cols: int, acc: torch.dtype, cap: flo
 TARGET_ROWS = 512  # tokens per step of the target terms below: a [512, D] temporary at most
 
 
-def _target_logits(h_ND, w_VD, safe_t_N, acc: torch.dtype, cap: float | None = None, capped: bool = True):
+def _target_logits(h_ND, w_VD, safe_t_N, acc: torch.dtype, cap: float | None = None):
     """Per token, the logit of its target: its hidden state dotted with the target's row of the
-    weight, rounded to the matmuls' dtype as the logits blocks are (soft-capped at ``cap`` if
-    ``capped``)."""
+    weight, rounded to the matmuls' dtype as the logits blocks are (soft-capped at ``cap``)."""
     picked_N = torch.empty(h_ND.shape[0], dtype=acc, device=h_ND.device)
     for s, e in _spans(h_ND.shape[0], TARGET_ROWS):
         dot = (h_ND[s:e].to(acc) * w_VD[safe_t_N[s:e]].to(acc)).sum(1)
         picked_N[s:e] = dot.to(h_ND.dtype).to(acc)
-    if cap is not None and capped:
+    if cap is not None:
         picked_N = softcap_logits(picked_N, cap)
     return picked_N
 
@@ -330,10 +334,9 @@ def _target_logits(h_ND, w_VD, safe_t_N, acc: torch.dtype, cap: float | None = N
 def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool, rows: int, cols: int,
                acc: torch.dtype, cap: float | None = None):
     """Gradients of ``sum_i scale_N[i] * loss_i`` with respect to h and w: ``d loss / d logits =
-    softmax - onehot(target)``. The softmax part one logits block at a time, read from the saved
-    ``lse_N``, the vocabulary the outer loop so that each block of the weight's gradient is
-    written once, whole; the onehot part once, after the blocks (a row of the weight per token for
-    h, the token's hidden state added into its target's row for w)."""
+    softmax - onehot(target)``, one logits block at a time, read from the saved ``lse_N`` (the
+    onehot in the block holding the target's column, in fp32), the vocabulary the outer loop so
+    that each block of the weight's gradient is written once, whole."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
     low = h_ND.dtype != acc
@@ -342,6 +345,9 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
     grad_h = torch.zeros(n, d, dtype=acc, device=h_ND.device) if want_h else None
     grad_w = torch.empty(v, d, dtype=acc, device=h_ND.device) if want_w else None
     for a, b in _spans(v, cols):
+        # each token's target as a column of this block (0 where outside it: a no-op, no host sync)
+        col_N = (safe_t_N - a).clamp_(0, b - a - 1)[:, None]
+        minus_onehot_N = ((safe_t_N >= a) & (safe_t_N < b)).to(acc).neg_()[:, None]
         for s, e in _spans(n, rows):
             logits = torch.mm(h_ND[s:e], w_VD[a:b].T, out=buf.mm(e - s, b - a))
             g = buf.acc(logits)
@@ -349,7 +355,8 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
                 tanh = g.div_(cap).tanh_()
                 slope = 1 - tanh.square()
                 g = tanh.mul_(cap)
-            g.sub_(lse_N[s:e, None]).exp_().mul_(scale_N[s:e, None])  # softmax, scaled per token
+            g.sub_(lse_N[s:e, None]).exp_().scatter_add_(1, col_N[s:e], minus_onehot_N[s:e])  # softmax - onehot
+            g.mul_(scale_N[s:e, None])  # scaled per token
             if cap is not None:
                 g.mul_(slope)
             g = logits.copy_(g) if low else g  # the matmuls' dtype
@@ -365,15 +372,6 @@ def _grad_pass(h_ND, w_VD, safe_t_N, lse_N, scale_N, want_h: bool, want_w: bool,
                     grad_w[a:b].addmm_(g.T, h_ND[s:e])
                 else:
                     torch.mm(g.T, h_ND[s:e], out=grad_w[a:b])
-    del buf, logits, g  # the block's room is the onehot part's
-    if cap is not None:  # the target's logit's cap derivative
-        scale_N = scale_N * (1 - (_target_logits(h_ND, w_VD, safe_t_N, acc, cap, capped=False) / cap).tanh().square())
-    for s, e in _spans(n, TARGET_ROWS):  # - onehot(target), scaled per token
-        c = scale_N[s:e, None]
-        if want_h:
-            grad_h[s:e].sub_(w_VD[safe_t_N[s:e]].to(acc) * c)
-        if want_w:
-            grad_w.index_add_(0, safe_t_N[s:e], h_ND[s:e].to(acc) * c, alpha=-1)
     return grad_h, grad_w
 
 
@@ -445,12 +443,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                    "use impl='reference' for retain_graph=True")
             ctx.consumed = True
             grad_h, grad_w = ctx.saved_tensors
-            g = grad_out.to(grad_w.dtype if grad_w is not None else grad_h.dtype)
-            grad_h = grad_h.mul_(g) if grad_h is not None else None
-            grad_w = grad_w.mul_(g) if grad_w is not None else None
+            return _times(grad_h, grad_out, ctx.h_dtype), _times(grad_w, grad_out, ctx.w_dtype), *[None] * 6
         grad_h = grad_h.to(ctx.h_dtype) if grad_h is not None else None
         grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _times(grad, grad_out, dtype):
+    """``grad * grad_out`` in ``dtype``, in place, in the wider of ``grad``'s dtype and ``dtype``: the
+    upstream gradient (``1 / num_items_in_batch``, say) is never rounded below the result's dtype."""
+    if grad is None:
+        return None
+    if torch.promote_types(grad.dtype, dtype) == dtype:  # cast up first (a cast the result needs anyway)
+        return grad.to(dtype).mul_(grad_out.to(dtype))
+    return grad.mul_(grad_out.to(grad.dtype)).to(dtype)
 
 
 LINEAR_CE = Loss(

@@ -1,6 +1,7 @@
 """What every fastzoo model shares: a config, a swappable attention backend, save/load."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -39,7 +40,8 @@ class FastzooModel(nn.Module):
         even for inference), so backends check that per call, before running. The attention
         dropout the layers are configured with is part of the request: a backend without
         dropout is refused for such a model, naming the config field to set to 0; so is a
-        layer's ``sliding_window`` (backends without ``window`` are refused) and ``softcap``.
+        layer's ``sliding_window`` (backends without ``window`` are refused) and ``softcap``, and
+        whether the layers run inside non-reentrant gradient checkpointing (:meth:`attention_checkpointed`).
         """
         from fastzoo.layers.attention import UsesAttention
 
@@ -55,7 +57,22 @@ class FastzooModel(nn.Module):
         dropout = {} if most is None else {"attn_dropout": most.attn_dropout_p, "attn_dropout_field": most.attn_dropout_field}
         window = {"window": True} if any(m.sliding_window is not None for m in layers) else {}
         softcap = {"softcap": True} if any(m.softcap is not None for m in layers) else {}
-        return AttnRequest(device=device, dtype=dtype, **{**dropout, **window, **softcap, **self.attention_needs()})
+        return AttnRequest(device=device, dtype=dtype, checkpoint=self.attention_checkpointed(),
+                           **{**dropout, **window, **softcap, **self.attention_needs()})
+
+    def attention_checkpointed(self) -> bool:
+        """Whether the attention layers run inside non-reentrant ``torch.utils.checkpoint`` (a family
+        with gradient checkpointing says)."""
+        return False
+
+    def check_checkpointing(self, non_reentrant: bool) -> None:
+        """A family's gradient-checkpointing switch asks this before it turns checkpointing on: a
+        backend that cannot run inside the non-reentrant kind is refused here, by name
+        (``BackendUnavailableError``), and nothing changes; ``set_attention`` refuses it the other
+        way round."""
+        backend = self.attention_backend
+        if non_reentrant and backend is not None:
+            backend.check(dataclasses.replace(self.attention_request(), checkpoint=True))
 
     def set_attention(self, name: str | None, *, device=None, dtype=None, **options) -> "FastzooModel":
         """Switch every attention layer to backend ``name`` (options are the backend's own; None: the

@@ -125,7 +125,11 @@ class TimmModelAPI:
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block in backward instead of storing its activations (timm's
         ``checkpoint_seq``: non-reentrant, RNG state kept, so gradients are unchanged)."""
+        self.check_checkpointing(non_reentrant=bool(enable))
         self.grad_checkpointing = bool(enable)
+
+    def attention_checkpointed(self) -> bool:
+        return self.grad_checkpointing
 
     def _run_block(self, block, *args):
         if self.grad_checkpointing and torch.is_grad_enabled():

@@ -295,8 +295,9 @@ class CausalLMConventions:
             raise ValueError("offload=True: fastzoo's decoders do not offload checkpointed activations; leave it False")
         if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
             raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
-        self._checkpoint_kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
-        self._checkpoint_every = every_n_layers
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        self.check_checkpointing(non_reentrant=not kwargs["use_reentrant"])
+        self._checkpoint_kwargs, self._checkpoint_every = kwargs, every_n_layers
         self._gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self):
@@ -305,6 +306,9 @@ class CausalLMConventions:
     @property
     def is_gradient_checkpointing(self) -> bool:
         return self._gradient_checkpointing
+
+    def attention_checkpointed(self) -> bool:
+        return self._gradient_checkpointing and not self._checkpoint_kwargs["use_reentrant"]
 
     def enable_input_require_grads(self):
         """transformers' (PEFT calls it with gradient checkpointing): the token embeddings'

@@ -203,7 +203,9 @@ class DetrForObjectDetection(FastzooModel):
             raise ValueError("offload=True: fastzoo's DETR does not offload checkpointed activations; leave it False")
         if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
             raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
-        func = partial(checkpoint, **{"use_reentrant": False, **(gradient_checkpointing_kwargs or {})})
+        kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
+        self.check_checkpointing(non_reentrant=not kwargs["use_reentrant"])
+        func = partial(checkpoint, **kwargs)
         for stack in (self.model.encoder.layers, self.model.decoder.layers):
             for i, layer in enumerate(stack):
                 layer._gradient_checkpointing_func = func
@@ -217,6 +219,10 @@ class DetrForObjectDetection(FastzooModel):
     @property
     def is_gradient_checkpointing(self) -> bool:
         return any(getattr(m, "gradient_checkpointing", False) for m in self.modules())
+
+    def attention_checkpointed(self) -> bool:
+        return any(layer.gradient_checkpointing and not layer._gradient_checkpointing_func.keywords["use_reentrant"]
+                   for stack in (self.model.encoder.layers, self.model.decoder.layers) for layer in stack)
 
     def enable_input_require_grads(self):
         """transformers' (PEFT calls it with gradient checkpointing): the input projection's output
