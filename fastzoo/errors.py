@@ -65,4 +65,9 @@ class UnknownFieldError(FastzooError, TypeError):
 
 
 class CheckpointError(FastzooError, ValueError):
-    """A checkpoint cannot be read or does not fit the model. Nothing was loaded."""
+    """A checkpoint cannot be read or does not fit the model. Nothing was loaded. ``fields``: the
+    model config's fields at fault, where a config cannot be written in a checkpoint's format."""
+
+    def __init__(self, message: str, *, fields=()):
+        super().__init__(message)
+        self.fields = tuple(fields)

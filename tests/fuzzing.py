@@ -127,14 +127,19 @@ def _described(tp) -> bool:
     return True
 
 
-def _variant_values(spec, name: str, base) -> list:
-    """``base`` and each distinct value the spec's variants give field ``name`` (a ResNet's
-    ``hf_config``: none, or the transformers config it stands in for, whose sizes the other fields set)."""
-    out = [base]
+def _variant_base(spec, hints, base: dict):
+    """A strategy for the fields a variant brings to the tiny config: none half the time, else those of a
+    variant whose fields of a type the declarations do not describe (a ResNet's or ViT's ``hf_config``)
+    differ from ``base``'s: that variant's config under ``base``'s sizes (a variant without a head keeps
+    none), so that the other fields start as the network the variant's ``hf_config`` names."""
+    undescribed = [name for name, tp in hints.items() if not _described(tp)]
+    out = []
     for v in spec.variants:
-        if name in v.config and v.config[name] not in out:
-            out.append(v.config[name])
-    return out
+        if any(name in v.config and v.config[name] != base[name] for name in undescribed):
+            own = {k: x for k, x in v.config.items() if k not in spec.tiny or k == "num_classes" and x == 0}
+            if own not in out:
+                out.append(own)
+    return st.one_of(st.just({}), st.sampled_from(out)) if out else st.just({})
 
 
 def _order(fields) -> list:
@@ -164,37 +169,39 @@ def non_default(spec, cfg: dict) -> dict:
 
 
 @st.composite
-def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30,
-            variant_values: bool = False):
+def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, small: bool = False, redraws: int = 30):
     """A valid config (a dict of the original library's field names) of ``spec``'s family: each
     field its ``base`` value (default: the spec's tiny config over the class defaults) or a
     value drawn from its declaration; ``fixed``: fields left as given. ``small``: a size the tiny
     config leaves at a default above :data:`SMALL` (a ResNet's stage widths) is drawn up to
-    :data:`SMALL` too (for properties where the original, which may need the default, is not built).
-    ``variant_values``: a field of a type the declarations do not describe (a dict of settings) takes
-    its tiny value or one a variant gives it (a ResNet's or ViT's ``hf_config``: transformers' original
-    then); else its tiny value."""
+    :data:`SMALL` too (for properties where the original, which may need the default, is not built),
+    and only a refused config's redrawn field may take its default again.
+    A field of a type the declarations do not describe (a dict of settings) is not drawn: it keeps its
+    tiny value, or half the time a variant's, whose fields become the base of the others
+    (:func:`_variant_base`; a ResNet's or ViT's ``hf_config``: transformers' class is the original then).
+    A config refused naming such a field and others has the others redrawn."""
     cls = spec.config_class
     hints = typing.get_type_hints(cls)
     fields = _order(dataclasses.fields(cls))
     defaults = {f.name: f.default for f in fields}
     base = {**defaults, **dict(spec.tiny), **(base or {})}
+    base = {**base, **draw(_variant_base(spec, hints, base), label="variant fields")}
     base = {k: tuple(v) if isinstance(v, list) else v for k, v in base.items()}
     fixed = dict(fixed or {})
     values: dict = {}
 
-    def draw_field(f):
+    def draw_field(f, redraw=False):
         if f.name in fixed:
             values[f.name] = fixed[f.name]
             return
-        if variant_values and not _described(hints[f.name]):
-            values[f.name] = draw(st.sampled_from(_variant_values(spec, f.name, base[f.name])))
+        if not _described(hints[f.name]):
+            values[f.name] = base[f.name]
             return
         target = f.metadata.get("multiple_of")
         multiple = values.get(target) if target else None
         keep = draw(st.booleans())
         b = base[f.name]
-        if small and f.name not in spec.tiny and any(isinstance(v, int) and not isinstance(v, bool) and v > SMALL
+        if small and not redraw and f.name not in spec.tiny and any(isinstance(v, int) and not isinstance(v, bool) and v > SMALL
                                                      for v in (b if isinstance(b, tuple) else (b,))):
             keep, b = False, tuple(min(v, SMALL) for v in b) if isinstance(b, tuple) else min(b, SMALL)
         if keep and (multiple is None or b is None or all(v % multiple == 0 for v in (b if isinstance(b, tuple) else (b,)))):
@@ -210,10 +217,11 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, sma
             return dict(values)
         except ConfigError as e:
             named = set(e.fields) or {draw(st.sampled_from([f.name for f in fields]))}
+            named = {n for n in named if _described(hints[n])} or named  # hf_config stays: its network is redrawn
             for f in fields:  # a redrawn field's multiples are redrawn after it
                 if f.name in named or f.metadata.get("multiple_of") in named:
                     named.add(f.name)
-                    draw_field(f)
+                    draw_field(f, redraw=True)  # its base value too, were it above SMALL (transformers' fixed widths)
     assume(False)
 
 

@@ -327,6 +327,55 @@ def test_a_sliding_layer_without_a_window_is_refused_where_full_layers_run():
         assert (ours(ids).logits - full(ids, use_cache=False).logits).abs().max() <= 1e-4  # the fp32 rule
 
 
+_KINDS = ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("layout", ["qwen2", "qwen3", "smollm3"])
+def test_sliding_layers_read_from_transformers_without_a_window_are_refused_as_transformers_refuses_them(layout):
+    """Found: a transformers config whose layer_types has a sliding layer but no window (sliding_window=None;
+    for qwen2 / qwen3 also use_sliding_window=False, which drops the window) was read as full attention on
+    every layer; transformers' own forward raises on it. Now the layer kinds are read as they are and the
+    config refuses them, naming sliding_window (the rule the other layouts with layer_types follow)."""
+    from test_llama import hf_model
+
+    from fastzoo.errors import CheckpointError
+
+    settings = [dict(use_sliding_window=True, sliding_window=None, layer_types=_KINDS)]
+    if layout != "smollm3":  # smollm3 keeps the window without use_sliding_window (next test)
+        settings.append(dict(use_sliding_window=False, sliding_window=4, layer_types=_KINDS))
+    ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(0))
+    for kw in settings:
+        hf = hf_model(layout, **kw)
+        assert hf.config.sliding_window is None and "sliding_attention" in hf.config.layer_types
+        with pytest.raises((TypeError, ValueError)):  # transformers' refusal, at its forward
+            hf(ids, use_cache=False)
+        with pytest.raises(CheckpointError, match="sliding_window=None with sliding_attention layers"):
+            fastzoo.create(layout, pretrained=hf)
+
+
+@pytest.mark.parametrize("layout, kw", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=None)),  # transformers: every layer full
+    ("qwen3", dict(use_sliding_window=True, sliding_window=None)),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=None)),
+    ("smollm3", dict(use_sliding_window=False, sliding_window=4, layer_types=_KINDS)),  # its masks slide layer 1
+])
+def test_sliding_settings_read_from_transformers_attend_as_transformers(layout, kw):
+    """The windowless settings transformers runs: fastzoo reads the attention transformers' eager and sdpa
+    masks give (every layer full; SmolLM3's sliding layer with its window whatever use_sliding_window
+    says) and equals it on sequences longer than the window."""
+    from test_llama import hf_model
+
+    hf = hf_model(layout, **kw)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    ours = fastzoo.create(layout, pretrained=hf, attn="eager").eval()
+    assert [ours.config.window_of(i) for i in range(2)] == [
+        hf.config.sliding_window if k == "sliding_attention" else None for k in hf.config.layer_types]
+    for attn in ("eager", "sdpa"):
+        hf.config._attn_implementation = attn
+        with torch.no_grad():
+            assert (ours(ids).logits - hf(ids, use_cache=False).logits).abs().max() <= 1e-4  # the fp32 rule
+
+
 def test_the_bf16_bound_is_the_originals_error_on_its_users_kernels_too():
     """Found: small ViTs under bf16 autocast were up to 4.5x past 3x timm's own bf16 error on sdpa /
     flex / nested (embed_dim 52 with 2 heads; img_size 8 with one head). The bound was timm's error on
@@ -436,17 +485,6 @@ def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp
     assert not equivalence.compare_grads("grads", off, want, kernels=users, exact=exact).passed
 
 
-def test_a_bottleneck_resnet_narrower_than_a_quarter_of_its_output_has_no_transformers_form():
-    """Found: out_channels=(1, 1, 1, 1) on torchvision's widths wrote a transformers config whose
-    bottlenecks have 1 // 4 = 0 channels (transformers' width is a quarter of the output): another
-    network than the one asked for. Now refused by name."""
-    from fastzoo.errors import CheckpointError
-    from fastzoo.models.resnet import hf
-
-    with pytest.raises(CheckpointError, match="a quarter of its output"):
-        hf.build(dict(TINY["resnet"], out_channels=(1, 1, 1, 1), hf_config={"architectures": ["ResNetForImageClassification"]}))
-
-
 @pytest.mark.parametrize("family", ["detr", "vit", "gpt2"])
 def test_non_reentrant_checkpointing_on_the_nested_backend_is_refused_by_name_both_ways(family):
     """Found: DETR with gradient checkpointing on the nested backend raised torch's RuntimeError in the
@@ -495,20 +533,100 @@ def test_detr_configs_that_crash_in_forward_are_refused_naming_the_field(fields,
     assert named in e.value.fields
 
 
-@pytest.mark.xfail(strict=False, reason="found, open: a ViT standing in for transformers' DINOv2 without LayerScale "
-                   "(init_values=None) fails in save_pretrained with huggingface_hub's StrictDataclassFieldValidationError")
-def test_a_vit_whose_hf_config_transformers_cannot_express_is_refused_by_name(tmp_path):
-    """Found: ``hf_config`` of a DINOv2 on a ViT without LayerScale is accepted by ``create``; ``save_pretrained``
-    then raised a bare error from transformers' config class. Refusing by name (at create or save) or saving is good."""
-    from fastzoo.errors import CheckpointError
+_DINOV2 = {"architectures": ["Dinov2Model"], "model_type": "dinov2"}
+_DINOV2_CLS = {"architectures": ["Dinov2ForImageClassification"], "model_type": "dinov2"}
+_CLIP = {"architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model"}
+_SIGLIP = {"architectures": ["SiglipVisionModel"], "model_type": "siglip_vision_model"}
+_VIT = {"architectures": ["ViTForImageClassification"], "model_type": "vit"}
+_VIT_MODEL = {"architectures": ["ViTModel"], "model_type": "vit"}
+_RESNET = {"architectures": ["ResNetForImageClassification"], "model_type": "resnet"}
+_CLIP_TOWER = dict(pre_norm=True, fc_norm=True, num_classes=0, hf_config=_CLIP)
 
-    spec = SPECS["vit"]
-    model = fastzoo.create(spec.variants[0].name, **{**spec.tiny, "init_values": None,
-                                                     "hf_config": {"architectures": ["Dinov2Model"], "model_type": "dinov2"}})
-    try:
-        model.save_pretrained(tmp_path)
-    except (CheckpointError, ConfigError):
-        pass
+
+@pytest.mark.parametrize("family, fields, named", [
+    # every field transformers' config.json writes or leaves to the class, each made to differ
+    ("vit", dict(init_values=None, num_classes=0, hf_config=_DINOV2), "init_values"),  # DINOv2 has LayerScale
+    ("vit", dict(_CLIP_TOWER, fc_norm=None), "fc_norm"),  # CLIP norms the pooled class token only, no final norm
+    ("vit", dict(_CLIP_TOWER, qkv_bias=False), "qkv_bias"),  # CLIP's q, k, v have biases
+    ("vit", dict(_CLIP_TOWER, num_classes=10), "num_classes"),  # a tower has no classifier
+    ("vit", dict(hf_config=_VIT_MODEL), "num_classes"),  # ViTModel has no classifier
+    ("vit", dict(init_values=1.0, hf_config=_DINOV2_CLS), "global_pool"),  # DINOv2's classifier: class + mean patch token
+    ("vit", dict(init_values=1.0, num_classes=0, global_pool="token_avg", hf_config=_DINOV2), "global_pool"),
+    ("vit", dict(init_values=1.0, num_classes=0, mlp_layer="swiglu_packed", mlp_ratio=2 / 64, hf_config=_DINOV2),
+     "mlp_ratio"),  # a SwiGLU width no DINOv2 mlp_ratio gives
+    ("vit", dict(init_values=1.0, num_classes=0, mlp_ratio=2.5, hf_config=_DINOV2), "mlp_ratio"),  # DINOv2's is an int
+    ("vit", dict(img_size=(32, 48), hf_config=_VIT), "img_size"),  # square images only
+    ("vit", dict(reg_tokens=1, hf_config=_VIT), "reg_tokens"),
+    ("vit", dict(no_embed_class=True, hf_config=_VIT), "no_embed_class"),
+    ("vit", dict(dist_token=True, hf_config=_VIT), "dist_token"),  # DeiT's token on ViT's class
+    ("vit", dict(pooler=True, hf_config=_VIT), "pooler"),  # the classifier's base model has no pooler
+    ("vit", dict(mask_token=True, hf_config=_VIT), "mask_token"),  # ViT's use_mask_token is no config field
+    ("vit", dict(pre_norm=True, hf_config=_VIT), "pre_norm"),
+    ("vit", dict(global_pool="avg", hf_config=_VIT), "global_pool"),
+    ("vit", dict(num_classes=0, global_pool="map", class_token=True, hf_config=_SIGLIP), "class_token"),
+    ("resnet", dict(width_per_group=13, hf_config=_RESNET), "width_per_group"),
+    ("resnet", dict(groups=2, width_per_group=32, hf_config=_RESNET), "groups"),
+    ("resnet", dict(out_channels=(1, 1, 1, 1), hf_config=_RESNET), "out_channels"),  # 1 // 4 = 0-channel bottlenecks
+    ("resnet", dict(hf_config={"architectures": ["ResNetModel"]}), "num_classes"),
+    ("resnet", dict(num_classes=0, global_pool="", hf_config={"architectures": ["ResNetModel"]}), "global_pool"),
+])
+def test_an_hf_config_its_fields_cannot_be_is_refused_when_the_config_is_made(family, fields, named):
+    """Found (the equivalence property drawing ``hf_config`` from the variants): a config whose
+    ``hf_config`` names a transformers class that is another network (a DINOv2 without LayerScale, a
+    CLIP tower with a final norm, a widened ResNet bottleneck) was accepted by ``create`` and failed
+    in ``save_pretrained`` (a bare huggingface_hub error for DINOv2). Now refused when the config is
+    made, naming ``hf_config`` and the field, by the rule ``save_pretrained`` writes with."""
+    name = {"vit": "vit_s16", "resnet": "resnet50"}[family]
+    with pytest.raises(ConfigError) as e:
+        fastzoo.create(name, device="meta", **{**TINY[family], **fields})
+    assert e.value.fields[0] == "hf_config" and named in e.value.fields, e.value.fields
+    assert named in str(e.value)
+
+
+@pytest.mark.parametrize("family, fields, kwargs", [
+    ("vit", dict(init_values=1.0, num_classes=0, hf_config=_DINOV2), {}),
+    ("vit", dict(_CLIP_TOWER), {}),
+    ("vit", dict(num_classes=0, hf_config=_VIT_MODEL), {"add_pooling_layer": False}),  # a constructor argument
+    ("vit", dict(num_classes=0, hf_config=_VIT), {}),  # transformers' classifier of 0 labels is the identity, as fastzoo's
+    ("resnet", dict(hf_config=_RESNET), {}),
+    ("resnet", dict(frozen_bn=True, hf_config=_RESNET), {}),  # a training choice: the same tensors, the same function
+])
+def test_an_hf_config_its_fields_can_be_is_written_as_that_class(family, fields, kwargs, tmp_path):
+    """The accepted side of the rule: save_pretrained writes the class, transformers reads every key."""
+    import transformers
+
+    name = {"vit": "vit_s16", "resnet": "resnet50"}[family]
+    model = fastzoo.create(name, **{**TINY[family], **fields}).eval()
+    model.save_pretrained(tmp_path)
+    arch = fields["hf_config"]["architectures"][0]
+    back, info = getattr(transformers, arch).from_pretrained(tmp_path, output_loading_info=True, **kwargs)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(pixel_values=x), back.eval()(pixel_values=x)
+    compared = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+    assert compared and [k for k, v in ours.items() if isinstance(v, torch.Tensor)] == compared
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in compared) <= 1e-4  # fp32 rule
+
+
+@pytest.mark.parametrize("name, sizes", [
+    ("google/vit-base-patch16-224", dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2)),
+    ("microsoft/resnet-50", dict(layers=(1, 1, 1, 1))),
+])
+def test_a_hub_classifier_with_other_labels_is_written_with_its_own(name, sizes, tmp_path):
+    """Found (the checkpoint property drawing the hub variants' ``hf_config``): a hub classifier given
+    num_classes=3 wrote its config.json with the hub's num_labels=1000 beside 3 labels, so transformers
+    built a 1000-way head for the 3-row weights. Now written with the model's labels."""
+    import transformers
+
+    model = fastzoo.create(name, num_classes=3, **sizes).eval()
+    model.save_pretrained(tmp_path)
+    arch = model.config.hf_config["architectures"][0]
+    back = getattr(transformers, arch).from_pretrained(tmp_path).eval()
+    assert back.config.num_labels == 3
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (back(pixel_values=x).logits - model(pixel_values=x).logits).abs().max() <= 1e-4  # fp32 rule
 
 
 def test_a_constant_loss_under_bf16_has_zero_gradients_as_the_original():

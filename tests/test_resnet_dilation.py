@@ -112,6 +112,9 @@ def test_transformers_resnet_has_no_dilation():
     with pytest.raises(ConfigError, match="transformers' ResNet has no dilated stages") as e:
         fastzoo.create("microsoft/resnet-50", output_stride=16, device="meta")
     assert set(e.value.fields) == {"output_stride", "hf_config"}
+    plain = fastzoo.create("resnet50", layers=LAYERS, output_stride=16)  # no hf_config: no transformers form to write
+    with pytest.raises(CheckpointError, match="output_stride=16"):
+        plain.hf_pretrained()
     with pytest.raises(ConfigError, match="output_stride"):
         fastzoo.create("resnet50", output_stride=4, device="meta")
 

@@ -254,16 +254,20 @@ def hf_to_fields(hf) -> dict:
               if f.name not in _READ_APART and (f.name not in _OWN_FIELDS or f.name in layout.fields) and hasattr(hf, f.name)}
     fields.update(model_type=model_type, hidden_act=getattr(hf, layout.act_field), rope_parameters=_rope_of(hf),
                   sliding_window=None, layer_types=None)
-    window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+    # the window transformers' sliding mask reads (qwen2 / qwen3 drop it without use_sliding_window; smollm3's
+    # eager and sdpa masks slide its sliding layers whatever use_sliding_window says)
+    window = getattr(hf, "sliding_window", None)
     if layout.windows == "all":
         fields["sliding_window"] = window
     elif layout.windows == "layer_types":
         kinds = list(hf.layer_types or [])
-        if ("sliding_attention" in kinds or layout.window_required) and window is not None:
+        sliding = "sliding_attention" in kinds
+        if (sliding or layout.window_required) and window is not None:
             fields["sliding_window"] = window
         per_type_rope = isinstance(fields["rope_parameters"], dict) and "full_attention" in fields["rope_parameters"]
         windowed = fields["sliding_window"] is not None and "full_attention" in kinds  # None: every layer slides
-        if windowed or len(set(kinds)) > 1 and per_type_rope:
+        unwindowed = sliding and window is None  # kept, so that the config refuses it as transformers' forward does
+        if windowed or unwindowed or len(set(kinds)) > 1 and per_type_rope:
             fields["layer_types"] = tuple(kinds)
     if model_type == "smollm3":  # stated either way: a variant's own list must not outlive another depth
         fields["no_rope_layers"] = None if all(hf.no_rope_layers) else tuple(hf.no_rope_layers)

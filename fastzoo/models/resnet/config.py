@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from fastzoo.errors import ConfigError
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.resnet.hf_config import check as check_hf_config
 
 EXPANSION = {"basic": 1, "bottleneck": 4}  # a block's output channels per unit of its stage's ``channels``
 
@@ -61,7 +62,8 @@ class ResNetConfig(ModelConfig):
     zero_init_residual: bool = free(False, "init each block's last BN to 0 (init only)")
     frozen_bn: bool = free(False, "BN uses running statistics in train mode too, affine not trained (FrozenBatchNorm2d)")
     hf_config: dict | None = free(None, "the transformers config this model came from or stands in for (its class, "
-                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it")
+                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it; "
+                                  "refused where its class is another network than the other fields'")
 
     def validate(self):
         if len(self.layers) != len(self.channels) or not self.layers:
@@ -74,10 +76,6 @@ class ResNetConfig(ModelConfig):
                 self.block == "basic" and tuple(self.out_channels) != tuple(self.channels))):
             raise ConfigError(f"out_channels={self.out_channels}: one per stage ({len(self.channels)}), and a basic "
                               f"block's output is its channels ({self.channels})", fields=("out_channels", "channels"))
-        if self.output_stride != 32 and self.hf_config is not None:
-            raise ConfigError(f"output_stride={self.output_stride} with hf_config: transformers' ResNet has no dilated "
-                              f"stages (output_stride 32 only); timm's and torchvision's have",
-                              fields=("output_stride", "hf_config"))
         if self.block == "basic" and (self.groups, self.width_per_group) != (1, 64):
             raise ConfigError(f"block='basic' has groups=1 and width_per_group=64 (torchvision's and timm's "
                               f"BasicBlock), got groups={self.groups}, width_per_group={self.width_per_group}",
@@ -87,6 +85,8 @@ class ResNetConfig(ModelConfig):
             raise ConfigError(f"channels={self.channels} with width_per_group={self.width_per_group} leaves a "
                               f"bottleneck without 3x3 channels (int(channels * width_per_group / 64) is 0)",
                               fields=("channels", "width_per_group"))
+        if self.hf_config is not None:
+            check_hf_config(self)
 
     def stage_geometry(self) -> list[tuple[int, int, int]]:
         return stage_geometry(len(self.layers), self.output_stride)

@@ -16,8 +16,8 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.resnet.config import EXPANSION
+from fastzoo.models.resnet.hf_config import ARCHITECTURES, _hf_object, architecture_of, check_writable, hf_config_dict
 
-ARCHITECTURES = {"ResNetForImageClassification": "resnet.", "ResNetModel": ""}
 _STEM = {"embedder.embedder.convolution": "conv1", "embedder.embedder.normalization": "bn1"}
 _BLOCK = re.compile(r"^encoder\.stages\.(\d+)\.layers\.(\d+)\.(shortcut|layer\.(\d+))\.(convolution|normalization)\.(.+)$")
 _TV_BLOCK = re.compile(r"^layer(\d+)\.(\d+)\.(downsample\.(0|1)|conv(\d)|bn(\d))\.(.+)$")
@@ -54,16 +54,9 @@ def to_fastzoo(state: dict) -> dict:
     return out
 
 
-def architecture_of(config) -> str:
-    arch = ((config.hf_config or {}).get("architectures") or [None])[0]
-    if arch in ARCHITECTURES:
-        return arch
-    return "ResNetForImageClassification" if config.num_classes else "ResNetModel"
-
-
 def from_fastzoo(state: dict, config) -> dict:
     """A state dict transformers' ResNet class (:func:`architecture_of`) takes with ``strict=True``."""
-    _check_fits(config)
+    check_writable(config)
     prefix = ARCHITECTURES[architecture_of(config)]
     out = {}
     for k, v in state.items():
@@ -85,33 +78,6 @@ def from_fastzoo(state: dict, config) -> dict:
             name = f"layer.{int(conv or bn) - 1}.{'convolution' if conv else 'normalization'}"
         out[f"{prefix}encoder.stages.{int(stage) - 1}.layers.{block}.{name}.{leaf}"] = v
     return out
-
-
-def _check_fits(config) -> None:
-    bad = []
-    if config.groups != 1 or config.width_per_group != 64:
-        bad.append(f"groups={config.groups}, width_per_group={config.width_per_group} (transformers' ResNet has "
-                   f"neither grouped nor widened bottlenecks)")
-    if config.frozen_bn:
-        bad.append("frozen_bn=True")
-    if config.global_pool != "avg":
-        bad.append(f"global_pool={config.global_pool!r}")
-    outs = [config.stage_out(i) for i in range(len(config.channels))]
-    if config.block == "bottleneck" and any(c != o // 4 for c, o in zip(config.channels, outs)):
-        bad.append(f"channels={config.channels} with out_channels={tuple(outs)} (transformers' bottleneck is a quarter "
-                   f"of its output wide: channels = out_channels // 4)")
-    if bad:
-        raise CheckpointError(f"this ResNet has no transformers form: {'; '.join(bad)}")
-
-
-def _hf_object(cfg: dict):
-    from transformers import ResNetConfig
-
-    if cfg.get("model_type", "resnet") != "resnet":
-        raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's ResNet reads 'resnet'")
-    obj = ResNetConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "problem_type")})
-    obj.problem_type = cfg.get("problem_type")  # as a live config holds it (its constructor checks it against the labels)
-    return obj
 
 
 def config_from_json(cfg: dict) -> dict:
@@ -139,29 +105,11 @@ def config_from_json(cfg: dict) -> dict:
                 global_pool="avg", hf_config=hf)
 
 
-def hf_config_dict(config) -> dict:
-    """The transformers config.json of a fastzoo ResNet config (labels kept from its ``hf_config``)."""
-    _check_fits(config)
-    arch = architecture_of(config)
-    base = dict(config.hf_config or {})
-    fields = dict(embedding_size=config.stem, hidden_sizes=[config.stage_out(i) for i in range(len(config.channels))],
-                  depths=list(config.layers), layer_type=config.block, hidden_act="relu", num_channels=config.in_chans,
-                  downsample_in_first_stage=False, downsample_in_bottleneck=False)
-    if arch == "ResNetForImageClassification":
-        labels = base.get("id2label") or {}
-        if len(labels) != config.num_classes:
-            labels = {str(i): f"LABEL_{i}" for i in range(config.num_classes)}
-        fields.update(id2label=labels, label2id={v: int(k) for k, v in labels.items()})
-    return _hf_object({**base, **fields, "model_type": "resnet"}).to_dict() | {"architectures": [arch]}
-
-
-def build(fields: dict):
+def build(config):
     """transformers' ResNet of a fastzoo ResNet config, at random init (the equivalence reference)."""
     import transformers
 
-    from fastzoo.models.resnet.config import ResNetConfig
-
-    cfg = hf_config_dict(ResNetConfig.from_dict(dict(fields)))
+    cfg = hf_config_dict(config)
     return getattr(transformers, cfg["architectures"][0])(_hf_object(cfg))
 
 

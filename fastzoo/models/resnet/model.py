@@ -285,9 +285,9 @@ class ResNet(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
                 "global_pool": c.global_pool, "output_stride": c.output_stride}
 
     def hf_pretrained(self) -> tuple[dict, dict]:
-        from fastzoo.models.resnet import hf
+        from fastzoo.models.resnet import hf, hf_config
 
-        return hf.hf_config_dict(self.config), hf.from_fastzoo(self.state_dict(), self.config)
+        return hf_config.hf_config_dict(self.config), hf.from_fastzoo(self.state_dict(), self.config)
 
     def reset_classifier(self, num_classes: int, global_pool: str = "avg") -> None:
         """A fresh ``fc`` for ``num_classes`` (0: none) and pooling ``global_pool`` ('avg', or ''

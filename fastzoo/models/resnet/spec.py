@@ -21,7 +21,7 @@ def torchvision_resnet(cfg: dict) -> nn.Module:
 
     c = ResNetConfig.from_dict(cfg)
     if c.hf_config is not None:  # a transformers ResNet (microsoft/resnet-*): its own class is the original
-        return hf.build(cfg)
+        return hf.build(c)
     if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3 or not c.torchvision_shaped:
         raise ValueError(f"channels={c.channels}, in_chans={c.in_chans}: torchvision's ResNet has the stage widths "
                          f"{TORCHVISION_CHANNELS} and 3 input channels")

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from fastzoo.errors import ConfigError
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
+from fastzoo.models.vit.hf_config import check as check_hf_config
 
 POOLS = ("token", "avg", "map", "token_avg", "")
 HF_PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -26,7 +27,8 @@ class ViTConfig(ModelConfig):
     embed_dim: int = weights_decide(768, "token width D", ge=1, multiple_of="num_heads")
     depth: int = weights_decide(12, "transformer blocks", ge=1, le=MAX_BLOCKS)
     num_heads: int = changes_function(12, "attention heads", ge=1)
-    mlp_ratio: float = weights_decide(4.0, "MLP hidden width / embed_dim", gt=0)
+    mlp_ratio: float = weights_decide(4.0, "MLP hidden width / embed_dim", gt=0,
+                                      compare=lambda c: int(c.embed_dim * c.mlp_ratio))  # the width the weights have
     qkv_bias: bool = weights_decide(True, "bias in the q, k, v projection")
     class_token: bool = weights_decide(True, "a learned class token before the patches")
     reg_tokens: int = weights_decide(0, "register tokens (Darcet et al. 2024)", ge=0)
@@ -55,7 +57,8 @@ class ViTConfig(ModelConfig):
     proj_drop_rate: float = free(0.0, "dropout after the attention and MLP projections", ge=0, le=1)
     drop_path_rate: float = free(0.0, "stochastic depth of the last block (linear from 0)", ge=0, le=1)
     hf_config: dict | None = free(None, "the transformers config this model came from or stands in for (its class, "
-                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it")
+                                  "labels, problem_type): the labels= loss rule and the save_pretrained format follow it; "
+                                  "refused where its class is another network than the other fields'")
 
     def validate(self):
         if isinstance(self.img_size, int):
@@ -85,6 +88,8 @@ class ViTConfig(ModelConfig):
         if self.hf_config is not None and not isinstance(self.hf_config, dict):
             raise ConfigError(f"hf_config must be a dict (a transformers config's to_dict()), got "
                               f"{type(self.hf_config).__name__}", fields=("hf_config",))
+        if self.hf_config is not None:
+            check_hf_config(self)
 
     @property
     def num_features(self) -> int:

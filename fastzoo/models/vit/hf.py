@@ -18,8 +18,8 @@ projections into timm's ``qkv``:
 
 Checkpoint keys are read in transformers 5's names and in the older ones the hub's files carry
 (``encoder.layer.N.attention.attention.query``, ``vision_model.`` prefixes); written in the names of
-the installed transformers (what its ``load_state_dict`` and ``from_pretrained`` take). Configs are
-read and written through transformers' own config classes, so absent fields take its defaults.
+the installed transformers (what its ``load_state_dict`` and ``from_pretrained`` take); their configs
+both ways: :mod:`fastzoo.models.vit.hf_config`.
 """
 from __future__ import annotations
 
@@ -29,18 +29,10 @@ import re
 import torch
 
 from fastzoo.errors import CheckpointError
+from fastzoo.models.vit.convert import _mlp_ratio
+from fastzoo.models.vit.hf_config import (_MODEL_TYPES, ARCHITECTURES, _hf_config_object, architecture_of,
+                                          config_from_json, hf_config_dict)
 
-# architecture -> (layout, key prefix of its base model in the state dict)
-ARCHITECTURES = {
-    "ViTForImageClassification": ("vit", "vit."), "ViTModel": ("vit", ""),
-    "DeiTForImageClassification": ("vit", "deit."), "DeiTForImageClassificationWithTeacher": ("vit", "deit."),
-    "DeiTModel": ("vit", ""),
-    "Dinov2ForImageClassification": ("dinov2", "dinov2."), "Dinov2Model": ("dinov2", ""),
-    "CLIPVisionModel": ("clip", ""), "SiglipVisionModel": ("siglip", ""),
-}
-_MODEL_TYPES = {"vit": "vit", "dinov2": "dinov2", "clip": "clip_vision_model", "siglip": "siglip_vision_model"}
-_ACT_IN = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-_ACT_OUT = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 _WHOLE_MODEL = ("text_model.", "text_projection.", "visual_projection.", "logit_scale", "logit_bias")  # CLIPModel / SiglipModel, not the tower
 # the hub files' names (transformers 4) -> transformers 5's, for ViT and DeiT
 _OLD_VIT = [(r"encoder\.layer\.(\d+)\.", r"layers.\1."), (r"attention\.attention\.query\.", "attention.q_proj."),
@@ -165,64 +157,6 @@ def to_fastzoo(state: dict) -> dict:
     return out
 
 
-def layout_of(config) -> str:
-    """The transformers layout a fastzoo ViT config is written as, or CheckpointError naming what none has."""
-    arch = (config.hf_config or {}).get("architectures", [None])[0] if config.hf_config else None
-    if arch in ARCHITECTURES:
-        layout = ARCHITECTURES[arch][0]
-    elif config.pre_norm:
-        layout = "clip"
-    elif not config.class_token:
-        layout = "siglip"
-    elif config.init_values is not None:
-        layout = "dinov2"
-    else:
-        layout = "vit"
-    want = {
-        "vit": dict(pre_norm=False, use_fc_norm=False, init_values=None, reg_tokens=0, no_embed_class=False,
-                    mlp_layer="mlp", class_token=True),
-        "dinov2": dict(pre_norm=False, use_fc_norm=False, reg_tokens=0, no_embed_class=False, class_token=True,
-                       dist_token=False, pooler=False),
-        "clip": dict(pre_norm=True, global_pool="token", use_fc_norm=True, init_values=None, reg_tokens=0,
-                     no_embed_class=False, mlp_layer="mlp", class_token=True, dist_token=False, mask_token=False,
-                     pooler=False, num_classes=0),
-        "siglip": dict(pre_norm=False, use_fc_norm=False, init_values=None, reg_tokens=0, no_embed_class=False,
-                       mlp_layer="mlp", class_token=False, mask_token=False, pooler=False, num_classes=0),
-    }[layout]
-    bad = [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in want.items() if getattr(config, k) != v]
-    if layout == "vit" and config.global_pool != "token":
-        bad.append(f"global_pool={config.global_pool!r} (needs 'token')")
-    if layout == "vit" and config.mask_token:
-        bad.append("mask_token=True (ViTModel's use_mask_token is a constructor argument, not a config field)")
-    if layout == "dinov2" and config.global_pool not in ("token", "token_avg"):
-        bad.append(f"global_pool={config.global_pool!r} (needs 'token' or 'token_avg')")
-    if layout == "siglip" and config.global_pool not in ("map", ""):
-        bad.append(f"global_pool={config.global_pool!r} (needs 'map' or '')")
-    if config.act_layer not in _ACT_OUT:
-        bad.append(f"act_layer={config.act_layer!r}")
-    if config.img_size[0] != config.img_size[1]:
-        bad.append(f"img_size={config.img_size} (transformers' vision configs take square images)")
-    if bad:
-        raise CheckpointError(f"this ViT has no transformers {layout} form: {'; '.join(bad)}")
-    return layout
-
-
-def architecture_of(config) -> str:
-    """The transformers class a fastzoo ViT config is written as."""
-    arch = (config.hf_config or {}).get("architectures", [None])[0] if config.hf_config else None
-    if arch in ARCHITECTURES:
-        return arch
-    layout = layout_of(config)
-    if layout == "vit":
-        if config.dist_token:
-            return "DeiTForImageClassificationWithTeacher" if config.distilled_head else (
-                "DeiTForImageClassification" if config.num_classes else "DeiTModel")
-        return "ViTForImageClassification" if config.num_classes else "ViTModel"
-    if layout == "dinov2":
-        return "Dinov2ForImageClassification" if config.num_classes else "Dinov2Model"
-    return {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel"}[layout]
-
-
 def from_fastzoo(state: dict, config) -> dict:
     """A state dict that the transformers class of :func:`architecture_of` takes with ``strict=True``."""
     arch = architecture_of(config)
@@ -264,142 +198,11 @@ def from_fastzoo(state: dict, config) -> dict:
     return out
 
 
-def _mlp_ratio(dim: int, hidden: int) -> float:
-    """A ratio with int(dim * ratio) == hidden, as the blocks compute the hidden width."""
-    ratio = hidden / dim
-    return ratio if int(dim * ratio) == hidden else math.nextafter(ratio, math.inf)
-
-
-def _swiglu_hidden(dim: int, mlp_ratio: float) -> int:
-    """transformers' DINOv2 SwiGLU width: 2/3 of the MLP's, rounded up to a multiple of 8."""
-    return (int(int(dim * mlp_ratio) * 2 / 3) + 7) // 8 * 8
-
-
-def _hf_config_object(cfg: dict):
-    """transformers' config object for a config dict (its defaults for absent fields); the vision
-    config of a whole CLIP / SigLIP model."""
-    from transformers import CONFIG_MAPPING
-
-    model_type = cfg.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's ViT reads "
-                              f"{', '.join(sorted(set(_MODEL_TYPES.values()) | {'deit', 'clip', 'siglip'}))}")
-    obj = CONFIG_MAPPING[model_type](**{k: v for k, v in cfg.items() if k not in ("model_type", "problem_type")})
-    obj.problem_type = cfg.get("problem_type")  # as a live config holds it (its constructor checks it against the labels)
-    return obj.vision_config if model_type in ("clip", "siglip") else obj
-
-
-def config_from_json(cfg: dict) -> dict:
-    """fastzoo ViT fields from a transformers config (config.json, or a live model's ``to_dict()``
-    with its class as ``architectures``); ``hf_config`` keeps the config itself."""
-    whole = cfg.get("model_type") in ("clip", "siglip")
-    c = _hf_config_object(cfg)
-    model_type = c.model_type
-    arch = (cfg.get("architectures") or [None])[0]
-    if whole or arch not in ARCHITECTURES:
-        arch = {"vit": "ViTForImageClassification", "deit": "DeiTForImageClassificationWithTeacher",
-                "dinov2": "Dinov2Model", "clip_vision_model": "CLIPVisionModel",
-                "siglip_vision_model": "SiglipVisionModel"}.get(model_type, arch)
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"config.json: architectures={cfg.get('architectures')!r}, model_type={model_type!r}: "
-                              f"fastzoo's ViT reads {', '.join(ARCHITECTURES)}")
-    layout = ARCHITECTURES[arch][0]
-    if c.hidden_act not in _ACT_IN:
-        raise CheckpointError(f"config.json: hidden_act={c.hidden_act!r}; fastzoo's ViT has {', '.join(_ACT_IN)}")
-    D = c.hidden_size
-    size = c.image_size if isinstance(c.image_size, int) else tuple(c.image_size)
-    patch = c.patch_size if isinstance(c.patch_size, int) else c.patch_size[0]
-    classifier = arch.endswith(("ImageClassification", "WithTeacher"))
-    out = dict(img_size=size, patch_size=patch, in_chans=c.num_channels, embed_dim=D, depth=c.num_hidden_layers,
-               num_heads=c.num_attention_heads, norm_eps=c.layer_norm_eps, act_layer=_ACT_IN[c.hidden_act],
-               num_classes=c.num_labels if classifier else 0, class_token=layout != "siglip", global_pool="token",
-               qkv_bias=getattr(c, "qkv_bias", True), fc_norm=None, pre_norm=False, init_values=None,
-               dist_token=False, distilled_head=False, mask_token=False, pooler=False, mlp_layer="mlp",
-               reg_tokens=0, no_embed_class=False)
-    if layout == "vit":
-        if arch in ("ViTModel", "DeiTModel") and (c.pooler_act != "tanh" or c.pooler_output_size != D):
-            raise CheckpointError(f"config.json: pooler_act={c.pooler_act!r}, pooler_output_size={c.pooler_output_size}; "
-                                  f"fastzoo's ViT has the tanh pooler of width hidden_size={D}")
-        out.update(mlp_ratio=_mlp_ratio(D, c.intermediate_size), dist_token=arch.startswith("DeiT"),
-                   distilled_head=arch == "DeiTForImageClassificationWithTeacher", pooler=arch in ("ViTModel", "DeiTModel"),
-                   proj_drop_rate=c.hidden_dropout_prob, pos_drop_rate=c.hidden_dropout_prob,
-                   attn_drop_rate=c.attention_probs_dropout_prob)
-    elif layout == "dinov2":
-        swiglu = c.use_swiglu_ffn
-        out.update(mlp_ratio=_mlp_ratio(D, 2 * _swiglu_hidden(D, c.mlp_ratio)) if swiglu else _mlp_ratio(D, int(D * c.mlp_ratio)),
-                   mlp_layer="swiglu_packed" if swiglu else "mlp", init_values=float(c.layerscale_value),
-                   mask_token=bool(c.use_mask_token), global_pool="token_avg" if classifier else "token",
-                   proj_drop_rate=c.hidden_dropout_prob, pos_drop_rate=c.hidden_dropout_prob,
-                   attn_drop_rate=c.attention_probs_dropout_prob, drop_path_rate=c.drop_path_rate)
-    elif layout == "clip":
-        out.update(mlp_ratio=_mlp_ratio(D, c.intermediate_size), pre_norm=True, fc_norm=True,
-                   attn_drop_rate=float(c.attention_dropout))
-    else:
-        out.update(mlp_ratio=_mlp_ratio(D, c.intermediate_size), attn_drop_rate=float(c.attention_dropout),
-                   global_pool="map" if getattr(c, "vision_use_head", True) in (True, None) else "")
-    hf = c.to_dict()
-    hf["architectures"] = [arch]
-    out["hf_config"] = hf
-    return out
-
-
-def hf_config_dict(config) -> dict:
-    """The transformers config.json of a fastzoo ViT config (its ``hf_config``'s labels and other
-    fields kept, the architecture's fields written from the config)."""
-    arch = architecture_of(config)
-    layout = ARCHITECTURES[arch][0]
-    c = config
-    D = c.embed_dim
-    hidden = int(D * c.mlp_ratio)
-    base = dict(c.hf_config or {})
-    model_type = "deit" if arch.startswith("DeiT") else _MODEL_TYPES[layout]
-    if base.get("model_type") != model_type:
-        base = {}
-    fields = dict(hidden_size=D, num_hidden_layers=c.depth, num_attention_heads=c.num_heads, num_channels=c.in_chans,
-                  image_size=c.img_size[0], patch_size=c.patch_size, hidden_act=_ACT_OUT[c.act_layer],
-                  layer_norm_eps=c.norm_eps)
-    if layout in ("vit", "dinov2"):
-        fields.update(qkv_bias=c.qkv_bias, hidden_dropout_prob=c.proj_drop_rate,
-                      attention_probs_dropout_prob=c.attn_drop_rate)
-    else:
-        fields.update(intermediate_size=hidden, attention_dropout=c.attn_drop_rate)
-    if layout == "vit":
-        fields.update(intermediate_size=hidden)
-    if layout == "dinov2":
-        swiglu = c.mlp_layer == "swiglu_packed"
-        fields.update(use_swiglu_ffn=swiglu, layerscale_value=c.init_values, use_mask_token=c.mask_token,
-                      drop_path_rate=c.drop_path_rate, mlp_ratio=_dinov2_ratio(D, hidden, swiglu))
-    if layout == "siglip":
-        fields.update(vision_use_head=c.global_pool == "map")
-    if arch.endswith(("ImageClassification", "WithTeacher")):
-        labels = base.get("id2label") or {}
-        if len(labels) != c.num_classes:
-            labels = {str(i): f"LABEL_{i}" for i in range(c.num_classes)}
-        fields.update(id2label=labels, label2id={v: int(k) for k, v in labels.items()})
-    out = {**base, **fields, "model_type": model_type, "architectures": [arch]}
-    return _hf_config_object(out).to_dict() | {"architectures": [arch]}
-
-
-def _dinov2_ratio(D: int, hidden: int, swiglu: bool) -> float:
-    """transformers' DINOv2 mlp_ratio that gives fastzoo's fc1 width ``hidden``."""
-    if not swiglu:
-        ratio = hidden / D
-        return int(ratio) if ratio.is_integer() else ratio  # transformers' field is an int where it can be
-    ratio = hidden / D * 3 / 4  # 2 * int(int(D * r) * 2/3) rounded to 8 == hidden: an int first (the config's type)
-    for r in (*range(1, 33), ratio, hidden / D):
-        if 2 * _swiglu_hidden(D, r) == hidden:
-            return r
-    raise CheckpointError(f"mlp_layer='swiglu_packed' with fc1 width {hidden}: no transformers DINOv2 mlp_ratio gives it")
-
-
-def build(fields: dict):
+def build(config):
     """The transformers model of a fastzoo ViT config (its ``hf_config``'s class), eager attention:
     the reference for the equivalence tests (random init)."""
     import transformers
 
-    from fastzoo.models.vit.config import ViTConfig
-
-    config = ViTConfig.from_dict(dict(fields))
     cfg = hf_config_dict(config)
     arch = cfg["architectures"][0]
     hf = _hf_config_object(cfg)

@@ -10,7 +10,8 @@ SigLIP ids name whole image-text models: fastzoo builds their vision tower (``CL
 from __future__ import annotations
 
 from fastzoo.models.spec import Variant
-from fastzoo.models.vit.hf import _mlp_ratio, _swiglu_hidden
+from fastzoo.models.vit.convert import _mlp_ratio
+from fastzoo.models.vit.hf_config import _swiglu_hidden
 
 # the defaults of transformers' config classes that the fields below rely on, per model type
 _EPS = {"vit": 1e-12, "deit": 1e-12, "dinov2": 1e-6, "clip_vision_model": 1e-5, "siglip_vision_model": 1e-6}

@@ -266,9 +266,9 @@ class VisionTransformer(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel)
         return state, fresh, notes
 
     def hf_pretrained(self) -> tuple[dict, dict]:
-        from fastzoo.models.vit import hf
+        from fastzoo.models.vit import hf, hf_config
 
-        return hf.hf_config_dict(self.config), hf.from_fastzoo(self.state_dict(), self.config)
+        return hf_config.hf_config_dict(self.config), hf.from_fastzoo(self.state_dict(), self.config)
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """A fresh head for ``num_classes`` (0: none) on the model's device and dtype, and

@@ -21,7 +21,7 @@ def timm_vit(cfg: dict) -> nn.Module:
     """timm's VisionTransformer on fastzoo config fields, attention in plain PyTorch (the reference);
     for a config from transformers (``hf_config``), its transformers class with eager attention."""
     if cfg.get("hf_config") is not None:
-        return hf.build(cfg)
+        return hf.build(ViTConfig.from_dict(dict(cfg)))
     from timm.layers import LayerNorm
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
