@@ -2,7 +2,8 @@
 transformers' ``DetrConvEncoder`` builds, under that module's own parameter names:
 
 - ``backbone="timm"`` (``use_timm_backbone=True``, the hub checkpoints): timm's ResNet, whose
-  names are torchvision's (``conv1``, ``layer1.0.conv1`` ...): fastzoo's ResNet;
+  names are torchvision's (``conv1``, ``layer1.0.conv1`` ...): fastzoo's ResNet; with ``dilation``
+  (DC5) its last stage dilated, timm's ``output_stride=16``;
 - ``backbone="transformers"``: transformers' ``ResNetBackbone`` (``embedder.embedder.convolution``,
   ``encoder.stages.0.layers.0.shortcut`` ...), any stem and stage widths (:class:`HFResNet`).
 
@@ -167,7 +168,7 @@ class DetrConvEncoder(nn.Module):
             mult = 4 if cfg.layer_type == "bottleneck" else 1
             rcfg = ResNetConfig(num_classes=0, global_pool="", block=cfg.layer_type, layers=cfg.depths,
                                 channels=tuple(h // mult for h in cfg.hidden_sizes), in_chans=cfg.num_channels,
-                                channels_last=cfg.channels_last)
+                                output_stride=16 if cfg.dilation else 32, channels_last=cfg.channels_last)
             model = ResNet(rcfg)
         else:
             model = HFResNet(cfg)
@@ -179,8 +180,8 @@ class DetrConvEncoder(nn.Module):
             p.requires_grad_(trains(name, cfg))
 
     def forward(self, pixel_values_BCHW: torch.Tensor, pixel_mask_BHW: torch.Tensor | None):
-        """C5 ``[B, C, h, w]`` and the pixel mask resized to it (nearest, as transformers) ``[B, h, w]``
-        bool, True = a real pixel (None when the batch has no padding)."""
+        """C5 ``[B, C, h, w]`` (stride 32, 16 with ``dilation``) and the pixel mask resized to it (nearest,
+        as transformers) ``[B, h, w]`` bool, True = a real pixel (None when the batch has no padding)."""
         if self.channels_last:
             pixel_values_BCHW = pixel_values_BCHW.contiguous(memory_format=torch.channels_last)
         f_BCHW = self.model.forward_features(pixel_values_BCHW)

@@ -1,5 +1,6 @@
-"""DETR's config: transformers' ``DetrConfig`` field names and defaults (``facebook/detr-resnet-50``),
-the backbone's sizes under ``ResNetConfig``'s names, and the set loss's settings."""
+"""DETR's config: transformers' ``DetrConfig`` field names and defaults (``facebook/detr-resnet-50``;
+``dilation=True``: ``facebook/detr-resnet-50-dc5``), the backbone's sizes under ``ResNetConfig``'s
+names, and the set loss's settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class DetrConfig(ModelConfig):
     backbone: str = changes_function("timm", "which ResNet module: 'timm' (timm's, torchvision's names, "
                                      "use_timm_backbone=True) or 'transformers' (transformers' ResNetBackbone)",
                                      choices=BACKBONES)
+    dilation: bool = changes_function(False, "DC5: the backbone's last stage dilated (by 2) instead of strided, so "
+                                      "its feature map has stride 16, as transformers' dilation=True asks of timm "
+                                      "(output_stride=16); timm's backbone only (transformers' own has no dilation)")
     layer_type: str = weights_decide("bottleneck", "'basic' (ResNet-18/34) or 'bottleneck' blocks",
                                      choices=("basic", "bottleneck"))
     depths: tuple[int, ...] = weights_decide((3, 4, 6, 3), "blocks per stage (ResNet-50)", ge=1, le=MAX_BLOCKS)
@@ -96,6 +100,9 @@ class DetrConfig(ModelConfig):
         if self.class_cost == self.bbox_cost == self.giou_cost == 0:
             raise ConfigError("class_cost, bbox_cost and giou_cost are all 0: the matching has no cost",
                               fields=("class_cost", "bbox_cost", "giou_cost"))
+        if self.dilation and self.backbone != "timm":
+            raise ConfigError("dilation=True (DC5) needs backbone='timm': transformers' ResNetBackbone has no dilation "
+                              "(transformers builds it undilated whatever dilation says)", fields=("dilation", "backbone"))
         if self.backbone == "timm":  # timm's ResNet: a 64-channel stem, stage widths x1 (basic) or x4 (bottleneck)
             mult = 4 if self.layer_type == "bottleneck" else 1
             if self.embedding_size != 64 or any(h % mult for h in self.hidden_sizes):

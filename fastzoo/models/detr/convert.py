@@ -5,8 +5,9 @@ names, so a transformers 5.x state dict loads key for key; the names older check
 and BatchNorm step counters (``num_batches_tracked``) are dropped (the backbone's BatchNorm is frozen).
 
 The config: from a transformers ``config.json`` or a live model's config (both backbone paths:
-timm's ResNet by name, transformers' ``ResNetConfig``), or from the keys of a bare state dict
-(everything but the heads' counts and the activation, which keep transformers' defaults).
+timm's ResNet by name, transformers' ``ResNetConfig``; DC5, ``dilation``, from the output stride
+transformers asks of timm), or from the keys of a bare state dict (everything but the heads'
+counts, the activation and ``dilation``, which keep transformers' defaults).
 """
 from __future__ import annotations
 
@@ -72,9 +73,6 @@ class HfDetrConverter:
         """fastzoo's fields from a transformers ``DetrConfig`` dict (``config.json``, ``config.to_dict()``)."""
         if cfg.get("model_type", "detr") != "detr":
             raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's DETR reads 'detr'")
-        if cfg.get("dilation"):
-            raise CheckpointError("config.json sets dilation=True (DETR-DC5); fastzoo's DETR has the plain ResNet "
-                                  "backbone only (facebook/detr-resnet-50, -101)")
         names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
                  "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
                  "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
@@ -127,9 +125,20 @@ def _backbone_from_keys(s: dict) -> dict:
 def _timm_name(name: str) -> str:
     base = name.split("/")[-1].split(".")[0]  # "timm/resnet50.a1_in1k" -> "resnet50"
     if base not in TIMM_RESNETS:
-        raise CheckpointError(f"backbone={name!r}: fastzoo's DETR builds timm's {', '.join(TIMM_RESNETS)} (plain ResNets; "
-                              f"not the -d / -DC5 variants)")
+        raise CheckpointError(f"backbone={name!r}: fastzoo's DETR builds timm's {', '.join(TIMM_RESNETS)} (torchvision's "
+                              f"stem; not the deep-stem -c / -d variants)")
     return base
+
+
+def _timm_output_stride(cfg: dict):
+    """The output stride transformers asks of timm's backbone: its ``backbone_config``'s, else (the
+    hub's config.json files) ``backbone_kwargs``' if given, else 16 with ``dilation`` (DC5), else timm's own."""
+    bb = cfg.get("backbone_config")
+    if bb is not None:
+        return bb.get("output_stride")
+    if cfg.get("backbone_kwargs"):
+        return cfg["backbone_kwargs"].get("output_stride")
+    return 16 if cfg.get("dilation") else None
 
 
 def _backbone_from_config(cfg: dict) -> dict:
@@ -139,11 +148,14 @@ def _backbone_from_config(cfg: dict) -> dict:
             raise CheckpointError("config.json: use_timm_backbone=False without a backbone_config; give transformers' "
                                   "ResNetConfig as backbone_config")
         name = _timm_name((bb or {}).get("backbone") or cfg.get("backbone") or "resnet50")
-        if (bb or {}).get("output_stride") not in (None, 32):
-            raise CheckpointError(f"backbone output_stride={bb['output_stride']} (dilated, DC5): not built by fastzoo's DETR")
+        output_stride = _timm_output_stride(cfg)
+        if output_stride not in (None, 32, 16):
+            raise CheckpointError(f"backbone output_stride={output_stride}: fastzoo's DETR builds timm's backbone at "
+                                  f"output stride 32 or 16 (dilation=True, DC5)")
         block, depths = TIMM_RESNETS[name]
         widths = (64, 128, 256, 512) if block == "basic" else (256, 512, 1024, 2048)
-        return {"backbone": "timm", "layer_type": block, "depths": depths, "hidden_sizes": widths, "embedding_size": 64}
+        return {"backbone": "timm", "layer_type": block, "depths": depths, "hidden_sizes": widths, "embedding_size": 64,
+                "dilation": output_stride == 16}
     if bb.get("model_type") != "resnet":
         raise CheckpointError(f"backbone_config has model_type={bb.get('model_type')!r}; fastzoo's DETR builds ResNet "
                               f"backbones (timm's, or transformers' 'resnet')")
@@ -153,9 +165,10 @@ def _backbone_from_config(cfg: dict) -> dict:
     outs = bb.get("out_features") or ["stage4"]
     if outs[-1] != f"stage{len(bb.get('depths', (3, 4, 6, 3)))}":
         raise CheckpointError(f"backbone_config: out_features={outs} does not end at the last stage, which DETR reads")
+    # transformers builds its ResNetBackbone undilated whatever `dilation` says: that is the function read
     return {"backbone": "transformers", "layer_type": bb.get("layer_type", "bottleneck"),
             "depths": tuple(bb.get("depths", (3, 4, 6, 3))), "hidden_sizes": tuple(bb.get("hidden_sizes", (256, 512, 1024, 2048))),
-            "embedding_size": bb.get("embedding_size", 64)}
+            "embedding_size": bb.get("embedding_size", 64), "dilation": False}
 
 
 def hf_config(cfg: DetrConfig):
@@ -191,7 +204,8 @@ def _hf_config(cfg: DetrConfig, fields: dict):
             raise ValueError(f"this timm backbone (layer_type={cfg.layer_type}, depths={cfg.depths}, hidden_sizes="
                              f"{cfg.hidden_sizes}) is no timm ResNet name transformers could build; use "
                              f"backbone='transformers' for other sizes")
-        return transformers.DetrConfig(use_timm_backbone=True, backbone=name, use_pretrained_backbone=False, **fields)
+        return transformers.DetrConfig(use_timm_backbone=True, backbone=name, use_pretrained_backbone=False,
+                                       dilation=cfg.dilation, **fields)
     resnet = transformers.ResNetConfig(num_channels=cfg.num_channels, embedding_size=cfg.embedding_size,
                                        hidden_sizes=list(cfg.hidden_sizes), depths=list(cfg.depths),
                                        layer_type=cfg.layer_type, out_features=[f"stage{len(cfg.depths)}"])

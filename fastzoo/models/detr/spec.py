@@ -36,14 +36,19 @@ SPEC = ModelSpec(
                 aliases=("facebook/detr-resnet-50", "detr_resnet50")),
         Variant("detr_resnet101", dict(R50, depths=(3, 4, 23, 3)), "DETR ResNet-101",
                 "transformers DetrForObjectDetection (facebook/detr-resnet-101)", aliases=("facebook/detr-resnet-101",)),
+        Variant("detr_resnet50_dc5", dict(R50, dilation=True), "DETR-DC5 ResNet-50 (last stage dilated: stride 16)",
+                "transformers DetrForObjectDetection (facebook/detr-resnet-50-dc5)",
+                aliases=("facebook/detr-resnet-50-dc5",)),
+        Variant("detr_resnet101_dc5", dict(R50, depths=(3, 4, 23, 3), dilation=True),
+                "DETR-DC5 ResNet-101 (last stage dilated: stride 16)",
+                "transformers DetrForObjectDetection (facebook/detr-resnet-101-dc5)",
+                aliases=("facebook/detr-resnet-101-dc5",)),
     ),
     converters=(HF,),
     refused={
         "boxdet_r50": "fastzoo's one detector is DETR, transformers' DetrForObjectDetection: create('detr'), or "
                       "create('facebook/detr-resnet-50', pretrained=...) for its checkpoints; a DETR head on a bare "
                       "ResNet (no transformer) has no original library, and its checkpoints do not load into DETR",
-        **{f"facebook/detr-resnet-{d}-dc5": f"DETR-DC5 (a dilated last backbone stage, transformers' dilation=True) is "
-                                            f"not built; facebook/detr-resnet-{d} is" for d in (50, 101)},
     },
     # transformers' own ResNet backbone at its test sizes: any widths, seconds on a CPU
     tiny=TINY,

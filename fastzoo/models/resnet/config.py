@@ -15,6 +15,21 @@ def bottleneck_width(planes: int, groups: int, width_per_group: int) -> int:
     return int(planes * (width_per_group / 64.0)) * groups
 
 
+def stage_geometry(stages: int, output_stride: int = 32) -> list[tuple[int, int, int]]:
+    """Per stage: its first block's stride, the stage's dilation, and the dilation of the first
+    block's strided 3x3 (the previous stage's): timm's ``make_blocks`` rule, torchvision's too (its
+    ``previous_dilation``). The net strides 4 after the stem; each later stage halves the map until
+    the net reaches ``output_stride``, after which a stage dilates by 2 instead (32: never)."""
+    out, net, dilation = [], 4, 1
+    for i in range(stages):
+        stride, previous = (1 if i == 0 else 2), dilation
+        if output_stride != 32 and net >= output_stride:
+            stride, dilation = 1, dilation * stride
+        net *= stride
+        out.append((stride, dilation, previous))
+    return out
+
+
 @dataclass
 class ResNetConfig(ModelConfig):
     """torchvision / timm ResNet fields; each field's kind, meaning and constraint is declared with it."""
@@ -34,6 +49,10 @@ class ResNetConfig(ModelConfig):
                                           "* groups channels (timm: base_width; 128: Wide ResNet); basic blocks: 64",
                                           ge=1)
     in_chans: int = weights_decide(3, "image channels", ge=1)
+    output_stride: int = changes_function(32, "the feature map's stride (timm's): 32, each later stage's first block "
+                                          "strided; 16 / 8, the stages past that stride dilated instead (torchvision's "
+                                          "replace_stride_with_dilation=[False, False, True] / [False, True, True])",
+                                          choices=(8, 16, 32))
     stem_width: int | None = weights_decide(None, "the stem conv's output channels; None: channels[0] (torchvision's; "
                                             "transformers' embedding_size may differ)", ge=1)
     out_channels: tuple[int, ...] | None = weights_decide(None, "each stage's output channels; None: channels x 1 (basic) "
@@ -68,6 +87,9 @@ class ResNetConfig(ModelConfig):
                               fields=("channels", "width_per_group"))
         if self.hf_config is not None:
             check_hf_config(self)
+
+    def stage_geometry(self) -> list[tuple[int, int, int]]:
+        return stage_geometry(len(self.layers), self.output_stride)
 
     @property
     def expansion(self) -> int:

@@ -9,8 +9,10 @@ does when loading them; it only matters with ``momentum=None``, which no ResNet 
 
 Live modules. Dilation, the activation, anti-aliasing, drop-block / drop-path and BN's
 eps / momentum change the function but not the keys, so a live torchvision / timm ResNet
-is checked module by module (:func:`check_resnet_module`) and refused where it differs from
-fastzoo's ResNet. A state dict cannot be checked: it is read as the plain network.
+is checked module by module (:func:`check_resnet_module`): its ``output_stride`` is read from
+its strides, and it is refused where it differs from fastzoo's ResNet of that output stride
+(torchvision's ``replace_stride_with_dilation`` patterns that no output stride gives among them). A
+state dict cannot be checked: it is read as the network of the ``output_stride`` given (32 by default).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from fastzoo.errors import CheckpointError
-from fastzoo.models.resnet.config import EXPANSION
+from fastzoo.models.resnet.config import EXPANSION, stage_geometry
 
 _BLOCK = re.compile(r"^layer(\d+)\.(\d+)\.conv1\.weight$")
 _CONV = re.compile(r"^(layer\d+\.\d+)\.(conv1|conv2|conv3|downsample\.0)$")
@@ -30,11 +32,11 @@ _BLOCKS = {f"{lib}.models.resnet.{cls}": kind for lib in ("torchvision", "timm")
            for cls, kind in (("BasicBlock", "basic"), ("Bottleneck", "bottleneck"))}
 _PLAIN = (nn.Sequential, nn.ReLU, nn.Identity, nn.Flatten, nn.Linear)
 _FROZEN_BN = "torchvision.ops.misc.FrozenBatchNorm2d"
-_1x1, _3x3 = ((1, 1), (0, 0)), ((3, 3), (1, 1))  # kernel, padding
-# per block kind, each conv's (kernel, padding) and whether it carries the block's stride
+# per block kind, each conv's kernel and role: "1x1" (stride 1), "shortcut" (1x1 with the block's
+# stride), "first" (3x3 with the block's stride and its first dilation), "3x3" (3x3, the stage's dilation)
 _BLOCK_CONVS = {
-    "basic": {"conv1": (_3x3, True), "conv2": (_3x3, False), "downsample.0": (_1x1, True)},
-    "bottleneck": {"conv1": (_1x1, False), "conv2": (_3x3, True), "conv3": (_1x1, False), "downsample.0": (_1x1, True)},
+    "basic": {"conv1": (3, "first"), "conv2": (3, "3x3"), "downsample.0": (1, "shortcut")},
+    "bottleneck": {"conv1": (1, "1x1"), "conv2": (3, "first"), "conv3": (1, "1x1"), "downsample.0": (1, "shortcut")},
 }
 
 
@@ -42,26 +44,46 @@ def _type_name(m: nn.Module) -> str:
     return f"{type(m).__module__}.{type(m).__name__}"
 
 
-def _expected_conv(name: str, blocks: dict[str, str]):
+def _expected_conv(name: str, blocks: dict[str, str], geometry: list[tuple[int, int, int]]):
     """(kernel, stride, padding, dilation) of conv ``name`` in fastzoo's ResNet, whose blocks are
-    ``blocks`` (name -> 'basic' / 'bottleneck'), or None if it has no such conv."""
+    ``blocks`` (name -> 'basic' / 'bottleneck') and whose stages have ``geometry``
+    (:func:`~fastzoo.models.resnet.config.stage_geometry`), or None if it has no such conv."""
     if name == "conv1":
         return (7, 7), (2, 2), (3, 3), (1, 1)
     m = _CONV.match(name)
     if m is None or m[1] not in blocks or m[2] not in _BLOCK_CONVS[blocks[m[1]]]:
         return None
-    (kernel, padding), strided = _BLOCK_CONVS[blocks[m[1]]][m[2]]
+    kernel, role = _BLOCK_CONVS[blocks[m[1]]][m[2]]
     stage, index = (int(i) for i in m[1][len("layer"):].split("."))
-    s = 2 if strided and index == 0 and stage > 1 else 1  # each later stage's first block downsamples
-    return kernel, (s, s), padding, (1, 1)
+    if stage > len(geometry):
+        return None
+    stride, dilation, previous = geometry[stage - 1]
+    s = stride if index == 0 and role in ("first", "shortcut") else 1
+    d = (previous if index == 0 else dilation) if role == "first" else dilation if role == "3x3" else 1
+    return (kernel, kernel), (s, s), (d * (kernel // 2),) * 2, (d, d)
 
 
-def check_resnet_module(module: nn.Module) -> bool:
+def _output_stride(module: nn.Module, blocks: dict[str, str]) -> int:
+    """The output stride a live ResNet's strides give (timm does not keep its ``output_stride``;
+    torchvision has none): 8 or 16, else 32 (its convs are then checked against the plain net)."""
+    net = 4
+    for name, kind in blocks.items():
+        if re.fullmatch(r"layer\d+\.0", name):
+            conv = module.get_submodule(f"{name}.{'conv2' if kind == 'bottleneck' else 'conv1'}")
+            net *= conv.stride[0] if isinstance(conv, nn.Conv2d) else 1
+    return net if net in (8, 16) else 32
+
+
+def check_resnet_module(module: nn.Module) -> dict:
     """Raise CheckpointError unless the live ``module`` computes fastzoo's ResNet (what its keys
-    cannot show: strides, dilation, activation, pooling, extra layers, BN settings). Returns
-    whether its BatchNorms are torchvision's FrozenBatchNorm2d (-> ``frozen_bn``)."""
+    cannot show: strides, dilation, activation, pooling, extra layers, BN settings). Returns the
+    fields it reads: ``output_stride`` (from its strides) and ``frozen_bn`` (torchvision's
+    FrozenBatchNorm2d)."""
     problems, frozen = [], set()
     blocks = {name: _BLOCKS[_type_name(m)] for name, m in module.named_modules() if _type_name(m) in _BLOCKS}
+    output_stride = _output_stride(module, blocks)
+    stages = len({name.split(".")[0] for name in blocks})
+    geometry = stage_geometry(stages, output_stride)
     for name, m in module.named_modules():
         kind = _type_name(m)
         where = name or "the root"
@@ -73,7 +95,7 @@ def check_resnet_module(module: nn.Module) -> bool:
         elif kind in _BLOCKS:
             pass  # its children are checked one by one (timm's drop_block / aa / drop_path among them)
         elif type(m) is nn.Conv2d:
-            want = _expected_conv(name, blocks)
+            want = _expected_conv(name, blocks, geometry)
             got = (m.kernel_size, m.stride, m.padding, m.dilation)
             # only a bottleneck's 3x3 is grouped, by as many groups as its weight shows (ResNeXt)
             grouped = name.endswith(".conv2") and blocks.get(name.rsplit(".", 1)[0]) == "bottleneck"
@@ -81,7 +103,8 @@ def check_resnet_module(module: nn.Module) -> bool:
                 problems.append(f"an extra conv {name}")
             elif got != want or (m.groups != 1 and not grouped) or m.padding_mode != "zeros":
                 problems.append(f"{name} has kernel/stride/padding/dilation {got}, groups {m.groups}, "
-                                f"padding_mode {m.padding_mode}; fastzoo has {want}, {'any' if grouped else 1}, zeros")
+                                f"padding_mode {m.padding_mode}; fastzoo (output_stride={output_stride}) has {want}, "
+                                f"{'any' if grouped else 1}, zeros")
         elif type(m) in (nn.BatchNorm2d, nn.SyncBatchNorm) or kind == _FROZEN_BN:
             frozen.add(kind == _FROZEN_BN)
             if m.eps != 1e-5:
@@ -106,11 +129,12 @@ def check_resnet_module(module: nn.Module) -> bool:
         shown = "; ".join(problems[:6]) + (f"; ... and {len(problems) - 6} more" if len(problems) > 6 else "")
         raise CheckpointError(
             f"live {type(module).__name__} module: not the function of fastzoo's ResNet (torchvision's: stride 2 in "
-            f"each later stage's first block, on a bottleneck's 3x3 (v1.5), no dilation, ReLU, BatchNorm eps 1e-5): "
-            f"{shown}. Its keys fit, but loading it would silently change the network; to take its weights into the "
-            f"plain network anyway, pass module.state_dict()."
+            f"each later stage's first block, on a bottleneck's 3x3 (v1.5), ReLU, BatchNorm eps 1e-5; dilated only as "
+            f"timm's output_stride=16 / 8 or torchvision's replace_stride_with_dilation=[False, False, True] / "
+            f"[False, True, True]): {shown}. Its keys fit, but loading it would silently change the network; to take "
+            f"its weights into the plain network anyway, pass module.state_dict()."
         )
-    return frozen == {True}
+    return {"frozen_bn": frozen == {True}, "output_stride": output_stride}
 
 
 class ResNetConverter:
@@ -146,7 +170,8 @@ class ResNetConverter:
         widths (a bottleneck's output / 4, a basic block's 3x3), the 3x3's ``groups`` (from its
         weight's input channels) and ``width_per_group`` (the smallest that gives the first stage's
         3x3 width), input channels, and the classifier size (0 when the checkpoint has no ``fc``);
-        from a live module also ``frozen_bn`` (after checking that it is fastzoo's ResNet at all)."""
+        from a live module also ``frozen_bn`` and ``output_stride`` (after checking that it is
+        fastzoo's ResNet at all)."""
         depth: dict[int, int] = {}
         for k in state:
             m = _BLOCK.match(k)
@@ -154,7 +179,7 @@ class ResNetConverter:
                 stage, block = int(m[1]), int(m[2])
                 depth[stage] = max(depth.get(stage, 0), block + 1)
         stages = sorted(depth)
-        out = {"frozen_bn": check_resnet_module(module)} if module is not None else {}
+        out = check_resnet_module(module) if module is not None else {}
         if "layer1.0.conv3.weight" in state:
             channels = tuple(state[f"layer{s}.0.conv3.weight"].shape[0] // EXPANSION["bottleneck"] for s in stages)
             width, per_group = state[f"layer{stages[0]}.0.conv2.weight"].shape[:2]  # [width, width / groups, 3, 3]

@@ -1,8 +1,8 @@
 """transformers' config.json of ``ResNetForImageClassification`` / ``ResNetModel`` for a fastzoo
 ResNet config (:func:`hf_config_dict`), and what it cannot say.
 
-transformers' ResNet is torchvision's network without grouped or widened bottlenecks, with a
-bottleneck a quarter of its output wide, average pooling and a classifier only in
+transformers' ResNet is torchvision's network without grouped or widened bottlenecks or dilated
+stages, with a bottleneck a quarter of its output wide, average pooling and a classifier only in
 ``ResNetForImageClassification``: a config that is another network has no transformers form
 (:func:`misfits`, each naming its fields). The same rule refuses an ``hf_config`` its config
 cannot have when the config is made (:func:`check`), not when it is written.
@@ -30,6 +30,9 @@ def misfits(config) -> list[tuple[tuple[str, ...], str]]:
     if config.groups != 1 or config.width_per_group != 64:
         bad.append((("groups", "width_per_group"), f"groups={config.groups}, width_per_group={config.width_per_group} "
                     f"(transformers' ResNet has neither grouped nor widened bottlenecks: 1 and 64)"))
+    if config.output_stride != 32:
+        bad.append((("output_stride",), f"output_stride={config.output_stride} (transformers' ResNet has no dilated "
+                    f"stages: 32; timm's and torchvision's have)"))
     if config.global_pool != "avg":
         bad.append((("global_pool",), f"global_pool={config.global_pool!r} (transformers' ResNet pools with 'avg')"))
     outs = [config.stage_out(i) for i in range(len(config.channels))]

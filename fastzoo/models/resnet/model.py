@@ -9,12 +9,17 @@ the first 1x1 -- what torchvision's and timm's ResNets do. Module names are torc
 ``fc``); timm's ResNets use the same parameter names, so checkpoints of both load key for key
 (``convert.py``).
 
-What the weights cannot say. Dilation (torchvision's ``replace_stride_with_dilation``,
-timm's ``output_stride=8/16``), the activation, anti-aliasing, drop-block / drop-path and
+``output_stride=16`` / ``8`` (timm's; Yu & Koltun 2016, as DeepLab and DETR-DC5 use it) keeps the
+last stage / the last two at stride 1 and dilates their 3x3 convs by 2 / 2 and 4 instead, the
+first block of each such stage keeping the previous dilation (timm's ``make_blocks``; torchvision's
+``replace_stride_with_dilation=[False, False, True]`` / ``[False, True, True]`` build the same).
+
+What the weights cannot say. The dilation, the activation, anti-aliasing, drop-block / drop-path and
 BatchNorm's eps / momentum change the function but not the keys or shapes. A *live*
 torchvision / timm module is checked for all of them and refused (``CheckpointError``)
-where it is not this network; a state dict or file cannot be checked, so it is
-read as the plain network (stride 2 in each stage's first 3x3, no dilation, ReLU).
+where it is not this network (its ``output_stride`` is read from its strides); a state dict or
+file cannot be checked, so it is read as the network of the given ``output_stride`` (default 32:
+stride 2 in each later stage's first 3x3, no dilation), ReLU.
 
 ``frozen_bn=True`` makes every BatchNorm use its running statistics in train mode too and
 leaves its affine parameters untrained -- torchvision's ``FrozenBatchNorm2d``, as DETR's
@@ -38,16 +43,18 @@ torch.fx.wrap("check_images")  # symbolic tracing records the input check as one
 
 
 class BasicBlock(nn.Module):
-    """3x3 (stride here) -> 3x3, plus the shortcut, then ReLU (ResNet-18/34)."""
+    """3x3 (stride here) -> 3x3, plus the shortcut, then ReLU (ResNet-18/34). In a dilated stage
+    the first 3x3 of its first block keeps the previous stage's dilation (``first_dilation``), as timm's."""
 
     expansion = EXPANSION["basic"]
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, dilation: int = 1, first_dilation: int = 1):
         super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=first_dilation, dilation=first_dilation,
+                               bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
         self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=dilation, dilation=dilation, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
         self.downsample = _shortcut(inplanes, planes, stride)
 
@@ -65,17 +72,19 @@ class BasicBlock(nn.Module):
 class Bottleneck(nn.Module):
     """1x1 reduce -> 3x3 in ``groups`` groups (stride here: v1.5) -> 1x1 expand, plus the shortcut,
     then ReLU. ResNeXt (Xie et al. 2017) groups the 3x3; Wide ResNet (Zagoruyko & Komodakis 2016)
-    widens it (``width_per_group``)."""
+    widens it (``width_per_group``). In a dilated stage the 3x3 of its first block keeps the previous
+    stage's dilation, as timm's and torchvision's."""
 
     expansion = EXPANSION["bottleneck"]
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1, groups: int = 1, width_per_group: int = 64,
-                 out: int | None = None):
+                 out: int | None = None, dilation: int = 1):
         super().__init__()
         width, out = bottleneck_width(planes, groups, width_per_group), out or planes * self.expansion
         self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=groups, bias=False)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=dilation, dilation=dilation, groups=groups,
+                               bias=False)
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3 = nn.Conv2d(width, out, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(out)
@@ -101,10 +110,11 @@ def _shortcut(inplanes: int, out: int, stride: int) -> nn.Sequential | None:
     return nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
 
 
-def _block(cfg: ResNetConfig, inplanes: int, planes: int, out: int, stride: int = 1) -> nn.Module:
+def _block(cfg: ResNetConfig, inplanes: int, planes: int, out: int, stride: int, dilation: int,
+           first_dilation: int) -> nn.Module:
     if cfg.block == "basic":
-        return BasicBlock(inplanes, planes, stride)
-    return Bottleneck(inplanes, planes, stride, cfg.groups, cfg.width_per_group, out)
+        return BasicBlock(inplanes, planes, stride, dilation, first_dilation)
+    return Bottleneck(inplanes, planes, stride, cfg.groups, cfg.width_per_group, out, first_dilation)
 
 
 def _timm_block(architecture: str | None) -> str | None:
@@ -141,14 +151,14 @@ class ResNet(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
         # stem activation is act1, here torchvision's relu): timm's hook / fx feature wrappers and
         # any code that hooks model.get_submodule(info.module_name()) find the module computing it
         self.feature_info = [dict(num_chs=stem, reduction=2, module="relu")]
-        inplanes = stem
-        for i, (n, planes) in enumerate(zip(cfg.layers, cfg.channels)):
-            stride = 1 if i == 0 else 2
+        inplanes, reduction = stem, 4
+        for i, (n, planes, (stride, dilation, previous)) in enumerate(zip(cfg.layers, cfg.channels, cfg.stage_geometry())):
             out = cfg.stage_out(i)
-            blocks = [_block(cfg, inplanes, planes, out, stride)] + [_block(cfg, out, planes, out) for _ in range(n - 1)]
+            blocks = [_block(cfg, inplanes, planes, out, stride, dilation, previous)]
+            blocks += [_block(cfg, out, planes, out, 1, dilation, dilation) for _ in range(n - 1)]
             self.add_module(f"layer{i + 1}", nn.Sequential(*blocks))
-            inplanes = out
-            self.feature_info.append(dict(num_chs=inplanes, reduction=4 * 2**i, module=f"layer{i + 1}"))
+            inplanes, reduction = out, reduction * stride
+            self.feature_info.append(dict(num_chs=inplanes, reduction=reduction, module=f"layer{i + 1}"))
         self.num_stages = len(cfg.layers)
         self.inplanes = inplanes  # torchvision's attribute: its FPN helper (_resnet_fpn_extractor) sizes from it
         self.avgpool = nn.AdaptiveAvgPool2d(1) if cfg.global_pool else nn.Identity()
@@ -198,7 +208,8 @@ class ResNet(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
         return x
 
     def forward_features(self, images_BCHW: torch.Tensor) -> torch.Tensor:
-        """The last stage's feature map (C5: [B, num_features, H/32, W/32]; 2048 channels for ResNet-50)."""
+        """The last stage's feature map (C5: [B, num_features, H/output_stride, W/output_stride]; 2048
+        channels for ResNet-50)."""
         x = self.maxpool(self._stem(images_BCHW))
         for i in range(self.num_stages):
             x = self._stage(i, x)
@@ -271,7 +282,7 @@ class ResNet(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
         # timm's names: cardinality = groups, base_width = width_per_group; the block comes with the architecture
         return {"layers": list(c.layers), "channels": list(c.channels), "cardinality": c.groups,
                 "base_width": c.width_per_group, "in_chans": c.in_chans, "num_classes": c.num_classes,
-                "global_pool": c.global_pool}
+                "global_pool": c.global_pool, "output_stride": c.output_stride}
 
     def hf_pretrained(self) -> tuple[dict, dict]:
         from fastzoo.models.resnet import hf, hf_config

@@ -15,7 +15,8 @@ TORCHVISION_CHANNELS = (64, 128, 256, 512)  # torchvision's stage widths (its Re
 
 def torchvision_resnet(cfg: dict) -> nn.Module:
     """torchvision's ``ResNet`` on fastzoo config fields (torchvision's names: block, layers,
-    groups, width_per_group, num_classes)."""
+    groups, width_per_group, num_classes; ``output_stride`` as its ``replace_stride_with_dilation``),
+    or timm's where torchvision has none: basic blocks dilated (``output_stride`` 16 / 8)."""
     from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet as TorchvisionResNet
 
     c = ResNetConfig.from_dict(cfg)
@@ -24,12 +25,19 @@ def torchvision_resnet(cfg: dict) -> nn.Module:
     if c.channels != TORCHVISION_CHANNELS or c.in_chans != 3 or not c.torchvision_shaped:
         raise ValueError(f"channels={c.channels}, in_chans={c.in_chans}: torchvision's ResNet has the stage widths "
                          f"{TORCHVISION_CHANNELS} and 3 input channels")
+    dilate = [stride == 1 for stride, _, _ in c.stage_geometry()[1:]]  # torchvision's per stage after the first
+    if c.block == "basic" and any(dilate):  # torchvision's BasicBlock has no dilation; timm's has
+        import timm.models.resnet
+
+        return timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, list(c.layers), num_classes=c.num_classes,
+                                         global_pool=c.global_pool, output_stride=c.output_stride,
+                                         zero_init_last=False)
     if c.num_classes == 0:  # torchvision builds Linear(C, 0): empty logits, where fastzoo (as timm) returns the features
         raise ValueError("num_classes=0: torchvision's ResNet has no headless form (it builds a head with 0 outputs); "
                          "fastzoo's returns the pooled features, as timm's")
     block = BasicBlock if c.block == "basic" else Bottleneck
     return TorchvisionResNet(block, list(c.layers), num_classes=c.num_classes, groups=c.groups,
-                             width_per_group=c.width_per_group)
+                             width_per_group=c.width_per_group, replace_stride_with_dilation=dilate)
 
 
 def flops(cfg, *, batch: int, img_size: int, train: bool = True) -> int:
@@ -39,10 +47,10 @@ def flops(cfg, *, batch: int, img_size: int, train: bool = True) -> int:
     stem = cfg.stem
     total = 2 * (img_size // 2) ** 2 * cfg.in_chans * stem * 49
     inplanes = stem
-    for stage, (blocks, planes) in enumerate(zip(cfg.layers, cfg.channels)):
+    for stage, (blocks, planes, (first, _, _)) in enumerate(zip(cfg.layers, cfg.channels, cfg.stage_geometry())):
         out = cfg.stage_out(stage)
         for b in range(blocks):
-            stride = 2 if b == 0 and stage > 0 else 1
+            stride = first if b == 0 else 1
             out_side = side // stride
             if cfg.block == "basic":
                 total += 2 * out_side**2 * 9 * (inplanes * planes + planes * planes)  # two 3x3 (stride on the first)
