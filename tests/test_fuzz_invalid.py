@@ -6,7 +6,8 @@ are not 0/1) raise a ``ValueError`` naming the argument, and change nothing (tra
 BatchNorm statistic moved). NaN / inf images are the one input a convnet or ViT computes on:
 each image is its own function, so a non-finite image gives non-finite logits for that image only
 and leaves every other image's logits as a clean batch gives them (NaN where the clean batch's are).
-A detector's padded images too, on each CPU backend, the non-finite pixel in an image's padding
+A detector's padded images too, on each CPU backend that reads each image alone (all but varlen's
+flex impl, one attention over the packed batch), the non-finite pixel in an image's padding
 included (there a packed backend, which never reads padding, may keep that image finite).
 """
 from __future__ import annotations
@@ -227,7 +228,9 @@ def test_a_non_finite_image_spoils_its_own_logits_only(family, data):
     cfg = data.draw(configs(spec, small=True), label="config")
     model = fastzoo.create(spec.variants[0].name, **cfg).eval()
     if detector:  # padded images, and the non-finite pixel may be padding: each backend's own path
-        name, options = data.draw(st.sampled_from(backends()), label="attn")
+        # varlen's flex impl attends over the whole packed batch under a document mask: another image's NaN
+        # reaches this one as 0 x NaN (fastzoo/attention/varlen.py says so); every other backend reads each image alone
+        name, options = data.draw(st.sampled_from([b for b in backends() if b[1].get("impl") != "flex"]), label="attn")
         try:
             model.set_attention(name, **options)
         except BackendUnavailableError:

@@ -11,7 +11,9 @@ picks the kernel, or ``None`` picks per call the first that fits the tensors:
 - ``"flash"``: FlashAttention-2 ``flash_attn_varlen_func`` (through ``fastzoo.attention.flash``).
 - ``"xformers"``: xFormers with a block-diagonal (causal) mask (through ``fastzoo.attention.xformers``).
 - ``"flex"``: FlexAttention with a document mask (the ``flex`` backend); no dropout, and
-  on CPU no backward.
+  on CPU no backward. One attention over the whole packed row: a non-finite value (a NaN
+  pixel, an overflow) in one sequence's keys or values reaches the others as 0 x NaN, where
+  every other impl reads each sequence alone.
 - ``"cpu"``: :func:`packed_sdpa`: exact, trains on CPU (soft-capped scores too).
 
 Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. With ``impl=None`` the
