@@ -37,7 +37,7 @@ import torch
 from conftest import SPECS, backends
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
 from fuzzing import compare_finite, count, examples, fail, non_default
-from hypothesis import assume, example, given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 

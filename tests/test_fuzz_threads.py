@@ -10,7 +10,6 @@ backend the model names, and torch's process-wide SDPA kernel flags are as they 
 """
 from __future__ import annotations
 
-import sys
 import threading
 
 import pytest
