@@ -96,6 +96,27 @@ def test_static_cache_forward_reads_the_written_keys_only():
     assert (torch.cat([first, second], 1) - full).abs().max() <= TOL
 
 
+def test_the_text_config_sizes_a_static_cache_as_transformers_config_does():
+    """``config.get_text_config()`` is what transformers' tests and PEFT read a cache's shape from
+    (``getattr(config, "head_dim", hidden_size // num_attention_heads)``): its head_dim is the number,
+    where the config keeps None for the default (a config made with another width gets its own)."""
+    import dataclasses
+
+    hf = hf_llama()
+    m = fastzoo.create("llama", pretrained=hf, attn="eager")
+    text = m.config.get_text_config(decoder=True)
+    assert m.config.head_dim is None and text.head_dim == hf.config.head_dim == 8
+    assert text.hidden_size == 32 and text.vocab_size == V
+    text.use_cache = False  # set through to the config
+    assert m.config.use_cache is False
+    assert dataclasses.replace(m.config, hidden_size=64).get_text_config().head_dim == 16
+    cache = StaticCache(config=text, max_cache_len=16)  # as PEFT builds one from the text config
+    ids, _ = left_padded()
+    first = m(ids[:, :4], past_key_values=cache, use_cache=True).logits
+    assert cache.layers[0].keys.shape[-1] == 8
+    assert (first - m(ids[:, :4], use_cache=False).logits).abs().max() <= TOL
+
+
 def test_forward_is_captured_whole_by_torch_compile():
     """``_can_compile_fullgraph``: no graph break (fullgraph=True raises on one), eager's values."""
     m = fastzoo.create("llama", pretrained=hf_llama(), attn="sdpa")

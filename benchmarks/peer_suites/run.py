@@ -156,13 +156,6 @@ HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
 }
 
 # soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
-HEAD_DIM_GAPS: dict[str, tuple[str, str]] = {
-    **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
-        REAL_GAP, "the test reads model.config.head_dim for the cache's shape: fastzoo's one config of the Llama-style "
-                  "layouts keeps head_dim=None when it is hidden_size // num_attention_heads, where transformers' "
-                  "config holds the number (Qwen2Config has no head_dim: the test's default applies); generate with "
-                  "the static cache gives transformers' tokens (tests/test_decoder_transformers_flags.py)")),
-}
 SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
         REFUSED, "a static cache with sliding-window layers on a packed-only backend (varlen: fastzoo's default for a "
@@ -241,8 +234,7 @@ SUITES = {
         "plugin": "swap_hf_llama",
         # Gemma 3's file also tests the multimodal Gemma3ForConditionalGeneration: only its text model is fastzoo's
         "pytest_args": ["--noconftest"] + (["-k", "not Vision2Text"] if folder == "gemma3" else []),
-        "verdicts": {**HF_LLAMA_VERDICTS, **(SOFTCAP_VERDICTS if folder.startswith("gemma") else {}),
-                     **(HEAD_DIM_GAPS if not folder.startswith("gemma") else {})},
+        "verdicts": {**HF_LLAMA_VERDICTS, **(SOFTCAP_VERDICTS if folder.startswith("gemma") else {})},
     } for model_type, (folder, _, _) in swap_hf_llama.LAYOUTS.items()},
     "hf-vit": {
         "title": "transformers' tests/models/vit/test_modeling_vit.py against fastzoo's ViT",

@@ -136,9 +136,10 @@ class LlamaConfig(ModelConfig):
     is_encoder_decoder = False
     sub_configs = {}  # no vision / audio sub-models (transformers' composite configs have some)
 
-    def get_text_config(self, decoder=None, encoder=None) -> "LlamaConfig":
-        """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself."""
-        return self
+    def get_text_config(self, decoder=None, encoder=None) -> "TextConfigView":
+        """transformers' ``PretrainedConfig.get_text_config``: a text-only model's is itself, as the code
+        that asks reads it (:class:`TextConfigView`: ``head_dim`` the head width)."""
+        return TextConfigView(self)
 
     # -- what the fields mean together --------------------------------------------------------
     @property
@@ -270,3 +271,22 @@ class LlamaConfig(ModelConfig):
         if kind == "longrope" and any(len(filled[k]) != self.head_size // 2 for k in ("short_factor", "long_factor")):
             raise ConfigError(f"rope_parameters: longrope's short_factor and long_factor need head_dim / 2 = "
                               f"{self.head_size // 2} values each", fields=("rope_parameters",))
+
+
+class TextConfigView:
+    """A :class:`LlamaConfig` as transformers' text configs read: ``head_dim`` is the head width, never
+    None (what transformers' caches and tests size the key/value cache by: ``getattr(config,
+    "head_dim", hidden_size // num_attention_heads)``); every other attribute, read or set, is the
+    config's own. The config keeps ``head_dim=None`` for the default, so that a config made with another
+    hidden_size or head count never carries a stale head width."""
+
+    __slots__ = ("config",)
+
+    def __init__(self, config: LlamaConfig):
+        object.__setattr__(self, "config", config)
+
+    def __getattr__(self, name: str):
+        return self.config.head_size if name == "head_dim" else getattr(self.config, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.config, name, value)
