@@ -27,6 +27,10 @@ start, so its loss leaves that term out). Where the original's padded output is 
 reaches the real tokens as 0 x NaN), a backend that never reads padding (packed: varlen, nested)
 computes each sequence's own function: its outputs are then compared with the original run on
 each sequence alone (at the same positions), and the original's non-finite loss is not compared.
+Where a real token is itself non-finite in the original (that pad embedding's id inside a
+sequence), a backend that attends over the whole packed row under a document mask (eager, sdpa,
+flex, varlen's flex impl) carries it to the row's other sequences as 0 x NaN, as transformers'
+own packed batches do (``fastzoo/attention/packing.py``); that case is counted, not compared.
 """
 from __future__ import annotations
 
@@ -181,7 +185,7 @@ def token_case(draw, model, train: bool):
             logits = out.logits
             return (None if logits is None else logits.reshape(-1, logits.shape[-1])), out.loss if labels else None
 
-        return [("packed", packed_call, padded_call, {"grads": True, "packed": True})]
+        return [("packed", packed_call, padded_call, {"grads": True, "packed": True, "alone": alone_call})]
     # cache: a prefix, then the rest of the tokens through the KV cache
     k = draw(st.integers(1, width - 1), label="prefix") if width > 1 else 1
     pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
@@ -199,6 +203,11 @@ def token_case(draw, model, train: bool):
 
     return [("cache", cache_call, whole_call, {"grads": False, "cache": True, "mask": True,
                                                "alone": lambda m: alone_call(m, pos)})]
+
+
+# the backends whose packed rows are attended sequence by sequence (every other one runs one dense attention over
+# the packed row under a document mask: a non-finite value of one sequence reaches the others as 0 x NaN)
+READS_EACH_SEQUENCE_ALONE = {("varlen", None), ("varlen", "cpu"), ("nested", None)}
 
 
 def _allowed(caps, needs: dict, grads: bool) -> tuple[bool, str]:
@@ -273,7 +282,7 @@ def _check_equivalence(family: str, data) -> None:
     # a model without attention runs on one backend: more inputs per built pair (cases cost less than builds)
     cases = (image_case(ours, (1, 3) if with_attention else (3, 10)) if spec.task.name == "image-classification"
              else token_case(ours, train))
-    failures, compared, refused = [], 0, 0
+    failures, compared, refused, spread = [], 0, 0, 0
     for form, call, ref_call, needs in data.draw(cases, label="inputs"):
         seed = 7
         try:
@@ -317,6 +326,10 @@ def _check_equivalence(family: str, data) -> None:
             comps, through_padding = [], False
             if rows is not None:
                 c = compare_finite("outputs", rows, r_rows, [q[0] for q in p] or None)
+                if (not c.passed and needs.get("packed") and not torch.isfinite(r_rows).all()
+                        and (name, options.get("impl")) not in READS_EACH_SEQUENCE_ALONE):
+                    spread += 1  # the declared limit of one dense attention over the packed row (module docstring)
+                    continue
                 if not c.passed and needs.get("alone") and not torch.isfinite(r_rows).all():
                     if alone is None:  # the original on each sequence without its padding (see the module docstring)
                         alone = [_run(m, needs["alone"], precision=pr, grads=False, seed=seed)[0]
@@ -334,7 +347,8 @@ def _check_equivalence(family: str, data) -> None:
             compared += 1
             failures += [f"{label} {form} {precision}: {c.name} err {c.err:.3g} > bound {c.bound:.3g}"
                          + (f" (worst {c.worst})" if c.worst else "") for c in comps if not c.passed]
-    count(f"equivalence/{family}", examples=1, cases=compared, refused=refused, mismatches=len(failures))
+    count(f"equivalence/{family}", examples=1, cases=compared, refused=refused, mismatches=len(failures),
+          non_finite_spread=spread)
     assert not failures, f"config {cfg}: " + "; ".join(failures)
 
 

@@ -126,6 +126,37 @@ def test_a_non_finite_pixel_stays_in_its_detr_image_on_every_backend_that_reads_
     assert leaks in ([], [("varlen", "flex")]), leaks
 
 
+def test_a_pad_that_is_nan_in_the_original_leaves_fastzoos_packed_sequences_their_own_function():
+    """Found: with pad_token_id=0 the pad's embedding row is zero, and an rms_norm_eps that is 0 in
+    fp32 makes the pad's normed state 0/0 = NaN; transformers' padded batch then carries NaN to the
+    real tokens (a masked key's NaN value as 0 x NaN), where each sequence run alone is finite. A
+    backend that never reads padding (varlen, nested) computes each sequence's own function: the
+    property compares it with the original on each sequence alone (tests/test_fuzz_equivalence.py)."""
+    from fastzoo.data import pack
+
+    spec = SPECS["llama"]
+    cfg = {**TINY["llama"], "rms_norm_eps": 1e-320, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
+    torch.manual_seed(0)
+    hf = spec.original.build(cfg).eval()
+    ours = fastzoo.create("llama", pretrained=hf, attn="varlen").eval()
+    seqs = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10])]
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    mask = torch.zeros(2, 4, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    with torch.no_grad():
+        padded = hf(ids, attention_mask=mask).logits
+        alone = torch.cat([hf(s[None]).logits[0] for s in seqs])
+        packed = pack(seqs)
+        mine = ours(packed.input_ids, position_ids=packed.position_ids, cu_seqlens=packed.cu_seqlens,
+                    max_seqlen=packed.max_seqlen).logits[0]
+        mine_padded = ours(ids, attention_mask=mask).logits
+    assert not torch.isfinite(padded[mask.bool()]).all()  # transformers' real tokens: NaN through the padding
+    assert torch.isfinite(alone).all()
+    torch.testing.assert_close(mine, alone, atol=1e-4, rtol=0)
+    torch.testing.assert_close(mine_padded[mask.bool()], alone, atol=1e-4, rtol=0)  # unpadded inside: the same
+
+
 def test_a_config_whose_logits_are_nan_for_every_image_is_timms_too():
     """Found as 'a non-finite pixel changed another image's logits': with embed_dim=1 every LayerNorm
     computes (x - mean) / sqrt(var + eps) = 0 / sqrt(eps), and norm_eps=5e-324 (a float64) is 0 in the

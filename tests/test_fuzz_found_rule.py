@@ -156,3 +156,30 @@ def test_fp32_logits_of_1e7_are_compared_at_fp32_resolution():
     assert c.bound <= equivalence.FP32_OUT_ULPS * torch.finfo(torch.float32).eps * top * 1.0001
     ordinary = b / top * 10  # logits up to 10 keep the absolute rule
     assert equivalence.compare_outputs("logits", ordinary, ordinary).bound == equivalence.FP32_OUT_ATOL
+
+
+def test_denormal_gradients_are_compared_on_fp32s_smallest_normal_number():
+    """Found: a GPT-2 with initializer_range=6.7e-42 has denormal weights; its largest gradient is
+    1.4e-39, below fp32's smallest normal number (1.2e-38), where a denormal carries fewer bits the
+    smaller it is: transformers' and fastzoo's eager gradients were 2-8% apart. The relative rule's
+    scale is at least 1.2e-38 / 1e-4, so a difference below 1.2e-38 passes and one above fails."""
+    from fastzoo import equivalence
+
+    spec = SPECS["gpt2"]
+    cfg = {**TINY["gpt2"], "initializer_range": 6.653313417513884e-42, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+           "attn_pdrop": 0.0}
+    torch.manual_seed(0)
+    ref = spec.original.build(cfg).train()
+    ours = fastzoo.create("gpt2", pretrained=ref, attn="eager").train()
+    ids = torch.randint(0, cfg["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for m in (ref, ours):
+        m(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    theirs, mine = grads
+    assert max(g.abs().max().item() for g in theirs.values()) < torch.finfo(torch.float32).tiny
+    mine = {n: mine[n] if mine[n].shape == g.shape else mine[n].t() for n, g in theirs.items()}  # Conv1D: transposed
+    assert equivalence.compare_grads("grads", mine, theirs).passed
+    off = {n: g + 10 * torch.finfo(torch.float32).tiny for n, g in theirs.items()}
+    assert not equivalence.compare_grads("grads", off, theirs).passed
+

@@ -13,6 +13,12 @@ and not a key-padding mask:
   back with zeros at padded positions. Models call them once per forward, so attention
   and everything between attention layers skip the padding.
 
+A backend with no varlen kernel (eager, sdpa, flex, and ``varlen``'s flex impl) attends over a
+packed row in one dense attention under the document mask (:func:`fastzoo.attention.masks.context_mask_mod`):
+the same function for finite values, but a non-finite value in one sequence (a NaN state) reaches
+the row's other sequences as 0 x NaN, as in any dense masked attention; the varlen kernels and
+``nested`` read each sequence alone.
+
 Pure PyTorch, so it is tested on CPU.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ picks the kernel, or ``None`` picks per call the first that fits the tensors:
 - ``"flex"``: FlexAttention with a document mask (the ``flex`` backend); no dropout, and
   on CPU no backward. One attention over the whole packed row: a non-finite value (a NaN
   pixel, an overflow) in one sequence's keys or values reaches the others as 0 x NaN, where
-  every other impl reads each sequence alone.
+  every other impl reads each sequence alone (``fastzoo.attention.packing``).
 - ``"cpu"``: :func:`packed_sdpa`: exact, trains on CPU (soft-capped scores too).
 
 Order tried on CUDA: torch, flash, xformers, flex. On CPU: cpu. With ``impl=None`` the

@@ -32,6 +32,10 @@ LOW_FACTOR = 3.0  # flash-attn's rule: at most 3x the original's own low-precisi
 LOW_OUT_FLOOR = 1e-5  # absolute floor, for a peer that happens to be exact
 LOW_GRAD_FLOOR = 1e-5  # relative floor, likewise
 GRAD_SCALE_FLOOR = 1e-2  # a parameter's gradient scale is at least 1% of the model's largest gradient
+# ... and at least this: fp32 resolves no difference below its smallest normal number (1.2e-38), where
+# denormals carry fewer bits the smaller they are. A GPT-2 with initializer_range=6.7e-42 (denormal
+# weights) has gradients of that size, 4% apart between two kernels that round them alike elsewhere.
+DENORMAL_SCALE = torch.finfo(torch.float32).tiny / FP32_GRAD_RTOL
 
 
 @dataclass
@@ -79,7 +83,7 @@ def _grad_errors(g: dict, ref: dict) -> dict[str, float]:
     top = max((r.abs().max().item() for r in ref.values() if r.numel()), default=0.0)
     # every reference gradient exactly 0 (a loss constant in every weight: a one-token vocabulary) leaves
     # no scale to be relative to: rounding noise (4e-8 from the fused cross-entropy) is judged on a scale of 1
-    floor = GRAD_SCALE_FLOOR * top if top else 1.0
+    floor = max(GRAD_SCALE_FLOOR * top, DENORMAL_SCALE) if top else 1.0
     errs = {}
     for n, r in ref.items():
         e = _max_abs(g[n], r) / max(r.abs().max().item(), floor) if r.numel() else 0.0
