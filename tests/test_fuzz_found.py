@@ -157,6 +157,31 @@ def test_a_pad_that_is_nan_in_the_original_leaves_fastzoos_packed_sequences_thei
     torch.testing.assert_close(mine_padded[mask.bool()], alone, atol=1e-4, rtol=0)  # unpadded inside: the same
 
 
+@pytest.mark.parametrize("multiplier", [5e-324, 1e-46])
+def test_an_attention_scale_that_is_zero_in_fp32_attends_uniformly_on_every_backend(multiplier):
+    """Found: Granite with attention_multiplier=5e-324 (0 in fp32) gave NaN logits on sdpa, nested and
+    varlen: torch's CPU flash kernel masks causally with -inf x scale, NaN at scale 0. transformers'
+    eager scores are all 0 (uniform attention over the past); every fastzoo backend gives that."""
+    spec = SPECS["llama"]
+    cfg = {**TINY["llama"], "model_type": "granite", "attention_multiplier": multiplier, "embedding_multiplier": 12.0,
+           "residual_multiplier": 0.25, "logits_scaling": 1.0}
+    torch.manual_seed(0)
+    hf = spec.original.build(cfg).eval()
+    ids = torch.randint(0, cfg["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert torch.isfinite(want).all()
+    ours = fastzoo.create("llama", pretrained=hf, attn="eager").eval()
+    for name, options in backends(dtype=torch.float32):
+        try:
+            ours.set_attention(name, **options)
+        except BackendUnavailableError:  # refused at the switch, by name (a test's registered kernel, say): not run
+            continue
+        with torch.no_grad():
+            got = ours(ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{name} {options}")
+
+
 def test_a_config_whose_logits_are_nan_for_every_image_is_timms_too():
     """Found as 'a non-finite pixel changed another image's logits': with embed_dim=1 every LayerNorm
     computes (x - mean) / sqrt(var + eps) = 0 / sqrt(eps), and norm_eps=5e-324 (a float64) is 0 in the

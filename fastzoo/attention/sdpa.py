@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import re
 import threading
 
@@ -126,12 +127,19 @@ class _SharedFlags:
 
 
 _FLAGS = _SharedFlags()
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def sdpa(q, k, v, *, kernel: SDPBackend | None = None, **kwargs):
     """``F.scaled_dot_product_attention(q, k, v, **kwargs)``, on ``kernel`` only if given, safe from
     threads (see :class:`_SharedFlags`). Under ``torch.compile`` the flags are read at trace time
     and the graph keeps the kernel chosen: no lock there."""
+    scale = kwargs.get("scale")
+    if scale is not None and abs(scale) < _TINY:
+        # a scale that is 0 in fp32 (Granite's attention_multiplier=5e-324, or 0) makes every score 0: torch's CPU
+        # flash kernel then masks causally with -inf x 0 = NaN. fp32's smallest normal number gives the same
+        # probabilities (exp of scores below 1e-8 is 1 in fp32) without the NaN
+        kwargs["scale"] = math.copysign(_TINY, scale) if scale else _TINY
     if kernel is None:
         guard = contextlib.nullcontext() if tracing() else _FLAGS.read()
     else:
