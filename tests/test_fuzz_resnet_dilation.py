@@ -16,6 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import fastzoo
+from fastzoo.errors import CheckpointError
 
 TOL = 1e-4  # fp32 rule (fastzoo.equivalence): logits max abs difference; gradients relative to their largest
 ORIGINALS = dict(channels=(64, 128, 256, 512), in_chans=3, stem_width=None, out_channels=None, hf_config=None)
@@ -35,7 +36,12 @@ def test_dilated_resnet_equals_the_original_for_any_config(data):
         count("equivalence/resnet dilated", original_refused=1)
         assume(False)
     randomize(ref, seed=data.draw(st.integers(0, 2**16), label="weights seed"))
-    ours = fastzoo.create("resnet50", pretrained=ref)
+    try:
+        ours = fastzoo.create("resnet50", pretrained=ref)
+    except CheckpointError as e:  # refused by name (timm's unpooled head, global_pool='', is not read): no comparison
+        assert "global_pool" in str(e), e
+        count("equivalence/resnet dilated", create_refused=1)
+        assume(False)
     if ours.config.output_stride != output_stride:
         fail("equivalence/resnet dilated", "mismatches", f"read output_stride={ours.config.output_stride} from the "
              f"original of output_stride={output_stride}")
