@@ -35,11 +35,14 @@ def timm_vit(cfg: dict) -> nn.Module:
     return model
 
 
-def timm_as_users_run_it(model: nn.Module) -> nn.Module:
-    """timm's default attention: fused (``F.scaled_dot_product_attention``)."""
+def as_users_run_it(model: nn.Module) -> nn.Module:
+    """The attention the original's users get by default: timm's fused one, transformers' SDPA (a
+    transformers original, built from an ``hf_config``, is built on its eager reference kernels)."""
     for m in model.modules():
         if hasattr(m, "fused_attn"):
             m.fused_attn = True
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("sdpa")
     return model
 
 SHORT = {"vit_small_patch16_224": "vit_s16", "vit_base_patch16_224": "vit_b16", "vit_large_patch16_224": "vit_l16"}
@@ -90,7 +93,7 @@ SPEC = ModelSpec(
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
     bench=BenchSettings(
-        variant="vit_small_patch16_224", library="timm", peer=timm_as_users_run_it, peer_attention="sdpa",
+        variant="vit_small_patch16_224", library="timm", peer=as_users_run_it, peer_attention="sdpa",
         sizes={"bench": Workload("", batch=8),
                "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=8),
                "quick": Workload("tiny ViT", dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
