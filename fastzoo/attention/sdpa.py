@@ -139,7 +139,7 @@ def sdpa(q, k, v, *, kernel: SDPBackend | None = None, **kwargs):
         # a scale that is 0 in fp32 (Granite's attention_multiplier=5e-324, or 0) makes every score 0: torch's CPU
         # flash kernel then masks causally with -inf x 0 = NaN. fp32's smallest normal number gives the same
         # probabilities (exp of scores below 1e-8 is 1 in fp32) without the NaN
-        kwargs["scale"] = math.copysign(_TINY, scale) if scale else _TINY
+        kwargs["scale"] = math.copysign(_TINY, scale)
     if kernel is None:
         guard = contextlib.nullcontext() if tracing() else _FLAGS.read()
     else:
