@@ -28,6 +28,10 @@ The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):
   the peer is the original run in the same dtype on the same device, on its reference kernels
   and on the kernels its users get, the worse of the two (:mod:`fastzoo.equivalence.rule` says
   why): a kernel may be as inexact as the original in that dtype, times three, and no worse.
+  And the attention backend alone (:mod:`fastzoo.equivalence.oplevel`): its output and dq/dk/dv
+  on bf16/fp16 q, k, v against fp64 attention on the same rounded values, within
+  ``BOUND_MARGIN`` times the error measured for the correct kernel (largest and rms, in units of
+  the dtype's rounding), where the model-level 3x cannot see a 1 % error.
 
 The gradient error of one parameter is ``max|g - g_ref| / max(max|g_ref|, 1e-2 * G)``, with
 ``G`` the largest reference gradient of the model: relative, because gradient magnitudes

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from fastzoo.attention import get_backend
+from fastzoo.layers.attention import UsesAttention
+from fastzoo.equivalence import oplevel
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerReport
 from fastzoo.equivalence.rule import (
@@ -93,8 +95,6 @@ class Result:
 def has_attention(model_name: str) -> bool:
     """Whether ``model_name`` has attention layers (a convnet has none: no backend is ever asked),
     read from its tiny config built on the meta device."""
-    from fastzoo.layers.attention import UsesAttention
-
     model = create(model_name, attn="eager", device="meta", **_checkable(model_name).tiny)
     return any(isinstance(m, UsesAttention) for m in model.modules())
 
@@ -127,7 +127,9 @@ def check(
     same weights and inputs (see the module docstring).
 
     ``train=True`` also compares parameter gradients where the backend has a backward on
-    ``device`` (otherwise a note says why they were not compared). ``layers=True`` adds the
+    ``device`` (otherwise a note says why they were not compared). In bf16 / fp16 the backend is
+    also checked alone (:mod:`fastzoo.equivalence.oplevel`: its output and dq/dk/dv on rounded
+    q/k/v against fp64 attention, on the features the model uses), one comparison row each. ``layers=True`` adds the
     per-layer report of each input form (fp32). Raises
     :class:`~fastzoo.errors.BackendUnavailableError` if the backend cannot serve the model
     here, exactly as ``fastzoo.create`` would.
@@ -141,7 +143,8 @@ def check(
     result = Result(
         model_name, backend, options, str(device), dtype_name(dtype),
         rule=(f"max|ours-ref| <= {LOW_FACTOR:g} * max|original_{dtype_name(dtype)}-ref| + floor "
-              f"(floor {LOW_OUT_FLOOR:g} outputs, {LOW_GRAD_FLOOR:g} relative grads)") if low else
+              f"(floor {LOW_OUT_FLOOR:g} outputs, {LOW_GRAD_FLOOR:g} relative grads); attention op: within "
+              f"{oplevel.BOUND_MARGIN:g}x its measured error against fp64 attention on the same rounded inputs") if low else
              (f"fp32: max|ours-ref| <= {FP32_OUT_ATOL:g} or {FP32_OUT_ULPS} ulps of max|ref| (outputs), "
               f"relative grad error <= {FP32_GRAD_RTOL:g}"),
         reference=spec.original.description, weights=describe(seed),
@@ -169,6 +172,11 @@ def check(
         result.comparisons += comps
         if report is not None:
             result.layers[form or "images"] = report
+    if low and any(isinstance(m, UsesAttention) for m in ours.modules()):
+        # the kernel alone, where the model's 3x rule is blunt: same rounded q/k/v against fp64 attention
+        result.comparisons += oplevel.check_backend(
+            backend, options, dtype=dtype, device=device, grads=train,
+            request=ours.attention_request(device=device.type, dtype=dtype))
     if layers and low:
         result.notes.append("per-layer report: fp32 only (in low precision every layer differs a little)")
     return result
