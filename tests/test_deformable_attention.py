@@ -20,17 +20,22 @@ from fastzoo.kernel_report import explain
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# The fused kernels: the C++ one here; the Triton one only in the subprocess that sets Triton's
-# interpreter (test_triton_kernel_in_the_interpreter), which runs the tests marked with its name.
-FUSED = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRETED, reason="runs in its own subprocess "
-                                                                 "under TRITON_INTERPRET=1"))]
+CUDA = torch.cuda.is_available() and not INTERPRETED
+# The fused kernels: the C++ one here; the Triton one on a GPU, or on CPU only in the subprocess that
+# sets Triton's interpreter (test_triton_kernel_in_the_interpreter), which runs the tests named triton.
+FUSED = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not (INTERPRETED or CUDA), reason="runs in its own "
+                                                                 "subprocess under TRITON_INTERPRET=1"))]
+
+
+def device_of(kernel: str) -> str:
+    return "cuda" if kernel == "triton" and CUDA else "cpu"
 GRAD_NAMES = ("value", "sampling_locations", "attention_weights")
 
 # Four levels of different, odd sizes (one a single pixel), as a strided feature pyramid gives.
 SHAPES = ((7, 9), (4, 5), (2, 3), (1, 1))
 
 
-def inputs(B=2, Q=5, heads=3, D=4, P=3, shapes=SHAPES, dtype=torch.float32, spread=1.4, seed=0):
+def inputs(B=2, Q=5, heads=3, D=4, P=3, shapes=SHAPES, dtype=torch.float32, spread=1.4, seed=0, device="cpu"):
     """value, spatial_shapes, level_start_index, sampling_locations, attention_weights, leaves
     requiring grad. Locations in [-0.2, 1.2] (``spread`` 1.4): some points fall outside the image,
     where sampling reads zeros."""
@@ -39,10 +44,11 @@ def inputs(B=2, Q=5, heads=3, D=4, P=3, shapes=SHAPES, dtype=torch.float32, spre
     sizes = shapes_L2[:, 0] * shapes_L2[:, 1]
     start_L = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
     L = len(shapes)
-    value = torch.randn(B, int(sizes.sum()), heads, D, generator=g).to(dtype).requires_grad_()
-    loc = (torch.rand(B, Q, heads, L, P, 2, generator=g) * spread - (spread - 1) / 2).to(dtype).requires_grad_()
-    weights = torch.rand(B, Q, heads, L, P, generator=g).softmax(-1).to(dtype).requires_grad_()
-    return value, shapes_L2, start_L, loc, weights
+    to = dict(device=device, dtype=dtype)
+    value = torch.randn(B, int(sizes.sum()), heads, D, generator=g).to(**to).requires_grad_()
+    loc = (torch.rand(B, Q, heads, L, P, 2, generator=g) * spread - (spread - 1) / 2).to(**to).requires_grad_()
+    weights = torch.rand(B, Q, heads, L, P, generator=g).softmax(-1).to(**to).requires_grad_()
+    return value, shapes_L2.to(device), start_L.to(device), loc, weights
 
 
 def transformers_msda(value, shapes_L2, start_L, loc, weights):
@@ -55,7 +61,7 @@ def grads(fn, args, seed=1):
     """Output and the gradients of value, sampling locations and attention weights under a fixed
     random upstream gradient (not ones: a sum would hide a permuted output)."""
     out = fn(*args)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     leaves = (args[0], args[3], args[4])
     return (out, *torch.autograd.grad(out, leaves, upstream))
 
@@ -120,7 +126,7 @@ def fp32_comparisons(ours, ref):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kernel", FUSED)
 def test_fused_kernel_equals_the_reference_in_fp32(kernel, case):
-    args = inputs(**CASES[case])
+    args = inputs(**CASES[case], device=device_of(kernel))
     ours = grads(lambda *a: msda(*a, impl=kernel), args)
     ref = grads(lambda *a: msda(*a, impl="reference"), args)
     for c in fp32_comparisons(ours, ref):
@@ -132,7 +138,7 @@ def test_fused_kernel_equals_the_reference_in_fp32(kernel, case):
 def test_fused_kernel_in_low_precision_within_the_rule(kernel, dtype):
     """flash-attn's rule against the reference in fp64: at most 3x the error of transformers' own path
     run in the same dtype (the fused kernels compute in fp32, so they are well inside it)."""
-    args = inputs(dtype=dtype)
+    args = inputs(dtype=dtype, device=device_of(kernel))
     exact_args = [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
     ref = grads(lambda *a: msda(*a, impl="reference"), exact_args)
     peer = grads(lambda *a: msda(*a, impl="reference"), args)
@@ -168,7 +174,7 @@ def test_auto_picks_the_fused_cpu_kernel():
     assert torch.equal(msda(*args), msda(*args, impl="cpu"))
 
 
-@pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="refused only on a CPU-only machine")
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs Triton on CPU tensors")
 def test_triton_on_cpu_is_refused_by_name_with_what_serves():
     with pytest.raises(BackendUnavailableError, match=r"impl='triton' runs on cuda only \(on CPU only under Triton's "
                        r"interpreter, TRITON_INTERPRET=1\).*this machine serves: reference, cpu"):
@@ -213,7 +219,7 @@ class Seam(nn.Module):
                  marks=FUSED[1].marks),
 ])
 def test_explain_names_the_kernel_forward_and_backward(impl, forward, backward):
-    report = explain(Seam(impl.partition("->")[0]), *inputs(), backward=True)
+    report = explain(Seam(impl.partition("->")[0]), *inputs(device=device_of(impl)), backward=True)
     (row,) = report.rows
     assert (row.kind, row.where, row.requested) == ("deformable", "multi_scale_deformable_attention", f"impl={impl}")
     assert row.executed == [forward] and row.calls == 1 and row.fallback is None
