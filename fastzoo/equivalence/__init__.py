@@ -13,7 +13,9 @@ Three entry points, one rule:
   original's scale (fp32: 1e-4); the other model's activations are compared as they are
   made, so only one model's are held in memory.
 - :func:`check` does all of that for a registered model and one attention backend: it builds
-  the original library's model (eager attention, fp32) at random init, the fastzoo model from
+  the original library's model (eager attention, fp32) holding a full random state
+  (:func:`draw_`: every bias, norm weight, BatchNorm statistic, layer scale and embedding drawn,
+  :func:`describe` names it; a library's init of zero biases and unit norms hides bugs), the fastzoo model from
   it (``fastzoo.create(name, pretrained=original, attn=backend)``) and the inputs (images for
   ViT; a padded batch and the same sequences packed for GPT-2). ``fastzoo check`` prints it.
 - :func:`compare_cases` applies the rule to tensors a benchmark already computed.
@@ -45,6 +47,7 @@ leaks attention across sequences fails. Models run in eval mode (no dropout) so 
 comparison is deterministic; gradients are still computed.
 """
 from fastzoo.equivalence.check import Result, check, example_inputs, has_attention, original, tiny_overrides
+from fastzoo.equivalence.weights import describe, draw_
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerDiff, LayerReport, logits_of
 from fastzoo.equivalence.rule import (
@@ -58,5 +61,5 @@ __all__ = [
     "LOW_OUT_FLOOR", "Comparison", "Inputs", "LayerDiff", "LayerReport", "Result", "check", "compare", "compare_cases",
     "compare_errors", "compare_grads", "compare_outputs", "curve_error", "example_inputs", "grad_error", "has_attention",
     "logits_of",
-    "original", "tiny_overrides",
+    "describe", "draw_", "original", "tiny_overrides",
 ]

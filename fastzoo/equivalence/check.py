@@ -1,6 +1,6 @@
-"""A registered model against its original: the original library's model at random init, fastzoo's
-built from it as a user would, the inputs its task declares, and the rule applied to each input form
-(``fastzoo check``)."""
+"""A registered model against its original: the original library's model holding a full random state
+(:func:`fastzoo.equivalence.weights.draw_`), fastzoo's built from it as a user would, the inputs its
+task declares, and the rule applied to each input form (``fastzoo check``)."""
 from __future__ import annotations
 
 import copy
@@ -17,6 +17,7 @@ from fastzoo.equivalence.layers import LayerReport
 from fastzoo.equivalence.rule import (
     FP32_GRAD_RTOL, FP32_OUT_ATOL, FP32_OUT_ULPS, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR, Comparison,
 )
+from fastzoo.equivalence.weights import describe, draw_
 from fastzoo.registry import create, get_entry, spec_of, specs
 from fastzoo.tasks import Inputs
 from fastzoo.text import dtype_name
@@ -49,6 +50,7 @@ class Result:
     dtype: str
     rule: str
     reference: str = ""  # the original it was compared with
+    weights: str = ""  # the weights both held (weights.describe)
     comparisons: list[Comparison] = field(default_factory=list)
     layers: dict[str, LayerReport] = field(default_factory=dict)  # input form -> per-layer report
     notes: list[str] = field(default_factory=list)
@@ -78,6 +80,7 @@ class Result:
         return {
             "model": self.model, "backend": self.backend, "options": {k: repr(v) for k, v in self.options.items()},
             "device": self.device, "dtype": self.dtype, "rule": self.rule, "reference": self.reference,
+            "weights": self.weights,
             "passed": self.passed, "notes": self.notes,
             "comparisons": [
                 {"name": c.name, "err": c.err, "bound": c.bound, "peer_err": c.peer_err, "passed": c.passed, "worst": c.worst}
@@ -98,12 +101,13 @@ def has_attention(model_name: str) -> bool:
 
 def original(model_name: str, *, seed: int = 0, **overrides) -> nn.Module:
     """The original library's model for ``model_name`` (config from the registry plus
-    ``overrides``), at random init from ``seed``, in eval mode and with attention dropout 0."""
+    ``overrides``), holding the weights :func:`~fastzoo.equivalence.weights.draw_` draws from
+    ``seed``, in eval mode and with attention dropout 0."""
     entry = get_entry(model_name)
     spec = _checkable(model_name)
     torch.manual_seed(seed)
     dropout = {spec.original.attn_dropout_field: 0.0} if spec.original.attn_dropout_field else {}
-    return spec.original.build({**entry.config, **dropout, **overrides}).eval()
+    return draw_(spec.original.build({**entry.config, **dropout, **overrides}), seed=seed).eval()
 
 
 def check(
@@ -143,7 +147,7 @@ def check(
               f"{oplevel.BOUND_MARGIN:g}x its measured error against fp64 attention on the same rounded inputs") if low else
              (f"fp32: max|ours-ref| <= {FP32_OUT_ATOL:g} or {FP32_OUT_ULPS} ulps of max|ref| (outputs), "
               f"relative grad error <= {FP32_GRAD_RTOL:g}"),
-        reference=spec.original.description,
+        reference=spec.original.description, weights=describe(seed),
     )
     ref = original(model_name, seed=seed, **(overrides or {}))
     caps = get_backend(backend, **options).capabilities
