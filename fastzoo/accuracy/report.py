@@ -45,6 +45,7 @@ class AccuracyReport:
     arms: list
     threads: int = 1
     load: list = field(default_factory=list)  # 1-minute load average at the start and the end of the run
+    pretrained: dict = field(default_factory=dict)  # the run file's pretrain: {"seconds", "accuracy" (its last batch)}
 
     @property
     def agree(self) -> bool:
@@ -82,12 +83,21 @@ class AccuracyReport:
                 f"{c['steps']} steps, batch {c['optim']['batch_size']}, "
                 f"AdamW lr {c['optim']['lr']}{_schedule(c['optim'])}, seed {c['seed']}; every arm from the same weights and batches. "
                 f"Tolerance vs the first arm (max over the run): train loss {tol['train_loss']}, held-out loss "
-                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}.{low} "
+                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}.{low}{self._pretrained()} "
                 f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n{notes}\n")
+
+    def _pretrained(self) -> str:
+        p = self.config.get("pretrain")
+        if not p or not self.pretrained:
+            return ""
+        return (f" The backbone was first trained here to classify single training digits on {p['img_size']}x"
+                f"{p['img_size']} canvases ({p['steps']} steps, batch {p['batch_size']}, lr {p['lr']}: "
+                f"{100 * self.pretrained['accuracy']:.0f}% on its last batch, {self.pretrained['seconds']:.0f} s), "
+                f"then every arm started from it.")
 
     def to_dict(self) -> dict:
         return {"config": self.config, "metric": self.metric, "device": self.device, "threads": self.threads,
-                "load": self.load, "versions": self.versions, "agree": self.agree,
+                "load": self.load, "pretrained": self.pretrained, "versions": self.versions, "agree": self.agree,
                 "arms": [dataclasses.asdict(a) for a in self.arms]}
 
     def plot(self, path) -> Path:
