@@ -12,6 +12,12 @@ terms exactly as transformers' ``DetrHungarianMatcher`` / ``ImageLoss`` define t
 - ``loss`` = sum over decoder layers of ``loss_ce + bbox_loss_coefficient x loss_bbox +
   giou_loss_coefficient x loss_giou``.
 
+Declared parts, by the detector (transformers' ``DeformableDetrHungarianMatcher`` / ``DeformableDetrImageLoss``):
+``focal_alpha`` set makes the classification per-class sigmoids (no "no object" logit): ``loss_ce`` the
+sigmoid focal loss (gamma 2, ``alpha``) of every query against its one-hot matched class, summed and divided
+by the box count; the matching's class term the focal cost ``alpha (1-p)^2 (-log p) - (1-alpha) p^2
+(-log(1-p))`` (alpha 0.25); ``cardinality_error`` counts queries with some sigmoid above 0.5.
+
 How it runs. transformers computes one ``[B*Q, N]`` cost for the whole batch per layer (every
 query against every image's boxes), the GIoU loss as the diagonal of an ``N x N`` matrix, and
 reads the device 31 times per step at 6 layers (a cost copy and four box checks per layer, the

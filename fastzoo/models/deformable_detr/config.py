@@ -20,8 +20,8 @@ class DeformableDetrConfig(DetrConfig):
     encoder_ffn_dim: int = weights_decide(1024, "encoder MLP width", ge=1)
     decoder_ffn_dim: int = weights_decide(1024, "decoder MLP width", ge=1)
     num_feature_levels: int = weights_decide(4, "feature levels the deformable attention reads: the backbone's stages "
-                                             "(out_indices), then 3x3 stride-2 convolutions on the last", ge=1)
-    out_indices: tuple[int, ...] = weights_decide((2, 3, 4), "the backbone stages whose feature maps feed the encoder "
+                                             "(backbone_out_indices), then 3x3 stride-2 convolutions on the last", ge=1)
+    backbone_out_indices: tuple[int, ...] = weights_decide((2, 3, 4), "the backbone stages whose feature maps feed the encoder "
                                                   "(timm's out_indices: 2, 3, 4 = C3, C4, C5; (4,): C5 alone)", ge=1)
     encoder_n_points: int = weights_decide(4, "sampling points per head and level in the encoder", ge=1)
     decoder_n_points: int = weights_decide(4, "sampling points per head and level in the decoder's cross-attention", ge=1)
@@ -49,19 +49,19 @@ class DeformableDetrConfig(DetrConfig):
                               f"{self.two_stage_num_proposals} must equal num_queries={self.num_queries}",
                               fields=("two_stage_num_proposals", "num_queries"))
         n = len(self.depths)
-        if list(self.out_indices) != sorted(set(self.out_indices)) or self.out_indices[-1] > n:
-            raise ConfigError(f"out_indices={self.out_indices}: increasing stage numbers in 1..{n} (the backbone has "
-                              f"{n} stages)", fields=("out_indices", "depths"))
-        if len(self.out_indices) > self.num_feature_levels:
-            raise ConfigError(f"out_indices={self.out_indices} gives {len(self.out_indices)} feature maps, more than "
-                              f"num_feature_levels={self.num_feature_levels}", fields=("out_indices", "num_feature_levels"))
+        if list(self.backbone_out_indices) != sorted(set(self.backbone_out_indices)) or self.backbone_out_indices[-1] > n:
+            raise ConfigError(f"backbone_out_indices={self.backbone_out_indices}: increasing stage numbers in 1..{n} (the backbone has "
+                              f"{n} stages)", fields=("backbone_out_indices", "depths"))
+        if len(self.backbone_out_indices) > self.num_feature_levels:
+            raise ConfigError(f"backbone_out_indices={self.backbone_out_indices} gives {len(self.backbone_out_indices)} feature maps, more than "
+                              f"num_feature_levels={self.num_feature_levels}", fields=("backbone_out_indices", "num_feature_levels"))
         if self.d_model % 32:
             raise ConfigError(f"d_model={self.d_model}: the input projections' GroupNorm has 32 groups, so d_model must "
                               f"be a multiple of 32", fields=("d_model",))
-        if self.backbone == "timm" and tuple(self.out_indices) != ((2, 3, 4) if self.num_feature_levels > 1 else (4,)):
+        if self.backbone == "timm" and tuple(self.backbone_out_indices) != ((2, 3, 4) if self.num_feature_levels > 1 else (4,)):
             raise ConfigError(f"backbone='timm': transformers reads timm's stages (2, 3, 4) with num_feature_levels > 1, "
-                              f"(4,) with 1; got out_indices={self.out_indices} (backbone='transformers' takes any)",
-                              fields=("out_indices", "backbone", "num_feature_levels"))
+                              f"(4,) with 1; got backbone_out_indices={self.backbone_out_indices} (backbone='transformers' takes any)",
+                              fields=("backbone_out_indices", "backbone", "num_feature_levels"))
 
     def shares_class_head(self) -> bool:
         return self.tie_word_embeddings and not self.two_stage

@@ -51,16 +51,18 @@ class HfDeformableDetrConverter:
             if m:
                 layers[m[1]].add(int(m[2]))
         levels, d = s["model.level_embed"].shape
-        heads = DeformableDetrConfig.encoder_attention_heads  # the tensors cannot show it: transformers' default
-        points = {w: s[f"model.{w}.layers.0.{a}.attention_weights.weight"].shape[0] // (heads * levels)
-                  for w, a in (("encoder", "self_attn"), ("decoder", "encoder_attn"))}
+        # the tensors show heads x points per level, not each: with transformers' default heads where they divide
+        heads = DeformableDetrConfig.encoder_attention_heads
+        rows = {w: s[f"model.{w}.layers.0.{a}.attention_weights.weight"].shape[0]
+                for w, a in (("encoder", "self_attn"), ("decoder", "encoder_attn"))}
+        points = {f"{w}_n_points": n // (heads * levels) for w, n in rows.items() if n % (heads * levels) == 0}
         two_stage = "model.enc_output.weight" in s
         n_pred = len(layers["decoder"]) + two_stage
         backbone = _backbone_from_keys(s)
         # the backbone stages feeding the encoder: the 1x1 input projections' input widths
         widths = [s[f"model.input_proj.{i}.0.weight"].shape[1] for i in range(levels)
                   if f"model.input_proj.{i}.0.weight" in s and s[f"model.input_proj.{i}.0.weight"].shape[-1] == 1]
-        out_indices = tuple(backbone["hidden_sizes"].index(w) + 1 for w in widths)
+        backbone_out_indices = tuple(backbone["hidden_sizes"].index(w) + 1 for w in widths)
         num_queries = s["model.query_position_embeddings.weight"].shape[0] if not two_stage else 300
         return {
             "num_labels": s["class_embed.0.weight"].shape[0], "d_model": d, "num_queries": num_queries,
@@ -68,8 +70,8 @@ class HfDeformableDetrConverter:
             "encoder_layers": len(layers["encoder"]), "decoder_layers": len(layers["decoder"]),
             "encoder_ffn_dim": s["model.encoder.layers.0.mlp.fc1.weight"].shape[0],
             "decoder_ffn_dim": s["model.decoder.layers.0.mlp.fc1.weight"].shape[0],
-            "num_feature_levels": levels, "out_indices": out_indices,
-            "encoder_n_points": points["encoder"], "decoder_n_points": points["decoder"],
+            "num_feature_levels": levels, "backbone_out_indices": backbone_out_indices,
+            **points,
             "two_stage": two_stage, "with_box_refine": "model.decoder.bbox_embed.0.layers.0.weight" in s,
             "tie_word_embeddings": _heads_tied(s, n_pred, two_stage, "model.decoder.bbox_embed.0.layers.0.weight" in s),
             **backbone,
@@ -101,7 +103,7 @@ class HfDeformableDetrConverter:
         else:
             outs = bb.get("out_indices") or ([2, 3, 4] if levels > 1 else [4])
             backbone = _backbone_from_config(cfg)
-        return {**out, **backbone, "out_indices": tuple(outs)}
+        return {**out, **backbone, "backbone_out_indices": tuple(outs)}
 
 
 def _heads_tied(s: dict, n: int, two_stage: bool, refine: bool) -> bool:
@@ -112,7 +114,7 @@ def _heads_tied(s: dict, n: int, two_stage: bool, refine: bool) -> bool:
 
 def hf_config(cfg: DeformableDetrConfig):
     """``cfg`` as a ``transformers.DeformableDetrConfig`` (which builds the same network on random weights)."""
-    return detr_hf_config(cfg, "DeformableDetrConfig", HF_FIELDS + FIELDS, cfg.out_indices)
+    return detr_hf_config(cfg, "DeformableDetrConfig", HF_FIELDS + FIELDS, cfg.backbone_out_indices)
 
 
 HF = HfDeformableDetrConverter()

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastzoo.attention.base import AttnContext
+from fastzoo.attention.deformable import multi_scale_deformable_attention
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.detr.transformer import DetrAttention, DetrMLP
 
@@ -63,21 +64,6 @@ class DeformableDetrMultiscaleDeformableAttention(nn.Module):
         out_BQD = multi_scale_deformable_attention(v_BSHD, levels.shapes_L2, levels.start_L, loc, w_BQHLP,
                                                    impl=self.impl)
         return self.output_proj(out_BQD)
-
-
-def multi_scale_deformable_attention(value, shapes_L2, start_L, loc, w, *, impl="auto"):  # PLACEHOLDER until msda lands
-    B, S, H, D = value.shape
-    _, Q, _, L, P, _ = loc.shape
-    vals = value.split([int(h) * int(w_) for h, w_ in shapes_L2.tolist()], dim=1)
-    grids = 2 * loc - 1
-    out = []
-    for l, (h, w_) in enumerate(shapes_L2.tolist()):
-        v = vals[l].flatten(2).transpose(1, 2).reshape(B * H, D, h, w_)
-        g = grids[:, :, :, l].transpose(1, 2).flatten(0, 1)
-        out.append(F.grid_sample(v, g, mode="bilinear", padding_mode="zeros", align_corners=False))
-    w = w.transpose(1, 2).reshape(B * H, 1, Q, L * P)
-    o = (torch.stack(out, dim=-2).flatten(-2) * w).sum(-1).view(B, H * D, Q)
-    return o.transpose(1, 2).contiguous()
 
 
 def _clamp_non_finite(x: torch.Tensor) -> torch.Tensor:

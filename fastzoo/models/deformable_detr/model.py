@@ -7,7 +7,7 @@ What it shares with DETR (``fastzoo.models.detr``): the frozen-BatchNorm ResNet 
 position embedding, the decoder's self-attention and the MLPs, the set loss. What differs, as transformers
 5.17 computes it:
 
-- multi-scale features: the backbone's stages ``out_indices`` (C3..C5), each through a 1x1 conv and
+- multi-scale features: the backbone's stages ``backbone_out_indices`` (C3..C5), each through a 1x1 conv and
   GroupNorm(32), and ``num_feature_levels`` minus those levels more from 3x3 stride-2 convs on the last;
   the sine embedding's positions at the pixels' centres (offset 0.5) plus a learned ``level_embed``;
 - the encoder's self-attention and the decoder's cross-attention are multi-scale deformable attention
@@ -95,7 +95,7 @@ class DeformableDetrModel(nn.Module):
         self.config = cfg
         self.backbone = DetrConvEncoder(cfg)
         d = cfg.d_model
-        channels = [cfg.hidden_sizes[i - 1] for i in cfg.out_indices]
+        channels = [cfg.hidden_sizes[i - 1] for i in cfg.backbone_out_indices]
         proj = [_projection(c, d) for c in channels]
         for i in range(cfg.num_feature_levels - len(channels)):
             proj.append(_projection(channels[-1] if i == 0 else d, d, kernel_size=3, stride=2))
@@ -119,7 +119,7 @@ class DeformableDetrModel(nn.Module):
         from fastzoo.models.deformable_detr.layers import Levels
 
         cfg = self.config
-        feats = self.backbone.feature_maps(pixel_values, pixel_mask, cfg.out_indices)
+        feats = self.backbone.feature_maps(pixel_values, pixel_mask, cfg.backbone_out_indices)
         srcs = [proj(f) for proj, (f, _) in zip(self.input_proj, feats)]
         masks = [m for _, m in feats]
         for level in range(len(feats), cfg.num_feature_levels):
@@ -216,6 +216,7 @@ class DeformableDetrForObjectDetection(FastzooModel):
     family = "deformable_detr"
     config_class = DeformableDetrConfig
     main_input_name = "pixel_values"
+    eval_after_pretrained = True  # like transformers' from_pretrained
 
     def __init__(self, cfg: DeformableDetrConfig):
         super().__init__()

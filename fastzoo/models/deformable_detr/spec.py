@@ -36,7 +36,7 @@ SPEC = ModelSpec(
     variants=(
         Variant("deformable_detr", dict(R50), "Deformable DETR ResNet-50 (4 levels, 300 queries, 6+6 layers)",
                 f"{PEER} (SenseTime/deformable-detr)", aliases=("SenseTime/deformable-detr",)),
-        Variant("deformable_detr_single_scale", dict(R50, num_feature_levels=1, out_indices=(4,)),
+        Variant("deformable_detr_single_scale", dict(R50, num_feature_levels=1, backbone_out_indices=(4,)),
                 "Deformable DETR ResNet-50, C5 only", f"{PEER} (SenseTime/deformable-detr-single-scale)",
                 aliases=("SenseTime/deformable-detr-single-scale",)),
         Variant("deformable_detr_box_refine", dict(R50, with_box_refine=True),
