@@ -216,6 +216,7 @@ class DeformableDetrForObjectDetection(FastzooModel):
     family = "deformable_detr"
     config_class = DeformableDetrConfig
     main_input_name = "pixel_values"
+    sigmoid_classes = True  # one sigmoid per class, no "no object" logit (focal loss)
     eval_after_pretrained = True  # like transformers' from_pretrained
 
     def __init__(self, cfg: DeformableDetrConfig):

@@ -159,6 +159,7 @@ class DetrForObjectDetection(FastzooModel):
     family = "detr"
     config_class = DetrConfig
     main_input_name = "pixel_values"
+    sigmoid_classes = False  # a softmax over the classes and "no object"
     supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 
     def __init__(self, cfg: DetrConfig):
