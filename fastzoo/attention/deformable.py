@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fastzoo.attention.availability import unavailable
+from fastzoo.attention.availability import package_available, unavailable
 from fastzoo.attention.base import FLOATS, Capabilities
 from fastzoo.errors import BackendUnavailableError, UnknownBackendError
 from fastzoo.kernel_ranges import kernel_range
@@ -47,13 +47,24 @@ SEAM = "multi_scale_deformable_attention"  # the range's name: explain's row
 class DeformableKernel:
     """One implementation of the seam, declared: ``capabilities`` (devices -> dtypes, devices with a
     backward, packages), ``kernel_ops`` (a regex of the ops its calls show in a profile, forward and
-    backward) and ``run`` ("module:function" with the seam's positional signature, imported on first use)."""
+    backward) and ``run`` ("module:function" with the seam's positional signature, imported on first use);
+    ``ready``: "module:function" saying why it cannot run on this machine beyond its packages (a C++
+    build that failed), or None."""
 
     name: str
     description: str
     capabilities: Capabilities
     kernel_ops: str
     run: str
+    ready: str | None = None
+
+    def problem_here(self) -> str | None:
+        """Why this machine cannot run it at all (packages, device, build), or None."""
+        missing = unavailable(self.capabilities)
+        if missing is None and self.ready:
+            module, _, attr = self.ready.partition(":")
+            missing = getattr(importlib.import_module(module), attr)()
+        return missing
 
     def function(self):
         module, _, attr = self.run.partition(":")
@@ -71,6 +82,18 @@ KERNELS: dict[str, DeformableKernel] = {
             _caps({"cpu": FLOATS + (torch.float64,), "cuda": FLOATS + (torch.float64,)}, ("cpu", "cuda"),
                   verified="cpu (equal to transformers bit for bit)"),
             kernel_ops=r"^aten::grid_sampler_2d(_backward)?$", run="fastzoo.attention.deformable:reference"),
+        DeformableKernel(
+            "cpu", "fused C++ loops (deformable_cpu.cpp): bilinear sampling and the weighted sum in one pass, "
+                   "hand-written backward; bf16/fp16 computed in fp32",
+            _caps({"cpu": FLOATS + (torch.float64,)}, ("cpu",), verified="cpu"),
+            kernel_ops=r"^fastzoo_msda::(forward|backward)$", run="fastzoo.attention.deformable_op:msda_cpu",
+            ready="fastzoo.attention.deformable_op:cpu_problem"),
+        DeformableKernel(
+            "triton", "Triton kernels (triton_deformable.py): one program per (batch, query, head), its points "
+                      "one vector; hand-written backward, value gradient by fp32 atomics; bf16/fp16 computed in fp32",
+            _caps({"cuda": FLOATS}, ("cuda",), packages=("triton",), install="pip install triton",
+                  verified="Triton's CPU interpreter (TRITON_INTERPRET=1); GPU: benchmarks/gpu_suite.sh"),
+            kernel_ops=r"^fastzoo::msda_triton_(forward|backward)$", run="fastzoo.attention.deformable_op:msda_triton"),
     )
 }
 
@@ -118,6 +141,10 @@ def check_inputs(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_inde
     for name in ("value_BSHD", "sampling_locations_BQHLP2", "attention_weights_BQHLP"):
         if not named[name][0].is_floating_point():
             raise ValueError(f"{name} must be floating point, got {named[name][0].dtype}")
+    if not value_BSHD.dtype == sampling_locations_BQHLP2.dtype == attention_weights_BQHLP.dtype:
+        raise ValueError(f"value_BSHD, sampling_locations_BQHLP2 and attention_weights_BQHLP must share one dtype "
+                         f"(as grid_sample's input and grid), got {dtype_name(value_BSHD.dtype)}, "
+                         f"{dtype_name(sampling_locations_BQHLP2.dtype)}, {dtype_name(attention_weights_BQHLP.dtype)}")
     for name in ("spatial_shapes_L2", "level_start_index_L"):
         if named[name][0].is_floating_point() or named[name][0].is_complex():
             raise ValueError(f"{name} must be an integer tensor, got {named[name][0].dtype}")
@@ -161,7 +188,8 @@ def serves(kernel: DeformableKernel, device: torch.device, dtype: torch.dtype, b
     """Why ``kernel`` cannot run this call (device, dtype, backward, packages missing here), or None."""
     caps = kernel.capabilities
     dev = device.type
-    if kernel.name == "triton" and dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+    interpreted = kernel.name == "triton" and dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted:
         dev = "cuda"  # Triton's interpreter runs its kernels on CPU tensors (tests)
     if dev not in caps.devices:
         hint = " (on CPU only under Triton's interpreter, TRITON_INTERPRET=1)" if kernel.name == "triton" else ""
@@ -170,11 +198,9 @@ def serves(kernel: DeformableKernel, device: torch.device, dtype: torch.dtype, b
         return f"takes {'/'.join(dtype_name(d) for d in caps.devices[dev])} on {dev}, not {dtype_name(dtype)}"
     if backward and dev not in caps.backward:
         return f"has no backward on {dev} (the inputs require grad)"
-    if device.type != "cpu" or kernel.name != "triton":
-        missing = unavailable(caps)
-        if missing:
-            return missing
-    return None
+    if interpreted:
+        return None if package_available("triton") else "needs the package triton (pip install triton)"
+    return kernel.problem_here()
 
 
 def available(device: torch.device, dtype: torch.dtype, backward: bool) -> list[str]:
@@ -182,14 +208,17 @@ def available(device: torch.device, dtype: torch.dtype, backward: bool) -> list[
     return [name for name, k in KERNELS.items() if serves(k, device, dtype, backward) is None]
 
 
-def resolve(impl: str, device: torch.device, dtype: torch.dtype, backward: bool) -> DeformableKernel:
+_FUNCTIONS: dict = {}  # kernel name -> its function, filled by _kernel_name (a traced call reads a dict)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: decided (and a C++ kernel built) at trace time
+def _kernel_name(impl: str, device_type: str, dtype: torch.dtype, backward: bool) -> str:
     """The kernel ``impl`` names for a call of this device, dtype and direction; "auto": the fused
     kernel of the device where it serves, else the reference. Refused by name, saying what serves."""
+    device = torch.device(device_type)
     if impl == "auto":
-        fused = "triton" if device.type == "cuda" else "cpu"
-        if fused in KERNELS and serves(KERNELS[fused], device, dtype, backward) is None:
-            return KERNELS[fused]
-        impl = "reference"
+        fused = "triton" if device_type == "cuda" else "cpu"
+        impl = fused if fused in KERNELS and serves(KERNELS[fused], device, dtype, backward) is None else "reference"
     if impl not in KERNELS:
         raise UnknownBackendError(impl, {**KERNELS, "auto": None})
     kernel = KERNELS[impl]
@@ -197,9 +226,10 @@ def resolve(impl: str, device: torch.device, dtype: torch.dtype, backward: bool)
     if why is not None:
         here = available(device, dtype, backward)
         raise BackendUnavailableError(
-            f"multi-scale deformable attention impl={impl!r} {why}; for {dtype_name(dtype)} on {device.type}"
+            f"multi-scale deformable attention impl={impl!r} {why}; for {dtype_name(dtype)} on {device_type}"
             f"{' with a backward' if backward else ''} this machine serves: {', '.join(here) or 'none'}")
-    return kernel
+    _FUNCTIONS.setdefault(impl, kernel.function())
+    return impl
 
 
 def multi_scale_deformable_attention(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L: Tensor,
@@ -210,6 +240,6 @@ def multi_scale_deformable_attention(value_BSHD: Tensor, spatial_shapes_L2: Tens
     args = (value_BSHD, spatial_shapes_L2, level_start_index_L, sampling_locations_BQHLP2, attention_weights_BQHLP)
     check_inputs(*args)
     backward = _needs_backward(value_BSHD, sampling_locations_BQHLP2, attention_weights_BQHLP)
-    kernel = resolve(impl, value_BSHD.device, value_BSHD.dtype, backward)
-    with kernel_range(RANGE_KIND, SEAM, f"{impl}->{kernel.name}" if impl == "auto" else impl):
-        return kernel.function()(*args)
+    name = _kernel_name(impl, value_BSHD.device.type, value_BSHD.dtype, backward)
+    with kernel_range(RANGE_KIND, SEAM, f"{impl}->{name}" if impl == "auto" else impl):
+        return _FUNCTIONS[name](*args)

@@ -29,6 +29,8 @@ DETECTION = Task(
     tour="fastzoo.bench.detection:tour_entry",  # a training step against the original (loss and gradients)
     parity={"digits_canvas": "fastzoo.accuracy.parity:Canvas"},
     # a part of its training step (the whole set loss is a declared loss: fastzoo bench set_prediction)
-    suites={"matcher": "fastzoo.bench.matcher"},  # the Hungarian matcher alone vs DETR's batch-wide cost
+    suites={"matcher": "fastzoo.bench.matcher",  # the Hungarian matcher alone vs DETR's batch-wide cost
+            # multi-scale deformable attention (Deformable DETR, RT-DETR): fused kernels vs transformers' grid_sample
+            "deformable_attention": "fastzoo.bench.deformable"},
     train_script="scripts/finetune_detection.py",
 )
