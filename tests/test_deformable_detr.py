@@ -1,9 +1,9 @@
 """Deformable DETR against transformers' DeformableDetrForObjectDetection on the same weights, every
-parameter and buffer drawn: logits, boxes, every loss term (the focal class term, auxiliary layers) and
-every parameter gradient, on padded images of different sizes with 0 to more-than-queries boxes, plain,
-with box refinement, two-stage, untied heads and single-scale; for every CPU attention backend of the
-decoder's self-attention, every deformable attention kernel serving the CPU and every GIoU mode;
-checkpoints both ways; config errors by name."""
+parameter and buffer drawn (`fastzoo.equivalence.weights.draw_`): logits, boxes, every loss term (the
+focal term, auxiliary layers) and every parameter gradient, on padded images of different sizes with 0
+to more-than-queries boxes, plain, with box refinement, two-stage, untied heads and single-scale; for
+every CPU attention backend of the decoder's self-attention, every deformable attention kernel serving
+the CPU and every GIoU mode; checkpoints both ways; config errors by name."""
 import copy
 
 import pytest
@@ -13,6 +13,7 @@ from conftest import SPECS, backends
 import fastzoo
 from fastzoo.attention.deformable import available
 from fastzoo.equivalence.rule import compare_grads, compare_outputs
+from fastzoo.equivalence.weights import draw_
 from fastzoo.errors import ConfigError
 from fastzoo.losses.set_prediction import GIOU_MODES
 
@@ -27,27 +28,9 @@ CASES = {
 IMPLS = available(torch.device("cpu"), torch.float32, backward=True)
 
 
-def draw(module: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    """Every floating parameter and buffer drawn (a library's init of zero biases, unit norms and zero
-    sampling weights hides bugs): weights ~ N(0, 0.3^2) scaled by fan-in so nothing saturates, BatchNorm
-    variances in [0.75, 1.25]."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if not t.is_floating_point():
-                continue
-            if "running_var" in name:
-                t.copy_(torch.rand(t.shape, generator=g) * 0.5 + 0.75)
-            elif t.ndim >= 2:
-                t.copy_(torch.randn(t.shape, generator=g) * (1.5 / t[0].numel() ** 0.5))
-            else:
-                t.copy_(torch.randn(t.shape, generator=g) * 0.3 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
-    return module
-
-
 def original(**overrides):
     torch.manual_seed(0)
-    return draw(SPECS["deformable_detr"].original.build({**TINY, "dropout": 0.0, **overrides})).train()
+    return draw_(SPECS["deformable_detr"].original.build({**TINY, "dropout": 0.0, **overrides})).train()
 
 
 def boxes_labels(counts, seed=0):
@@ -69,18 +52,20 @@ def batch(seed=0, counts=(2, 0, 5)):
     return x, mask, boxes_labels(counts, seed=seed)
 
 
-def fp64_grads(hf, x, mask, labels) -> dict:
-    """The original's gradients in fp64: its own fp32 rounding, which the rule lets widen the bound of an
-    ill-conditioned gradient (the strided input projection's, whose GroupNorm cancels most of it)."""
-    hf64 = copy.deepcopy(hf).double()
-    labels64 = [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]
-    hf64(pixel_values=x.double(), pixel_mask=mask, labels=labels64).loss.backward()
-    return {n: p.grad.float() for n, p in hf64.named_parameters() if p.grad is not None}
+def own_grads(hf, x, mask, labels, dtype=torch.float32, attn="eager") -> dict:
+    """The original's gradients in ``dtype`` on transformers' ``attn`` kernel: its own rounding, which the
+    rule lets widen the bound of an ill-conditioned gradient (a convolution's bias under GroupNorm, whose
+    true gradient is 0: the input projections')."""
+    other = copy.deepcopy(hf).to(dtype)
+    other.config._attn_implementation = attn
+    labels = [{"class_labels": t["class_labels"], "boxes": t["boxes"].to(dtype)} for t in labels]
+    other(pixel_values=x.to(dtype), pixel_mask=mask, labels=labels).loss.backward()
+    return {n: p.grad.float() for n, p in other.named_parameters() if p.grad is not None}
 
 
 def compare(hf, ours, x, mask, labels):
     """fastzoo.equivalence's fp32 rule: outputs and loss terms 1e-4 absolute, gradients 1e-4 of their scale
-    (or 3x the original's own fp32 error against its fp64 run, where that is larger)."""
+    (or 3x the original's own fp32 rounding, on transformers' SDPA and against its fp64 run, where larger)."""
     o1 = hf(pixel_values=x, pixel_mask=mask, labels=labels)
     o2 = ours(pixel_values=x, pixel_mask=mask, labels=labels)
     checks = [compare_outputs("logits", o2.logits, o1.logits), compare_outputs("pred_boxes", o2.pred_boxes, o1.pred_boxes),
@@ -98,7 +83,8 @@ def compare(hf, ours, x, mask, labels):
     g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
     g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
     assert len(g1) > 50
-    checks.append(compare_grads("grads", g2, g1, exact=fp64_grads(hf, x, mask, labels)))
+    checks.append(compare_grads("grads", g2, g1, kernels=own_grads(hf, x, mask, labels, attn="sdpa"),
+                                exact=own_grads(hf, x, mask, labels, torch.float64)))
     failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
     assert not failed, failed
     return o2
