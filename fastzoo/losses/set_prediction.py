@@ -66,7 +66,25 @@ class PaddedTargets:
 
 def pad_targets(labels, batch: int, device) -> PaddedTargets:
     """transformers' ``labels`` (a list of dicts, one per image) padded; shapes and types checked here
-    (free), values with the cost's host read (:func:`set_prediction_loss`)."""
+    (free, :func:`check_labels`), values with the cost's host read (:func:`set_prediction_loss`)."""
+    boxes, classes = check_labels(labels, batch)
+    counts = tuple(b.shape[0] for b in boxes)
+    M = max(counts)
+    boxes_BM4 = torch.tensor([0.5, 0.5, 1.0, 1.0], device=device).repeat(batch, M, 1)  # a valid box in padding
+    labels_BM = torch.zeros(batch, M, dtype=torch.long, device=device)
+    mask_BM = torch.zeros(batch, M, dtype=torch.bool, device=device)
+    for i, (b, c) in enumerate(zip(boxes, classes)):
+        n = b.shape[0]
+        boxes_BM4[i, :n] = b.to(device, torch.float32, non_blocking=True)
+        labels_BM[i, :n] = c.to(device, non_blocking=True)
+        mask_BM[i, :n] = True
+    return PaddedTargets(boxes_BM4, labels_BM, mask_BM, counts)
+
+
+def check_labels(labels, batch: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The boxes and class ids of transformers' ``labels`` after checking their structure, shapes and
+    types (no values: no host read); ValueError naming the image and key. A model may call it before its
+    forward, so that bad labels are refused before any work."""
     if not isinstance(labels, (list, tuple)) or len(labels) != batch:
         raise ValueError(f"labels must be a list of {batch} dicts (one per image) with 'class_labels' and 'boxes', "
                          f"got {type(labels).__name__}{f' of {len(labels)}' if isinstance(labels, (list, tuple)) else ''}")
@@ -84,17 +102,7 @@ def pad_targets(labels, batch: int, device) -> PaddedTargets:
                              f"per box), got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
         boxes.append(b)
         classes.append(c)
-    counts = tuple(b.shape[0] for b in boxes)
-    M = max(counts)
-    boxes_BM4 = torch.tensor([0.5, 0.5, 1.0, 1.0], device=device).repeat(batch, M, 1)  # a valid box in padding
-    labels_BM = torch.zeros(batch, M, dtype=torch.long, device=device)
-    mask_BM = torch.zeros(batch, M, dtype=torch.bool, device=device)
-    for i, (b, c) in enumerate(zip(boxes, classes)):
-        n = b.shape[0]
-        boxes_BM4[i, :n] = b.to(device, torch.float32, non_blocking=True)
-        labels_BM[i, :n] = c.to(device, non_blocking=True)
-        mask_BM[i, :n] = True
-    return PaddedTargets(boxes_BM4, labels_BM, mask_BM, counts)
+    return boxes, classes
 
 
 def center_to_corners(b: Tensor) -> Tensor:

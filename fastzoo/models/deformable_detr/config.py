@@ -9,8 +9,6 @@ from fastzoo.errors import ConfigError
 from fastzoo.models.config import changes_function, free, weights_decide
 from fastzoo.models.detr.config import DetrConfig
 
-IMPLS = ("auto", "reference", "cpu", "triton")  # the multi-scale deformable attention seam's words
-
 
 @dataclass
 class DeformableDetrConfig(DetrConfig):
@@ -20,7 +18,7 @@ class DeformableDetrConfig(DetrConfig):
     encoder_ffn_dim: int = weights_decide(1024, "encoder MLP width", ge=1)
     decoder_ffn_dim: int = weights_decide(1024, "decoder MLP width", ge=1)
     num_feature_levels: int = weights_decide(4, "feature levels the deformable attention reads: the backbone's stages "
-                                             "(backbone_out_indices), then 3x3 stride-2 convolutions on the last", ge=1)
+                                             "(backbone_out_indices), then 3x3 stride-2 convolutions on the last", ge=1, le=8)
     backbone_out_indices: tuple[int, ...] = weights_decide((2, 3, 4), "the backbone stages whose feature maps feed the encoder "
                                                   "(timm's out_indices: 2, 3, 4 = C3, C4, C5; (4,): C5 alone)", ge=1)
     encoder_n_points: int = weights_decide(4, "sampling points per head and level in the encoder", ge=1)
@@ -35,9 +33,6 @@ class DeformableDetrConfig(DetrConfig):
                                                  "decoder layer (unless two_stage) and one box head (unless "
                                                  "with_box_refine); False: a head per layer")
     focal_alpha: float = free(0.25, "the focal classification loss's positive weight", ge=0, le=1)
-    deformable_impl: str = free("auto", "the multi-scale deformable attention kernel (fastzoo.attention.deformable): "
-                                "reference (transformers' grid_sample path) | cpu (fused C++) | triton | auto",
-                                choices=IMPLS)
 
     def validate(self):
         super().validate()

@@ -37,7 +37,7 @@ class DeformableDetrMultiscaleDeformableAttention(nn.Module):
 
     def __init__(self, cfg: DeformableDetrConfig, heads: int, points: int):
         super().__init__()
-        self.heads, self.levels, self.points, self.impl = heads, cfg.num_feature_levels, points, cfg.deformable_impl
+        self.heads, self.levels, self.points, self.impl = heads, cfg.num_feature_levels, points, "auto"
         d = cfg.d_model
         self.sampling_offsets = nn.Linear(d, heads * self.levels * points * 2)
         self.attention_weights = nn.Linear(d, heads * self.levels * points)

@@ -120,10 +120,10 @@ class DeformableDetrModel(nn.Module):
 
         cfg = self.config
         feats = self.backbone.feature_maps(pixel_values, pixel_mask, cfg.backbone_out_indices)
-        srcs = [proj(f) for proj, (f, _) in zip(self.input_proj, feats)]
+        srcs = [self._project(level, f, pixel_values) for level, (f, _) in enumerate(feats)]
         masks = [m for _, m in feats]
         for level in range(len(feats), cfg.num_feature_levels):
-            srcs.append(self.input_proj[level](feats[-1][0] if level == len(feats) else srcs[-1]))
+            srcs.append(self._project(level, feats[-1][0] if level == len(feats) else srcs[-1], pixel_values))
             masks.append(resize_mask(pixel_mask, srcs[-1].shape[-2:]))
         x, pos = [], []
         for level, (src, mask) in enumerate(zip(srcs, masks)):
@@ -136,6 +136,18 @@ class DeformableDetrModel(nn.Module):
         valid_BL2 = torch.stack([valid_ratio(m, x[0].dtype) for m in masks], 1)
         mask_BS = torch.cat([m.flatten(1) for m in masks], 1)
         return torch.cat(x, 1), torch.cat(pos, 1), mask_BS, Levels(shapes, shapes_L2, start_L), valid_BL2
+
+    def _project(self, level: int, f_BCHW, pixel_values):
+        """Level ``level``'s input projection; a single value per GroupNorm group (a 1 x 1 map at d_model 32,
+        which transformers' model fails on too) is refused naming the images' size (torch's error names none)."""
+        h, w = f_BCHW.shape[-2:]
+        if level >= len(self.config.backbone_out_indices):  # a 3x3 stride-2 convolution first
+            h, w = (h + 1) // 2, (w + 1) // 2
+        if h * w * (self.config.d_model // 32) == 1:
+            raise ValueError(f"pixel_values: {tuple(pixel_values.shape[-2:])} images leave feature level {level} a "
+                             f"single position, which GroupNorm (32 groups of d_model={self.config.d_model}) cannot "
+                             f"normalise: use larger images, fewer num_feature_levels or a wider d_model")
+        return self.input_proj[level](f_BCHW)
 
     def forward(self, pixel_values, pixel_mask):
         """Per decoder layer its output and the reference its heads add to; the first reference; the
@@ -276,6 +288,20 @@ class DeformableDetrForObjectDetection(FastzooModel):
         return {"head_dim": self.config.d_model // self.config.decoder_attention_heads, "causal": False,
                 "grid_2d": False, "padding_mask": False}
 
+    def set_deformable_attention(self, impl: str = "auto") -> "DeformableDetrForObjectDetection":
+        """The multi-scale deformable attention kernel of every layer (``fastzoo.attention.deformable``:
+        reference | cpu | triton | auto), checked against this model's device and dtype now: an unknown or
+        unavailable kernel is refused by name and nothing changes."""
+        from fastzoo.attention.deformable import _kernel_name  # the seam's own choice and refusal, made now
+        from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention as MSDA
+
+        p = self.class_embed[0].weight
+        _kernel_name(impl, p.device.type, p.dtype, False)
+        for m in self.modules():
+            if isinstance(m, MSDA):
+                m.impl = impl
+        return self
+
     def heads(self, hs, refs):
         """Class logits ``[L, B, Q, C]`` and boxes ``[L, B, Q, 4]``: each layer's box head adds to its reference."""
         logits, boxes = [], []
@@ -297,7 +323,7 @@ class DeformableDetrForObjectDetection(FastzooModel):
         ``DeformableDetrObjectDetectionOutput``; ``return_dict=False`` gives its tuple."""
         from transformers.models.deformable_detr.modeling_deformable_detr import DeformableDetrObjectDetectionOutput
 
-        from fastzoo.losses.set_prediction import set_prediction_loss
+        from fastzoo.losses.set_prediction import check_labels, set_prediction_loss
 
         unknown = sorted(k for k, v in kwargs.items() if v not in (None, False))
         if unknown:
@@ -305,6 +331,8 @@ class DeformableDetrForObjectDetection(FastzooModel):
                              f"return_dict (no per-layer attentions or hidden states, no precomputed embeddings)")
         pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
                                                  self.class_embed[0].weight)
+        if labels is not None:  # refused before any work (a small image may not survive the strided levels)
+            check_labels(labels, pixel_values.shape[0])
         if pixel_mask is None:
             B, _, H, W = pixel_values.shape
             pixel_mask = torch.ones(B, H, W, dtype=torch.long, device=pixel_values.device)
