@@ -217,6 +217,8 @@ def test_a_level_of_one_position_is_refused_naming_the_images():
     """GroupNorm(32) of d_model 32 cannot normalise one position (transformers fails with torch's error, which
     names nothing); one more row and column of pixels is enough."""
     ours = fastzoo.create("deformable_detr", **TINY).train()
-    with pytest.raises(ValueError, match=r"pixel_values: \(64, 64\) images leave feature level 3"):
+    assert ours.min_image_side == 128  # the fourth level's stride is 64
+    with pytest.raises(ValueError, match=r"pixel_values: \(64, 64\) images leave feature level 3 .* at least 128 px"):
         ours(pixel_values=torch.randn(1, 3, 64, 64))  # C5 2 x 2, the strided fourth level 1 x 1
     assert ours(pixel_values=torch.randn(1, 3, 96, 64)).logits.isfinite().all()  # C5 3 x 2: the fourth 2 x 1
+    assert ours(pixel_values=torch.randn(2, 3, 64, 64)).logits.isfinite().all()  # two images: torch's test passes

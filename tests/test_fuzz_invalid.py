@@ -136,9 +136,8 @@ def _token_bad(model, draw):
 def _detection_bad(model, draw):
     cfg = model.config
     B, C = draw(st.integers(1, 3), label="batch"), cfg.num_channels
-    # big enough for every feature level to hold 2 x 2 positions (a multi-scale detector's GroupNorm cannot
-    # normalise a single position): 64 px, doubled for each level past the third
-    side = 64 << max(0, getattr(cfg, "num_feature_levels", 3) - 3)
+    # big enough for a multi-scale detector's every level to keep two positions (GroupNorm cannot normalise one)
+    side = max(64, getattr(model, "min_image_side", 0))
     x, mask = torch.randn(B, C, side, side), torch.ones(B, side, side, dtype=torch.long)
     n = draw(st.integers(1, 4), label="boxes")
     i, j = draw(st.integers(0, B - 1), label="image"), draw(st.integers(0, n - 1), label="box")

@@ -11,9 +11,10 @@ from fastzoo.tasks.task import Inputs, Task
 
 
 def example_inputs(model, batch, gen, caps, notes):
-    """Image i keeps its left ``64 - 16 (i mod 3)`` columns; the rest is padding (a batch of
-    images of different sizes), named by ``pixel_mask`` as transformers' image processors do."""
-    side = 64
+    """Image i keeps its left ``side - 16 (i mod 3)`` columns; the rest is padding (a batch of
+    images of different sizes), named by ``pixel_mask`` as transformers' image processors do. ``side``: 64,
+    or the model's ``min_image_side`` where larger (a multi-scale detector's every level keeps two positions)."""
+    side = max(64, getattr(model, "min_image_side", 0))
     images = torch.randn(batch, 3, side, side, generator=gen)
     mask = torch.ones(batch, side, side, dtype=torch.long)
     for i in range(batch):

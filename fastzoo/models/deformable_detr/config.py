@@ -18,7 +18,7 @@ class DeformableDetrConfig(DetrConfig):
     encoder_ffn_dim: int = weights_decide(1024, "encoder MLP width", ge=1)
     decoder_ffn_dim: int = weights_decide(1024, "decoder MLP width", ge=1)
     num_feature_levels: int = weights_decide(4, "feature levels the deformable attention reads: the backbone's stages "
-                                             "(backbone_out_indices), then 3x3 stride-2 convolutions on the last", ge=1, le=8)
+                                             "(backbone_out_indices), then 3x3 stride-2 convolutions on the last", ge=1, le=6)
     backbone_out_indices: tuple[int, ...] = weights_decide((2, 3, 4), "the backbone stages whose feature maps feed the encoder "
                                                   "(timm's out_indices: 2, 3, 4 = C3, C4, C5; (4,): C5 alone)", ge=1)
     encoder_n_points: int = weights_decide(4, "sampling points per head and level in the encoder", ge=1)

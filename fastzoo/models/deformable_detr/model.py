@@ -49,6 +49,11 @@ def valid_ratio(mask_BHW: torch.Tensor, dtype) -> torch.Tensor:
     return torch.stack([mask_BHW[:, 0, :].sum(1).to(dtype) / W, mask_BHW[:, :, 0].sum(1).to(dtype) / H], -1)
 
 
+def min_image_side(cfg: DeformableDetrConfig) -> int:
+    """Twice the stride of the coarsest level: backbone stage i has stride 2^(i+1), each extra level 2x more."""
+    return 2 * 2 ** (cfg.backbone_out_indices[-1] + 1 + cfg.num_feature_levels - len(cfg.backbone_out_indices))
+
+
 def encoder_reference_points(shapes, valid_BL2: torch.Tensor) -> torch.Tensor:
     """Each token's centre in its level, normalised by the level's real part, then scaled to every level
     by its valid ratios: ``[B, S, L, 2]`` (transformers' ``get_reference_points``)."""
@@ -143,10 +148,11 @@ class DeformableDetrModel(nn.Module):
         h, w = f_BCHW.shape[-2:]
         if level >= len(self.config.backbone_out_indices):  # a 3x3 stride-2 convolution first
             h, w = (h + 1) // 2, (w + 1) // 2
-        if h * w * (self.config.d_model // 32) == 1:
+        if f_BCHW.shape[0] * h * w * (self.config.d_model // 32) == 1:  # torch's test: B x C/G x h x w values
             raise ValueError(f"pixel_values: {tuple(pixel_values.shape[-2:])} images leave feature level {level} a "
                              f"single position, which GroupNorm (32 groups of d_model={self.config.d_model}) cannot "
-                             f"normalise: use larger images, fewer num_feature_levels or a wider d_model")
+                             f"normalise alone: use images of at least {min_image_side(self.config)} px (or batches of 2, "
+                             f"fewer num_feature_levels, a wider d_model)")
         return self.input_proj[level](f_BCHW)
 
     def forward(self, pixel_values, pixel_mask):
@@ -287,6 +293,12 @@ class DeformableDetrForObjectDetection(FastzooModel):
         """The decoder's self-attention over the queries: no mask (the encoder's attention is deformable)."""
         return {"head_dim": self.config.d_model // self.config.decoder_attention_heads, "causal": False,
                 "grid_2d": False, "padding_mask": False}
+
+    @property
+    def min_image_side(self) -> int:
+        """The smallest image side (pixels) whose every feature level keeps two positions, so that one image
+        alone passes each level's GroupNorm."""
+        return min_image_side(self.config)
 
     def set_deformable_attention(self, impl: str = "auto") -> "DeformableDetrForObjectDetection":
         """The multi-scale deformable attention kernel of every layer (``fastzoo.attention.deformable``:
