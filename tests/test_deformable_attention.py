@@ -107,12 +107,13 @@ def test_unknown_impl_is_refused_with_the_known_ones():
         msda(*inputs(), impl="referense")
 
 
-# Shapes beyond the default: one level; a wide level of one row; D and P of 1; many points far outside.
+# Shapes beyond the default: one level; a wide level of one row; D and P of 1; many points far outside; width 32.
 CASES = {
     "4-levels": {},
     "1-level": dict(shapes=((5, 6),)),
     "thin-levels": dict(shapes=((1, 11), (9, 1), (3, 2)), D=1, P=1, Q=4),
     "mostly-outside": dict(spread=3.0, P=4, heads=2, D=5),
+    "head-width-32": dict(D=32, heads=2, Q=3),  # the C++ kernel's compiled-width path (d_model 256, 8 heads)
 }
 
 
@@ -148,6 +149,23 @@ def test_fused_kernel_in_low_precision_within_the_rule(kernel, dtype):
     grad = compare_grads("grads", dict(zip(GRAD_NAMES, ours[1:])), dict(zip(GRAD_NAMES, ref[1:])),
                          peer=dict(zip(GRAD_NAMES, peer[1:])))
     assert out.passed and grad.passed, (out, grad)
+
+
+def test_cpu_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """Threads split the forward by (batch, query) and the backward by (batch, head); 2 images x 3
+    heads over 4 threads puts one image's heads on two threads. Each value row is still summed by
+    one thread in query order, so the result is the one-thread result, bit for bit."""
+    args = inputs(B=2, heads=3, Q=7)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads(lambda *a: msda(*a, impl="cpu"), args)
+        torch.set_num_threads(4)
+        four = grads(lambda *a: msda(*a, impl="cpu"), args)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("out",) + GRAD_NAMES, one, four):
+        assert torch.equal(a, b), name
 
 
 def test_cpu_kernel_passes_gradcheck_in_fp64():
