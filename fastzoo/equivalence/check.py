@@ -166,7 +166,7 @@ def check(
     for form, ours_in, ref_in in spec.task.inputs(ours, batch, gen, caps, result.notes):
         suffix = f" ({form})" if form else ""
         comps, report = compare(ours, ref, ours_in, original_inputs=ref_in, grads=grads, layers=layers, peer=peer,
-                                device=device, dtype=dtype, seed=seed, name=spec.task.compared + suffix)
+                                device=device, dtype=dtype, seed=seed, name=(ours_in.output or spec.task.compared) + suffix)
         for c in comps[1:]:
             c.name += suffix
         result.comparisons += comps
