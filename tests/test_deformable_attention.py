@@ -264,7 +264,8 @@ def test_triton_refuses_fp64_by_name():
     args = inputs(dtype=torch.float64)
     with pytest.raises(BackendUnavailableError, match="takes fp32/bf16/fp16 on cuda, not float64"):
         deformable._kernel_name("triton", "cuda", torch.float64, True)
-    assert torch.equal(msda(*args), msda(*args, impl="cpu"))  # auto on CPU: the C++ kernel takes fp64
+    assert deformable._kernel_name("auto", "cpu", torch.float64, True) == "cpu"  # the C++ kernel takes fp64
+    assert torch.equal(msda(*args), msda(*args, impl="cpu"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
