@@ -16,7 +16,7 @@ from fastzoo.attention.deformable import available
 from fastzoo.equivalence.rule import FP32_GRAD_RTOL, compare_grads, compare_outputs
 from fastzoo.equivalence.weights import draw_
 from fastzoo.errors import ConfigError
-from fastzoo.losses.set_prediction import GIOU_MODES
+from fastzoo.losses.set_prediction import GIOU_IMPLS
 
 TINY = dict(SPECS["deformable_detr"].tiny)
 CASES = {
@@ -122,10 +122,10 @@ def test_equal_to_transformers_for_every_deformable_kernel(impl):
     compare(hf, ours, *batch(seed=2))
 
 
-@pytest.mark.parametrize("mode", GIOU_MODES)
+@pytest.mark.parametrize("mode", GIOU_IMPLS)
 def test_equal_to_transformers_in_every_giou_mode(mode):
     hf = original(**CASES["box_refine"])
-    ours = fastzoo.create("deformable_detr", pretrained=hf, loss=mode).train()
+    ours = fastzoo.create("deformable_detr", pretrained=hf, giou_impl=mode).train()
     compare(hf, ours, *batch(seed=1))
 
 
@@ -138,8 +138,8 @@ def test_more_boxes_than_queries_and_all_images_empty_equal_transformers():
 
 def test_timm_backbone_path_equal_to_transformers():
     """The hub checkpoints' backbone: timm's ResNet-18 under transformers' timm path (C3..C5)."""
-    hf = original(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512),
-                  embedding_size=64, with_box_refine=True)
+    hf = original(use_timm_backbone=True, backbone="resnet18", embedding_size=None, hidden_sizes=None, depths=None,
+                  with_box_refine=True)
     ours = fastzoo.create("deformable_detr", pretrained=hf).train()
     x, mask, labels = batch(seed=5)
     compare(hf, ours, x[:2], torch.ones_like(mask[:2]), labels[:2])

@@ -284,9 +284,10 @@ def _guarded(row: Row, suite: Suite, fn):
 
 @contextlib.contextmanager
 def native_stderr_silenced():
-    """File descriptor 2 to the null device while our own profiler runs: Kineto and c10 write its
-    start / stop lines and a GPU-count probe from C++ straight to fd 2, where no Python filter
-    reaches, and they say nothing about the run. An error still raises, after fd 2 is back."""
+    """File descriptor 2 to the null device while the memory profiler runs: c10's CPU allocator writes
+    from C++ straight to fd 2, where no Python filter reaches, that a block allocated before profiling
+    has no size ("Memory block of unknown size was allocated before the profiling started"), which
+    says nothing about the run. An error still raises, after fd 2 is back."""
     sys.stderr.flush()
     saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     try:
@@ -306,6 +307,9 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     no allocator caching or fragmentation (RSS would add those and whatever else the process holds)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from fastzoo.kernel_ranges import quiet_profiler
+
+    quiet_profiler()
     with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     cpu = torch._C._autograd.DeviceType.CPU

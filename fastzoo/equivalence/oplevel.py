@@ -24,7 +24,7 @@ backend and pinned kernel this machine has on CPU on ``MEASURE_DRAWS`` draws of 
 measured here (a GPU kernel, a user's) gets the worst of all of them. The run and its figures are in
 benchmarks/results/cpu-2core/README.md. The draw makes every feature matter: scores with a standard
 deviation of 2.5 (attention far from uniform), 64 keys, a soft cap of 3 (inside the scores' range),
-a window of 9, three packed sequences, one row right-padded by 23 keys.
+a window of 9, three packed sequences, one row right-padded and one left-padded by 23 keys.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ CHECK_DRAWS = 2  # draws per case in equivalence.check (each case has 2 x 4 x 64
 B, HEADS, KV_HEADS, S, D = 2, 4, 2, 64, 32
 SCORE_STD = 2.5  # q, k entries of std sqrt(2.5): scores q.k / sqrt(D) of std 2.5
 SOFTCAP, WINDOW, QUERIES_CACHED = 3.0, 9, 16
-PACKED_LENS, PADDED_LENS = (20, 37, 7), (S, S - 23)
+PACKED_LENS, PADDING = (20, 37, 7), 23
 SCALE = 0.7 * D**-0.5  # an explicit scale, not the default 1/sqrt(D)
 
 
@@ -131,7 +131,8 @@ def draw(case: Case, dtype: torch.dtype, seed: int, device="cpu") -> Draw:
                       window=WINDOW if case.window else None, softcap=SOFTCAP if case.softcap else None)
     real_BS = torch.ones(b, sq, dtype=torch.bool, device=device)
     if case.padding:
-        kpm = torch.arange(S, device=device)[None] < torch.tensor(PADDED_LENS, device=device)[:, None]
+        pos = torch.arange(S, device=device)
+        kpm = torch.stack([pos < S - PADDING, pos >= PADDING])  # one row right-padded, one left-padded
         ctx.key_padding_mask = kpm
         real_BS = kpm[:, S - sq:]
     if case.packed:

@@ -53,10 +53,11 @@ class DeformableDetrConfig(DetrConfig):
         if self.d_model % 32:
             raise ConfigError(f"d_model={self.d_model}: the input projections' GroupNorm has 32 groups, so d_model must "
                               f"be a multiple of 32", fields=("d_model",))
-        if self.backbone == "timm" and tuple(self.backbone_out_indices) != ((2, 3, 4) if self.num_feature_levels > 1 else (4,)):
-            raise ConfigError(f"backbone='timm': transformers reads timm's stages (2, 3, 4) with num_feature_levels > 1, "
-                              f"(4,) with 1; got backbone_out_indices={self.backbone_out_indices} (backbone='transformers' takes any)",
-                              fields=("backbone_out_indices", "backbone", "num_feature_levels"))
+        if self.use_timm_backbone and tuple(self.backbone_out_indices) != ((2, 3, 4) if self.num_feature_levels > 1 else (4,)):
+            raise ConfigError(f"use_timm_backbone: transformers reads timm's stages (2, 3, 4) with num_feature_levels > 1, "
+                              f"(4,) with 1; got backbone_out_indices={self.backbone_out_indices} (transformers' own "
+                              f"ResNet, use_timm_backbone=False, takes any)",
+                              fields=("backbone_out_indices", "use_timm_backbone", "num_feature_levels"))
 
     def shares_class_head(self) -> bool:
         return self.tie_word_embeddings and not self.two_stage

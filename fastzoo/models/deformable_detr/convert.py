@@ -15,6 +15,7 @@ import torch
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
+from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS
 from fastzoo.models.detr.convert import HF as DETR_HF, HF_FIELDS, _backbone_from_config, _backbone_from_keys
 from fastzoo.models.detr.convert import hf_config as detr_hf_config
 
@@ -62,7 +63,8 @@ class HfDeformableDetrConverter:
         # the backbone stages feeding the encoder: the 1x1 input projections' input widths
         widths = [s[f"model.input_proj.{i}.0.weight"].shape[1] for i in range(levels)
                   if f"model.input_proj.{i}.0.weight" in s and s[f"model.input_proj.{i}.0.weight"].shape[-1] == 1]
-        backbone_out_indices = tuple(backbone["hidden_sizes"].index(w) + 1 for w in widths)
+        hidden = backbone.get("hidden_sizes") or TIMM_WIDTHS[TIMM_RESNETS[backbone["backbone"]][0]]
+        backbone_out_indices = tuple(hidden.index(w) + 1 for w in widths)
         num_queries = s["model.query_position_embeddings.weight"].shape[0] if not two_stage else 300
         return {
             "num_labels": s["class_embed.0.weight"].shape[0], "d_model": d, "num_queries": num_queries,

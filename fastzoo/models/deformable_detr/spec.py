@@ -23,11 +23,11 @@ def build_original(cfg: dict):
 
 
 # transformers' own ResNet backbone at test sizes, three backbone levels and one strided level
-TINY = dict(backbone="transformers", embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1), d_model=32,
+TINY = dict(use_timm_backbone=False, embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1), d_model=32,
             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
             encoder_layers=2, decoder_layers=2, num_queries=8, two_stage_num_proposals=8, num_labels=5,
             encoder_n_points=2, decoder_n_points=2)
-R50 = dict(backbone="timm", layer_type="bottleneck", depths=(3, 4, 6, 3), hidden_sizes=(256, 512, 1024, 2048))
+R50 = {}  # backbone None: timm's resnet50, as transformers' DeformableDetrConfig()
 PEER = "transformers DeformableDetrForObjectDetection"
 SPEC = ModelSpec(
     family="deformable_detr",
