@@ -113,10 +113,11 @@ def liger_available(device: torch.device) -> bool:
     return True
 
 
-def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
+def head_group(s: LinearCESetting, x: Inputs, *, hf: bool, torch_op: bool = True) -> Group:
     """One head: the logits path (GPT-2's, or Hugging Face's with ``hf``) as the peer and the
     reference, torch's chunked op, Liger-Kernel's on CUDA where it imports, fastzoo's fused loss at
-    its defaults."""
+    its defaults. ``torch_op=False`` leaves torch's op out (on a CPU the slowest case by far: a run
+    against the deadline of a busy machine)."""
     t = x.target_N
     if hf:
         peer_label, peer = "HF: lm_head + ForCausalLMLoss (logits upcast to fp32)", lambda h, w: hf_lm_head_loss(h, w, t)
@@ -131,10 +132,9 @@ def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
         with torch.autocast(h.device.type, dtype=h.dtype, enabled=hf and h.dtype in (torch.bfloat16, torch.float16)):
             return linear_cross_entropy(h, w, t, impl="fused")
 
-    cases = [
-        case(peer_label, peer, peer=True, reference=True),
-        case("torch F.linear_cross_entropy (chunked)", lambda h, w: linear_cross_entropy(h, w, t, impl="torch")),
-    ]
+    cases = [case(peer_label, peer, peer=True, reference=True)]
+    if torch_op:
+        cases.append(case("torch F.linear_cross_entropy (chunked)", lambda h, w: linear_cross_entropy(h, w, t, impl="torch")))
     if liger_available(x.hidden_ND.device):
         cases.append(case("Liger-Kernel LigerFusedLinearCrossEntropyLoss", lambda h, w: liger_loss(h, w, t)))
     cases.append(case("fastzoo linear_cross_entropy (fused, default)", fused))
@@ -146,16 +146,17 @@ def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
 
 
 def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32, seed: int = 0,
-                    limits: machine.Limits | bool = True, large_vocab: LinearCESetting | None = LARGE_VOCAB_SETTING) -> Suite:
+                    limits: machine.Limits | bool = True, large_vocab: LinearCESetting | None = LARGE_VOCAB_SETTING,
+                    torch_op: bool = True) -> Suite:
     """``setting`` against GPT-2's logits path, and ``large_vocab`` (None: left out) against
     Hugging Face's Llama loss. ``limits``: True measures them in this run (quick), or pass ones
     measured for several suites; False: no limit columns."""
     device = torch.device(device)
     if limits is True:
         limits = machine.measure(device, dtypes=(dtype,), quick=True)
-    groups = [head_group(setting, make_inputs(setting, device, dtype, seed), hf=False)]
+    groups = [head_group(setting, make_inputs(setting, device, dtype, seed), hf=False, torch_op=torch_op)]
     if large_vocab is not None:
-        groups.append(head_group(large_vocab, make_inputs(large_vocab, device, dtype, seed), hf=True))
+        groups.append(head_group(large_vocab, make_inputs(large_vocab, device, dtype, seed), hf=True, torch_op=torch_op))
     config = {"batch": setting.describe() + (f"; and {large_vocab.describe()}" if large_vocab else ""),
               "step": "forward + backward of the mean loss (grads of hidden and weight)",
               "peer": "the logits materialised, F.cross_entropy on them (Hugging Face's ForCausalLMLoss at the "
