@@ -49,6 +49,7 @@ STAGES=(
   "bench-gpt2:GPT-2 packed/padded suite (gpt2_varlen)"
   "bench-giou:GIoU loss suite"
   "bench-resnet:ResNet-50 suite"
+  "deformable:multi-scale deformable attention: Triton kernel parity tests on the GPU, then its suite vs transformers"
   "parity-train:300 training steps per available backend vs the reference (loss curves)"
   "seeds:the seeds' tables: ViT-B/16 step per backend, GPT-2 padded vs packed, GIoU modes (benchmarks/seeds.py)"
 )
@@ -213,6 +214,10 @@ print(json.dumps(info, indent=2))"
   bench-gpt2) bench gpt2_varlen ;;
   bench-giou) bench giou ;;
   bench-resnet) bench resnet50 ;;
+  deformable)
+    step pytest_deformable "$PY" -m pytest -q -rs --junitxml="$RES/pytest_deformable.xml" tests/test_deformable_attention.py
+    bench deformable_attention
+    ;;
   parity-train) bench parity_train ;;
   seeds)
     # one part per step (each its own budget line); fa2, fa3 and TE compile against torch and travel as no

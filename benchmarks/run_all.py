@@ -15,6 +15,7 @@ import torch
 
 import fastzoo
 from fastzoo import files
+import deformable_attention
 import giou
 import linear_ce
 import matcher
@@ -28,7 +29,8 @@ from fastzoo.machine import device_name, versions
 from fastzoo.accuracy.backends import train_parity
 
 SUITES = {"vit": vit.run, "gpt2_varlen": gpt2_varlen.run, "llama_packed": llama_packed.run, "giou": giou.run, "matcher": matcher.run,
-          "linear_ce": linear_ce.run, "resnet50": resnet.run, "set_loss": set_loss.run}
+          "linear_ce": linear_ce.run, "resnet50": resnet.run, "set_loss": set_loss.run,
+          "deformable_attention": deformable_attention.run}
 
 
 def _timed(report, label, group):

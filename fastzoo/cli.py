@@ -202,7 +202,9 @@ def cmd_check(args) -> int:
     print(f"Equivalence of {args.model}{' (tiny config)' if args.tiny else ''} with the original library's model "
           "(fp32, eager attention); rule: "
           + (f"fp32 abs {equivalence.FP32_OUT_ATOL:g}, grads rel {equivalence.FP32_GRAD_RTOL:g}" if dtype == torch.float32
-             else f"<= {equivalence.LOW_FACTOR:g} x the original's own {args.dtype} error + floor"))
+             else f"<= {equivalence.LOW_FACTOR:g} x the original's own {args.dtype} error + floor; the attention op "
+                  f"against fp64 attention on the same {args.dtype} inputs, in units of its rounding")
+          + f"; weights: {equivalence.describe(0)}")
     print(markdown_table(rows, cols))
     for table in layer_tables:
         print(table)

@@ -32,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fastzoo import kernel_ranges
+from fastzoo.attention import deformable
 from fastzoo.errors import FastzooError
 from fastzoo.losses.registry import loss_of_function, losses
 
@@ -55,7 +56,7 @@ class KernelFallbackError(FastzooError, RuntimeError):
 class KernelRow:
     """One attention layer or one loss: what it asked for and what the profiler saw it run."""
 
-    kind: str  # "attention" | "loss"
+    kind: str  # "attention" | "loss" | "deformable" (the multi-scale deformable attention seam)
     where: str  # the layer's module path, or the loss's name
     requested: str
     executed: list[str] = field(default_factory=list)  # kernel ops in the forward, first seen first
@@ -156,8 +157,9 @@ def _attention_ops() -> re.Pattern:
 
 
 def _kernel_ops() -> re.Pattern:
-    """Ops that are an attention or a loss kernel: the backends' union and every declared loss's ``kernel_ops``."""
-    return _union([_attention_ops().pattern] + [loss.kernel_ops for loss in losses()])
+    """Ops that are an attention or a loss kernel: the backends' union, the deformable-attention
+    kernels' and every declared loss's ``kernel_ops``."""
+    return _union([_attention_ops().pattern, deformable.kernel_ops()] + [loss.kernel_ops for loss in losses()])
 
 
 def _union(declared: list[str | None]) -> re.Pattern:
@@ -293,6 +295,8 @@ def explain(model, *inputs, backward: bool = False, loss: Callable[[Any], torch.
     for parsed, e in ranges:
         if parsed and parsed[0] == "loss":
             rows.append(_loss_row(parsed, e, events, backward, kernel_ops))
+        elif parsed and parsed[0] == deformable.RANGE_KIND:
+            rows.append(_deformable_row(parsed, e, events, backward, kernel_ops))
     rows = _merge_loss_calls(rows)
     p = next(model.parameters(), None)
     if p is None:
@@ -364,10 +368,27 @@ def _loss_row(parsed, evt, all_events, backward, kernel_ops) -> KernelRow:
     return row
 
 
+def _deformable_row(parsed, evt, all_events, backward, kernel_ops) -> KernelRow:
+    """A call of the deformable-attention seam: the kernel it resolved to (``auto->cpu``) must show its ops."""
+    _, name, requested = parsed
+    inside = list(_descendants(evt))
+    ran = _kernel_names(inside, kernel_ops)
+    kernel = deformable.KERNELS.get(requested.rpartition("->")[2])
+    row = KernelRow(deformable.RANGE_KIND, name, requested=f"impl={requested}", executed=ran,
+                    device_kernels=_device_kernels(inside), calls=1)
+    if kernel is not None and not any(re.search(kernel.kernel_ops, n) for n in ran):
+        row.fallback = f"none of the {kernel.name} kernel's ops ({kernel.kernel_ops}) ran"
+    if backward:
+        row.executed_backward = _kernel_names(_backward_events(inside, all_events), kernel_ops)
+    return row
+
+
 def _merge_loss_calls(rows):
+    """Repeated calls of one loss or of the deformable seam with the same story: one row, counted."""
     out = []
     for r in rows:
-        same = next((o for o in out if o.kind == "loss" == r.kind and o.where == r.where and o.requested == r.requested
+        same = next((o for o in out if o.kind == r.kind and r.kind in ("loss", deformable.RANGE_KIND)
+                     and o.where == r.where and o.requested == r.requested
                      and o.executed == r.executed and o.fallback == r.fallback), None)
         if same is None:
             out.append(r)

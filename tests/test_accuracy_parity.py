@@ -20,6 +20,12 @@ from fastzoo.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = sorted((ROOT / "configs").glob("accuracy_*.yaml"))
 SHORT = ["steps=3", "eval_every=3", "data.n_train=16", "data.n_test=8", "optim.batch_size=8", "optim.warmup_steps=0"]
+SHORT_PRETRAIN = ["pretrain.steps=2", "pretrain.n_images=16", "pretrain.batch_size=8"]  # files with a pretrain section
+
+
+def short(path) -> list:
+    """SHORT, and a short backbone pretraining where the file has one."""
+    return SHORT + (SHORT_PRETRAIN if "\npretrain:" in Path(path).read_text() else [])
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +38,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("path", RUNS, ids=[p.stem for p in RUNS])
 def test_short_run_curves_agree_within_the_files_tolerance(path):
-    cfg = load_config(path, SHORT)
+    cfg = load_config(path, short(path))
     report = run(cfg, progress=False)
     ran = [a for a in report.arms if a.status != "unavailable"]
     assert len(ran) >= 2, [a.note for a in report.arms]
@@ -90,6 +96,8 @@ def test_unavailable_arm_is_reported_not_hidden():
     ("arms=[{name: a, amp: fp8}]", "amp='fp8': choose one of fp32, bf16, fp16"),
     ("arms=[{name: a, amp: bf16}]", "the first arm ('a') is the fp32 reference"),
     ("arms=[{name: a}, {name: b, attn: eager, amp: bf16}]", "the first in bf16, is that precision's peer"),
+    ("pretrain={steps: 2, lr: 0.1}", "pretrain: a backbone is pretrained for task digits_canvas (a detector), not 'digits'"),
+    ("pretrain={steps: 0, lr: 0.1}", "pretrain: steps, batch_size, img_size, n_images and lr must be positive"),
 ])
 def test_bad_fields_are_refused_by_name(assignment, needle):
     with pytest.raises(ConfigError) as e:

@@ -12,7 +12,8 @@ PACKAGE = ROOT / "fastzoo"
 # Bottom to top. A module may import its own floor and the floors below; a name is placed by its
 # longest listed prefix. ``fastzoo`` alone is the package's __init__ (the public facade).
 FLOORS = [
-    ("fastzoo.errors", "fastzoo.text", "fastzoo.files", "fastzoo.kernel_ranges", "fastzoo.tracing"),
+    ("fastzoo.errors", "fastzoo.text", "fastzoo.files", "fastzoo.kernel_ranges", "fastzoo.tracing",
+     "fastzoo.cpp_build"),
     ("fastzoo.losses", "fastzoo.attention", "fastzoo.layers", "fastzoo.weights"),
     ("fastzoo.data", "fastzoo.tasks"),
     ("fastzoo.models", "fastzoo.registry"),

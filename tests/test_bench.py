@@ -225,6 +225,22 @@ def test_matcher_suite_detr_and_fastzoo_agree():
         assert r.status == "ok" and r.max_err == 0, (r.label, r.note)  # the same assignment, index for index
 
 
+def test_deformable_attention_suite_gates_the_fused_kernel_on_transformers():
+    """Both parts (encoder, decoder) time transformers' grid_sample path and the fused kernel, each
+    within the fp32 rule of transformers' output and gradients (the peer itself exactly)."""
+    from fastzoo.bench.deformable import DeformableSetting, deformable_suite
+
+    report = run_suite(deformable_suite(DeformableSetting("tiny", image=64, decoder_queries=7)), warmup=0, iters=1,
+                       progress=False)
+    assert [r.label for r in report.rows] == ["transformers MultiScaleDeformableAttention (grid_sample)",
+                                              "fastzoo impl=cpu"] * 2
+    for r in report.rows:
+        assert r.status == "ok" and r.median_s is not None, (r.label, r.note)
+        assert r.max_err <= r.out_bound and r.grad_err <= r.grad_bound, r.label
+        if r.peer:
+            assert r.max_err == 0 and r.grad_err == 0
+
+
 def test_gpt2_suite_packed_matches_padded():
     from fastzoo.bench.causal_lm import causal_lm_suite
 

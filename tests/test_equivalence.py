@@ -270,10 +270,11 @@ def test_cli_check_of_a_model_without_attention_passes_no_backend(capsys):
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_detr_is_checked_on_the_inputs_its_task_declares(backend):
-    """The detection task's example inputs (images with pixel masks of different widths) make DETR
-    checkable like any family: logits and every gradient within fp32's 1e-4."""
+    """The detection task's example inputs (images with pixel masks of different widths, then the same
+    with boxes as labels) make DETR checkable like any family: logits, the set loss and every gradient
+    behind each within fp32's 1e-4."""
     from fastzoo import equivalence
 
     res = equivalence.check("detr", backend, overrides=equivalence.tiny_overrides("detr"), batch=3)
-    assert [c.name for c in res.comparisons] == ["logits", "grads"]
+    assert [c.name for c in res.comparisons] == ["logits", "grads", "loss (set loss)", "grads (set loss)"]
     assert all(c.err <= 1e-4 for c in res.comparisons), res.rows()  # fp32 rule

@@ -61,6 +61,18 @@ class Optim:
 
 
 @dataclass
+class Pretrain:
+    """The backbone trained first on the run's training digits (single digits on ``img_size`` canvases,
+    classified), as a user starts from ImageNet weights; every arm starts from it
+    (:mod:`fastzoo.accuracy.pretrain`)."""
+    steps: int
+    lr: float
+    batch_size: int = 128
+    img_size: int = 32
+    n_images: int = 4000  # single-digit canvases drawn from the training digits
+
+
+@dataclass
 class Tolerance:
     train_loss: float  # max |loss(step) - first arm's loss(step)| over every step
     eval_loss: float  # the same over the held-out loss curve
@@ -84,6 +96,7 @@ class RunConfig:
     tolerance: Tolerance
     seed: int = 0
     description: str = ""
+    pretrain: Pretrain | None = None  # a detector's backbone trained here first (task digits_canvas)
 
 
 def _build(cls, raw, where: str):
@@ -100,7 +113,7 @@ def _build(cls, raw, where: str):
     if missing:
         raise ConfigError(f"{where}: missing field {missing[0]!r}")
     kwargs = {}
-    nested = {"data": Data, "optim": Optim, "tolerance": Tolerance}
+    nested = {"data": Data, "optim": Optim, "tolerance": Tolerance, "pretrain": Pretrain}
     for key, value in raw.items():
         if key in nested and cls is RunConfig:
             value = _build(nested[key], value, f"{where}.{key}")
@@ -147,6 +160,12 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
         raise ConfigError(f"{where}.optim.schedule: {cfg.optim.schedule!r} is not one of {', '.join(DECAYS)}")
     if not 0 <= cfg.optim.warmup_steps < cfg.steps:
         raise ConfigError(f"{where}.optim.warmup_steps: must be >= 0 and below steps ({cfg.steps}), got {cfg.optim.warmup_steps}")
+    if cfg.pretrain is not None:
+        p = cfg.pretrain
+        if min(p.steps, p.batch_size, p.img_size, p.n_images) < 1 or p.lr <= 0:
+            raise ConfigError(f"{where}.pretrain: steps, batch_size, img_size, n_images and lr must be positive, got {p}")
+        if cfg.task != "digits_canvas":
+            raise ConfigError(f"{where}.pretrain: a backbone is pretrained for task digits_canvas (a detector), not {cfg.task!r}")
     for a in cfg.arms:
         if not 0 <= a.nudge < 1e-2:
             raise ConfigError(f"{where}: arm {a.name!r}: nudge must be in [0, 0.01) (a rounding-size perturbation), got {a.nudge}")

@@ -6,6 +6,8 @@ downloaded), and one synthetic task.
   upsampled for a ViT / ResNet and split into train and test with a seed.
 - :func:`digits_canvas`: the same digits placed on a larger canvas, each with its tight box
   and class: a small detection set (train canvases from train digits, test from test digits).
+- :func:`digits_coco`: those canvases written as a COCO-format set (PNG images and instances JSON,
+  train and held-out), for ``scripts/finetune_detection.py`` and any COCO reader.
 - :func:`quadrants`: synthetic noisy images with one quadrant brightened; the label is the quadrant.
 - :func:`pydoc_documents`: English text shipped inside Python (``pydoc_data.topics``, the
   language reference pages ``help()`` prints), split into paragraphs; :func:`bpe_tokenizer`
@@ -103,6 +105,28 @@ def digits_canvas(n_train: int, n_test: int, *, canvas: int = 64, max_digits: in
     g = torch.Generator().manual_seed(seed + 1)
     return (_place(trx, try_, n_train, canvas, max_digits, tuple(digit_px), g),
             _place(tex, tey, n_test, canvas, max_digits, tuple(digit_px), g))
+
+
+def digits_coco(out_dir, n_train: int, n_test: int, *, canvas: int = 64, max_digits: int = 3, digit_px=(14, 24),
+                test_fraction: float = 0.2, seed: int = 0) -> dict:
+    """:func:`digits_canvas`'s canvases as a COCO-format set under ``out_dir``: ``train/`` with
+    ``train.json`` and ``val/`` with ``val.json`` (held-out canvases of held-out digits), greyscale
+    PNGs (the canvases' pixels to 8 bits), the boxes in pixels, categories ``0``..``9`` named by
+    their digit. Returns the four paths by name."""
+    from pathlib import Path
+
+    from fastzoo.data.boxes import write_coco
+
+    out = Path(out_dir)
+    splits = digits_canvas(n_train, n_test, canvas=canvas, max_digits=max_digits, digit_px=digit_px,
+                           test_fraction=test_fraction, seed=seed)
+    paths = {}
+    for name, c in zip(("train", "val"), splits):
+        pixels = ((c.images[:, :1] * 0.5 + 0.5) * 255).round().clamp(0, 255).to(torch.uint8)
+        write_coco(out / name, out / f"{name}.json", list(pixels), [b * canvas for b in c.boxes], c.labels,
+                   {d: str(d) for d in range(10)})
+        paths[f"{name}_images"], paths[f"{name}_ann"] = out / name, out / f"{name}.json"
+    return paths
 
 
 def pydoc_documents(min_chars: int = 40) -> list[str]:

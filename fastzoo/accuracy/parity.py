@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastzoo.accuracy.config import Arm, RunConfig, model_config
+from fastzoo.accuracy.config import Arm, Pretrain, RunConfig, model_config
 from fastzoo.errors import ConfigError
 from fastzoo.losses.lm import IGNORE_INDEX, next_token_targets
 from fastzoo.train.loop import Task
@@ -155,6 +155,23 @@ class Canvas(ParityData):
         self.train, self.test = digits_canvas(d.n_train, d.n_test, canvas=d.img_size, max_digits=d.max_digits,
                                               digit_px=tuple(d.digit_px), test_fraction=d.test_fraction, seed=cfg.seed)
         self.n, self.device = len(self.train.boxes), device
+        self.data = d
+
+    def pretrain(self, original, p: Pretrain, seed: int) -> float:
+        """Train ``original``'s backbone (transformers' ``model.backbone.model``) to classify single
+        training digits (:mod:`fastzoo.accuracy.pretrain`); the held-out digits stay unseen (the same
+        split as the canvases'). Returns the accuracy on its last batch."""
+        from fastzoo.accuracy.data import digits_canvas
+        from fastzoo.accuracy.pretrain import pretrain_backbone
+
+        d = self.data
+        if p.img_size < d.digit_px[1]:
+            raise ConfigError(f"pretrain.img_size {p.img_size} is smaller than the largest digit (data.digit_px {d.digit_px})")
+        single, _ = digits_canvas(p.n_images, 1, canvas=p.img_size, max_digits=1, digit_px=tuple(d.digit_px),
+                                  test_fraction=d.test_fraction, seed=seed)
+        labels = torch.cat(single.labels)
+        return pretrain_backbone(original.model.backbone.model, single.images, labels, num_classes=10, steps=p.steps,
+                                 lr=p.lr, batch_size=p.batch_size, seed=seed)
 
     def _out(self, model, images, boxes, classes):
         labels = [{"class_labels": c.to(self.device), "boxes": _cxcywh(b).to(self.device)} for b, c in zip(boxes, classes)]

@@ -45,6 +45,7 @@ class AccuracyReport:
     arms: list
     threads: int = 1
     load: list = field(default_factory=list)  # 1-minute load average at the start and the end of the run
+    pretrained: dict = field(default_factory=dict)  # the run file's pretrain: {"seconds", "accuracy" (its last batch)}
 
     @property
     def agree(self) -> bool:
@@ -82,12 +83,21 @@ class AccuracyReport:
                 f"{c['steps']} steps, batch {c['optim']['batch_size']}, "
                 f"AdamW lr {c['optim']['lr']}{_schedule(c['optim'])}, seed {c['seed']}; every arm from the same weights and batches. "
                 f"Tolerance vs the first arm (max over the run): train loss {tol['train_loss']}, held-out loss "
-                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}.{low} "
+                f"{tol['eval_loss']}, held-out {self.metric} {tol['eval_metric']}{sw}.{low}{self._pretrained()} "
                 f"Agree: **{'yes' if self.agree else 'no'}**.\n\n{self.table()}\n{notes}\n")
+
+    def _pretrained(self) -> str:
+        p = self.config.get("pretrain")
+        if not p or not self.pretrained:
+            return ""
+        return (f" The backbone was first trained here to classify single training digits on {p['img_size']}x"
+                f"{p['img_size']} canvases ({p['steps']} steps, batch {p['batch_size']}, lr {p['lr']}: "
+                f"{100 * self.pretrained['accuracy']:.0f}% on its last batch, {self.pretrained['seconds']:.0f} s), "
+                f"then every arm started from it.")
 
     def to_dict(self) -> dict:
         return {"config": self.config, "metric": self.metric, "device": self.device, "threads": self.threads,
-                "load": self.load, "versions": self.versions, "agree": self.agree,
+                "load": self.load, "pretrained": self.pretrained, "versions": self.versions, "agree": self.agree,
                 "arms": [dataclasses.asdict(a) for a in self.arms]}
 
     def plot(self, path) -> Path:
@@ -96,21 +106,28 @@ class AccuracyReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 3.8))
+        fig, (ax0, ax3, ax1, ax2) = plt.subplots(1, 4, figsize=(18, 3.8))
         ok = [a for a in self.arms if a.train_loss]
         for i, a in enumerate(ok):
             style = dict(lw=1.2, alpha=0.85, ls=["-", "--", ":", "-."][i % 4])
             ax0.plot(range(1, len(a.train_loss) + 1), a.train_loss, label=a.name, **style)
+            ax3.plot(a.eval_steps, a.eval_loss, marker="o", ms=3, label=a.name, **style)
             ax1.plot(a.eval_steps, [100 * m for m in a.eval_metric], marker="o", ms=3, label=a.name, **style)
             if i:
-                ref = ok[0].train_loss
-                diff = [abs(x - y) for x, y in zip(a.train_loss, ref)]
-                ax2.semilogy(range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], label=f"{a.name} vs {ok[0].name}", lw=1)
-        ax2.axhline(self.config["tolerance"]["train_loss"], color="red", lw=1, ls="--", label="tolerance")
+                ref = ok[0]
+                diff = [abs(x - y) for x, y in zip(a.train_loss, ref.train_loss)]
+                ax2.semilogy(range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], label=f"{a.name}: training loss", lw=1)
+                steps = a.eval_steps[:len(ref.eval_steps)]
+                for key, label in (("eval_loss", "held-out loss"), ("eval_metric", f"held-out {self.metric}")):
+                    d = [max(abs(x - y), 1e-9) for x, y in zip(getattr(a, key), getattr(ref, key))]
+                    ax2.semilogy(steps, d, marker="o", ms=3, lw=1, label=f"{a.name}: {label}")
+        ax2.axhline(self.config["tolerance"]["train_loss"], color="red", lw=1, ls="--", label="training-loss tolerance")
         ax0.set(xlabel="step", ylabel="training loss", yscale="log", title="training loss")
+        ax3.set(xlabel="step", ylabel="held-out loss", yscale="log", title="held-out loss")
         ax1.set(xlabel="step", ylabel=f"held-out {self.metric} (%)", title=f"held-out {self.metric}")
-        ax2.set(xlabel="step", ylabel="|loss - first arm's loss|", title="difference of the training curves")
-        for ax in (ax0, ax1, ax2):
+        ax2.set(xlabel="step", ylabel=f"|arm - {ok[0].name if ok else 'first arm'}|",
+                title="difference from the first arm")
+        for ax in (ax0, ax3, ax1, ax2):
             ax.legend(fontsize=7)
         fig.suptitle(f"{self.config['name']} on {self.device}: same init, same batches, every arm", fontsize=10)
         fig.tight_layout()

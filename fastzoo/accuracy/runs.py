@@ -56,13 +56,18 @@ def _original(cfg: RunConfig):
     return original
 
 
-def _models(cfg: RunConfig, device):
-    """One model per arm, all with the same initial weights; an arm that cannot run here is
-    returned as the error's message instead of a model."""
+def _models(cfg: RunConfig, device, data, pretrained: dict):
+    """One model per arm, all with the same initial weights (the original's, its backbone first
+    trained by ``data`` where the run file says ``pretrain``: what it did goes into ``pretrained``);
+    an arm that cannot run here is returned as the error's message instead of a model."""
     import fastzoo
 
     torch.manual_seed(cfg.seed)
     original = _original(cfg)
+    if cfg.pretrain is not None:
+        t0 = time.perf_counter()
+        pretrained["accuracy"] = data.pretrain(original, cfg.pretrain, cfg.seed)
+        pretrained["seconds"] = time.perf_counter() - t0
     out = []
     hf = _as_transformers(cfg, original) if any(a.hf for a in cfg.arms) else None
     for arm in cfg.arms:
@@ -140,7 +145,8 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
     load = [load_average()]
     data = resolve(get_entry(cfg.model).spec.task.parity[cfg.task])(cfg, device)
     batches = _batches(data.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
-    models = _models(cfg, device)
+    pretrained: dict = {}
+    models = _models(cfg, device, data, pretrained)
     results, snapshots = [], None
     with tqdm(total=len(cfg.arms) * cfg.steps, desc=cfg.name, disable=not progress, leave=False, dynamic_ncols=True) as bar:
         for arm, model in zip(cfg.arms, models):
@@ -164,7 +170,7 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
     _same_weights(cfg, data, batches, models, results, snapshots or [])
     _compare(cfg, results)
     return AccuracyReport(_as_dict(cfg), data.metric, device_name(device), versions(), results,
-                          threads=torch.get_num_threads(), load=load + [load_average()])
+                          threads=torch.get_num_threads(), load=load + [load_average()], pretrained=pretrained)
 
 
 def _train(cfg, data, arm, model, batches, r: ArmResult, bar, snapshots: list | None = None):

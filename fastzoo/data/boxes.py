@@ -31,7 +31,7 @@ from torch import Tensor
 from fastzoo.errors import FastzooError
 from fastzoo.losses.boxes import BoxTargets, collate_boxes
 
-__all__ = ["BoxTargets", "CocoDetection", "LABEL_IDS", "collate_boxes", "collate_detection", "read_coco"]
+__all__ = ["BoxTargets", "CocoDetection", "LABEL_IDS", "collate_boxes", "collate_detection", "read_coco", "write_coco"]
 
 LABEL_IDS = ("contiguous", "category_id")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -89,6 +89,47 @@ def read_coco(ann_file, label_ids: str = "contiguous") -> tuple[list[dict], dict
     targets = {i: {"class_labels": torch.tensor(labels[i], dtype=torch.long),
                    "boxes": torch.tensor(boxes[i], dtype=torch.float32).reshape(-1, 4)} for i in sizes}
     return images, targets, id2label
+
+
+def write_coco(image_dir, ann_file, images: Sequence[Tensor], boxes: Sequence[Tensor], labels: Sequence[Tensor],
+               categories: dict[int, str]) -> Path:
+    """A COCO instances set that :func:`read_coco` and :class:`CocoDetection` read: image ``i`` (a
+    ``[C, h, w]`` uint8 tensor, C 1 or 3) as ``image_dir/{i:06d}.png`` with id ``i``, its ``boxes``
+    (``[n, 4]`` xyxy in pixels) and ``labels`` (``[n]`` category ids, keys of ``categories``) as
+    annotations (COCO's ``[x, y, w, h]``, ``area``, ``iscrowd`` 0). Every file is written atomically;
+    returns ``ann_file``."""
+    import io
+
+    from PIL import Image
+
+    from fastzoo.files import write_bytes, write_json
+
+    if not (len(images) == len(boxes) == len(labels)):
+        raise ValueError(f"write_coco: images, boxes and labels must have one entry per image, got "
+                         f"{len(images)}, {len(boxes)} and {len(labels)}")
+    Path(image_dir).mkdir(parents=True, exist_ok=True)
+    entries, annotations = [], []
+    for i, (img, b, c) in enumerate(zip(images, boxes, labels)):
+        if img.dtype != torch.uint8 or img.ndim != 3 or img.shape[0] not in (1, 3):
+            raise ValueError(f"write_coco: images[{i}] must be a [C, h, w] uint8 tensor with C 1 or 3, got "
+                             f"{img.dtype} {tuple(img.shape)}")
+        if b.ndim != 2 or b.shape[1] != 4 or len(c) != len(b):
+            raise ValueError(f"write_coco: boxes[{i}] must be [n, 4] xyxy with one label each, got {tuple(b.shape)} "
+                             f"boxes and {len(c)} labels")
+        unknown = sorted({int(k) for k in c} - set(categories))
+        if unknown:
+            raise ValueError(f"write_coco: labels[{i}] has category ids {unknown}, which categories lacks")
+        h, w = img.shape[1:]
+        buf = io.BytesIO()
+        Image.fromarray(img[0].numpy() if img.shape[0] == 1 else img.permute(1, 2, 0).numpy()).save(buf, format="PNG")
+        name = f"{i:06d}.png"
+        write_bytes(Path(image_dir) / name, buf.getvalue())
+        entries.append({"id": i, "file_name": name, "width": int(w), "height": int(h)})
+        for (x0, y0, x1, y1), k in zip(b.tolist(), c.tolist()):
+            annotations.append({"id": len(annotations) + 1, "image_id": i, "category_id": int(k), "iscrowd": 0,
+                                "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0)})
+    cats = [{"id": int(k), "name": str(v)} for k, v in sorted(categories.items())]
+    return write_json(ann_file, {"images": entries, "annotations": annotations, "categories": cats})
 
 
 class CocoDetection(torch.utils.data.Dataset):

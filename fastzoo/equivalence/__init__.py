@@ -13,7 +13,9 @@ Three entry points, one rule:
   original's scale (fp32: 1e-4); the other model's activations are compared as they are
   made, so only one model's are held in memory.
 - :func:`check` does all of that for a registered model and one attention backend: it builds
-  the original library's model (eager attention, fp32) at random init, the fastzoo model from
+  the original library's model (eager attention, fp32) holding a full random state
+  (:func:`draw_`: every bias, norm weight, BatchNorm statistic, layer scale and embedding drawn,
+  :func:`describe` names it; a library's init of zero biases and unit norms hides bugs), the fastzoo model from
   it (``fastzoo.create(name, pretrained=original, attn=backend)``) and the inputs (images for
   ViT; a padded batch and the same sequences packed for GPT-2). ``fastzoo check`` prints it.
 - :func:`compare_cases` applies the rule to tensors a benchmark already computed.
@@ -26,6 +28,10 @@ The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):
   the peer is the original run in the same dtype on the same device, on its reference kernels
   and on the kernels its users get, the worse of the two (:mod:`fastzoo.equivalence.rule` says
   why): a kernel may be as inexact as the original in that dtype, times three, and no worse.
+  And the attention backend alone (:mod:`fastzoo.equivalence.oplevel`): its output and dq/dk/dv
+  on bf16/fp16 q, k, v against fp64 attention on the same rounded values, within
+  ``BOUND_MARGIN`` times the error measured for the correct kernel (largest and rms, in units of
+  the dtype's rounding), where the model-level 3x cannot see a 1 % error.
 
 The gradient error of one parameter is ``max|g - g_ref| / max(max|g_ref|, 1e-2 * G)``, with
 ``G`` the largest reference gradient of the model: relative, because gradient magnitudes
@@ -41,6 +47,7 @@ leaks attention across sequences fails. Models run in eval mode (no dropout) so 
 comparison is deterministic; gradients are still computed.
 """
 from fastzoo.equivalence.check import Result, check, example_inputs, has_attention, original, tiny_overrides
+from fastzoo.equivalence.weights import describe, draw_
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerDiff, LayerReport, logits_of
 from fastzoo.equivalence.rule import (
@@ -54,5 +61,5 @@ __all__ = [
     "LOW_OUT_FLOOR", "Comparison", "Inputs", "LayerDiff", "LayerReport", "Result", "check", "compare", "compare_cases",
     "compare_errors", "compare_grads", "compare_outputs", "curve_error", "example_inputs", "grad_error", "has_attention",
     "logits_of",
-    "original", "tiny_overrides",
+    "describe", "draw_", "original", "tiny_overrides",
 ]

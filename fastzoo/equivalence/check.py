@@ -1,6 +1,6 @@
-"""A registered model against its original: the original library's model at random init, fastzoo's
-built from it as a user would, the inputs its task declares, and the rule applied to each input form
-(``fastzoo check``)."""
+"""A registered model against its original: the original library's model holding a full random state
+(:func:`fastzoo.equivalence.weights.draw_`), fastzoo's built from it as a user would, the inputs its
+task declares, and the rule applied to each input form (``fastzoo check``)."""
 from __future__ import annotations
 
 import copy
@@ -10,11 +10,14 @@ import torch
 from torch import nn
 
 from fastzoo.attention import get_backend
+from fastzoo.layers.attention import UsesAttention
+from fastzoo.equivalence import oplevel
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerReport
 from fastzoo.equivalence.rule import (
     FP32_GRAD_RTOL, FP32_OUT_ATOL, FP32_OUT_ULPS, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR, Comparison,
 )
+from fastzoo.equivalence.weights import describe, draw_
 from fastzoo.registry import create, get_entry, spec_of, specs
 from fastzoo.tasks import Inputs
 from fastzoo.text import dtype_name
@@ -47,6 +50,7 @@ class Result:
     dtype: str
     rule: str
     reference: str = ""  # the original it was compared with
+    weights: str = ""  # the weights both held (weights.describe)
     comparisons: list[Comparison] = field(default_factory=list)
     layers: dict[str, LayerReport] = field(default_factory=dict)  # input form -> per-layer report
     notes: list[str] = field(default_factory=list)
@@ -76,6 +80,7 @@ class Result:
         return {
             "model": self.model, "backend": self.backend, "options": {k: repr(v) for k, v in self.options.items()},
             "device": self.device, "dtype": self.dtype, "rule": self.rule, "reference": self.reference,
+            "weights": self.weights,
             "passed": self.passed, "notes": self.notes,
             "comparisons": [
                 {"name": c.name, "err": c.err, "bound": c.bound, "peer_err": c.peer_err, "passed": c.passed, "worst": c.worst}
@@ -90,20 +95,19 @@ class Result:
 def has_attention(model_name: str) -> bool:
     """Whether ``model_name`` has attention layers (a convnet has none: no backend is ever asked),
     read from its tiny config built on the meta device."""
-    from fastzoo.layers.attention import UsesAttention
-
     model = create(model_name, attn="eager", device="meta", **_checkable(model_name).tiny)
     return any(isinstance(m, UsesAttention) for m in model.modules())
 
 
 def original(model_name: str, *, seed: int = 0, **overrides) -> nn.Module:
     """The original library's model for ``model_name`` (config from the registry plus
-    ``overrides``), at random init from ``seed``, in eval mode and with attention dropout 0."""
+    ``overrides``), holding the weights :func:`~fastzoo.equivalence.weights.draw_` draws from
+    ``seed``, in eval mode and with attention dropout 0."""
     entry = get_entry(model_name)
     spec = _checkable(model_name)
     torch.manual_seed(seed)
     dropout = {spec.original.attn_dropout_field: 0.0} if spec.original.attn_dropout_field else {}
-    return spec.original.build({**entry.config, **dropout, **overrides}).eval()
+    return draw_(spec.original.build({**entry.config, **dropout, **overrides}), seed=seed).eval()
 
 
 def check(
@@ -123,7 +127,9 @@ def check(
     same weights and inputs (see the module docstring).
 
     ``train=True`` also compares parameter gradients where the backend has a backward on
-    ``device`` (otherwise a note says why they were not compared). ``layers=True`` adds the
+    ``device`` (otherwise a note says why they were not compared). In bf16 / fp16 the backend is
+    also checked alone (:mod:`fastzoo.equivalence.oplevel`: its output and dq/dk/dv on rounded
+    q/k/v against fp64 attention, on the features the model uses), one comparison row each. ``layers=True`` adds the
     per-layer report of each input form (fp32). Raises
     :class:`~fastzoo.errors.BackendUnavailableError` if the backend cannot serve the model
     here, exactly as ``fastzoo.create`` would.
@@ -137,10 +143,11 @@ def check(
     result = Result(
         model_name, backend, options, str(device), dtype_name(dtype),
         rule=(f"max|ours-ref| <= {LOW_FACTOR:g} * max|original_{dtype_name(dtype)}-ref| + floor "
-              f"(floor {LOW_OUT_FLOOR:g} outputs, {LOW_GRAD_FLOOR:g} relative grads)") if low else
+              f"(floor {LOW_OUT_FLOOR:g} outputs, {LOW_GRAD_FLOOR:g} relative grads); attention op: within "
+              f"{oplevel.BOUND_MARGIN:g}x its measured error against fp64 attention on the same rounded inputs") if low else
              (f"fp32: max|ours-ref| <= {FP32_OUT_ATOL:g} or {FP32_OUT_ULPS} ulps of max|ref| (outputs), "
               f"relative grad error <= {FP32_GRAD_RTOL:g}"),
-        reference=spec.original.description,
+        reference=spec.original.description, weights=describe(seed),
     )
     ref = original(model_name, seed=seed, **(overrides or {}))
     caps = get_backend(backend, **options).capabilities
@@ -159,12 +166,17 @@ def check(
     for form, ours_in, ref_in in spec.task.inputs(ours, batch, gen, caps, result.notes):
         suffix = f" ({form})" if form else ""
         comps, report = compare(ours, ref, ours_in, original_inputs=ref_in, grads=grads, layers=layers, peer=peer,
-                                device=device, dtype=dtype, seed=seed, name=spec.task.compared + suffix)
+                                device=device, dtype=dtype, seed=seed, name=(ours_in.output or spec.task.compared) + suffix)
         for c in comps[1:]:
             c.name += suffix
         result.comparisons += comps
         if report is not None:
             result.layers[form or "images"] = report
+    if low and any(isinstance(m, UsesAttention) for m in ours.modules()):
+        # the kernel alone, where the model's 3x rule is blunt: same rounded q/k/v against fp64 attention
+        result.comparisons += oplevel.check_backend(
+            backend, options, dtype=dtype, device=device, grads=train,
+            request=ours.attention_request(device=device.type, dtype=dtype))
     if layers and low:
         result.notes.append("per-layer report: fp32 only (in low precision every layer differs a little)")
     return result

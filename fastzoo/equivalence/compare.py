@@ -29,8 +29,9 @@ def _run(model: nn.Module, inputs: Inputs, dtype, device, *, seed: int, grads: b
             # a module whose inputs need no gradient (the patch projection) reports at its output: expected
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             warnings.filterwarnings("ignore", message="For backward hooks to be called")  # HF's output class
-            out = logits_of(model(*inputs.args, **inputs.kwargs))
-            out_NC = out.reshape(-1, out.shape[-1])
+            raw = model(*inputs.args, **inputs.kwargs)
+            out = logits_of(raw) if inputs.output is None else getattr(raw, inputs.output)
+            out_NC = out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1)
             if inputs.keep is not None:  # padded batch: real tokens only, in (b, s) order
                 out_NC = out_NC[inputs.keep.to(device).reshape(-1)]
             out_NC = out_NC.float()

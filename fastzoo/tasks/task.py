@@ -20,12 +20,14 @@ import torch
 @dataclass
 class Inputs:
     """One forward's arguments. ``keep``: a ``[B, S]`` bool mask of the rows of the output to
-    compare (a padded batch: real tokens only); ``float_args``: cast floating inputs to the run dtype."""
+    compare (a padded batch: real tokens only); ``float_args``: cast floating inputs to the run dtype;
+    ``output``: the attribute of the model's output compared (e.g. ``"loss"``; None: the logits)."""
 
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     keep: torch.Tensor | None = None
     float_args: bool = False
+    output: str | None = None
 
     def to(self, device, dtype) -> "Inputs":
         def move(x):
@@ -35,7 +37,7 @@ class Inputs:
             return x.to(dtype) if self.float_args and x.is_floating_point() else x
 
         return Inputs(tuple(move(a) for a in self.args), {k: move(v) for k, v in self.kwargs.items()}, self.keep,
-                      self.float_args)
+                      self.float_args, self.output)
 
 
 # (model, batch, generator, the backend's capabilities, notes) -> (form, fastzoo's inputs, the original's inputs)

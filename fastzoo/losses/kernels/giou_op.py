@@ -37,13 +37,13 @@ c = C + eps, for an upstream gradient g::
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from fastzoo.cpp_build import build, failure_text
 from fastzoo.losses.kernels import compute_dtype  # shared with triton_giou, which this module imports
 
 FORCE_ENV = "FASTZOO_GIOU_CPU"  # "vectorised": skip the C++ build (tests of the fallback)
@@ -80,20 +80,13 @@ def _load_cpp_kernel() -> str:
     if forced:
         raise ValueError(f"{FORCE_ENV}={forced!r}: the only value is 'vectorised' (unset it for the C++ kernel)")
     try:
-        if shutil.which("ninja") is None:  # the PyPI ninja wheel puts it beside python, maybe not on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        from torch.utils.cpp_extension import load
-
         # -ffp-contract=off: no fused multiply-adds, so values round as torchvision's ops do.
         # -fno-trapping-math: a division under a select may be computed in every lane (the block
         # loops vectorise); no value changes, only which lanes raise FP flags nobody reads.
-        load("fastzoo_giou_cpu", sources=[str(Path(__file__).with_name("giou_cpu.cpp"))],
-             extra_cflags=["-O3", "-ffp-contract=off", "-fno-trapping-math"], is_python_module=False)
+        build("fastzoo_giou_cpu", Path(__file__).with_name("giou_cpu.cpp"),
+              extra_cflags=("-O3", "-ffp-contract=off", "-fno-trapping-math"))
     except Exception as e:  # no compiler, no ninja, a failed build: say so, once
-        why = str(e) if len(str(e)) < 800 else f"{str(e)[:300]} ... {str(e)[-500:]}"  # a build log ends with its cause
-        warnings.warn(f"fastzoo GIoU on CPU: building the C++ kernel failed ({type(e).__name__}: {why}); "
+        warnings.warn(f"fastzoo GIoU on CPU: building the C++ kernel failed ({failure_text(e)}); "
                       "using the vectorised closed form, about 10x slower at 1000 boxes. Install a C++ compiler and "
                       "ninja (pip install ninja) to get the fused kernel.", stacklevel=3)
         return "cpu-vectorised"

@@ -1,0 +1,159 @@
+"""Triton kernels for multi-scale deformable attention (CUDA): forward and hand-written backward.
+
+Called by the ``torch.ops.fastzoo.msda_triton_*`` ops (``deformable_op.py``), which import this
+module (and so Triton) only when the ``triton`` kernel is asked for. One program handles one
+(batch, query, head): its ``L * P`` sampling points are one vector, each of the four bilinear
+neighbours a [points, D] gather of value rows, summed with the points' weights in fp32.
+Sampling is ``deformable_cpu.cpp``'s: grid_sample's coordinates (bilinear, align_corners=False,
+zeros outside). The backward recomputes the neighbours, writes the gradients of the locations and
+weights per point and adds the value gradient with fp32 atomics (its order, and so its last bits,
+may vary from run to run, as in the CUDA kernel Deformable DETR ships).
+
+Each launch runs inside a profiler range named as the op (``fastzoo::msda_triton_forward`` /
+``_backward``): the op's Python body is not recorded by the profiler itself, and ``fastzoo.explain``
+looks for these names. Inputs fp32 / bf16 / fp16 (computed in fp32), outputs in the input dtype. Not verified on GPU
+hardware here; ``tests/test_deformable_attention.py`` runs these kernels under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``) against the reference, and ``benchmarks/gpu_suite.sh`` runs
+them on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.profiler import record_function
+
+# Imported by this module alone, and this module only by deformable_op's Triton ops; at module
+# level because ``@triton.jit`` functions find the helpers they call among their module's globals.
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _points(shapes, starts, loc, w, pid, LP, P, BLOCK_LP: tl.constexpr):
+    """This program's points: mask, level height / width / first token, pixel coordinates, weight."""
+    k = tl.arange(0, BLOCK_LP)
+    km = k < LP
+    lvl = k // P
+    hl = tl.load(shapes + 2 * lvl, mask=km, other=1)
+    wl = tl.load(shapes + 2 * lvl + 1, mask=km, other=1)
+    st = tl.load(starts + lvl, mask=km, other=0)
+    i = pid * LP + k
+    x = tl.load(loc + 2 * i, mask=km, other=0.0).to(tl.float32)
+    y = tl.load(loc + 2 * i + 1, mask=km, other=0.0).to(tl.float32)
+    a = tl.load(w + i, mask=km, other=0.0).to(tl.float32)
+    ix = ((2.0 * x - 1.0 + 1.0) * wl.to(tl.float32) - 1.0) * 0.5  # grid_sample's unnormalisation
+    iy = ((2.0 * y - 1.0 + 1.0) * hl.to(tl.float32) - 1.0) * 0.5
+    return k, km, i, hl, wl, st, ix, iy, a
+
+
+@triton.jit
+def _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm):
+    """One neighbour of every point: the [points, D] offsets of its value rows and their load mask
+    (the neighbour inside its level)."""
+    inside = km & (cx >= 0.0) & (cx < wl.to(tl.float32)) & (cy >= 0.0) & (cy < hl.to(tl.float32))
+    xi = tl.where(inside, cx, 0.0).to(tl.int64)
+    yi = tl.where(inside, cy, 0.0).to(tl.int64)
+    tok = b * S + st + yi * wl + xi
+    return (tok * H + h)[:, None] * D + d[None, :], inside[:, None] & dm[None, :]
+
+
+@triton.jit
+def _forward_kernel(value, shapes, starts, loc, w, out, S, H, D, Q, LP, P,
+                    BLOCK_LP: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # (b * Q + q) * H + h
+    h = pid % H
+    b = pid // H // Q
+    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, loc, w, pid, LP, P, BLOCK_LP)
+    fx = tl.floor(ix)
+    fy = tl.floor(iy)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for corner in tl.static_range(4):
+        dx = corner % 2
+        dy = corner // 2
+        cx = fx + dx
+        cy = fy + dy
+        # bilinear weight of this neighbour: (1 - |ix - cx|) (1 - |iy - cy|), as grid_sample's four products
+        wx = (ix - fx) if dx == 1 else (fx + 1.0 - ix)
+        wy = (iy - fy) if dy == 1 else (fy + 1.0 - iy)
+        off, m = _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm)
+        v = tl.load(value + off, mask=m, other=0.0).to(tl.float32)
+        acc += tl.sum(v * (a * wx * wy)[:, None], axis=0)
+    tl.store(out + pid * D + d, acc.to(out.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _backward_kernel(grad, value, shapes, starts, loc, w, grad_value, grad_loc, grad_w, S, H, D, Q, LP, P,
+                     BLOCK_LP: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    h = pid % H
+    b = pid // H // Q
+    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, loc, w, pid, LP, P, BLOCK_LP)
+    fx = tl.floor(ix)
+    fy = tl.floor(iy)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    g = tl.load(grad + pid * D + d, mask=dm, other=0.0).to(tl.float32)
+    sampled = tl.zeros([BLOCK_LP], dtype=tl.float32)
+    gix = tl.zeros([BLOCK_LP], dtype=tl.float32)
+    giy = tl.zeros([BLOCK_LP], dtype=tl.float32)
+    for corner in tl.static_range(4):
+        dx = corner % 2
+        dy = corner // 2
+        cx = fx + dx
+        cy = fy + dy
+        wx = (ix - fx) if dx == 1 else (fx + 1.0 - ix)
+        wy = (iy - fy) if dy == 1 else (fy + 1.0 - iy)
+        sx = 1.0 if dx == 1 else -1.0  # d wx / d ix
+        sy = 1.0 if dy == 1 else -1.0
+        off, m = _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm)
+        v = tl.load(value + off, mask=m, other=0.0).to(tl.float32)
+        gv = tl.sum(v * g[None, :], axis=1)  # g . value row, per point
+        sampled += wx * wy * gv
+        gix += sx * wy * gv
+        giy += sy * wx * gv
+        tl.atomic_add(grad_value + off, (a * wx * wy)[:, None] * g[None, :], mask=m)
+    tl.store(grad_w + i, sampled.to(grad_w.dtype.element_ty), mask=km)
+    # d ix / d loc_x = W: ix = ((2 x - 1 + 1) W - 1) / 2
+    tl.store(grad_loc + 2 * i, (a * gix * wl.to(tl.float32)).to(grad_loc.dtype.element_ty), mask=km)
+    tl.store(grad_loc + 2 * i + 1, (a * giy * hl.to(tl.float32)).to(grad_loc.dtype.element_ty), mask=km)
+
+
+def _sizes(value, loc):
+    B, S, H, D = value.shape
+    _, Q, _, L, P, _ = loc.shape
+    return B, S, H, D, Q, L * P, P
+
+
+def _blocks(LP: int, D: int) -> dict:
+    return dict(BLOCK_LP=triton.next_power_of_2(LP), BLOCK_D=triton.next_power_of_2(D))
+
+
+def _on(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    value, loc, w = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
+    shapes, starts = spatial_shapes.to(torch.int64).contiguous(), level_start_index.to(torch.int64).contiguous()
+    B, S, H, D, Q, LP, P = _sizes(value, loc)
+    out = value.new_empty((B, Q, H * D))
+    if out.numel():
+        with _on(value), record_function("fastzoo::msda_triton_forward"):
+            _forward_kernel[(B * Q * H,)](value, shapes, starts, loc, w, out, S, H, D, Q, LP, P, **_blocks(LP, D))
+    return out
+
+
+def backward(grad, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    value, loc, w = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
+    shapes, starts = spatial_shapes.to(torch.int64).contiguous(), level_start_index.to(torch.int64).contiguous()
+    B, S, H, D, Q, LP, P = _sizes(value, loc)
+    grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+    grad_loc, grad_w = torch.empty_like(loc), torch.empty_like(w)
+    if grad_w.numel():
+        with _on(value), record_function("fastzoo::msda_triton_backward"):
+            _backward_kernel[(B * Q * H,)](grad.contiguous(), value, shapes, starts, loc, w, grad_value, grad_loc,
+                                           grad_w, S, H, D, Q, LP, P, **_blocks(LP, D))
+    return grad_value.to(value.dtype), grad_loc, grad_w

@@ -1,0 +1,226 @@
+"""Multi-scale deformable attention (``fastzoo.attention.deformable``): the reference equals
+transformers' ``MultiScaleDeformableAttention`` bit for bit; every kernel equals the reference within
+the rule, values and gradients; bad input and kernels that cannot serve are refused by name;
+``explain`` names the kernel that ran."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastzoo.attention import deformable
+from fastzoo.attention.deformable import multi_scale_deformable_attention as msda
+from fastzoo.equivalence.rule import compare_grads, compare_outputs
+from fastzoo.errors import BackendUnavailableError
+from fastzoo.kernel_report import explain
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERPRETED
+# The fused kernels: the C++ one here; the Triton one on a GPU, or on CPU only in the subprocess that
+# sets Triton's interpreter (test_triton_kernel_in_the_interpreter), which runs the tests named triton.
+FUSED = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(not (INTERPRETED or CUDA), reason="runs in its own "
+                                                                 "subprocess under TRITON_INTERPRET=1"))]
+
+
+def device_of(kernel: str) -> str:
+    return "cuda" if kernel == "triton" and CUDA else "cpu"
+GRAD_NAMES = ("value", "sampling_locations", "attention_weights")
+
+# Four levels of different, odd sizes (one a single pixel), as a strided feature pyramid gives.
+SHAPES = ((7, 9), (4, 5), (2, 3), (1, 1))
+
+
+def inputs(B=2, Q=5, heads=3, D=4, P=3, shapes=SHAPES, dtype=torch.float32, spread=1.4, seed=0, device="cpu"):
+    """value, spatial_shapes, level_start_index, sampling_locations, attention_weights, leaves
+    requiring grad. Locations in [-0.2, 1.2] (``spread`` 1.4): some points fall outside the image,
+    where sampling reads zeros."""
+    g = torch.Generator().manual_seed(seed)
+    shapes_L2 = torch.tensor(shapes, dtype=torch.int64)
+    sizes = shapes_L2[:, 0] * shapes_L2[:, 1]
+    start_L = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    L = len(shapes)
+    to = dict(device=device, dtype=dtype)
+    value = torch.randn(B, int(sizes.sum()), heads, D, generator=g).to(**to).requires_grad_()
+    loc = (torch.rand(B, Q, heads, L, P, 2, generator=g) * spread - (spread - 1) / 2).to(**to).requires_grad_()
+    weights = torch.rand(B, Q, heads, L, P, generator=g).softmax(-1).to(**to).requires_grad_()
+    return value, shapes_L2.to(device), start_L.to(device), loc, weights
+
+
+def transformers_msda(value, shapes_L2, start_L, loc, weights):
+    from transformers.models.deformable_detr.modeling_deformable_detr import MultiScaleDeformableAttention
+
+    return MultiScaleDeformableAttention()(value, shapes_L2, shapes_L2.tolist(), start_L, loc, weights, 64)
+
+
+def grads(fn, args, seed=1):
+    """Output and the gradients of value, sampling locations and attention weights under a fixed
+    random upstream gradient (not ones: a sum would hide a permuted output)."""
+    out = fn(*args)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
+    leaves = (args[0], args[3], args[4])
+    return (out, *torch.autograd.grad(out, leaves, upstream))
+
+
+def test_reference_is_transformers_bit_for_bit():
+    """Values and all three gradients identical: the reference is transformers' ops in their order."""
+    args = inputs()
+    ours = grads(lambda *a: msda(*a, impl="reference"), args)
+    theirs = grads(transformers_msda, args)
+    for name, a, b in zip(("out", "value", "locations", "weights"), ours, theirs):
+        assert torch.equal(a, b), name
+
+
+def test_points_outside_read_zeros():
+    """A point entirely outside every level (location 2.0: more than a pixel past the edge) adds
+    nothing: with all points there the output is exactly zero."""
+    value, shapes, start, loc, w = inputs()
+    far = torch.full_like(loc, 2.0)
+    assert torch.equal(msda(value, shapes, start, far, w, impl="reference"),
+                       torch.zeros(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3]))
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda a: (a[0][0],) + a[1:], "value_BSHD must have 4 dimensions"),
+    (lambda a: (a[0], a[1].float()) + a[2:], "spatial_shapes_L2 must be an integer tensor"),
+    (lambda a: (a[0], a[1][:3], a[2]) + a[3:], "level_start_index_L has 4 entries for 3 levels"),
+    (lambda a: (a[0], a[1], a[2] + 1) + a[3:], "level_start_index_L must be [0, 63, 83, 89]"),
+    (lambda a: (a[0][:, :-1],) + a[1:], "covers 90 tokens, value_BSHD has S=89"),
+    (lambda a: a[:3] + (a[3][..., :1], a[4]), "sampling_locations_BQHLP2 must be [B=2, Q, heads=3, L=4, P, 2]"),
+    (lambda a: a[:4] + (a[4][..., :2],), "attention_weights_BQHLP must be (2, 5, 3, 4, 3)"),
+    (lambda a: a[:3] + (a[3].long(), a[4]), "sampling_locations_BQHLP2 must be floating point"),
+    (lambda a: a[:3] + (a[3].double(), a[4]), "must share one dtype (as grid_sample's input and grid), got fp32, "
+                                               "float64, fp32"),
+], ids=["value-rank", "shapes-dtype", "start-count", "start-values", "tokens", "locations-shape",
+        "weights-shape", "locations-dtype", "mixed-dtypes"])
+def test_bad_input_is_refused_naming_the_argument(break_it, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        msda(*break_it(inputs()), impl="reference")
+
+
+def test_unknown_impl_is_refused_with_the_known_ones():
+    with pytest.raises(KeyError, match="'referense'.*reference"):
+        msda(*inputs(), impl="referense")
+
+
+# Shapes beyond the default: one level; a wide level of one row; D and P of 1; many points far outside.
+CASES = {
+    "4-levels": {},
+    "1-level": dict(shapes=((5, 6),)),
+    "thin-levels": dict(shapes=((1, 11), (9, 1), (3, 2)), D=1, P=1, Q=4),
+    "mostly-outside": dict(spread=3.0, P=4, heads=2, D=5),
+}
+
+
+def fp32_comparisons(ours, ref):
+    """The fp32 rule (fastzoo.equivalence.rule): output within 1e-4, each gradient within 1e-4 of the
+    gradients' scale."""
+    return [compare_outputs("out", ours[0], ref[0]),
+            compare_grads("grads", dict(zip(GRAD_NAMES, ours[1:])), dict(zip(GRAD_NAMES, ref[1:])))]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kernel", FUSED)
+def test_fused_kernel_equals_the_reference_in_fp32(kernel, case):
+    args = inputs(**CASES[case], device=device_of(kernel))
+    ours = grads(lambda *a: msda(*a, impl=kernel), args)
+    ref = grads(lambda *a: msda(*a, impl="reference"), args)
+    for c in fp32_comparisons(ours, ref):
+        assert c.passed, c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kernel", FUSED)
+def test_fused_kernel_in_low_precision_within_the_rule(kernel, dtype):
+    """flash-attn's rule against the reference in fp64: at most 3x the error of transformers' own path
+    run in the same dtype (the fused kernels compute in fp32, so they are well inside it)."""
+    args = inputs(dtype=dtype, device=device_of(kernel))
+    exact_args = [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
+    ref = grads(lambda *a: msda(*a, impl="reference"), exact_args)
+    peer = grads(lambda *a: msda(*a, impl="reference"), args)
+    ours = grads(lambda *a: msda(*a, impl=kernel), args)
+    assert ours[0].dtype == dtype and all(g.dtype == dtype for g in ours[1:])
+    out = compare_outputs("out", ours[0], ref[0], peer=peer[0])
+    grad = compare_grads("grads", dict(zip(GRAD_NAMES, ours[1:])), dict(zip(GRAD_NAMES, ref[1:])),
+                         peer=dict(zip(GRAD_NAMES, peer[1:])))
+    assert out.passed and grad.passed, (out, grad)
+
+
+def test_cpu_kernel_passes_gradcheck_in_fp64():
+    """Its hand-written backward against finite differences (fp64, a tiny case; locations kept off
+    the pixel grid, where bilinear sampling has a kink)."""
+    value, shapes, start, loc, w = inputs(B=1, Q=2, heads=2, D=3, P=2, shapes=((3, 4), (2, 1)), dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda v, l, a: msda(v, shapes, start, l, a, impl="cpu"), (value, loc, w),
+                                    eps=1e-6, atol=1e-7)
+
+
+def test_cpu_kernel_compiles_in_one_graph():
+    """torch.compile(fullgraph=True) through the seam: the op's fake implementation and autograd
+    trace; forward and gradients equal eager's bit for bit (the same kernel runs)."""
+    args = inputs()
+    fn = lambda *a: msda(*a, impl="cpu")  # noqa: E731
+    eager = grads(fn, args)
+    compiled = grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), args)
+    for name, a, b in zip(("out",) + GRAD_NAMES, eager, compiled):
+        assert torch.equal(a, b), name
+
+
+def test_auto_picks_the_fused_cpu_kernel():
+    args = inputs()
+    assert torch.equal(msda(*args), msda(*args, impl="cpu"))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs Triton on CPU tensors")
+def test_triton_on_cpu_is_refused_by_name_with_what_serves():
+    with pytest.raises(BackendUnavailableError, match=r"impl='triton' runs on cuda only \(on CPU only under Triton's "
+                       r"interpreter, TRITON_INTERPRET=1\).*this machine serves: reference, cpu"):
+        msda(*inputs(), impl="triton")
+
+
+def test_triton_refuses_fp64_by_name():
+    args = inputs(dtype=torch.float64)
+    with pytest.raises(BackendUnavailableError, match="takes fp32/bf16/fp16 on cuda, not float64"):
+        deformable._kernel_name("triton", "cuda", torch.float64, True)
+    assert torch.equal(msda(*args), msda(*args, impl="cpu"))  # auto on CPU: the C++ kernel takes fp64
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETED, reason="this is the test that starts the interpreter run")
+def test_triton_kernel_in_the_interpreter():
+    """Every test above marked with the Triton kernel, in one subprocess under Triton's CPU interpreter
+    (it is chosen when triton is imported)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+class Seam(nn.Module):
+    """A module around the seam, for ``explain`` (which runs a module)."""
+
+    def __init__(self, impl):
+        super().__init__()
+        self.impl = impl
+
+    def forward(self, *args):
+        return msda(*args, impl=self.impl)
+
+
+@pytest.mark.parametrize("impl, forward, backward", [
+    ("reference", "aten::grid_sampler_2d", "aten::grid_sampler_2d_backward"),
+    ("cpu", "fastzoo_msda::forward", "fastzoo_msda::backward"),
+    ("auto->cpu", "fastzoo_msda::forward", "fastzoo_msda::backward"),
+    pytest.param("triton", "fastzoo::msda_triton_forward", "fastzoo::msda_triton_backward",
+                 marks=FUSED[1].marks),
+])
+def test_explain_names_the_kernel_forward_and_backward(impl, forward, backward):
+    report = explain(Seam(impl.partition("->")[0]), *inputs(device=device_of(impl)), backward=True)
+    (row,) = report.rows
+    assert (row.kind, row.where, row.requested) == ("deformable", "multi_scale_deformable_attention", f"impl={impl}")
+    assert row.executed == [forward] and row.calls == 1 and row.fallback is None
+    assert row.executed_backward == [backward]
