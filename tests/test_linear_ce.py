@@ -266,3 +266,11 @@ def test_compiles_fullgraph():
     ref = value_and_grads(REF, h, w, t, "mean")
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32
+
+
+def test_no_tokens_gives_a_zero_sum_and_zero_gradients_like_cross_entropy():
+    """The one-pass path with no chunk to run still returns the weight's gradient, zeros."""
+    h, w = torch.randn(0, D, requires_grad=True), torch.randn(V, D, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.zeros(0, dtype=torch.long), reduction="sum", impl="fused")
+    loss.backward()
+    assert loss.item() == 0 and w.grad.abs().max() == 0 and h.grad.shape == (0, D)

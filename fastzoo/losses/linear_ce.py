@@ -294,6 +294,8 @@ def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows
                 for a, b in _spans(v, GRAD_W_SLICE):
                     part = torch.mm(g[:, a:b].T, h_ND[s:e], out=slice_w[: b - a])
                     grad_w[a:b].copy_(part) if s == 0 else grad_w[a:b].add_(part)
+    if want_w and n == 0:  # no tokens: no chunk wrote it
+        grad_w.zero_()
     del block, scratch  # before the caller casts the gradients
     return torch.where(valid_N, loss_N, 0.0), grad_h, grad_w
 
