@@ -211,3 +211,14 @@ def test_recommendation_names_the_same_recipe_first_and_says_when_the_recipe_is_
     row.vs_original = 2.62
     assert "is the recipe" not in Recommendation("gpt2", "use", row, None).line()
 
+
+
+def test_tables_show_the_same_recipe_ratio_before_the_peer_ratio():
+    from fastzoo.bench.report import Report
+
+    ours, peer = _timed("fastzoo sdpa", 1.0, 0.99, 1.01), _timed("timm (fp32, eager)", 1.97, 1.95, 1.99, peer=True)
+    ours.speedup, ours.vs_original = 1.97, 1.01
+    ours.throughput = peer.throughput = 1.0
+    header = Report("s", "cpu", "bf16", {}, 1, 5, {}, 1, [peer, ours]).table().splitlines()[0]
+    assert header.index("vs the original, same recipe") < header.index("speed-up vs peer")
+    assert "| 1.01x | 1.97x |" in Report("s", "cpu", "bf16", {}, 1, 5, {}, 1, [peer, ours]).table()

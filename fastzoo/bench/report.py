@@ -100,7 +100,8 @@ class Report:
             return "(no rows)"
         with_setting = len({r.group for r in self.rows}) > 1
         columns = limit_columns(self.rows)
-        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) | limit_cells(r, columns)
+        same = any(r.vs_original is not None for r in self.rows)
+        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r, same) | limit_cells(r, columns)
                                for r in self.rows])
 
     def to_markdown(self, title: str | None = None) -> str:
@@ -162,8 +163,12 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def row_cells(r: Row) -> dict:
+def row_cells(r: Row, same_recipe: bool = False) -> dict:
+    """One row's cells; ``same_recipe``: first the speed-up vs the original under the same recipe,
+    then vs the peer (the original as its users run it)."""
     timed = r.median_s is not None
+    same = {"vs the original, same recipe": ("original" if r.original else f"{r.vs_original:.2f}x")
+            if r.vs_original is not None else "-"} if same_recipe else {}
     return {
         "backend": r.label,
         "compiled": ("yes" + (f" (first step {_fmt_time(r.first_step_s)})" if r.first_step_s is not None else ""))
@@ -173,6 +178,7 @@ def row_cells(r: Row) -> dict:
         ),
         "throughput": f"{r.throughput:,.1f} {r.unit}" if timed else "-",
         "peak memory": f"{r.peak_mem_mib:,.0f} MiB" if r.peak_mem_mib is not None else ("n/a" if timed else "-"),
+        **same,
         "speed-up vs peer": ("peer" if r.peer else f"{r.speedup:.2f}x") if r.speedup is not None else "-",
         "max error vs reference": _fmt_err(r),
         "reliable": ("no: " + "; ".join(r.unreliable) if r.unreliable else "yes") if timed else "-",
