@@ -21,7 +21,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#       xformers==0.0.35 'flash-attn-4[cu13]==4.0.0b36' --no-deps   (then the same for flash-attn-4's
+#       xformers==0.0.35 'flash-attn-4[cu13]==4.0.0b36' liger-kernel==0.8.5 --no-deps   (then the same for flash-attn-4's
 #       dependencies: nvidia-cutlass-dsl, its libs, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops)
 # (match --python-version to the GPU machine's python). flash-attn 2, FlashAttention-3 and Transformer
 # Engine compile against torch and have no wheel to carry: their stages report them unavailable
