@@ -85,7 +85,7 @@ def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp
     spec = SPECS["detr"]
     fields = dict(num_labels=5, num_queries=6, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
                   decoder_ffn_dim=26, encoder_attention_heads=2, decoder_attention_heads=2, activation_function="silu",
-                  dropout=0.0, backbone="transformers", layer_type="basic", depths=(1, 1, 1, 1),
+                  dropout=0.0, use_timm_backbone=False, layer_type="basic", depths=(1, 1, 1, 1),
                   hidden_sizes=(30, 30, 28, 15), embedding_size=8, bbox_cost=0.0, bbox_loss_coefficient=0.0)
     torch.manual_seed(579)
     ref = spec.original.build(fields)

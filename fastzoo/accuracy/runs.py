@@ -106,7 +106,7 @@ def _fastzoo(cfg: RunConfig, arm: Arm, original, device):
     for the dtype it computes in (the arm's autocast dtype: a bf16-only kernel serves a bf16 arm)."""
     import fastzoo
 
-    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **({"loss": arm.loss} if arm.loss else {}),
+    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **({"giou_impl": arm.giou_impl} if arm.giou_impl else {}),
                        **arm.model_kwargs)
     amp = precision(arm)
     return m.set_attention(arm.attn or "sdpa", device=device, dtype=None if amp == "fp32" else parse_dtype(amp))

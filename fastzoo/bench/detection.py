@@ -106,7 +106,7 @@ class _Workload:
     def fastzoo(self, attn: str, recipe: Recipe):
         import fastzoo
 
-        return fastzoo.create(self.name, pretrained=self.original, attn=attn, loss="kernel",
+        return fastzoo.create(self.name, pretrained=self.original, attn=attn, giou_impl="kernel",
                               channels_last=recipe.channels_last).to(self.device).train()
 
     def step(self, model, recipe: Recipe, *, counted: bool = True, gate: bool = True) -> Step:

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -293,23 +291,6 @@ def _guarded(row: Row, suite: Suite, fn):
     return None
 
 
-@contextlib.contextmanager
-def native_stderr_silenced():
-    """File descriptor 2 to the null device while our own profiler runs: Kineto and c10 write its
-    start / stop lines and a GPU-count probe from C++ straight to fd 2, where no Python filter
-    reaches, and they say nothing about the run. An error still raises, after fd 2 is back."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes held by tensors that ``fn`` allocates on the CPU, above what existed before: the
     running sum of the profiler's allocation and free events (``profile_memory=True``), i.e.
@@ -317,7 +298,10 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     no allocator caching or fragmentation (RSS would add those and whatever else the process holds)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from fastzoo.kernel_ranges import quiet_profiler
+
+    quiet_profiler()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     cpu = torch._C._autograd.DeviceType.CPU
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu),

@@ -5,13 +5,10 @@ error with a floor.
 
 "The original's own error" in a low precision is the worse of the original's two runs in it: on its
 reference kernels (timm's eager attention, as fastzoo's ``eager``) and on the kernels its users get
-(``ModelSpec.as_users_run_it``: timm's fused attention, Hugging Face's SDPA). With the reference run
-alone the rule failed the original itself: a ViT (img_size 8, patch 8, one head, 64 wide, one
-class) under CPU bf16 autocast, 200 seeds, timm's own fused attention was past 3x timm's eager
-error in 9 (up to 7.1x), exactly as often as fastzoo's SDPA, which runs that kernel. A fused
-kernel keeps the attention's scores and probabilities in fp32 where the eager path rounds them
-to bf16: a different rounding, whose max error over a few logits the eager run's error alone
-does not bound. Against the worse of both runs: 0 of 200 past 3x on every backend.
+(``ModelSpec.as_users_run_it``: timm's fused attention, Hugging Face's SDPA). A fused kernel keeps
+the attention's scores and probabilities in fp32 where the eager path rounds them to bf16: a
+different rounding, which the eager run's error alone does not bound (the measurement:
+benchmarks/results/cpu-2core/README.md, "Why the low-precision rule takes the original's worse run").
 """
 from __future__ import annotations
 

@@ -14,13 +14,12 @@ terms exactly as transformers' ``DetrHungarianMatcher`` / ``ImageLoss`` define t
 
 How it runs. transformers computes one ``[B*Q, N]`` cost for the whole batch per layer (every
 query against every image's boxes), the GIoU loss as the diagonal of an ``N x N`` matrix, and
-reads the device 31 times per step at 6 layers (a cost copy and four box checks per layer, the
-box count). Here: targets padded to ``[B, M]`` (M = most boxes in an image), the cost of every
+reads the device a few times per layer (a cost copy and box checks; the counts:
+benchmarks/results/cpu-2core/README.md, "DETR: the set loss"). Here: targets padded to ``[B, M]`` (M = most boxes in an image), the cost of every
 layer at once per image ``[L, B, Q, M]``, and one host read per step that carries the costs and
 the target checks together; the assignment goes back as one ``[L, B, M]`` index (a copy to the
-device, no read). The GIoU term runs in ``giou`` mode: ``per_sample`` (a loop over images),
-``concat`` (gathered pairs), ``padded`` (padded pairs in plain ops) or ``kernel`` (padded pairs
-through the fused op). GIoU is transformers' formula (no epsilon).
+device, no read). The GIoU term runs as ``giou_impl`` says (:data:`GIOU_IMPLS`). GIoU is
+transformers' formula (no epsilon).
 
 Errors: labels that are not a list of ``{"class_labels": [n] int, "boxes": [n, 4] float}``, boxes
 that are not finite or leave [0, 1] (a negative width or height, pixel coordinates), class ids outside ``[0, num_classes)``
@@ -41,7 +40,10 @@ from fastzoo.kernel_ranges import kernel_range
 from fastzoo.losses.giou import PAD_BOX, giou_loss_concat, giou_loss_padded, giou_loss_per_sample
 from fastzoo.losses.registry import Loss
 
-GIOU_MODES = ("per_sample", "concat", "padded", "kernel")
+# how the GIoU term runs: ``giou_impl=`` of the loss, DETR's config field of that name, the bench's cases
+GIOU_IMPLS = {"per_sample": "GIoU term in a loop over images", "concat": "GIoU term on the gathered pairs",
+              "padded": "GIoU term on the padded pairs, plain ops",
+              "kernel": "GIoU term through the fused padded op (no gather, no host sync)"}
 
 
 @dataclass
@@ -178,25 +180,25 @@ def assign(cost_LBQM: np.ndarray, counts) -> np.ndarray:
 def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=None, *, num_classes: int | None = None,
                         class_cost: float = 1.0, bbox_cost: float = 5.0, giou_cost: float = 2.0,
                         bbox_loss_coefficient: float = 5.0, giou_loss_coefficient: float = 2.0,
-                        eos_coefficient: float = 0.1, giou: str = "kernel", num_boxes=None) -> tuple[Tensor, dict]:
+                        eos_coefficient: float = 0.1, giou_impl: str = "kernel", num_boxes=None) -> tuple[Tensor, dict]:
     """``(loss, loss_dict)`` of L decoder layers' predictions (the last is the final output, the others
     auxiliary): ``logits_LBQC [L, B, Q, C+1]``, ``boxes_LBQ4 [L, B, Q, 4]`` (cx, cy, w, h);
     ``labels`` as transformers' (see the module docstring). A ``config`` with transformers' field names
-    (``num_labels``, ``class_cost`` ..., ``eos_coefficient``, ``loss`` for the GIoU mode) sets them all.
+    (``num_labels``, ``class_cost`` ..., ``eos_coefficient``, ``giou_impl``) sets them all.
     ``num_boxes``: the normaliser (e.g. all-reduced over processes); default this batch's box count."""
     if config is not None:
         num_classes, class_cost, bbox_cost, giou_cost = config.num_labels, config.class_cost, config.bbox_cost, config.giou_cost
         bbox_loss_coefficient, giou_loss_coefficient = config.bbox_loss_coefficient, config.giou_loss_coefficient
-        eos_coefficient, giou = config.eos_coefficient, config.loss
-    if giou not in GIOU_MODES:
-        raise ValueError(f"giou={giou!r}: choose one of {', '.join(GIOU_MODES)}")
-    with kernel_range("loss", "set_prediction_loss", giou):  # for fastzoo.explain; a no-op otherwise
+        eos_coefficient, giou_impl = config.eos_coefficient, config.giou_impl
+    if giou_impl not in GIOU_IMPLS:
+        raise ValueError(f"giou_impl={giou_impl!r}: choose one of {', '.join(GIOU_IMPLS)}")
+    with kernel_range("loss", "set_prediction_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
         return _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
-                                    bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou, num_boxes)
+                                    bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes)
 
 
 def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
-                         bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou, num_boxes):
+                         bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes):
     if logits_LBQC.ndim != 4 or boxes_LBQ4.shape != (*logits_LBQC.shape[:3], 4):
         raise ValueError(f"logits must be [L, B, Q, C+1] and boxes [L, B, Q, 4], got {tuple(logits_LBQC.shape)} and "
                          f"{tuple(boxes_LBQ4.shape)}")
@@ -226,7 +228,7 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
     target_LBQ = target_LBQ[..., :Q]
     ce_LBQ = F.cross_entropy(logits_LBQC.flatten(0, 2), target_LBQ.flatten(), reduction="none").view(L, B, Q)
     # the class weights in the loss's precision (fp32 under autocast, as transformers' weighted cross-entropy):
-    # in bf16, 0.1 is 0.1001 and a sum of a hundred of them is off by 2e-3
+    # (bf16 rounds eos_coefficient 0.1 to 0.1001, which a sum over the queries accumulates)
     weight = torch.ones(C + 1, device=device, dtype=ce_LBQ.dtype)
     weight[C] = eos_coefficient
     w_LBQ = weight[target_LBQ]
@@ -236,7 +238,7 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
     pred_LBM4 = boxes_LBQ4.gather(2, q_LBM[..., None].expand(L, B, M, 4))
     tgt_LBM4 = t.boxes_BM4[None].expand(L, B, M, 4)
     loss_bbox = torch.where(matched_LBM[..., None], (pred_LBM4 - tgt_LBM4).abs(), 0.0).sum((1, 2, 3)) / n
-    loss_giou = _giou_sums(giou, center_to_corners(pred_LBM4), center_to_corners(tgt_LBM4), matched_LBM) / n
+    loss_giou = _giou_sums(giou_impl, center_to_corners(pred_LBM4), center_to_corners(tgt_LBM4), matched_LBM) / n
 
     with torch.no_grad():
         card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
@@ -250,19 +252,19 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
     return loss, loss_dict
 
 
-def _giou_sums(mode: str, pred_LBM4: Tensor, tgt_LBM4: Tensor, matched_LBM: Tensor) -> Tensor:
-    """Per layer ``[L]``: the sum of 1 - GIoU over the matched pairs, in ``mode``."""
+def _giou_sums(giou_impl: str, pred_LBM4: Tensor, tgt_LBM4: Tensor, matched_LBM: Tensor) -> Tensor:
+    """Per layer ``[L]``: the sum of 1 - GIoU over the matched pairs, as ``giou_impl`` runs it."""
     L = pred_LBM4.shape[0]
-    if mode in ("padded", "kernel"):  # unmatched slots hold an inverted box: padding to the loss
+    if giou_impl in ("padded", "kernel"):  # unmatched slots hold an inverted box: padding to the loss
         pad = torch.tensor(PAD_BOX, dtype=tgt_LBM4.dtype, device=tgt_LBM4.device)
         tgt = torch.where(matched_LBM[..., None], tgt_LBM4, pad)
         loss = giou_loss_padded(pred_LBM4.flatten(0, 1), tgt.flatten(0, 1), reduction="none", eps=0.0,
-                                impl="kernel" if mode == "kernel" else "torch", validate=False)
+                                impl="kernel" if giou_impl == "kernel" else "torch", validate=False)
         return loss.view(L, -1).sum(1)
     sums = []
     for layer in range(L):
         m = matched_LBM[layer]
-        if mode == "concat":
+        if giou_impl == "concat":
             sums.append(giou_loss_concat(pred_LBM4[layer][m], tgt_LBM4[layer][m], eps=0.0, validate=False))
         else:
             preds = [p[mm] for p, mm in zip(pred_LBM4[layer], m)]
@@ -275,8 +277,7 @@ SET_PREDICTION = Loss(
     name="set_prediction",
     description="DETR's set loss (Hungarian matching, class CE + L1 + GIoU, auxiliary layers), transformers' terms",
     functions=("set_prediction_loss",),
-    impls={"per_sample": "GIoU term in a loop over images", "concat": "GIoU term on the gathered pairs",
-           "padded": "GIoU term on the padded pairs, plain ops", "kernel": "GIoU term through the fused padded op"},
+    impls=GIOU_IMPLS,
     kernel_ops=r"^fastzoo::giou",
     fused_op=r"^fastzoo::giou",
     fused_impls=("kernel",),
