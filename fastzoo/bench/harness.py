@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
