@@ -157,6 +157,21 @@ def test_cli_bench_on_a_tiny_config(tmp_path, capsys):
     assert (tmp_path / "r.png").exists()
 
 
+def test_cli_bench_deformable_attention_at_the_sizes_set(tmp_path):
+    """``fastzoo bench deformable_attention``: the detection task's part suite, its sizes changed by --set
+    and named in each row (a 32x32 image at strides 8-64: 4x4, 2x2, 1x1, 1x1 = 22 tokens)."""
+    from fastzoo.cli import main
+
+    out = tmp_path / "d.json"
+    rc = main(["bench", "deformable_attention", "--quick", "--no-progress", "--set", "image=32", "--set",
+               "decoder_queries=5", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert rows[0]["group"].startswith("32x32 image, batch 1") and "encoder: 22 queries" in rows[0]["group"]
+    assert "decoder: 5 queries" in rows[2]["group"]
+
+
 def test_cli_bench_rejects_unknown_backend_and_bad_set(capsys):
     """One line naming the problem, exit status 2 (tests/test_bad_input_cli.py has the rest)."""
     from fastzoo.cli import main

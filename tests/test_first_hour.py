@@ -231,3 +231,19 @@ def test_an_input_a_model_does_not_serve_is_refused_by_name(family, keyword, val
         call = dict(pixel_values=torch.randn(1, 3, side, side))
     with pytest.raises(ValueError, match=f"^{keyword}="):
         model(**call, **{keyword: value})
+
+
+def test_fastzoo_check_explain_skips_as_without_it_and_stderr_stays_empty():
+    """flex on CPU has no backward: ``--explain`` runs its forward as the check does (noted, not an
+    exit 2), and the profiler's C++ log, flex's compile advice and the originals' library notices stay
+    off stderr."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "fastzoo.cli", "check", "vit_s16", "--tiny", "--explain", "--attn", "flex",
+                           "eager"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr == ""
+    assert "gradients not compared: flex has no backward on cpu" in proc.stdout and "Kernels of flex" in proc.stdout

@@ -22,6 +22,7 @@ import fastzoo
 from fastzoo.bench.harness import Case, Group, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe, prepare, prepare_images
 from fastzoo.bench.steps import check_mode, classification_loss, compared_as, model_step
+from fastzoo.equivalence.weights import draw_
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.spec import Workload
 
@@ -65,7 +66,7 @@ def image_classification_suite(
 
 
 class _Models:
-    """One workload's original (random init from the seed), its inputs and its fastzoo twins."""
+    """One workload's original (the weights drawn from the seed: equivalence.weights), its inputs and its fastzoo twins."""
 
     def __init__(self, entry, w: Workload, device: torch.device, seed: int):
         spec, bench = entry.spec, entry.spec.bench
@@ -74,7 +75,7 @@ class _Models:
         self.cfg = spec.config_class.from_dict(self.values)
         self.name = w.name or entry.name
         torch.manual_seed(seed)
-        self.original = spec.original.build(self.values).eval()
+        self.original = draw_(spec.original.build(self.values), seed=seed).eval()
         side = getattr(self.cfg, "img_size", None) or w.img_size
         self.side = side if isinstance(side, int) else side[0]
         self.batch = w.batch

@@ -42,6 +42,7 @@ from fastzoo import files
 from fastzoo.bench import limits as machine
 from fastzoo.bench.harness import SPREAD_LIMIT, Report, Row, Suite, reliability, run_suite
 from fastzoo.bench.report import bound_text
+from fastzoo.equivalence.weights import describe
 from fastzoo.machine import device_name, load_average, versions
 from fastzoo.bench.recipes import Recipe
 
@@ -185,6 +186,7 @@ class TourResult:
 
     def to_dict(self) -> dict:
         return {"date": self.date, "seconds": self.seconds, **self.report.to_dict(), "load": self.load,
+                "weights": describe(0),  # every suite's original holds the draw of its default seed
                 "cores": self.cores, "recommendations": [
                     {"model": r.model, "use": r.use, "label": r.row.label if r.row else None,
                      "speedup": r.row.speedup if r.row else None, "unreliable": r.unreliable, "line": r.line()}
@@ -276,7 +278,7 @@ def run_tour(size: str = "tour", *, device="cpu", compile: bool = False, progres
 
 @contextlib.contextmanager
 def quiet_libraries():
-    """The tour builds its originals at random from small configs of its own: transformers' and
+    """The tour builds its originals from small configs of its own: transformers' and
     torch's log warnings about those (token ids beyond a small vocabulary, FX-tracing and CUDA-home
     notices) say nothing to its user, so they are raised to errors-only while it runs."""
     names = ("transformers", "torch.fx._symbolic_trace", "torch.utils.cpp_extension")
