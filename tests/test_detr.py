@@ -7,6 +7,7 @@ import torch
 from conftest import SPECS, backends
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo.losses.set_prediction import GIOU_IMPLS, set_prediction_loss
 
 TINY = dict(SPECS["detr"].tiny)
@@ -20,19 +21,10 @@ R18 = dict(use_timm_backbone=True, backbone="resnet18", embedding_size=None, hid
 
 
 def hf_detr(**overrides):
-    """transformers' model at the tiny size, non-trivial BatchNorm statistics and biases, dropout off."""
+    """transformers' model at the tiny size, its weights drawn (``fastzoo.equivalence.draw_``), dropout off."""
     torch.manual_seed(0)
     hf = SPECS["detr"].original.build({**TINY, "dropout": 0.0, **overrides})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, b in hf.named_buffers():
-            if "running_var" in name:
-                b.copy_(torch.rand(b.shape, generator=g) * 0.5 + 0.75)
-            elif name.endswith(("running_mean", "bias")):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-        for name, p in hf.named_parameters():
-            if p.ndim == 1 and "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    draw_(hf, seed=1)
     return hf.train()
 
 

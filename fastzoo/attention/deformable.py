@@ -53,12 +53,12 @@ SEAM = "multi_scale_deformable_attention"  # the range's name: explain's row
 class DeformableKernel:
     """One implementation of the seam, declared: ``capabilities`` (devices -> dtypes, devices with a
     backward, packages), ``kernel_ops`` (a regex of the ops its calls show in a profile, forward and
-    backward) and ``run`` ("module:function" with the seam's positional signature, imported on first use);
-    ``ready``: "module:function" saying why it cannot run on this machine beyond its packages (a C++
-    build that failed), or None."""
+    backward) and ``run`` ("module:function", imported on first use: the reference takes the seam's
+    positional arguments, a fused op the levels' points flattened with ``points_per_level`` after
+    ``level_start_index``, as ``deformable_op.py`` says); ``ready``: "module:function" saying why it
+    cannot run on this machine beyond its packages (a C++ build that failed), or None."""
 
     name: str
-    description: str
     capabilities: Capabilities
     kernel_ops: str
     run: str
@@ -83,20 +83,23 @@ def _caps(devices, backward, **more) -> Capabilities:
 
 KERNELS: dict[str, DeformableKernel] = {
     k.name: k for k in (
+        # transformers' pure-PyTorch path: grid_sample per level, then the weighted sum
         DeformableKernel(
-            "reference", "transformers' pure-PyTorch path: grid_sample per level, weighted sum",
+            "reference",
             _caps({"cpu": FLOATS + (torch.float64,), "cuda": FLOATS + (torch.float64,)}, ("cpu", "cuda"),
                   verified="cpu (equal to transformers bit for bit)"),
             kernel_ops=r"^aten::grid_sampler_2d(_backward)?$", run="fastzoo.attention.deformable:reference"),
+        # fused C++ loops (deformable_cpu.cpp): bilinear sampling and the weighted sum in one pass,
+        # hand-written backward; bf16/fp16 computed in fp32
         DeformableKernel(
-            "cpu", "fused C++ loops (deformable_cpu.cpp): bilinear sampling and the weighted sum in one pass, "
-                   "hand-written backward; bf16/fp16 computed in fp32",
+            "cpu",
             _caps({"cpu": FLOATS + (torch.float64,)}, ("cpu",), verified="cpu"),
             kernel_ops=r"^fastzoo_msda::(forward|backward)$", run="fastzoo.attention.deformable_op:msda_cpu",
             ready="fastzoo.attention.deformable_op:cpu_problem"),
+        # Triton kernels (triton_deformable.py): one program per (batch, query, head), its points one
+        # vector; hand-written backward, value gradient by fp32 atomics; bf16/fp16 computed in fp32
         DeformableKernel(
-            "triton", "Triton kernels (triton_deformable.py): one program per (batch, query, head), its points "
-                      "one vector; hand-written backward, value gradient by fp32 atomics; bf16/fp16 computed in fp32",
+            "triton",
             _caps({"cuda": FLOATS}, ("cuda",), packages=("triton",), install="pip install triton",
                   verified="Triton's CPU interpreter (TRITON_INTERPRET=1); GPU: benchmarks/gpu_suite.sh"),
             kernel_ops=r"^fastzoo::msda_triton_(forward|backward)$", run="fastzoo.attention.deformable_op:msda_triton"),

@@ -127,7 +127,9 @@ def group(s: DeformableSetting, part: str, queries: int, device, dtype) -> Group
     fused = "triton" if torch.device(device).type == "cuda" else "cpu"
     cases = [case("transformers MultiScaleDeformableAttention (grid_sample)", peer, peer=True, reference=True),
              case(f"fastzoo impl={fused}", lambda *a: multi_scale_deformable_attention(*a, impl=fused))]
-    return Group(f"{s.name} | {part}: {queries} queries, fwd+bwd", cases, reference=reference, unit="queries/s")
+    # the sizes, not the setting's name: --set image=... changes them
+    sizes = f"{s.image}x{s.image} image, batch {s.batch}, {s.heads}x{s.head_dim}, {len(s.strides)}x{s.points} points"
+    return Group(f"{sizes} | {part}: {queries} queries, fwd+bwd", cases, reference=reference, unit="queries/s")
 
 
 def deformable_suite(setting: DeformableSetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32) -> Suite:
