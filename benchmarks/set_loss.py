@@ -14,7 +14,7 @@ from fastzoo.bench.detection import detection_step_suite
 from fastzoo.bench.recipes import BASELINE, Recipe, native_bf16
 from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, set_loss_suite
 
-DETR_STEP = dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512))
+DETR_STEP = dict(backbone="resnet18")
 PARTS = ("set_loss", "detr_step")
 
 

@@ -45,9 +45,24 @@ def cmd_list(args) -> int:
         return 0
     print("Models (`fastzoo list 'PATTERN*'` lists the names a wildcard pattern matches):")
     print(markdown_table(family_rows(), ["family", "task", "names", "examples", "refused"]))
-    print("\nAttention backends (capabilities as declared; 'available here' is this machine):")
-    print(markdown_table(capability_matrix(), MATRIX_COLUMNS))
+    rows = capability_matrix()
+    if args.wide:
+        print("\nAttention backends (capabilities as declared; 'available here' is this machine):")
+        print(markdown_table(rows, MATRIX_COLUMNS))
+        return 0
+    print("\nAttention backends, main columns ('available here' is this machine; `fastzoo list --wide`: every "
+          "column in full):")
+    print(markdown_table([{c: _short(r[c]) for c in NARROW_COLUMNS} for r in rows], NARROW_COLUMNS))
     return 0
+
+
+NARROW_COLUMNS = ("backend", "available here", "devices: dtypes", "causal", "padding mask", "varlen", "kv cache",
+                  "backward")
+
+
+def _short(cell, width: int = 40) -> str:
+    text = str(cell)
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
 
 
 def family_rows() -> list[dict]:
@@ -94,6 +109,7 @@ def _list_args(p) -> None:
                                             "a pattern with wildcards ('*patch14*'): the names it matches")
     p.add_argument("--families", action="store_true", help="print only the model families table, for the README")
     p.add_argument("--markdown", action="store_true", help="print only the capability matrix, for the README")
+    p.add_argument("--wide", action="store_true", help="every column of the capability matrix, cells in full")
 
 
 def _check_args(p) -> None:
@@ -117,10 +133,10 @@ def _check_args(p) -> None:
 
 
 def _check_without_attention(args, specs, overrides, dtype, rows, results) -> bool:
-    """A model without attention layers: its comparison with the original, once, and per requested
-    backend what is true of it here ("not available here" with the reason, else "no attention
-    layer"), never a pass it did not earn. True when the comparison failed, or a backend asked for
-    by name cannot run here."""
+    """A model without attention layers: its comparison with the original, once, and per backend asked
+    for by name (``--attn all``, the default, names none) what is true of it here ("not available
+    here" with the reason, else "no attention layer"), never a pass it did not earn. True when the
+    comparison failed, or a backend asked for by name cannot run here."""
     from fastzoo import equivalence
     from fastzoo.attention import get_backend
     from fastzoo.attention.availability import unavailable
@@ -130,7 +146,7 @@ def _check_without_attention(args, specs, overrides, dtype, rows, results) -> bo
     rows.extend({**row, "backend": f"none ({args.model} has no attention layer)"} for row in res.rows())
     results.append({**res.to_dict(), "backend": None})
     failed = not res.passed
-    for name, options in specs:
+    for name, options in specs if args.attn != ["all"] else []:
         reason = unavailable(get_backend(name, **options).capabilities)
         verdict = f"not available here: {reason}" if reason else f"no attention layer: {args.model} never calls it"
         failed |= reason is not None and args.attn != ["all"]
@@ -148,12 +164,9 @@ def parse_backend_spec(spec: str) -> tuple[str, dict]:
 
 def cmd_check(args) -> int:
     """``fastzoo check MODEL --attn ...``: :func:`fastzoo.equivalence.check` per backend, as a table."""
-    import torch
-
-    from fastzoo import equivalence, files
+    from fastzoo import equivalence
     from fastzoo.attention import get_backend, list_attention
-    from fastzoo.errors import BackendUnavailableError
-
+    from fastzoo.bench.tour import quiet_libraries
     from fastzoo.registry import check_device, get_entry
 
     # Arguments are checked before the first comparison: a bad one is one error, not one table row per backend.
@@ -166,6 +179,16 @@ def cmd_check(args) -> int:
     for name, options in specs:
         get_backend(name, **options)  # unknown backend names and options
     overrides = tiny if args.tiny else None
+    with quiet_libraries():  # the originals are built from small configs: their libraries' notices say nothing here
+        return _run_check(args, specs, overrides, dtype, everything)
+
+
+def _run_check(args, specs, overrides, dtype, everything: bool) -> int:
+    import torch
+
+    from fastzoo import equivalence, files
+    from fastzoo.errors import BackendUnavailableError
+
     rows, results, layer_tables, failed = [], [], [], False
     if not equivalence.has_attention(args.model):  # no backend is ever asked: one comparison, and why for each backend
         failed = _check_without_attention(args, specs, overrides, dtype, rows, results)
@@ -218,10 +241,13 @@ def _explain_tables(args, name, options, overrides, dtype, tables) -> bool:
     """Append the kernel tables of one backend to ``tables``; True if a requested kernel did not run."""
     from fastzoo.kernel_report import KernelFallbackError, explain_model
 
+    from fastzoo.equivalence import compares_grads
+
     label = name + "".join(f":{k}={v}" for k, v in options.items())
+    backward = compares_grads(name, options, args.device, not args.no_grad)  # the check's own rule
     try:
         reports = explain_model(args.model, name, backend_options=options, device=args.device, dtype=dtype,
-                                overrides=overrides, batch=args.batch, backward=not args.no_grad,
+                                overrides=overrides, batch=args.batch, backward=backward,
                                 allow_fallback=args.allow_fallback)
     except KernelFallbackError as e:
         tables.append(f"\nKernels of {label}: FALLBACK\n{e.explanation.table()}")

@@ -24,8 +24,10 @@ class UnknownModelError(_KeyErrorWithMessage):
         if reason:  # a name of the original library's that fastzoo knows and does not reproduce
             super().__init__(f"model {name!r} is not reproduced by fastzoo: {reason}")
             return
+        pattern = f"{str(name)[:3]}*"
         known = (f"Known models: {', '.join(sorted(choices))}." if len(choices) <= 20 else
-                 f"fastzoo.list_models(pattern) lists all {len(choices)} (e.g. list_models('{str(name)[:3]}*')).")
+                 f"`fastzoo list '{pattern}'` (in Python: fastzoo.list_models('{pattern}')) lists them; there are "
+                 f"{len(choices)}.")
         super().__init__(f"unknown model {name!r}.{did_you_mean(name, choices)} {known}")
 
 
@@ -35,6 +37,11 @@ class UnknownBackendError(_KeyErrorWithMessage):
             f"unknown attention backend {name!r}.{did_you_mean(name, choices)} "
             f"Known backends: {', '.join(sorted(choices))}."
         )
+
+
+class UnservedInputError(FastzooError, ValueError, TypeError):
+    """A forward keyword refused by name: one of the original's that fastzoo does not serve, or one the
+    original's signature lacks (a ``ValueError``, and a ``TypeError`` as Python's own unexpected keyword)."""
 
 
 class BackendUnavailableError(FastzooError, RuntimeError):

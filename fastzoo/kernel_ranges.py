@@ -4,15 +4,24 @@ A seam (an attention layer's backend call, a loss's kernel dispatch) runs inside
 ``record_function("fastzoo.<kind>:<name>|<requested>")`` while an explanation is being
 recorded, so that the profiler's ops can be attributed to the layer or loss that ran them.
 Otherwise :func:`kernel_range` is a null context: one global read, nothing recorded.
+:func:`quiet_profiler` is what every fastzoo use of torch's profiler calls first.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 from torch.profiler import record_function
 
 PREFIX = "fastzoo."
 _depth = 0  # > 0 while fastzoo.explain records
+
+
+def quiet_profiler() -> None:
+    """Kineto, the profiler's C++ library, logs each start and stop (``USDT: ... profiler_start``) and a
+    GPU-count probe (``gpuGetDeviceCount failed``) to stderr; its log level, read when it first starts,
+    above its highest (6) keeps them out. A ``KINETO_LOG_LEVEL`` the user set is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def kernel_range(kind: str, name: str, requested: str):

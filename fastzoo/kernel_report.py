@@ -23,6 +23,8 @@ verified on hardware.
 """
 from __future__ import annotations
 
+import contextlib
+
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -238,7 +240,8 @@ def explain_model(model_name: str, backend: str, *, backend_options: dict | None
                   backward: bool = True, allow_fallback: bool = False) -> dict[str, Explanation]:
     """:func:`explain` on ``fastzoo.create(model_name, attn=backend)`` with the inputs
     ``fastzoo check`` uses, per input form ("" for images; "padded" / "packed" for GPT-2).
-    ``backward`` only where the backend has one on ``device``."""
+    ``backward`` only where the backend has one on ``device``; without it the forward runs as
+    ``fastzoo check`` runs it then, under ``torch.no_grad()``."""
     from fastzoo.equivalence import example_inputs
     from fastzoo.registry import create
 
@@ -248,7 +251,8 @@ def explain_model(model_name: str, backend: str, *, backend_options: dict | None
     out = {}
     for form, inputs in example_inputs(model, batch):
         inputs = inputs.to(device, dtype)
-        out[form] = explain(model, *inputs.args, backward=backward, allow_fallback=allow_fallback, **inputs.kwargs)
+        with torch.no_grad() if not backward else contextlib.nullcontext():
+            out[form] = explain(model, *inputs.args, backward=backward, allow_fallback=allow_fallback, **inputs.kwargs)
     return out
 
 
@@ -270,6 +274,7 @@ def explain(model, *inputs, backward: bool = False, loss: Callable[[Any], torch.
     spies = {}
     for path, m in layers:
         spies[path] = m.backend = _Spy(m.backend, path)
+    kernel_ranges.quiet_profiler()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     try:
         with warnings.catch_warnings(record=True) as caught, kernel_ranges.recording(), profile(activities=activities) as prof:

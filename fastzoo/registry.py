@@ -81,15 +81,21 @@ def _entries() -> dict[str, ModelEntry]:
 
 def list_models(pattern: str | None = None) -> list[str]:
     """Every model name, its aliases included; ``pattern`` filters with shell wildcards as
-    ``timm.list_models`` does (``"resnet*"``)."""
+    ``timm.list_models`` does (``"resnet*"``), ignoring case as the hub's ids do (``"qwen*"``)."""
     names = sorted(_entries())
-    return names if pattern is None else [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+    return names if pattern is None else [n for n in names if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
 
 
 def get_entry(name: str) -> ModelEntry:
+    """The entry of ``name``, its case ignored where no name differs from it in case alone (a hub id,
+    ``Qwen/Qwen3-0.6b``, is the hub's ``Qwen/Qwen3-0.6B``)."""
     entries = _entries()
+    if name not in entries and isinstance(name, str):
+        same = [n for n in entries if n.lower() == name.lower()]
+        name = same[0] if len(same) == 1 else name
     if name not in entries:
-        reason = next((s.refused[name] for s in specs() if name in s.refused), "")
+        reason = next((s.refused[name] for s in specs() if name in s.refused), "") or next(
+            (why for s in specs() if s.why_not is not None and (why := s.why_not(name))), "")
         raise UnknownModelError(name, entries, reason)
     return entries[name]
 
@@ -263,8 +269,7 @@ def _load(model, spec: ModelSpec, src, changed: set[str]) -> None:
     for note in notes:
         warnings.warn(f"{src.origin}: {note}", stacklevel=3)
     weights.load_into(model, state, src.origin, allow_missing=fresh)
-    if getattr(model, "eval_after_pretrained", False):  # transformers' from_pretrained returns eval mode
-        model.eval()
+    model.train(not weights.loads_in_eval(spec, src))
 
 
 def _as_features(model, name: str, features: dict):

@@ -8,6 +8,7 @@ import argparse
 import ast
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -146,9 +147,20 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
+# torch's DataLoader re-raises a worker's error as "Caught X in DataLoader worker process N." with the
+# worker's traceback below, whose last line is the cause
+_WORKER = re.compile(r"^Caught \w+ in (DataLoader worker process \d+)")
+_CAUSE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Exit|Interrupt|Warning)): (.*)$")
+
+
 def error_line(prog: str, error: BaseException) -> str:
-    """The one line a command prints for a user error: ``prog: error: <first line of the message>``."""
+    """The one line a command prints for a user error: ``prog: error: <first line of the message>``
+    (an error raised in a data-loading worker: its cause, and which worker)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    worker = _WORKER.match(lines[0]) if lines else None
+    if worker and len(lines) > 1:
+        cause = _CAUSE.match(lines[-1])
+        return f"{prog}: error: {cause[1] if cause else lines[-1]} (in {worker[1]})"
     return f"{prog}: error: {lines[0] if lines else type(error).__name__}"
 
 

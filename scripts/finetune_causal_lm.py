@@ -16,7 +16,7 @@ is printed after every epoch.
 Tokenizer: a local Hugging Face tokenizer directory (``--tokenizer DIR``; never the hub),
 or bytes (ids 0..255, end-of-text 256) when none is given. The recipe comes from the model: its
 longest sequence (a learned position table's ``n_positions``; a rotary model's
-``max_position_embeddings``). Checkpoints are directories transformers' ``from_pretrained``
+``max_position_embeddings``), within ``--max-tokens``. Checkpoints are directories transformers' ``from_pretrained``
 reads (its ``config.json`` with ``model_type``, its keys) as well as ``pretrained=`` sources.
 ``--model`` takes any causal LM of ``fastzoo list`` (gpt2, llama, qwen2, mistral...).
 """
@@ -60,6 +60,13 @@ def load_tokenizer(path: Path | None):
     if tok.eos_token_id is None:
         raise UsageError(f"--tokenizer {path}: the tokenizer has no end-of-text (eos) token")
     return tok
+
+
+def tokenizer_vocabulary(tok) -> dict:
+    """A fresh model's vocabulary as the tokenizer's: its size and its end-of-text (and beginning-of-text)
+    ids, so that ``generate`` on the saved checkpoint stops where the training text ended (a variant's
+    own ids, Qwen's 151645, lie outside a byte vocabulary)."""
+    return {"vocab_size": len(tok), "eos_token_id": tok.eos_token_id, "bos_token_id": getattr(tok, "bos_token_id", None)}
 
 
 def read_documents(files: list[Path], tok, max_seq_len: int) -> list[torch.Tensor]:
@@ -122,14 +129,20 @@ def main(argv=None) -> int:
             raise UsageError(f"no such text file: {f}")
     world = setup(args)
     tok = load_tokenizer(args.tokenizer)
-    vocab = {} if args.pretrained or "vocab_size" in args.model_kwargs else {"vocab_size": len(tok)}
+    vocab = {} if args.pretrained or "vocab_size" in args.model_kwargs else {
+        k: v for k, v in tokenizer_vocabulary(tok).items() if k not in args.model_kwargs}
     model = create_model(args, device=world.device, task=CAUSAL_LM, **vocab)
     if len(tok) > model.config.vocab_size:
         raise UsageError(f"the tokenizer has {len(tok)} ids but {args.model} has vocab_size {model.config.vocab_size}")
     longest = model.n_positions  # a learned position table's length; None: rotary, no hard limit
-    max_seq_len = args.max_seq_len or longest or getattr(model.config, "max_position_embeddings", None) or 1024
-    if longest is not None and max_seq_len > longest:
-        raise UsageError(f"--max-seq-len {max_seq_len} exceeds the model's n_positions {longest}")
+    if longest is not None and args.max_seq_len and args.max_seq_len > longest:
+        raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds the model's n_positions {longest}")
+    if args.max_seq_len and args.max_seq_len > args.max_tokens:
+        raise UsageError(f"--max-seq-len {args.max_seq_len} exceeds --max-tokens {args.max_tokens}: a document piece "
+                         f"must fit in one packed item; raise --max-tokens or lower --max-seq-len")
+    # a document piece: the model's longest sequence, within one item's budget
+    max_seq_len = args.max_seq_len or min(longest or getattr(model.config, "max_position_embeddings", None) or 1024,
+                                          args.max_tokens)
 
     train_items = eval_items = None
     if args.replay is None:
@@ -142,9 +155,8 @@ def main(argv=None) -> int:
             held, docs = docs[:n_held], docs[n_held:]
         if not docs:
             raise UsageError(f"no text in {', '.join(map(str, args.train_files))}")
-        max_tokens = max(args.max_tokens, max_seq_len)
-        train_items = pack_to_budget(docs, max_tokens, args.seed)
-        eval_items = pack_to_budget(held, max_tokens, args.seed) if held else None
+        train_items = pack_to_budget(docs, args.max_tokens, args.seed)
+        eval_items = pack_to_budget(held, args.max_tokens, args.seed) if held else None
 
     def collate(items):
         seqs = [doc for item in items for doc in item]

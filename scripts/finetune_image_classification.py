@@ -31,21 +31,31 @@ from fastzoo.train.cli import create_model, positive_int
 
 
 class SyntheticImages(Dataset):
-    """Image ``i`` shows class ``i % num_classes``: a fixed random 4x4 colour pattern of that
-    class, upsampled, plus noise. The same (seed, i) gives the same image in any process."""
+    """Image ``i`` shows class ``(first + i) % num_classes``: a random 4x4 colour pattern of that
+    class (drawn from ``seed``: the task), upsampled, plus noise drawn from (seed, first + i). A held-out
+    split is the same task from another ``first``: the same patterns, other noise. The same (seed,
+    first + i) gives the same image in any process."""
 
-    def __init__(self, n: int, num_classes: int, img_size: tuple[int, int], seed: int, noise: float = 0.5):
+    def __init__(self, n: int, num_classes: int, img_size: tuple[int, int], seed: int, first: int = 0,
+                 noise: float = 0.5):
         g = torch.Generator().manual_seed(seed)
         self.patterns = F.interpolate(torch.randn(num_classes, 3, 4, 4, generator=g), size=img_size, mode="nearest")
-        self.n, self.num_classes, self.seed, self.noise = n, num_classes, seed, noise
+        self.n, self.num_classes, self.seed, self.first, self.noise = n, num_classes, seed, first, noise
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
+        i = self.first + i
         label = i % self.num_classes
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         return self.patterns[label] + self.noise * torch.randn(self.patterns.shape[1:], generator=g), label
+
+
+def synthetic_splits(n: int, num_classes: int, img_size, seed: int) -> tuple[SyntheticImages, SyntheticImages]:
+    """``--synthetic N``: N training images and N / 4 held out, of one task (the same class patterns)."""
+    return (SyntheticImages(n, num_classes, img_size, seed),
+            SyntheticImages(max(1, n // 4), num_classes, img_size, seed, first=n))
 
 
 def image_folder(root: Path, split: str, img_size, mean, std, train: bool):
@@ -125,8 +135,7 @@ def main(argv=None) -> int:
 
     if args.replay is None:
         if args.synthetic:
-            train_set = SyntheticImages(args.synthetic, num_classes, img_size, args.seed)
-            eval_set = SyntheticImages(max(1, args.synthetic // 4), num_classes, img_size, args.seed + 1)
+            train_set, eval_set = synthetic_splits(args.synthetic, num_classes, img_size, args.seed)
         else:
             train_set = image_folder(args.data_dir, "train", img_size, mean, std, train=True)
             val = next((s for s in ("val", "validation") if (args.data_dir / s).is_dir()), None)

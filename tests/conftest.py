@@ -1,6 +1,6 @@
 """Fixtures built from the family specs (``fastzoo/models/<family>/spec.py``): each family's
-tiny config, the original library's model on the same config, and one way to randomise weights
-that random init leaves trivial (BatchNorm statistics)."""
+tiny config, the original library's model on the same config; weights are drawn by
+``fastzoo.equivalence.draw_``."""
 import sys
 
 import pytest
@@ -37,24 +37,12 @@ def cuda_only(reason: str = "needs a CUDA GPU; this machine has none"):
 
 
 def original(family: str, **overrides) -> nn.Module:
-    """The original library's model of ``family`` on its tiny config plus ``overrides``, eval mode."""
+    """The original library's model of ``family`` on its tiny config plus ``overrides``, its weights
+    drawn (``fastzoo.equivalence.draw_``), eval mode."""
+    from fastzoo.equivalence import draw_
+
     spec = SPECS[family]
-    return spec.original.build({**spec.tiny, **overrides}).eval()
-
-
-def randomize(model: nn.Module, seed: int = 1) -> nn.Module:
-    """Give every BatchNorm non-trivial statistics and affine weights (random init leaves them 0 / 1,
-    which hides a mixed-up mean and variance)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(torch.randn(n, generator=g) * 0.1)
-                m.running_var.copy_(torch.rand(n, generator=g) * 0.5 + 0.75)
-                m.weight.copy_(torch.rand(n, generator=g) * 0.5 + 0.5)
-                m.bias.copy_(torch.randn(n, generator=g) * 0.1)
-    return model
+    return draw_(spec.original.build({**spec.tiny, **overrides})).eval()
 
 
 def backends(*, backward: bool = False, device: str = "cpu", dtype: torch.dtype | None = None,

@@ -254,17 +254,18 @@ def just_outside(spec) -> list[tuple[str, object]]:
     return out
 
 
-def compare_finite(name, ours, ref, peer=None):
-    """``equivalence.compare_outputs``, where non-finite reference values (a loss over no target,
-    a config whose original overflows) must be non-finite in ours too and the finite ones are compared;
-    ``peer``: the original's low-precision runs (a list) or None."""
-    from fastzoo import equivalence
+def undeclared_refusal(model, name: str, options: dict, error: Exception) -> str:
+    """Empty where backend ``name``'s declared capabilities (``capability_problems``) or this machine
+    (``unavailable``) say it cannot serve ``model``: a refusal counted as refused. Otherwise the
+    failure: a backend refusing what it declares it serves."""
+    from fastzoo.attention import get_backend
+    from fastzoo.attention.availability import unavailable
+    from fastzoo.attention.base import capability_problems
 
-    bad = ~torch.isfinite(ref)
-    if not torch.equal(bad, ~torch.isfinite(ours)):
-        return equivalence.Comparison(name + " (non-finite at other places than the original's)", float("inf"), 0.0)
-    fill = (lambda t: t.masked_fill(bad | ~torch.isfinite(t), 0))
-    return equivalence.compare_outputs(name, fill(ours), fill(ref), peer and [fill(t) for t in peer])
+    caps = get_backend(name, **options).capabilities
+    if unavailable(caps) or capability_problems(caps, model.attention_request()):
+        return ""
+    return f"{name}{options or ''}: refused although its declared capabilities serve the model: {error}"
 
 
 # -- results (long profile) -----------------------------------------------------------------------
@@ -342,6 +343,10 @@ def write_results(prop: str) -> None:
         data["properties"][prop] = row
         from fastzoo.machine import load_average, versions
 
+        from fastzoo.equivalence import describe
+
+        # each example draws its own seed ("weights seed"), named with the failure it finds
+        data["weights"] = describe(0).replace("seed=0", "seed=<each example's weights seed>")
         data.update(threads=os.environ.get("OMP_NUM_THREADS"), versions=versions(), load_average=load_average(),
                     examples_setting=os.environ.get("FASTZOO_FUZZ_EXAMPLES") or PROFILE)
         data["written"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

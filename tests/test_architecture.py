@@ -4,6 +4,7 @@ no import circles between files, and no file imports from a floor above its own.
 Every import counts, also one inside a function: a lazy import is still a dependency, and a
 circle of lazy imports is still a circle a reader has to hold in their head."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,3 +138,56 @@ def test_architecture_md_names_every_file():
     missing = [str(p.relative_to(ROOT)) for p in MODULES.values()
                if p.name != "__init__.py" and str(p.relative_to(PACKAGE)) not in text]
     assert not missing, f"ARCHITECTURE.md has no line for: {', '.join(missing)}"
+
+
+# -- references by name ----------------------------------------------------------------------------
+# A declaration may name a module of a higher floor by its import path (a string: "fastzoo.bench.x:y"),
+# resolved by the floor that reads the declaration, so the lower floor imports nothing of it. These are
+# the pairs of packages where that is the design (ARCHITECTURE.md, floors 1 and 2); any other upward
+# name is an import in disguise.
+NAMED_UPWARD = {("fastzoo.tasks", "fastzoo.bench"), ("fastzoo.tasks", "fastzoo.accuracy"),
+                ("fastzoo.losses", "fastzoo.bench")}
+_IMPORT_PATH = re.compile(r"^fastzoo(\.\w+)+(:\w+)?$")
+
+
+def _top_level_names(module: str) -> set[str]:
+    names = set()
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names.update(t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                         if isinstance(t, ast.Name))
+    return names
+
+
+def named_references() -> list[tuple[str, str]]:
+    """(module, import path) for every string in the package that is a fastzoo import path."""
+    return [(name, node.value) for name, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _IMPORT_PATH.match(node.value)]
+
+
+def _broken(path: str) -> bool:
+    module, _, attr = path.partition(":")
+    return module not in MODULES or bool(attr) and attr not in _top_level_names(module)
+
+
+def _disguised(src: str, path: str) -> bool:
+    dst = path.partition(":")[0]
+    package = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    return floor(dst) > floor(src) and (package(src), package(dst)) not in NAMED_UPWARD
+
+
+def test_every_module_named_by_its_import_path_exists_and_runs_up_only_where_declared():
+    refs = named_references()
+    assert any(path.startswith("fastzoo.bench.") for _, path in refs)  # the checker reads the declarations
+    broken = [f"{src}: {path}" for src, path in refs if _broken(path)]
+    assert not broken, "import paths naming nothing:\n" + "\n".join(broken)
+    disguised = [f"{src} (floor {floor(src)}) names {path}" for src, path in refs if _disguised(src, path)]
+    assert not disguised, "upward references by name outside NAMED_UPWARD:\n" + "\n".join(disguised)
+
+
+def test_the_checker_sees_a_broken_and_a_disguised_reference():
+    assert _broken("fastzoo.bench.no_such_module:x") and _broken("fastzoo.bench.set_loss:no_such_name")
+    assert _disguised("fastzoo.models.vit.spec", "fastzoo.bench.tour:run")
+    assert not _disguised("fastzoo.tasks.detection", "fastzoo.bench.detection:tour_entry")

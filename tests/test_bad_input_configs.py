@@ -79,7 +79,7 @@ OVERRIDES = [
     *[("detr", {k: v}, k) for k, v in [
         ("num_queries", 0), ("num_labels", 0), ("d_model", 0), ("d_model", 31), ("eos_coefficient", 0.0),
         ("eos_coefficient", NAN), ("giou_loss_coefficient", NAN), ("bbox_loss_coefficient", -1.0), ("giou_cost", INF),
-        ("loss", "fast"), ("freeze_backbone", "some"), ("backbone", "torchvision"), ("depths", (1, 1, 1)),
+        ("giou_impl", "fast"), ("freeze_backbone", "some"), ("use_timm_backbone", "timm"), ("depths", (1, 1, 1)),
         ("num_queries", HUGE), ("num_queries", True), ("class_cost", NAN), ("id2label", {0: "a"}), ("dropout", 1.5)]],
 ]
 

@@ -63,7 +63,8 @@ def grads(fn, args, seed=1):
     out = fn(*args)
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     leaves = (args[0], args[3], args[4])
-    return (out, *torch.autograd.grad(out, leaves, upstream))
+    # materialize_grads: discrete sampling gives the locations no gradient (zeros, in both)
+    return (out, *torch.autograd.grad(out, leaves, upstream, allow_unused=True, materialize_grads=True))
 
 
 def test_reference_is_transformers_bit_for_bit():
@@ -107,12 +108,13 @@ def test_unknown_impl_is_refused_with_the_known_ones():
         msda(*inputs(), impl="referense")
 
 
-# Shapes beyond the default: one level; a wide level of one row; D and P of 1; many points far outside.
+# Shapes beyond the default: one level; a wide level of one row; D and P of 1; many points far outside; width 32.
 CASES = {
     "4-levels": {},
     "1-level": dict(shapes=((5, 6),)),
     "thin-levels": dict(shapes=((1, 11), (9, 1), (3, 2)), D=1, P=1, Q=4),
     "mostly-outside": dict(spread=3.0, P=4, heads=2, D=5),
+    "head-width-32": dict(D=32, heads=2, Q=3),  # the C++ kernel's compiled-width path (d_model 256, 8 heads)
 }
 
 
@@ -150,6 +152,83 @@ def test_fused_kernel_in_low_precision_within_the_rule(kernel, dtype):
     assert out.passed and grad.passed, (out, grad)
 
 
+# RT-DETRv2 / D-FINE: each level its own number of points, the points flattened.
+POINTS = [2, 3, 1, 4]
+
+
+def flat_inputs(dtype=torch.float32, device="cpu", **kw):
+    """The points of ``inputs(P=max)`` cut to POINTS per level and flattened: [B, Q, heads, K(, 2)]."""
+    value, shapes, start, loc, w = inputs(P=max(POINTS), dtype=dtype, device=device, **kw)
+    keep = lambda t: torch.cat([t[:, :, :, l, :p] for l, p in enumerate(POINTS)], dim=3).detach()  # noqa: E731
+    return value, shapes, start, keep(loc).requires_grad_(), keep(w).requires_grad_()
+
+
+def transformers_v2(value, shapes, start, loc, w, method="default"):
+    from transformers.models.d_fine.modeling_d_fine import multi_scale_deformable_attention_v2
+
+    return multi_scale_deformable_attention_v2(value, [tuple(s) for s in shapes.tolist()], loc, w, POINTS, method)
+
+
+@pytest.mark.parametrize("method", ["default", "discrete"])
+def test_reference_with_points_per_level_is_transformers_v2_bit_for_bit(method):
+    """RT-DETRv2's / D-FINE's function: output and gradients identical (discrete: no gradient reaches the
+    locations, in either)."""
+    args = flat_inputs()
+    ours = grads(lambda *a: msda(*a, impl="reference", points_per_level=POINTS, method=method), args)
+    theirs = grads(lambda *a: transformers_v2(*a, method=method), args)
+    for name, a, b in zip(("out",) + GRAD_NAMES, ours, theirs):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kernel", FUSED)
+def test_fused_kernel_with_points_per_level_equals_the_reference_in_fp32(kernel):
+    args = flat_inputs(device=device_of(kernel))
+    ours = grads(lambda *a: msda(*a, impl=kernel, points_per_level=POINTS), args)
+    ref = grads(lambda *a: msda(*a, impl="reference", points_per_level=POINTS), args)
+    for c in fp32_comparisons(ours, ref):
+        assert c.passed, c
+
+
+def test_discrete_sampling_is_refused_by_the_fused_kernels_and_auto_takes_the_reference():
+    args = flat_inputs()
+    with pytest.raises(BackendUnavailableError, match="impl='cpu' samples bilinearly only; method='discrete'"):
+        msda(*args, impl="cpu", points_per_level=POINTS, method="discrete")
+    assert torch.equal(msda(*args, points_per_level=POINTS, method="discrete"),
+                       msda(*args, impl="reference", points_per_level=POINTS, method="discrete"))
+
+
+@pytest.mark.parametrize("points, message", [
+    ([2, 3, 1], "points_per_level must be 4 positive ints"),
+    ([2, 3, 0, 5], "points_per_level must be 4 positive ints"),
+    ([2, 3, 1, 3], "sampling_locations_BQHLP2 must be [B=2, Q, heads=3, K=9, 2]"),
+])
+def test_bad_points_per_level_is_refused_naming_it(points, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        msda(*flat_inputs(), impl="reference", points_per_level=points)
+
+
+def test_unknown_method_is_refused_naming_it():
+    with pytest.raises(ValueError, match="method must be one of default, discrete"):
+        msda(*inputs(), method="bilinear")
+
+
+def test_cpu_kernel_gives_the_same_bits_on_any_number_of_threads():
+    """Threads split the forward by (batch, query) and the backward by (batch, head); 2 images x 3
+    heads over 4 threads puts one image's heads on two threads. Each value row is still summed by
+    one thread in query order, so the result is the one-thread result, bit for bit."""
+    args = inputs(B=2, heads=3, Q=7)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = grads(lambda *a: msda(*a, impl="cpu"), args)
+        torch.set_num_threads(4)
+        four = grads(lambda *a: msda(*a, impl="cpu"), args)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("out",) + GRAD_NAMES, one, four):
+        assert torch.equal(a, b), name
+
+
 def test_cpu_kernel_passes_gradcheck_in_fp64():
     """Its hand-written backward against finite differences (fp64, a tiny case; locations kept off
     the pixel grid, where bilinear sampling has a kink)."""
@@ -185,7 +264,8 @@ def test_triton_refuses_fp64_by_name():
     args = inputs(dtype=torch.float64)
     with pytest.raises(BackendUnavailableError, match="takes fp32/bf16/fp16 on cuda, not float64"):
         deformable._kernel_name("triton", "cuda", torch.float64, True)
-    assert torch.equal(msda(*args), msda(*args, impl="cpu"))  # auto on CPU: the C++ kernel takes fp64
+    assert deformable._kernel_name("auto", "cpu", torch.float64, True) == "cpu"  # the C++ kernel takes fp64
+    assert torch.equal(msda(*args), msda(*args, impl="cpu"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

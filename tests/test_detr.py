@@ -7,7 +7,8 @@ import torch
 from conftest import SPECS, backends
 
 import fastzoo
-from fastzoo.losses.set_prediction import GIOU_MODES, set_prediction_loss
+from fastzoo.equivalence import draw_
+from fastzoo.losses.set_prediction import GIOU_IMPLS, set_prediction_loss
 
 TINY = dict(SPECS["detr"].tiny)
 Q = TINY["num_queries"]
@@ -15,20 +16,15 @@ OUT_TOL = 1e-4  # fp32 rule: logits, boxes and losses, max abs difference
 GRAD_TOL = 1e-4  # every gradient, max abs difference (gradients here are O(1e-2 .. 1))
 
 
+# timm's ResNet-18 backbone in place of the tiny config's transformers ResNet (its sizes come from the name)
+R18 = dict(use_timm_backbone=True, backbone="resnet18", embedding_size=None, hidden_sizes=None, depths=None)
+
+
 def hf_detr(**overrides):
-    """transformers' model at the tiny size, non-trivial BatchNorm statistics and biases, dropout off."""
+    """transformers' model at the tiny size, its weights drawn (``fastzoo.equivalence.draw_``), dropout off."""
     torch.manual_seed(0)
     hf = SPECS["detr"].original.build({**TINY, "dropout": 0.0, **overrides})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, b in hf.named_buffers():
-            if "running_var" in name:
-                b.copy_(torch.rand(b.shape, generator=g) * 0.5 + 0.75)
-            elif name.endswith(("running_mean", "bias")):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-        for name, p in hf.named_parameters():
-            if p.ndim == 1 and "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    draw_(hf, seed=1)
     return hf.train()
 
 
@@ -87,26 +83,24 @@ def test_equal_to_transformers_for_every_backend(hf_aux, attn):
     compare(hf_aux, ours, *batch())
 
 
-@pytest.mark.parametrize("mode", GIOU_MODES)
+@pytest.mark.parametrize("mode", GIOU_IMPLS)
 def test_equal_to_transformers_in_every_giou_mode(hf_aux, mode):
-    ours = fastzoo.create("detr", pretrained=hf_aux, loss=mode).train()
+    ours = fastzoo.create("detr", pretrained=hf_aux, giou_impl=mode).train()
     compare(hf_aux, ours, *batch(seed=1))
 
 
 def test_timm_backbone_path_equal_to_transformers():
     """The hub checkpoints' backbone: timm's ResNet-18 under transformers' timm path, unpadded batch."""
-    hf = hf_detr(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512),
-                 embedding_size=64)
+    hf = hf_detr(**R18)
     ours = fastzoo.create("detr", pretrained=hf).train()
-    assert ours.config.backbone == "timm"
+    assert ours.config.use_timm_backbone and ours.config.backbone == "resnet18"
     x = torch.randn(2, 3, 64, 64)
     compare(hf, ours, x, torch.ones(2, 64, 64, dtype=torch.long), boxes_labels([1, 3]))
 
 
 def test_frozen_backbone_parameters_are_transformers_choice_per_path():
     """transformers 5.17 freezes none of the timm backbone and all of its own ResNet backbone."""
-    for overrides in ({}, dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512),
-                               embedding_size=64)):
+    for overrides in ({}, R18):
         hf = hf_detr(**overrides)
         ours = fastzoo.create("detr", pretrained=hf)
         frozen = lambda m: {n for n, p in m.named_parameters() if not p.requires_grad}  # noqa: E731
@@ -204,9 +198,9 @@ def test_giou_modes_agree_on_loss_and_gradient():
     logits, boxes = _outputs(L=3, B=3)
     labels = boxes_labels([2, 0, Q + 2])
     results = []
-    for mode in GIOU_MODES:
+    for mode in GIOU_IMPLS:
         b = boxes.clone().requires_grad_()
-        loss, terms = set_prediction_loss(logits, b, labels, num_classes=TINY["num_labels"], giou=mode)
+        loss, terms = set_prediction_loss(logits, b, labels, num_classes=TINY["num_labels"], giou_impl=mode)
         loss.backward()
         results.append((float(loss), b.grad))
     for loss, grad in results[1:]:

@@ -15,7 +15,7 @@ import fastzoo
 from fastzoo.errors import CheckpointError, ConfigError
 
 # timm's ResNet-18: two basic blocks in the dilated stage (the first keeps the previous dilation)
-R18 = dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512), embedding_size=64)
+R18 = dict(use_timm_backbone=True, backbone="resnet18", embedding_size=None, hidden_sizes=None, depths=None)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_a_state_dict_is_dc5_when_told_and_checked_against_a_live_model(hf_dc5):
     ("detr_resnet50_dc5", (3, 4, 6, 3), True), ("facebook/detr-resnet-50", (3, 4, 6, 3), False)])
 def test_hub_names(name, depths, dilation):
     model = fastzoo.create(name, device="meta")
-    assert (model.config.backbone, model.config.depths, model.config.dilation) == ("timm", depths, dilation)
+    assert (model.config.use_timm_backbone, model.config.depths, model.config.dilation) == (True, depths, dilation)
     conv = model.model.backbone.model.layer4[0].conv2  # a bottleneck's 3x3: the first block keeps dilation 1
     assert conv.stride == ((1, 1) if dilation else (2, 2))
     assert model.model.backbone.model.layer4[1].conv2.dilation == ((2, 2) if dilation else (1, 1))
@@ -132,9 +132,9 @@ def test_transformers_resnet_backbone_has_no_dilation():
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         assert (ours(pixel_values=x).logits - hf(pixel_values=x).logits).abs().max() <= OUT_TOL
-    with pytest.raises(ConfigError, match="dilation=True \\(DC5\\) needs backbone='timm'") as e:
+    with pytest.raises(ConfigError, match="dilation=True \\(DC5\\) needs use_timm_backbone=True") as e:
         fastzoo.create("detr", **TINY, dilation=True)
-    assert set(e.value.fields) == {"dilation", "backbone"}
+    assert set(e.value.fields) == {"dilation", "use_timm_backbone"}
 
 
 def test_an_output_stride_detr_does_not_build_is_refused():

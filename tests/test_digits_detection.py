@@ -98,3 +98,42 @@ def test_pretrain_backbone_learns_the_training_digits_into_the_frozen_backbone()
     after = backbone.state_dict()
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert any(k.endswith("running_mean") for k in moved) and any(k.endswith("convolution.weight") for k in moved)
+
+
+def test_the_users_path_pretrained_checkpoint_then_finetune_on_the_coco_set(tmp_path):
+    """scripts/pretrain_digits_backbone.py writes the run file's starting point (its backbone trained on
+    the training digits) as a checkpoint transformers reads, equal to what the accuracy run starts
+    from; finetune_detection.py trains from it on make_digits_coco.py's set."""
+    import transformers
+
+    from fastzoo.accuracy.config import load_config
+    from fastzoo.accuracy.runs import initial_original, parity_data
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    config = ROOT / "configs" / "accuracy_digits_detr_learns.yaml"
+    tiny = ["pretrain.steps=3", "pretrain.n_images=32", "pretrain.batch_size=8", "data.n_train=8", "data.n_test=4"]
+    script = [sys.executable, str(ROOT / "scripts" / "pretrain_digits_backbone.py"), "--config", str(config)]
+    done = subprocess.run([*script, "--out", str(tmp_path / "ck"), *(x for t in tiny for x in ("--set", t))],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = transformers.DetrForObjectDetection.from_pretrained(tmp_path / "ck").model.backbone.model.state_dict()
+    cfg = load_config(config, tiny)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the script's threads: the same reductions, the same bits
+    try:
+        expected = initial_original(cfg, parity_data(cfg, "cpu"))[0].model.backbone.model.state_dict()
+    finally:
+        torch.set_num_threads(before)
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_digits_coco.py"), "--out", str(tmp_path / "set"),
+                    "--n-train", "8", "--n-val", "4"], check=True, capture_output=True, env=env, timeout=300)
+    s = tmp_path / "set"
+    ft = subprocess.run([sys.executable, str(ROOT / "scripts" / "finetune_detection.py"), "--pretrained", str(tmp_path / "ck"),
+                         "--train-images", str(s / "train"), "--train-ann", str(s / "train.json"), "--val-images",
+                         str(s / "val"), "--val-ann", str(s / "val.json"), "--img-size", "64", "--steps", "2", "-b", "4",
+                         "-j", "0", "--output", str(tmp_path / "ft")], capture_output=True, text=True, env=env, timeout=600)
+    assert ft.returncode == 0 and "map_50" in ft.stdout, ft.stderr[-2000:]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_digits_backbone.py"), "--config",
+                          str(ROOT / "configs" / "accuracy_digits_vit.yaml"), "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no pretrain section" in bad.stderr

@@ -248,16 +248,20 @@ def test_cli_check_layers_names_the_first_diverging_layer(register, capsys):
 
 
 def test_cli_check_of_a_model_without_attention_passes_no_backend(capsys):
-    """ResNet has no attention layer: the table compares the model once, and for each backend says
-    only what is true here ("not available here" with the reason, else "no attention layer"),
-    never "pass"; a backend asked for by name that cannot run here fails the check."""
+    """ResNet has no attention layer: the table compares the model once (no attention rows), and for
+    each backend asked for by name says only what is true here ("not available here" with the
+    reason, else "no attention layer"), never "pass"; a backend asked for by name that cannot run
+    here fails the check."""
     from fastzoo.attention import backend_class, list_attention
     from fastzoo.cli import main
 
     assert main(["check", "resnet18", "--tiny", "--no-grad"]) == 0
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and not line.startswith("| backend")}
-    assert "| pass |" in rows["none (resnet18 has no attention layer)"]
+    assert list(rows) == ["none (resnet18 has no attention layer)"] and "| pass |" in rows[list(rows)[0]]
+    assert main(["check", "resnet18", "--tiny", "--no-grad", "--attn", *list_attention()]) in (0, 1)
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| backend")}
     for name in list_attention():
         here = backend_class(name).unavailable_reason() is None
         assert "pass" not in rows[name].split("|")[-2], rows[name]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from conftest import SPECS, backends
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
-from fuzzing import compare_finite, configs, count, examples, fail, non_default
+from fuzzing import configs, count, examples, fail, non_default, undeclared_refusal
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
@@ -107,30 +107,18 @@ def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], traine
     if list(out) != list(ref):
         return [f"{label}: outputs {sorted(set(out) ^ set(ref))} on one side only"]
     for k, v in ref.items():
-        c = compare_finite(k, out[k], v)
+        c = equivalence.compare_outputs_where_finite(k, out[k], v)
         if not c.passed:
             problems.append(f"{label}: {k} err {c.err:.3g} > {c.bound:.3g}")
-    if g and all(torch.isfinite(v).all() for v in r_grads.values()):
+    if r_grads:  # a non-finite reference gradient is compared where it is finite, and its NaN / inf places
         if set(g) != trained:
             problems.append(f"{label}: gradients of {sorted(set(g) ^ trained)[:4]} where the config trains otherwise")
-        users, exact = ({k: r[k] for k in g if k in r} for r in rounding)
-        c = equivalence.compare_grads("grads", g, {k: r_grads[k] for k in g}, kernels=users, exact=exact)
+        users, exact = ({k: r[k] for k in trained if k in r} for r in rounding)
+        c = equivalence.compare_grads_where_finite("grads", g, {k: r_grads[k] for k in trained if k in r_grads},
+                                                   kernels=users, exact=exact)
         if not c.passed:
             problems.append(f"{label}: grads err {c.err:.3g} > {c.bound:.3g} ({c.worst}; the original's own rounding: {c.peer_err:.3g})")
     return problems
-
-
-def nontrivial_statistics(ref) -> None:
-    """BatchNorm statistics and biases that random init leaves at 0 / 1."""
-    with torch.no_grad():
-        for name, b in ref.named_buffers():
-            if "running_var" in name:
-                b.uniform_(0.75, 1.25)
-            elif name.endswith(("running_mean", "bias")):
-                b.normal_(0, 0.1)
-        for name, p in ref.named_parameters():
-            if p.ndim == 1 and "norm" not in name:
-                p.normal_(0, 0.05)
 
 
 def check_detection(family: str, data) -> None:
@@ -147,13 +135,14 @@ def _check_detection(family: str, data) -> None:
     cls = spec.config_class
     fixed = {f.name: 0.0 for f in dataclasses.fields(cls) if "dropout" in f.name}  # a deterministic step
     cfg = data.draw(configs(spec, fixed=fixed, small=True), label="config")
-    torch.manual_seed(data.draw(st.integers(0, 2**16), label="weights seed"))
+    weights_seed = data.draw(st.integers(0, 2**16), label="weights seed")
+    torch.manual_seed(weights_seed)
     try:
         ref = spec.original.build(non_default(spec, cfg))
     except Exception:  # noqa: BLE001 -- the original cannot build it (transformers' timm path names standard ResNets only)
         count(f"equivalence/{family}", original_refused=1)
         assume(False)
-    nontrivial_statistics(ref)
+    equivalence.draw_(ref, seed=weights_seed)
     for p in ref.parameters():  # every gradient, whatever the config freezes (see the module docstring)
         p.requires_grad_(True)
     train = data.draw(st.booleans(), label="train mode")
@@ -188,8 +177,10 @@ def _check_detection(family: str, data) -> None:
         label = name + "".join(f"[{k}={v}]" for k, v in options.items()) + f" loss={mode}"
         try:
             model.set_attention(name, **options)
-        except BackendUnavailableError:
-            refused += 1
+        except BackendUnavailableError as e:
+            undeclared = undeclared_refusal(model, name, options, e)
+            refused += not undeclared
+            failures += [undeclared] if undeclared else []
             continue
         grads = "cpu" in get_backend(name, **options).capabilities.backward
         if not grads:  # forward-only here: the backward must be refused by name, the forward must match
@@ -202,7 +193,7 @@ def _check_detection(family: str, data) -> None:
         failures += _compare(label, got, (want[0], want[1] if grads else {}), trained, rounding)
         compared += 1
     count(f"equivalence/{family}", examples=1, cases=compared, refused=refused, mismatches=len(failures))
-    assert not failures, f"config {cfg}, mask {mask is not None}, boxes {[len(t['boxes']) for t in labels]}: " + "; ".join(
+    assert not failures, f"config {cfg}, {equivalence.describe(weights_seed)}, mask {mask is not None}, boxes {[len(t['boxes']) for t in labels]}: " + "; ".join(
         failures)
 
 

@@ -77,7 +77,7 @@ def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp
     torch's math kernel gives the same 5.2e-5, and the flash kernel 1.7e-4. Rounding, not another
     function: the fp32 bound counts the original's own rounding against fp64 (3x), and stays tight
     enough that a gradient off by 10x that rounding fails."""
-    from test_fuzz_detection import detector_step, nontrivial_statistics, original_rounding
+    from test_fuzz_detection import detector_step, original_rounding
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fastzoo import equivalence
@@ -85,11 +85,19 @@ def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp
     spec = SPECS["detr"]
     fields = dict(num_labels=5, num_queries=6, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
                   decoder_ffn_dim=26, encoder_attention_heads=2, decoder_attention_heads=2, activation_function="silu",
-                  dropout=0.0, backbone="transformers", layer_type="basic", depths=(1, 1, 1, 1),
+                  dropout=0.0, use_timm_backbone=False, layer_type="basic", depths=(1, 1, 1, 1),
                   hidden_sizes=(30, 30, 28, 15), embedding_size=8, bbox_cost=0.0, bbox_loss_coefficient=0.0)
     torch.manual_seed(579)
     ref = spec.original.build(fields)
-    nontrivial_statistics(ref)
+    with torch.no_grad():  # the state the case was found on (before equivalence.draw_), replayed as it was
+        for n, b in ref.named_buffers():
+            if "running_var" in n:
+                b.uniform_(0.75, 1.25)
+            elif n.endswith(("running_mean", "bias")):
+                b.normal_(0, 0.1)
+        for n, p in ref.named_parameters():
+            if p.ndim == 1 and "norm" not in n:
+                p.normal_(0, 0.05)
     for p in ref.parameters():
         p.requires_grad_(True)
     ref.eval()
@@ -111,7 +119,10 @@ def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp
     with sdpa_kernel(SDPBackend.MATH):
         on_math = detector_step(model, images, mask, labels, grads=True)[1]
     hf_rounding = error(want, exact)
-    assert error(on_math, exact) < 1.5 * hf_rounding < error(got, exact)  # the kernel's rounding, not the model's
+    # Bounds with their margins, not an order of two roundings (which the machine decides: on one,
+    # transformers' own rounding came out 1.733e-4 and the kernel's 1.732e-4). Measured here: torch's
+    # math kernel 1.00x transformers' own rounding, the packed path 0.91 of the bound below.
+    assert error(on_math, exact) <= equivalence.LOW_FACTOR * hf_rounding
     want, users, exact = ({k: r[k] for k in got} for r in (want, users, exact))  # what fastzoo trains
     c = equivalence.compare_grads("grads", got, want, kernels=users, exact=exact)
     assert c.passed, c

@@ -10,15 +10,15 @@ stage widths and input channels are the originals' and the rest is drawn.
 from __future__ import annotations
 
 import torch
-from conftest import SPECS, randomize
+from conftest import SPECS
 from fuzzing import configs, count, examples, fail, fuzz_results  # noqa: F401 -- the results file's fixture
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import fastzoo
+from fastzoo import equivalence
 from fastzoo.errors import CheckpointError
 
-TOL = 1e-4  # fp32 rule (fastzoo.equivalence): logits max abs difference; gradients relative to their largest
 ORIGINALS = dict(channels=(64, 128, 256, 512), in_chans=3, stem_width=None, out_channels=None, hf_config=None)
 
 
@@ -35,7 +35,8 @@ def test_dilated_resnet_equals_the_original_for_any_config(data):
     except ValueError:  # torchvision's bottleneck ResNet has no headless form (num_classes=0)
         count("equivalence/resnet dilated", original_refused=1)
         assume(False)
-    randomize(ref, seed=data.draw(st.integers(0, 2**16), label="weights seed"))
+    weights_seed = data.draw(st.integers(0, 2**16), label="weights seed")
+    equivalence.draw_(ref, seed=weights_seed)
     try:
         ours = fastzoo.create("resnet50", pretrained=ref)
     except CheckpointError as e:  # refused by name (timm's unpooled head, global_pool='', is not read): no comparison
@@ -52,18 +53,17 @@ def test_dilated_resnet_equals_the_original_for_any_config(data):
     if train and B == 1:
         assume(False)  # train-mode BatchNorm of one value a channel (a 1x1 map of one image): torch refuses it
     r, o = ref(x), ours(x)
-    worst = (o - r).abs().max().item()
-    if worst > TOL:
-        fail("equivalence/resnet dilated", "mismatches", f"config {cfg}: logits {worst:.3g} apart")
+    case = f"config {cfg}, {equivalence.describe(weights_seed)}"
+    c = equivalence.compare_outputs("logits", o, r)
+    if not c.passed:
+        fail("equivalence/resnet dilated", "mismatches", f"{case}: logits {c.err:.3g} apart > {c.bound:.3g}")
     w = torch.randn(r.shape, generator=torch.Generator().manual_seed(1))
     (r * w).sum().backward()
     (o * w).sum().backward()
-    theirs, mine = dict(ref.named_parameters()), dict(ours.named_parameters())
-    for k, p in mine.items():
-        if p.grad is None:
-            continue
-        g = theirs[k].grad
-        err = ((p.grad - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
-        if err > TOL:
-            fail("equivalence/resnet dilated", "mismatches", f"config {cfg}: {k} gradient {err:.3g} apart (relative)")
+    # the same names (torchvision's); a gradient on one side only is a failure (compare_grads: inf)
+    theirs = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+    mine = {k: p.grad for k, p in ours.named_parameters() if p.grad is not None}
+    c = equivalence.compare_grads("grads", mine, theirs)
+    if not c.passed:
+        fail("equivalence/resnet dilated", "mismatches", f"{case}: {c.worst} gradient {c.err:.3g} apart (relative)")
     count("equivalence/resnet dilated", examples=1, cases=1)

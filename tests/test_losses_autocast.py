@@ -107,7 +107,7 @@ def test_detr_set_loss_under_autocast_matches_fp32(dtype, giou):
     def loss_and_grads(lo, bo):
         lo, bo = lo.clone().requires_grad_(), bo.clone().requires_grad_()
         with torch.autocast("cpu", dtype=dtype, enabled=lo.dtype != torch.float32):
-            loss, parts = set_prediction_loss(lo, bo, labels, num_classes=C, giou=giou)
+            loss, parts = set_prediction_loss(lo, bo, labels, num_classes=C, giou_impl=giou)
         loss.backward()
         return loss.detach(), parts, lo.grad.float(), bo.grad.float()
 

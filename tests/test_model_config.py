@@ -34,7 +34,7 @@ BAD = [
     ("resnet50", "layers", [1, 0, 1, 1], ">= 1"), ("resnet50", "num_classes", -1, ">= 0"),
     ("resnet50", "channels", "64", "must be tuple"), ("resnet50", "channels_last", 1, "must be bool"),
     ("detr", "num_queries", 0, ">= 1"), ("detr", "d_model", 2.5, "must be int"),
-    ("detr", "loss", "fast", "choose one of"), ("detr", "eos_coefficient", 0.0, "> 0"),
+    ("detr", "giou_impl", "fast", "choose one of"), ("detr", "eos_coefficient", 0.0, "> 0"),
 ]
 
 
@@ -105,7 +105,7 @@ def test_every_field_declares_its_kind_and_meaning(model):
 
 
 @pytest.mark.parametrize("model, field, value", [
-    ("resnet50", "channels_last", True), ("detr", "channels_last", True), ("detr", "loss", "per_sample"),
+    ("resnet50", "channels_last", True), ("detr", "channels_last", True), ("detr", "giou_impl", "per_sample"),
     ("detr", "eos_coefficient", 0.5), ("detr", "freeze_backbone", "all"), ("vit_s16", "drop_path_rate", 0.1),
     ("gpt2", "attn_pdrop", 0.0),
 ])

@@ -8,29 +8,16 @@ from conftest import TINY
 from torch import nn
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo.errors import CheckpointError
 
 TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, max abs logit difference; same op order, so float noise only
 
 
-def _randomize_bn(model: nn.Module) -> nn.Module:
-    """Non-trivial BN stats and affine params, so eval mode tests more than identity BNs
-    (timm also zero-inits each block's last BN, which would hide the residual branch)."""
-    g = torch.Generator().manual_seed(1)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            n = m.num_features
-            m.running_mean.copy_(torch.randn(n, generator=g) * 0.1)
-            m.running_var.copy_(torch.rand(n, generator=g) * 0.5 + 0.75)
-            m.weight.data.copy_(torch.rand(n, generator=g) * 0.5 + 0.5)
-            m.bias.data.copy_(torch.randn(n, generator=g) * 0.1)
-    return model
-
-
 def _peer(name: str, **kw) -> nn.Module:
     if name == "torchvision":
-        return _randomize_bn(torchvision.models.resnet50(**kw))
-    return _randomize_bn(timm.create_model("resnet50", pretrained=False, **kw))
+        return draw_(torchvision.models.resnet50(**kw))
+    return draw_(timm.create_model("resnet50", pretrained=False, **kw))
 
 
 def _max_rel_grad_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
@@ -80,7 +67,7 @@ def test_channels_last_is_the_same_function():
 
 @pytest.mark.parametrize("fmt", ["torchvision", "timm"])
 def test_export_loads_strictly_into_peer(fmt):
-    ours = _randomize_bn(fastzoo.create("resnet50")).eval()
+    ours = draw_(fastzoo.create("resnet50")).eval()
     sd = fastzoo.export_state_dict(ours, fmt)
     peer = torchvision.models.resnet50() if fmt == "torchvision" else timm.create_model("resnet50")
     peer.load_state_dict(sd, strict=True)
@@ -181,7 +168,7 @@ def test_live_module_of_another_function_is_refused(build, needle):
 
 
 def test_live_timm_options_that_keep_the_function_load():
-    peer = _randomize_bn(timm.create_model("resnet26", zero_init_last=False)).eval()  # init only
+    peer = draw_(timm.create_model("resnet26", zero_init_last=False)).eval()  # init only
     ours = fastzoo.create("resnet50", pretrained=peer).eval()
     x = torch.randn(1, 3, 64, 64)
     assert (ours(x) - peer(x)).abs().max().item() <= TOL
@@ -192,13 +179,7 @@ def test_frozen_batchnorm_module_loads_as_frozen_bn():
     train mode too (statistics unchanged, BN affine untrained)."""
     from torchvision.ops.misc import FrozenBatchNorm2d
 
-    peer = _randomize_bn(torchvision.models.resnet50(norm_layer=FrozenBatchNorm2d))
-    g = torch.Generator().manual_seed(2)
-    for m in peer.modules():  # FrozenBatchNorm2d keeps everything as buffers: randomise them too
-        if isinstance(m, FrozenBatchNorm2d):
-            m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) * 0.5 + 0.75)
-            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
-            m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 0.5 + 0.5)
+    peer = draw_(torchvision.models.resnet50(norm_layer=FrozenBatchNorm2d))  # its statistics, buffers, drawn too
     ours = fastzoo.create("resnet50", pretrained=peer).train()
     assert ours.config.frozen_bn and not ours.bn1.training and not ours.layer2[0].bn2.weight.requires_grad
     before = ours.layer1[0].bn1.running_mean.clone()

@@ -9,9 +9,9 @@ import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo.errors import CheckpointError, ConfigError
 from fastzoo.registry import get_entry
-from tests.conftest import randomize
 
 TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, max abs difference; the same convs, so float noise only
 # two blocks in the last two stages: a dilated stage's first block keeps the previous dilation, the next does not
@@ -23,7 +23,7 @@ def _images() -> torch.Tensor:
 
 
 def _timm(name: str, output_stride: int) -> torch.nn.Module:
-    return randomize(timm.create_model(name, pretrained=False, layers=LAYERS, output_stride=output_stride,
+    return draw_(timm.create_model(name, pretrained=False, layers=LAYERS, output_stride=output_stride,
                                        zero_init_last=False))
 
 
@@ -72,7 +72,7 @@ def test_torchvision_replace_stride_with_dilation_is_timms_function(output_strid
     as timm) loads as output_stride 16 / 8, and timm's model of that output stride computes it too."""
     from torchvision.models.resnet import Bottleneck, ResNet
 
-    tv = randomize(ResNet(Bottleneck, list(LAYERS), replace_stride_with_dilation=dilate, **kind)).eval()
+    tv = draw_(ResNet(Bottleneck, list(LAYERS), replace_stride_with_dilation=dilate, **kind)).eval()
     ours = fastzoo.create("resnet50", pretrained=tv).eval()
     assert ours.config.output_stride == output_stride
     t = timm.create_model("resnext50_32x4d" if kind else "resnet50", layers=LAYERS, output_stride=output_stride)

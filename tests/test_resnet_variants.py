@@ -9,8 +9,8 @@ import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo.registry import get_entry, specs
-from tests.conftest import randomize
 
 NAMES = [v.name for s in specs() if s.family == "resnet" for v in s.variants]
 ONE_BLOCK = dict(layers=(1, 1, 1, 1))  # every stage's width and block kind, the least depth
@@ -21,7 +21,7 @@ KINDS = ["resnet18", "resnext101_64x4d", "wide_resnet50_2"]
 def _torchvision(name: str) -> torch.nn.Module:
     """torchvision's model of ``name`` at one block per stage, random BatchNorm statistics."""
     entry = get_entry(name)
-    return randomize(entry.spec.original.build({**entry.config, **ONE_BLOCK}))
+    return draw_(entry.spec.original.build({**entry.config, **ONE_BLOCK}))
 
 
 def _images(batch: int = 2) -> torch.Tensor:
@@ -53,7 +53,7 @@ def test_timm_weights_load_and_export_back(name, tmp_path):
     """A live timm model and its bare state dict both load (the keys tell the block, groups and
     width); the export loads strictly into timm and torchvision, and a save_pretrained directory
     into timm.create_model("local-dir:..."), each computing what fastzoo does."""
-    peer = randomize(timm.create_model(name, pretrained=False, **ONE_BLOCK)).eval()
+    peer = draw_(timm.create_model(name, pretrained=False, **ONE_BLOCK)).eval()
     x = _images(1)
     for source in (peer, peer.state_dict()):
         ours = fastzoo.create("resnet50", pretrained=source).eval()  # any family name: the weights decide

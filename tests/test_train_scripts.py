@@ -37,7 +37,7 @@ VIT = ["--model", "vit_s16",
 GPT2 = ["--model", "gpt2", "--model-kwargs", *model_kwargs(TINY["gpt2"], "n_layer", "n_embd", "n_head", "n_positions"),
         "--max-tokens", "128", "-b", "2", "--validation-split-percentage", "10"]
 # transformers' own ResNet backbone at its test sizes under a 2+2-layer transformer (the spec's tiny DETR)
-DETR_SIZES = ["backbone=transformers", "embedding_size=8", "hidden_sizes=[8,16,24,32]", "depths=[1,1,1,1]", "d_model=32",
+DETR_SIZES = ["use_timm_backbone=false", "embedding_size=8", "hidden_sizes=[8,16,24,32]", "depths=[1,1,1,1]", "d_model=32",
               "encoder_attention_heads=2", "decoder_attention_heads=2", "encoder_ffn_dim=64", "decoder_ffn_dim=64",
               "encoder_layers=2", "decoder_layers=2", "num_queries=8"]
 DETR = ["--model", "detr", "--model-kwargs", *DETR_SIZES, "--synthetic", "8", "--img-size", "32", "-b", "2"]

@@ -10,7 +10,7 @@ timm's function, and every full-size name has timm's parameter count.
   group is run (the first derivation test pins every name's config to timm's). Logits and gradients by
   fastzoo.equivalence's fp32 rule: logits within ``FP32_OUT_ATOL`` = 1e-4, gradients within
   ``FP32_GRAD_RTOL`` = 1e-4 of their scale. Parameters are re-drawn at O(1) scale first
-  (``randomize_``: at timm's init a wrong activation moves the logits by only ~1e-4).
+  (``fastzoo.equivalence.draw_``: at timm's init a wrong activation moves the logits by only ~1e-4).
 - Full size: built on the meta device (no storage), fastzoo's parameter count equals timm's.
 """
 import pytest
@@ -20,7 +20,7 @@ import fastzoo
 from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_OUT_ATOL, compare
 from fastzoo.errors import UnknownModelError
 from fastzoo.models.vit import timm_names
-from tests.test_vit import randomize_
+from fastzoo.equivalence import draw_
 
 timm = pytest.importorskip("timm")
 
@@ -53,11 +53,11 @@ def test_every_full_size_name_has_timms_parameter_count(timm_meta):
 def _one_block_pair(name: str):
     """timm's and fastzoo's ``name`` at one block on a 2x2-patch image, on the same O(1)-scale
     weights. Neither library's own init runs (timm: weight_init='skip'; fastzoo: built on
-    meta, then storage): every value is randomize_'s, and the init of the widest names is
+    meta, then storage): every value is draw_'s, and the init of the widest names is
     most of their cost."""
     patch = COMMITTED["variants"][name]["config"].get("patch_size", 16)
     shrink = dict(depth=1, img_size=2 * patch)
-    ref = randomize_(timm.create_model(name, pretrained=False, weight_init="skip", **shrink)).eval()
+    ref = draw_(timm.create_model(name, pretrained=False, weight_init="skip", **shrink), seed=1).eval()
     ours = fastzoo.create(name, device="meta", **shrink).to_empty(device="cpu")
     fastzoo.load_pretrained(ours, ref.state_dict())
     return ours.eval(), ref, (torch.randn(1, 3, 2 * patch, 2 * patch, generator=torch.Generator().manual_seed(0)),)

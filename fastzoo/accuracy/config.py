@@ -8,7 +8,7 @@ import difflib
 from dataclasses import dataclass, field
 
 from fastzoo.errors import ConfigError, UnknownModelError
-from fastzoo.losses.set_prediction import GIOU_MODES
+from fastzoo.losses.set_prediction import GIOU_IMPLS
 from fastzoo.registry import get_entry
 from fastzoo.tasks import TASKS
 from fastzoo.text import dtype_name, parse_dtype, read_yaml, set_dotted
@@ -22,7 +22,7 @@ class Arm:
     original: bool = False  # the original library's model (timm / torchvision / Hugging Face)
     attn: str | None = None  # fastzoo attention backend
     layout: str | None = None  # a decoder's input: padded | packed | nested
-    loss: str | None = None  # DETR GIoU mode: per_sample | concat | padded | kernel
+    giou_impl: str | None = None  # DETR's set loss: how its GIoU term runs (GIOU_IMPLS)
     model_kwargs: dict = field(default_factory=dict)  # extra fastzoo.create overrides for this arm
     # A rounding control: this arm's initial weights times (1 + nudge * random sign), e.g. 1e-7 (about
     # one fp32 ulp). It shows how far two runs drift from a rounding-size difference alone; reported,
@@ -171,8 +171,8 @@ def _check(cfg: RunConfig, where: str) -> RunConfig:
             raise ConfigError(f"{where}: arm {a.name!r}: nudge must be in [0, 0.01) (a rounding-size perturbation), got {a.nudge}")
         if a.layout is not None and a.layout not in LAYOUTS:
             raise ConfigError(f"{where}: arm {a.name!r}: layout {a.layout!r} is not one of {', '.join(LAYOUTS)}")
-        if a.loss is not None and a.loss not in GIOU_MODES:
-            raise ConfigError(f"{where}: arm {a.name!r}: loss {a.loss!r} is not one of {', '.join(GIOU_MODES)}")
+        if a.giou_impl is not None and a.giou_impl not in GIOU_IMPLS:
+            raise ConfigError(f"{where}: arm {a.name!r}: giou_impl {a.giou_impl!r} is not one of {', '.join(GIOU_IMPLS)}")
         if a.amp is not None:
             try:
                 parse_dtype(a.amp, what="amp")
@@ -193,7 +193,7 @@ def precision(arm: Arm) -> str:
 
 
 def _kind(arm: Arm) -> tuple:
-    return arm.original, arm.attn, arm.layout, arm.loss, arm.model_kwargs, arm.nudge, arm.hf
+    return arm.original, arm.attn, arm.layout, arm.giou_impl, arm.model_kwargs, arm.nudge, arm.hf
 
 
 def peers(arms) -> dict:

@@ -106,7 +106,7 @@ class AccuracyReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax0, ax3, ax1, ax2) = plt.subplots(1, 4, figsize=(18, 3.8))
+        fig, (ax0, ax3, ax1, ax2) = plt.subplots(1, 4, figsize=(21, 3.8))
         ok = [a for a in self.arms if a.train_loss]
         for i, a in enumerate(ok):
             style = dict(lw=1.2, alpha=0.85, ls=["-", "--", ":", "-."][i % 4])
@@ -121,14 +121,21 @@ class AccuracyReport:
                 for key, label in (("eval_loss", "held-out loss"), ("eval_metric", f"held-out {self.metric}")):
                     d = [max(abs(x - y), 1e-9) for x, y in zip(getattr(a, key), getattr(ref, key))]
                     ax2.semilogy(steps, d, marker="o", ms=3, lw=1, label=f"{a.name}: {label}")
+                if a.same_weights:  # the same function: from the first arm's weights, the loss and the worst gradient
+                    sw = a.same_weights
+                    ax2.semilogy(sw["steps"], [max(d, 1e-9) for d in sw["loss_diff"]], marker="x", ls="none",
+                                 label=f"{a.name}: same weights, loss")
+                    ax2.semilogy(sw["steps"], [max(d, 1e-9) for d in sw["grad_err"]], marker="+", ls="none",
+                                 label=f"{a.name}: same weights, worst gradient (relative)")
         ax2.axhline(self.config["tolerance"]["train_loss"], color="red", lw=1, ls="--", label="training-loss tolerance")
         ax0.set(xlabel="step", ylabel="training loss", yscale="log", title="training loss")
         ax3.set(xlabel="step", ylabel="held-out loss", yscale="log", title="held-out loss")
         ax1.set(xlabel="step", ylabel=f"held-out {self.metric} (%)", title=f"held-out {self.metric}")
         ax2.set(xlabel="step", ylabel=f"|arm - {ok[0].name if ok else 'first arm'}|",
                 title="difference from the first arm")
-        for ax in (ax0, ax3, ax1, ax2):
+        for ax in (ax0, ax3, ax1):
             ax.legend(fontsize=7)
+        ax2.legend(fontsize=6, framealpha=0.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.suptitle(f"{self.config['name']} on {self.device}: same init, same batches, every arm", fontsize=10)
         fig.tight_layout()
         path = Path(path)

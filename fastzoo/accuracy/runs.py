@@ -56,18 +56,30 @@ def _original(cfg: RunConfig):
     return original
 
 
-def _models(cfg: RunConfig, device, data, pretrained: dict):
-    """One model per arm, all with the same initial weights (the original's, its backbone first
-    trained by ``data`` where the run file says ``pretrain``: what it did goes into ``pretrained``);
-    an arm that cannot run here is returned as the error's message instead of a model."""
-    import fastzoo
+def parity_data(cfg: RunConfig, device):
+    """The run's data (:mod:`fastzoo.accuracy.parity`), as its model's task names it for ``cfg.task``."""
+    return resolve(get_entry(cfg.model).spec.task.parity[cfg.task])(cfg, device)
 
+
+def initial_original(cfg: RunConfig, data) -> tuple:
+    """``(model, pretrained)``: the original library's model every arm starts from, built with
+    ``cfg.seed``, its backbone first trained by ``data`` where the run file says ``pretrain``
+    (``pretrained``: what that did, ``{"accuracy", "seconds"}``; empty without it)."""
     torch.manual_seed(cfg.seed)
     original = _original(cfg)
+    pretrained = {}
     if cfg.pretrain is not None:
         t0 = time.perf_counter()
         pretrained["accuracy"] = data.pretrain(original, cfg.pretrain, cfg.seed)
         pretrained["seconds"] = time.perf_counter() - t0
+    return original, pretrained
+
+
+def _models(cfg: RunConfig, device, original):
+    """One model per arm, all with ``original``'s weights; an arm that cannot run here is returned
+    as the error's message instead of a model."""
+    import fastzoo
+
     out = []
     hf = _as_transformers(cfg, original) if any(a.hf for a in cfg.arms) else None
     for arm in cfg.arms:
@@ -106,7 +118,7 @@ def _fastzoo(cfg: RunConfig, arm: Arm, original, device):
     for the dtype it computes in (the arm's autocast dtype: a bf16-only kernel serves a bf16 arm)."""
     import fastzoo
 
-    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **({"loss": arm.loss} if arm.loss else {}),
+    m = fastzoo.create(cfg.model, attn="eager", pretrained=original, **({"giou_impl": arm.giou_impl} if arm.giou_impl else {}),
                        **arm.model_kwargs)
     amp = precision(arm)
     return m.set_attention(arm.attn or "sdpa", device=device, dtype=None if amp == "fp32" else parse_dtype(amp))
@@ -143,10 +155,10 @@ def run(cfg: RunConfig, *, device="cpu", progress: bool = True) -> AccuracyRepor
 
     device = torch.device(device)
     load = [load_average()]
-    data = resolve(get_entry(cfg.model).spec.task.parity[cfg.task])(cfg, device)
+    data = parity_data(cfg, device)
     batches = _batches(data.n, cfg.optim.batch_size, cfg.steps, cfg.seed)
-    pretrained: dict = {}
-    models = _models(cfg, device, data, pretrained)
+    original, pretrained = initial_original(cfg, data)
+    models = _models(cfg, device, original)
     results, snapshots = [], None
     with tqdm(total=len(cfg.arms) * cfg.steps, desc=cfg.name, disable=not progress, leave=False, dynamic_ncols=True) as bar:
         for arm, model in zip(cfg.arms, models):

@@ -13,6 +13,12 @@ starts in S, ``sampling_locations_BQHLP2`` [B, Q, heads, L, P, 2] ``(x, y)`` in 
 [B, Q, heads, L, P] already softmaxed; the output is [B, Q, heads * D]. Sampling is
 ``grid_sample``'s: bilinear, ``align_corners=False``, zeros outside the image.
 
+RT-DETRv2 and D-FINE (transformers' ``multi_scale_deformable_attention_v2``) give each level its own
+number of points: with ``points_per_level=[P_0, ..., P_{L-1}]`` the levels' points are flattened,
+``sampling_locations_BQHLP2`` [B, Q, heads, K, 2] and ``attention_weights_BQHLP`` [B, Q, heads, K],
+``K = sum P_l``, level 0's points first. RT-DETRv2's ``method="discrete"`` reads the nearest pixel
+(no interpolation, no gradient to the locations); only the reference serves it.
+
 A word picks the kernel (``impl=``), each declared as an attention backend is (devices and dtypes,
 backward, the ops it shows in a profile) and refused by name where it cannot serve:
 
@@ -47,12 +53,12 @@ SEAM = "multi_scale_deformable_attention"  # the range's name: explain's row
 class DeformableKernel:
     """One implementation of the seam, declared: ``capabilities`` (devices -> dtypes, devices with a
     backward, packages), ``kernel_ops`` (a regex of the ops its calls show in a profile, forward and
-    backward) and ``run`` ("module:function" with the seam's positional signature, imported on first use);
-    ``ready``: "module:function" saying why it cannot run on this machine beyond its packages (a C++
-    build that failed), or None."""
+    backward) and ``run`` ("module:function", imported on first use: the reference takes the seam's
+    positional arguments, a fused op the levels' points flattened with ``points_per_level`` after
+    ``level_start_index``, as ``deformable_op.py`` says); ``ready``: "module:function" saying why it
+    cannot run on this machine beyond its packages (a C++ build that failed), or None."""
 
     name: str
-    description: str
     capabilities: Capabilities
     kernel_ops: str
     run: str
@@ -77,20 +83,23 @@ def _caps(devices, backward, **more) -> Capabilities:
 
 KERNELS: dict[str, DeformableKernel] = {
     k.name: k for k in (
+        # transformers' pure-PyTorch path: grid_sample per level, then the weighted sum
         DeformableKernel(
-            "reference", "transformers' pure-PyTorch path: grid_sample per level, weighted sum",
+            "reference",
             _caps({"cpu": FLOATS + (torch.float64,), "cuda": FLOATS + (torch.float64,)}, ("cpu", "cuda"),
                   verified="cpu (equal to transformers bit for bit)"),
             kernel_ops=r"^aten::grid_sampler_2d(_backward)?$", run="fastzoo.attention.deformable:reference"),
+        # fused C++ loops (deformable_cpu.cpp): bilinear sampling and the weighted sum in one pass,
+        # hand-written backward; bf16/fp16 computed in fp32
         DeformableKernel(
-            "cpu", "fused C++ loops (deformable_cpu.cpp): bilinear sampling and the weighted sum in one pass, "
-                   "hand-written backward; bf16/fp16 computed in fp32",
+            "cpu",
             _caps({"cpu": FLOATS + (torch.float64,)}, ("cpu",), verified="cpu"),
             kernel_ops=r"^fastzoo_msda::(forward|backward)$", run="fastzoo.attention.deformable_op:msda_cpu",
             ready="fastzoo.attention.deformable_op:cpu_problem"),
+        # Triton kernels (triton_deformable.py): one program per (batch, query, head), its points one
+        # vector; hand-written backward, value gradient by fp32 atomics; bf16/fp16 computed in fp32
         DeformableKernel(
-            "triton", "Triton kernels (triton_deformable.py): one program per (batch, query, head), its points "
-                      "one vector; hand-written backward, value gradient by fp32 atomics; bf16/fp16 computed in fp32",
+            "triton",
             _caps({"cuda": FLOATS}, ("cuda",), packages=("triton",), install="pip install triton",
                   verified="Triton's CPU interpreter (TRITON_INTERPRET=1); GPU: benchmarks/gpu_suite.sh"),
             kernel_ops=r"^fastzoo::msda_triton_(forward|backward)$", run="fastzoo.attention.deformable_op:msda_triton"),
@@ -123,14 +132,47 @@ def reference(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L
     return out_NDQ.transpose(1, 2).contiguous()
 
 
+def reference_v2(value_BSHD: Tensor, spatial_shapes_L2: Tensor, sampling_locations_BQHK2: Tensor,
+                 attention_weights_BQHK: Tensor, points_per_level: list[int], method: str = "default") -> Tensor:
+    """transformers' ``multi_scale_deformable_attention_v2`` (RT-DETRv2, D-FINE), op for op: each level
+    its own number of points, the points flattened; ``method`` "default" (bilinear) or "discrete"."""
+    B, _, heads, D = value_BSHD.shape
+    _, Q, _, K, _ = sampling_locations_BQHK2.shape
+    sizes = [(int(h), int(w)) for h, w in spatial_shapes_L2.tolist()]
+    value_levels = value_BSHD.permute(0, 2, 3, 1).flatten(0, 1).split([h * w for h, w in sizes], dim=-1)
+    grids_BQHK2 = 2 * sampling_locations_BQHK2 - 1 if method == "default" else sampling_locations_BQHK2
+    grids = grids_BQHK2.permute(0, 2, 1, 3, 4).flatten(0, 1).split(points_per_level, dim=-2)
+    sampled = []
+    for level, (h, w) in enumerate(sizes):
+        value_NDhw = value_levels[level].reshape(B * heads, D, h, w)
+        if method == "default":
+            sampled.append(nn.functional.grid_sample(value_NDhw, grids[level], mode="bilinear", padding_mode="zeros",
+                                                     align_corners=False))
+            continue
+        coord = (grids[level] * torch.tensor([[w, h]], device=value_BSHD.device) + 0.5).to(torch.int64)
+        coord = torch.stack([coord[..., 0].clamp(0, w - 1), coord[..., 1].clamp(0, h - 1)], dim=-1)
+        coord = coord.reshape(B * heads, Q * points_per_level[level], 2)
+        rows = torch.arange(coord.shape[0], device=value_BSHD.device).unsqueeze(-1).repeat(1, coord.shape[1])
+        picked = value_NDhw[rows, :, coord[..., 1], coord[..., 0]]
+        sampled.append(picked.transpose(1, 2).reshape(B * heads, D, Q, points_per_level[level]))
+    weights_N1QK = attention_weights_BQHK.permute(0, 2, 1, 3).reshape(B * heads, 1, Q, K)
+    out_NDQ = (torch.concat(sampled, dim=-1) * weights_N1QK).sum(-1).view(B, heads * D, Q)
+    return out_NDQ.transpose(1, 2).contiguous()
+
+
+METHODS = ("default", "discrete")
+
+
 def check_inputs(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L: Tensor,
-                 sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor) -> None:
+                 sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor,
+                 points_per_level: list[int] | None = None) -> None:
     """ValueError naming the argument whose rank, size, dtype or device disagrees with the others.
     The level sizes are checked against S only on the CPU (elsewhere that would be a host sync)."""
+    flat = points_per_level is not None  # the levels' points flattened: one dimension fewer
     named = {"value_BSHD": (value_BSHD, 4), "spatial_shapes_L2": (spatial_shapes_L2, 2),
              "level_start_index_L": (level_start_index_L, 1),
-             "sampling_locations_BQHLP2": (sampling_locations_BQHLP2, 6),
-             "attention_weights_BQHLP": (attention_weights_BQHLP, 5)}
+             "sampling_locations_BQHLP2": (sampling_locations_BQHLP2, 5 if flat else 6),
+             "attention_weights_BQHLP": (attention_weights_BQHLP, 4 if flat else 5)}
     for name, (t, rank) in named.items():
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -155,11 +197,19 @@ def check_inputs(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_inde
     if level_start_index_L.shape[0] != L:
         raise ValueError(f"level_start_index_L has {level_start_index_L.shape[0]} entries for {L} levels (spatial_shapes_L2)")
     loc = sampling_locations_BQHLP2
-    if loc.shape[0] != B or loc.shape[2] != heads or loc.shape[3] != L or loc.shape[5] != 2:
+    if flat:
+        if len(points_per_level) != L or not all(isinstance(p, int) and p > 0 for p in points_per_level):
+            raise ValueError(f"points_per_level must be {L} positive ints (one per level of spatial_shapes_L2), "
+                             f"got {points_per_level}")
+        K = sum(points_per_level)
+        if loc.shape[0] != B or loc.shape[2] != heads or loc.shape[3] != K or loc.shape[4] != 2:
+            raise ValueError(f"with points_per_level, sampling_locations_BQHLP2 must be [B={B}, Q, heads={heads}, "
+                             f"K={K}, 2] (every level's points), got {tuple(loc.shape)}")
+    elif loc.shape[0] != B or loc.shape[2] != heads or loc.shape[3] != L or loc.shape[5] != 2:
         raise ValueError(f"sampling_locations_BQHLP2 must be [B={B}, Q, heads={heads}, L={L}, P, 2], "
                          f"got {tuple(loc.shape)}")
-    if attention_weights_BQHLP.shape != loc.shape[:5]:
-        raise ValueError(f"attention_weights_BQHLP must be {tuple(loc.shape[:5])} (sampling_locations_BQHLP2 "
+    if attention_weights_BQHLP.shape != loc.shape[:-1]:
+        raise ValueError(f"attention_weights_BQHLP must be {tuple(loc.shape[:-1])} (sampling_locations_BQHLP2 "
                          f"without its last dimension), got {tuple(attention_weights_BQHLP.shape)}")
     if value_BSHD.device.type == "cpu" and not _traced():
         sizes = spatial_shapes_L2.tolist()
@@ -234,12 +284,32 @@ def _kernel_name(impl: str, device_type: str, dtype: torch.dtype, backward: bool
 
 def multi_scale_deformable_attention(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L: Tensor,
                                      sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor, *,
-                                     impl: str = "auto") -> Tensor:
+                                     impl: str = "auto", points_per_level: list[int] | None = None,
+                                     method: str = "default") -> Tensor:
     """Multi-scale deformable attention -> out [B, Q, heads * D] (shapes and meaning: the module
-    docstring). ``impl``: "reference" | "cpu" | "triton" | "auto"."""
+    docstring). ``impl``: "reference" | "cpu" | "triton" | "auto". ``points_per_level``: each level's
+    number of points, the points flattened (RT-DETRv2, D-FINE); ``method``: "default" | "discrete"."""
     args = (value_BSHD, spatial_shapes_L2, level_start_index_L, sampling_locations_BQHLP2, attention_weights_BQHLP)
-    check_inputs(*args)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)} (transformers' decoder_method), got {method!r}")
+    if points_per_level is not None:
+        points_per_level = list(points_per_level)
+    check_inputs(*args, points_per_level)
+    if method == "discrete" and impl not in ("auto", "reference"):
+        raise BackendUnavailableError(f"multi-scale deformable attention impl={impl!r} samples bilinearly only; "
+                                      "method='discrete' (RT-DETRv2's nearest pixel) runs on impl='reference'")
     backward = _needs_backward(value_BSHD, sampling_locations_BQHLP2, attention_weights_BQHLP)
-    name = _kernel_name(impl, value_BSHD.device.type, value_BSHD.dtype, backward)
+    name = _kernel_name("reference" if method == "discrete" else impl, value_BSHD.device.type, value_BSHD.dtype,
+                        backward)
     with kernel_range(RANGE_KIND, SEAM, f"{impl}->{name}" if impl == "auto" else impl):
-        return _FUNCTIONS[name](*args)
+        if name == "reference" and points_per_level is None and method == "default":
+            return reference(*args)
+        B, Q, heads = sampling_locations_BQHLP2.shape[:3]
+        if points_per_level is None:  # Deformable DETR's [.., L, P, ..]: every level P points, flattened
+            points_per_level = [sampling_locations_BQHLP2.shape[4]] * spatial_shapes_L2.shape[0]
+        loc_BQHK2 = sampling_locations_BQHLP2.reshape(B, Q, heads, -1, 2)
+        weights_BQHK = attention_weights_BQHLP.reshape(B, Q, heads, -1)
+        if name == "reference":
+            return reference_v2(value_BSHD, spatial_shapes_L2, loc_BQHK2, weights_BQHK, points_per_level, method)
+        points_L = torch.tensor(points_per_level, dtype=torch.int64, device=value_BSHD.device)
+        return _FUNCTIONS[name](value_BSHD, spatial_shapes_L2, level_start_index_L, points_L, loc_BQHK2, weights_BQHK)

@@ -2,20 +2,24 @@
 // torch.ops.fastzoo_msda.{forward, backward} and called by the torch.library ops of
 // deformable_op.py (which give them autograd and a fake implementation). Built on first use.
 //
-// Shapes are transformers' (fastzoo/attention/deformable.py): value [B, S, H, D] contiguous,
-// spatial_shapes [L, 2] int64 (height, width), level_start_index [L] int64, sampling_locations
-// [B, Q, H, L, P, 2] (x, y) in [0, 1], attention_weights [B, Q, H, L, P]; out [B, Q, H * D].
+// Shapes are transformers' (fastzoo/attention/deformable.py) with the levels' points flattened, as
+// RT-DETRv2 / D-FINE pass them: value [B, S, H, D] contiguous, spatial_shapes [L, 2] int64 (height,
+// width), level_start_index [L] int64, points_per_level [L] int64 (P_l), sampling_locations
+// [B, Q, H, K, 2] (x, y) in [0, 1] with K = sum P_l (level 0's points first), attention_weights
+// [B, Q, H, K]; out [B, Q, H * D].
 //
 // Sampling is grid_sample's (bilinear, align_corners=False, zeros outside): the location becomes
 // grid = 2 * loc - 1, then the pixel coordinate ((grid + 1) * W - 1) / 2, in grid_sample's order of
 // operations, and each of the four neighbours inside the level adds its bilinear weight times its
-// value row. Nothing of size [B, Q, H, L, P, ...] is materialised: the forward keeps one output row
+// value row. Nothing of size [B, Q, H, K, ...] is materialised: the forward keeps one output row
 // per (b, q, h); the backward recomputes the corners from the saved inputs.
 //
 // bf16 / fp16 inputs are computed in fp32 (at::opmath_type), fp64 in fp64; outputs and gradients are
 // returned in the inputs' dtype (grad_value accumulates in the compute dtype first). The forward is
 // parallel over (b, q) and the backward over (b, h), whose grad_value slices are disjoint, so no
-// two threads add into one row.
+// two threads add into one row. The loops over the head width are compiled for width 32 (d_model 256,
+// 8 heads) and for any width, each for AVX-512, AVX2 and baseline x86-64 (target_clones, picked
+// per machine when loaded).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -24,25 +28,49 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
+#if defined(__GNUC__)
+#define FZ_ALWAYS_INLINE inline __attribute__((always_inline))
+#define FZ_LAMBDA_INLINE __attribute__((always_inline))  // a lambda in a cloned function: inlined, so cloned too
+#else
+#define FZ_ALWAYS_INLINE inline
+#define FZ_LAMBDA_INLINE
+#endif
+// GCC clones templates for several instruction sets; clang's target_clones takes no templates.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FZ_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FZ_SIMD_CLONES
+#endif
+
 namespace {
 
 struct Level {
-  int64_t h, w, start;
+  int64_t h, w, start;  // size, first token in S
+  int64_t points, first_point;  // P_l, and where its points start among a (b, q, h)'s K
 };
 
-std::vector<Level> read_levels(const at::Tensor& shapes, const at::Tensor& start) {
+std::vector<Level> read_levels(const at::Tensor& shapes, const at::Tensor& start, const at::Tensor& points) {
   TORCH_CHECK(shapes.dim() == 2 && shapes.size(1) == 2, "spatial_shapes must be [L, 2]");
+  TORCH_CHECK(start.numel() == shapes.size(0) && points.numel() == shapes.size(0),
+              "level_start_index and points_per_level must have one entry per level");
   auto s = shapes.to(at::kLong).contiguous();
   auto st = start.to(at::kLong).contiguous();
+  auto pt = points.to(at::kLong).contiguous();
   const int64_t* sp = s.data_ptr<int64_t>();
   const int64_t* stp = st.data_ptr<int64_t>();
+  const int64_t* ptp = pt.data_ptr<int64_t>();
   std::vector<Level> levels(s.size(0));
-  for (int64_t l = 0; l < s.size(0); ++l) levels[l] = {sp[2 * l], sp[2 * l + 1], stp[l]};
+  int64_t first = 0;
+  for (int64_t l = 0; l < s.size(0); ++l) {
+    levels[l] = {sp[2 * l], sp[2 * l + 1], stp[l], ptp[l], first};
+    first += ptp[l];
+  }
   return levels;
 }
 
@@ -56,7 +84,7 @@ struct Corners {
 };
 
 template <typename acc_t>
-inline Corners<acc_t> corners(acc_t x, acc_t y, int64_t W, int64_t H) {
+FZ_ALWAYS_INLINE Corners<acc_t> corners(acc_t x, acc_t y, int64_t W, int64_t H) {
   Corners<acc_t> c;
   const acc_t gx = acc_t(2) * x - acc_t(1), gy = acc_t(2) * y - acc_t(1);
   c.ix = ((gx + acc_t(1)) * acc_t(W) - acc_t(1)) / acc_t(2);
@@ -79,63 +107,136 @@ inline Corners<acc_t> corners(acc_t x, acc_t y, int64_t W, int64_t H) {
   return c;
 }
 
-template <typename scalar_t, typename acc_t>
-inline void axpy(acc_t a, const scalar_t* v, acc_t* out, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) out[d] += a * static_cast<acc_t>(v[d]);
+// kD: the head width when known at compile time (the common 32 of d_model 256 / 8 heads: a loop the
+// compiler unrolls into a few vector instructions), 0 for any other width (read from D).
+template <int kD, typename scalar_t, typename acc_t>
+FZ_ALWAYS_INLINE void axpy(acc_t a, const scalar_t* v, acc_t* out, int64_t D) {
+  const int64_t n = kD ? kD : D;
+  for (int64_t d = 0; d < n; ++d) out[d] += a * static_cast<acc_t>(v[d]);
 }
 
-template <typename scalar_t, typename acc_t>
-inline acc_t dot(const acc_t* g, const scalar_t* v, int64_t D) {
+template <int kD, typename scalar_t, typename acc_t>
+FZ_ALWAYS_INLINE acc_t dot(const acc_t* g, const scalar_t* v, int64_t D) {
+  const int64_t n = kD ? kD : D;
   acc_t s = 0;
-  for (int64_t d = 0; d < D; ++d) s += g[d] * static_cast<acc_t>(v[d]);
+  for (int64_t d = 0; d < n; ++d) s += g[d] * static_cast<acc_t>(v[d]);
   return s;
 }
 
+// The inputs of one call, read once.
+template <typename scalar_t>
+struct Call {
+  const scalar_t* value;
+  const scalar_t* loc;
+  const scalar_t* w;
+  const std::vector<Level>* levels;
+  int64_t B, S, H, D, Q, K;  // K: points per (b, q, h), every level's
+};
+
+// Rows [begin, end) of (b, q): out[b, q, h, :] for every head. Compiled for AVX-512, AVX2 and baseline
+// x86-64; the loader picks one per machine.
+template <int kD, typename scalar_t>
+FZ_SIMD_CLONES void forward_rows(const Call<scalar_t>& c, scalar_t* out, int64_t begin, int64_t end) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t S = c.S, H = c.H, D = c.D, Q = c.Q, K = c.K;
+  std::vector<acc_t> acc(D);
+  for (int64_t bq = begin; bq < end; ++bq) {
+    const int64_t b = bq / Q;
+    for (int64_t h = 0; h < H; ++h) {
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      const int64_t row = (bq * H + h) * K;  // index of (b, q, h, 0) in w
+      for (const Level& lv : *c.levels) {
+        const scalar_t* base = c.value + ((b * S + lv.start) * H + h) * D;  // level l's first pixel, head h
+        for (int64_t p = 0; p < lv.points; ++p) {
+          const int64_t i = row + lv.first_point + p;
+          const auto k = corners<acc_t>(static_cast<acc_t>(c.loc[2 * i]), static_cast<acc_t>(c.loc[2 * i + 1]), lv.w, lv.h);
+          const acc_t a = static_cast<acc_t>(c.w[i]);
+          auto px = [&](int64_t y, int64_t x) FZ_LAMBDA_INLINE { return base + (y * lv.w + x) * H * D; };
+          if (k.in_nw) axpy<kD>(a * k.nw, px(k.y0, k.x0), acc.data(), D);
+          if (k.in_ne) axpy<kD>(a * k.ne, px(k.y0, k.x0 + 1), acc.data(), D);
+          if (k.in_sw) axpy<kD>(a * k.sw, px(k.y0 + 1, k.x0), acc.data(), D);
+          if (k.in_se) axpy<kD>(a * k.se, px(k.y0 + 1, k.x0 + 1), acc.data(), D);
+        }
+      }
+      scalar_t* o = out + (bq * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d]);
+    }
+  }
+}
+
+// Pairs [begin, end) of (b, h): the gradients of every query's points of head h in image b, and their
+// value gradient, which only this pair's rows receive.
+template <int kD, typename scalar_t>
+FZ_SIMD_CLONES void backward_rows(const Call<scalar_t>& c, const at::opmath_type<scalar_t>* grad,
+                                  at::opmath_type<scalar_t>* grad_value, scalar_t* grad_loc, scalar_t* grad_w,
+                                  int64_t begin, int64_t end) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t S = c.S, H = c.H, D = c.D, Q = c.Q, K = c.K;
+  // Queries outer, heads inner, as the forward: a query's heads sample neighbouring pixels, whose rows
+  // of all heads lie side by side (heads outer would visit each pixel's cache lines once per head).
+  for (int64_t b = begin / H; b * H < end; ++b) {
+    const int64_t h_lo = std::max(begin, b * H) - b * H, h_hi = std::min(end, (b + 1) * H) - b * H;
+    for (int64_t q = 0; q < Q; ++q)
+    for (int64_t h = h_lo; h < h_hi; ++h) {
+      const acc_t* g = grad + ((b * Q + q) * H + h) * D;
+      const int64_t row = ((b * Q + q) * H + h) * K;
+      for (const Level& lv : *c.levels) {
+        const int64_t first = ((b * S + lv.start) * H + h) * D;  // level l's first pixel, head h
+        for (int64_t p = 0; p < lv.points; ++p) {
+          const int64_t i = row + lv.first_point + p;
+          const auto k = corners<acc_t>(static_cast<acc_t>(c.loc[2 * i]), static_cast<acc_t>(c.loc[2 * i + 1]), lv.w, lv.h);
+          const acc_t a = static_cast<acc_t>(c.w[i]);
+          const acc_t x1 = std::floor(k.ix) + acc_t(1), y1 = std::floor(k.iy) + acc_t(1);
+          const acc_t x0 = x1 - acc_t(1), y0 = y1 - acc_t(1);
+          acc_t sampled = 0, gix = 0, giy = 0;  // g . bilinear(value); d/dix and d/diy of it
+          auto visit = [&](bool in, int64_t y, int64_t x, acc_t cw, acc_t dcw_dx, acc_t dcw_dy) FZ_LAMBDA_INLINE {
+            if (!in) return;
+            const int64_t at = first + (y * lv.w + x) * H * D;
+            const acc_t gv = dot<kD>(g, c.value + at, D);
+            sampled += cw * gv;
+            gix += dcw_dx * gv;
+            giy += dcw_dy * gv;
+            axpy<kD>(a * cw, g, grad_value + at, D);
+          };
+          visit(k.in_nw, k.y0, k.x0, k.nw, -(y1 - k.iy), -(x1 - k.ix));
+          visit(k.in_ne, k.y0, k.x0 + 1, k.ne, (y1 - k.iy), -(k.ix - x0));
+          visit(k.in_sw, k.y0 + 1, k.x0, k.sw, -(k.iy - y0), (x1 - k.ix));
+          visit(k.in_se, k.y0 + 1, k.x0 + 1, k.se, (k.iy - y0), (k.ix - x0));
+          grad_w[i] = static_cast<scalar_t>(sampled);
+          // d ix / d loc_x = W (ix = ((2 x - 1 + 1) W - 1) / 2), as grid_sample's grad times 2.
+          grad_loc[2 * i] = static_cast<scalar_t>(a * gix * (acc_t(lv.w) / acc_t(2)) * acc_t(2));
+          grad_loc[2 * i + 1] = static_cast<scalar_t>(a * giy * (acc_t(lv.h) / acc_t(2)) * acc_t(2));
+        }
+      }
+    }
+  }
+}
+
+constexpr int kCommonD = 32;  // d_model 256 over 8 heads: Deformable DETR, RT-DETR, D-FINE
+
 void check(const at::Tensor& value, const at::Tensor& loc, const at::Tensor& w) {
-  TORCH_CHECK(value.dim() == 4 && loc.dim() == 6 && w.dim() == 5, "msda: value [B,S,H,D], loc [B,Q,H,L,P,2], w [B,Q,H,L,P]");
+  TORCH_CHECK(value.dim() == 4 && loc.dim() == 5 && w.dim() == 4, "msda: value [B,S,H,D], loc [B,Q,H,K,2], w [B,Q,H,K]");
   TORCH_CHECK(value.scalar_type() == loc.scalar_type() && value.scalar_type() == w.scalar_type(),
               "msda: value, sampling_locations and attention_weights must share one dtype");
 }
 
 at::Tensor msda_forward(const at::Tensor& value_in, const at::Tensor& shapes, const at::Tensor& start,
-                        const at::Tensor& loc_in, const at::Tensor& w_in) {
+                        const at::Tensor& points, const at::Tensor& loc_in, const at::Tensor& w_in) {
   check(value_in, loc_in, w_in);
   const auto value = value_in.contiguous(), loc = loc_in.contiguous(), w = w_in.contiguous();
-  const auto levels = read_levels(shapes, start);
+  const auto levels = read_levels(shapes, start, points);
   const int64_t B = value.size(0), S = value.size(1), H = value.size(2), D = value.size(3);
-  const int64_t Q = loc.size(1), L = loc.size(3), P = loc.size(4);
-  TORCH_CHECK(static_cast<int64_t>(levels.size()) == L, "msda: spatial_shapes has ", levels.size(), " levels, loc ", L);
+  const int64_t Q = loc.size(1), K = loc.size(3);
+  TORCH_CHECK(levels.empty() || levels.back().first_point + levels.back().points == K,
+              "msda: points_per_level does not sum to sampling_locations' ", K, " points");
   auto out = at::empty({B, Q, H * D}, value.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, value.scalar_type(), "msda_forward", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* vp = value.data_ptr<scalar_t>();
-    const scalar_t* lp = loc.data_ptr<scalar_t>();
-    const scalar_t* wp = w.data_ptr<scalar_t>();
+    const Call<scalar_t> c{value.data_ptr<scalar_t>(), loc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), &levels,
+                           B, S, H, D, Q, K};
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, B * Q, 1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> acc(D);
-      for (int64_t bq = begin; bq < end; ++bq) {
-        const int64_t b = bq / Q;
-        for (int64_t h = 0; h < H; ++h) {
-          std::fill(acc.begin(), acc.end(), acc_t(0));
-          const int64_t row = (bq * H + h) * L * P;  // index of (b, q, h, 0, 0) in w
-          for (int64_t l = 0; l < L; ++l) {
-            const Level& lv = levels[l];
-            for (int64_t p = 0; p < P; ++p) {
-              const int64_t i = row + l * P + p;
-              const auto c = corners<acc_t>(static_cast<acc_t>(lp[2 * i]), static_cast<acc_t>(lp[2 * i + 1]), lv.w, lv.h);
-              const acc_t a = static_cast<acc_t>(wp[i]);
-              auto at_px = [&](int64_t y, int64_t x) { return vp + ((b * S + lv.start + y * lv.w + x) * H + h) * D; };
-              if (c.in_nw) axpy(a * c.nw, at_px(c.y0, c.x0), acc.data(), D);
-              if (c.in_ne) axpy(a * c.ne, at_px(c.y0, c.x0 + 1), acc.data(), D);
-              if (c.in_sw) axpy(a * c.sw, at_px(c.y0 + 1, c.x0), acc.data(), D);
-              if (c.in_se) axpy(a * c.se, at_px(c.y0 + 1, c.x0 + 1), acc.data(), D);
-            }
-          }
-          scalar_t* o = op + (bq * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[d]);
-        }
-      }
+      if (D == kCommonD) forward_rows<kCommonD>(c, op, begin, end);
+      else forward_rows<0>(c, op, begin, end);
     });
   });
   return out;
@@ -143,12 +244,15 @@ at::Tensor msda_forward(const at::Tensor& value_in, const at::Tensor& shapes, co
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> msda_backward(const at::Tensor& grad_in, const at::Tensor& value_in,
                                                              const at::Tensor& shapes, const at::Tensor& start,
-                                                             const at::Tensor& loc_in, const at::Tensor& w_in) {
+                                                             const at::Tensor& points, const at::Tensor& loc_in,
+                                                             const at::Tensor& w_in) {
   check(value_in, loc_in, w_in);
   const auto value = value_in.contiguous(), loc = loc_in.contiguous(), w = w_in.contiguous();
-  const auto levels = read_levels(shapes, start);
+  const auto levels = read_levels(shapes, start, points);
   const int64_t B = value.size(0), S = value.size(1), H = value.size(2), D = value.size(3);
-  const int64_t Q = loc.size(1), L = loc.size(3), P = loc.size(4);
+  const int64_t Q = loc.size(1), K = loc.size(3);
+  TORCH_CHECK(levels.empty() || levels.back().first_point + levels.back().points == K,
+              "msda: points_per_level does not sum to sampling_locations' ", K, " points");
   const auto acc_type = at::toOpMathType(value.scalar_type());
   const auto grad = grad_in.to(acc_type).contiguous();  // [B, Q, H * D]
   auto grad_value = at::zeros({B, S, H, D}, value.options().dtype(acc_type));
@@ -156,49 +260,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msda_backward(const at::Tensor& g
   auto grad_w = at::empty(w.sizes(), w.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, value.scalar_type(), "msda_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* vp = value.data_ptr<scalar_t>();
-    const scalar_t* lp = loc.data_ptr<scalar_t>();
-    const scalar_t* wp = w.data_ptr<scalar_t>();
+    const Call<scalar_t> c{value.data_ptr<scalar_t>(), loc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), &levels,
+                           B, S, H, D, Q, K};
     const acc_t* gp = grad.data_ptr<acc_t>();
     acc_t* gvp = grad_value.data_ptr<acc_t>();
     scalar_t* glp = grad_loc.data_ptr<scalar_t>();
     scalar_t* gwp = grad_w.data_ptr<scalar_t>();
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / H, h = bh % H;
-        for (int64_t q = 0; q < Q; ++q) {
-          const acc_t* g = gp + ((b * Q + q) * H + h) * D;
-          const int64_t row = ((b * Q + q) * H + h) * L * P;
-          for (int64_t l = 0; l < L; ++l) {
-            const Level& lv = levels[l];
-            for (int64_t p = 0; p < P; ++p) {
-              const int64_t i = row + l * P + p;
-              const auto c = corners<acc_t>(static_cast<acc_t>(lp[2 * i]), static_cast<acc_t>(lp[2 * i + 1]), lv.w, lv.h);
-              const acc_t a = static_cast<acc_t>(wp[i]);
-              const acc_t x1 = std::floor(c.ix) + acc_t(1), y1 = std::floor(c.iy) + acc_t(1);
-              const acc_t x0 = x1 - acc_t(1), y0 = y1 - acc_t(1);
-              acc_t sampled = 0, gix = 0, giy = 0;  // g . bilinear(value); d/dix and d/diy of it
-              auto visit = [&](bool in, int64_t y, int64_t x, acc_t cw, acc_t dcw_dx, acc_t dcw_dy) {
-                if (!in) return;
-                const int64_t tok = b * S + lv.start + y * lv.w + x;
-                const acc_t gv = dot(g, vp + (tok * H + h) * D, D);
-                sampled += cw * gv;
-                gix += dcw_dx * gv;
-                giy += dcw_dy * gv;
-                axpy(a * cw, g, gvp + (tok * H + h) * D, D);
-              };
-              visit(c.in_nw, c.y0, c.x0, c.nw, -(y1 - c.iy), -(x1 - c.ix));
-              visit(c.in_ne, c.y0, c.x0 + 1, c.ne, (y1 - c.iy), -(c.ix - x0));
-              visit(c.in_sw, c.y0 + 1, c.x0, c.sw, -(c.iy - y0), (x1 - c.ix));
-              visit(c.in_se, c.y0 + 1, c.x0 + 1, c.se, (c.iy - y0), (c.ix - x0));
-              gwp[i] = static_cast<scalar_t>(sampled);
-              // d ix / d loc_x = W (ix = ((2 x - 1 + 1) W - 1) / 2), as grid_sample's grad times 2.
-              glp[2 * i] = static_cast<scalar_t>(a * gix * (acc_t(lv.w) / acc_t(2)) * acc_t(2));
-              glp[2 * i + 1] = static_cast<scalar_t>(a * giy * (acc_t(lv.h) / acc_t(2)) * acc_t(2));
-            }
-          }
-        }
-      }
+      if (D == kCommonD) backward_rows<kCommonD>(c, gp, gvp, glp, gwp, begin, end);
+      else backward_rows<0>(c, gp, gvp, glp, gwp, begin, end);
     });
   });
   return {grad_value.to(value.scalar_type()), grad_loc, grad_w};
@@ -207,10 +277,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msda_backward(const at::Tensor& g
 }  // namespace
 
 TORCH_LIBRARY(fastzoo_msda, m) {
-  m.def("forward(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
-        "Tensor attention_weights) -> Tensor");
+  m.def("forward(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor points_per_level, "
+        "Tensor sampling_locations, Tensor attention_weights) -> Tensor");
   m.def("backward(Tensor grad, Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
-        "Tensor sampling_locations, Tensor attention_weights) -> (Tensor, Tensor, Tensor)");
+        "Tensor points_per_level, Tensor sampling_locations, Tensor attention_weights) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastzoo_msda, CPU, m) {

@@ -1,8 +1,11 @@
 """The fused multi-scale deformable attention kernels as ``torch.library`` ops with a hand-written backward.
 
 Each fused kernel is a pair of ops, ``torch.ops.fastzoo.msda_<kernel>_forward(value, spatial_shapes,
-level_start_index, sampling_locations, attention_weights) -> out`` and ``msda_<kernel>_backward(grad,
-...) -> (grad_value, grad_sampling_locations, grad_attention_weights)``, the forward's autograd
+level_start_index, points_per_level, sampling_locations, attention_weights) -> out`` and
+``msda_<kernel>_backward(grad, ...) -> (grad_value, grad_sampling_locations, grad_attention_weights)``,
+on the levels' points flattened (sampling_locations [B, Q, heads, K, 2], attention_weights
+[B, Q, heads, K], K = sum of points_per_level [L]: RT-DETRv2's and D-FINE's layout, Deformable DETR's
+reshaped), the forward's autograd
 wired to the backward op and both given fake implementations, so eager autograd and
 ``torch.compile(fullgraph=True)`` run through them:
 
@@ -42,14 +45,12 @@ def cpu_problem() -> str | None:
     return _cpu_problem
 
 
-def _cpu_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    return torch.ops.fastzoo_msda.forward(value, spatial_shapes, level_start_index, sampling_locations,
-                                          attention_weights)
+def _cpu_forward(*args):
+    return torch.ops.fastzoo_msda.forward(*args)
 
 
-def _cpu_backward(grad, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    return torch.ops.fastzoo_msda.backward(grad, value, spatial_shapes, level_start_index, sampling_locations,
-                                           attention_weights)
+def _cpu_backward(*args):
+    return torch.ops.fastzoo_msda.backward(*args)
 
 
 def _triton_forward(*args):
@@ -68,32 +69,35 @@ def _define(kernel: str, forward, backward):
     """The op pair of one kernel, with its fake implementations and autograd."""
 
     @torch.library.custom_op(f"fastzoo::msda_{kernel}_forward", mutates_args=())
-    def fwd(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
-            attention_weights: Tensor) -> Tensor:
-        return forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    def fwd(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, points_per_level: Tensor,
+            sampling_locations: Tensor, attention_weights: Tensor) -> Tensor:
+        return forward(value, spatial_shapes, level_start_index, points_per_level, sampling_locations,
+                       attention_weights)
 
     @fwd.register_fake
-    def _(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    def _(value, spatial_shapes, level_start_index, points_per_level, sampling_locations, attention_weights):
         B, Q = sampling_locations.shape[:2]
         return value.new_empty((B, Q, value.shape[2] * value.shape[3]))
 
     @torch.library.custom_op(f"fastzoo::msda_{kernel}_backward", mutates_args=())
-    def bwd(grad: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+    def bwd(grad: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, points_per_level: Tensor,
             sampling_locations: Tensor, attention_weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return tuple(backward(grad, value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
+        return tuple(backward(grad, value, spatial_shapes, level_start_index, points_per_level, sampling_locations,
+                              attention_weights))
 
     @bwd.register_fake
-    def _(grad, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    def _(grad, value, spatial_shapes, level_start_index, points_per_level, sampling_locations, attention_weights):
         return torch.empty_like(value), torch.empty_like(sampling_locations), torch.empty_like(attention_weights)
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
 
     def backward_rule(ctx, grad):
-        value, shapes, start, loc, weights = ctx.saved_tensors
-        g_value, g_loc, g_weights = bwd(grad.contiguous(), value, shapes, start, loc, weights)
+        value, shapes, start, points, loc, weights = ctx.saved_tensors
+        g_value, g_loc, g_weights = bwd(grad.contiguous(), value, shapes, start, points, loc, weights)
         need = ctx.needs_input_grad
-        return (g_value if need[0] else None, None, None, g_loc if need[3] else None, g_weights if need[4] else None)
+        return (g_value if need[0] else None, None, None, None, g_loc if need[4] else None,
+                g_weights if need[5] else None)
 
     fwd.register_autograd(backward_rule, setup_context=setup_context)
     return fwd

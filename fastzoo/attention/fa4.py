@@ -22,7 +22,7 @@ sm80 / sm120, which fastzoo does not declare (not its target, not tried). The ba
 ``FlashAttnFunc.backward`` (sm90, sm100). Not a torch.library op: ``torch.compile`` breaks the
 graph around it (declared ``compile=False``).
 
-Not verified on hardware here; ``tests/test_fa4_contract.py`` checks fastzoo's side against a
+Not verified on hardware here; ``tests/test_flash_contract.py`` checks fastzoo's side against a
 stand-in that enforces these preconditions on CPU.
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ on CUDA (Triton) is unaffected.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -56,9 +57,10 @@ def _refusal_for(path: str) -> str | None:
 def _flex_fn(compile_: bool, device_type: str):
     """``flex_attention``, compiled or not (on CPU only where :func:`cpu_compile_refusal` allows it).
 
-    Uncompiled (the CPU default) PyTorch warns once per process that the scores are
-    materialised; that is true, so it is not silenced (a filter would also change the
-    user's global warning state, and inside a compiled model it breaks the graph).
+    Uncompiled (the CPU default, declared in the capability matrix) PyTorch would warn once per
+    process, on stderr, that the scores are materialised and to compile it: fastzoo runs it so on
+    purpose, so that one warning is marked shown at its source (torch's once-per-process record),
+    which changes no warning filter of the user's and no graph.
 
     Compiled on CUDA, ``dynamic=None`` is PyTorch's automatic dynamic shapes: the first
     shape gets a specialised kernel and the first change of a size (a packed batch's T
@@ -68,6 +70,9 @@ def _flex_fn(compile_: bool, device_type: str):
     ``dynamic=False``: the C++ template was seen to fail with symbolic lengths.
     """
     if not compile_:
+        shown = getattr(sys.modules["torch.nn.attention.flex_attention"], "_WARNINGS_SHOWN", None)
+        if shown is not None:
+            shown.add("flex_attention_performance")
         return flex_attention
     if device_type not in _compiled_flex:
         _compiled_flex[device_type] = torch.compile(flex_attention, dynamic=None if device_type == "cuda" else False)

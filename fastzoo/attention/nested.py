@@ -14,8 +14,14 @@ sequence (``max_seqlen == 1``, the decoding step: the last position sees every k
 sequence, no mask), on CUDA. Otherwise (a chunk of several new tokens per sequence, or any
 causal call on CPU) it runs :func:`~fastzoo.attention.varlen.packed_sdpa` with explicit
 bottom-right masks.
+
+On CPU, jagged SDPA's math path turns the jagged tensors into the strided NestedTensor layout
+inside torch, whose C++ warns that this layout is a prototype: the one warning of torch's own
+about its internal step is filtered (that message, from ``torch.nested``, only).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -23,6 +29,10 @@ from fastzoo.attention import packing
 from fastzoo.attention.base import FLOATS, AttentionBackend, Capabilities, KernelProfile
 from fastzoo.attention.sdpa import SDPA_OPS, sdpa
 from fastzoo.attention.varlen import packed_sdpa
+
+
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage",
+                        category=UserWarning, module="torch.nested")
 
 
 class NestedBackend(AttentionBackend):

@@ -2,7 +2,7 @@
 
 Called by the ``torch.ops.fastzoo.msda_triton_*`` ops (``deformable_op.py``), which import this
 module (and so Triton) only when the ``triton`` kernel is asked for. One program handles one
-(batch, query, head): its ``L * P`` sampling points are one vector, each of the four bilinear
+(batch, query, head): its ``K`` sampling points (every level's) are one vector, each of the four bilinear
 neighbours a [points, D] gather of value rows, summed with the points' weights in fp32.
 Sampling is ``deformable_cpu.cpp``'s: grid_sample's coordinates (bilinear, align_corners=False,
 zeros outside). The backward recomputes the neighbours, writes the gradients of the locations and
@@ -30,11 +30,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _points(shapes, starts, loc, w, pid, LP, P, BLOCK_LP: tl.constexpr):
+def _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP: tl.constexpr):
     """This program's points: mask, level height / width / first token, pixel coordinates, weight."""
     k = tl.arange(0, BLOCK_LP)
     km = k < LP
-    lvl = k // P
+    lvl = tl.load(level_of + k, mask=km, other=0)
     hl = tl.load(shapes + 2 * lvl, mask=km, other=1)
     wl = tl.load(shapes + 2 * lvl + 1, mask=km, other=1)
     st = tl.load(starts + lvl, mask=km, other=0)
@@ -59,12 +59,12 @@ def _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm):
 
 
 @triton.jit
-def _forward_kernel(value, shapes, starts, loc, w, out, S, H, D, Q, LP, P,
+def _forward_kernel(value, shapes, starts, level_of, loc, w, out, S, H, D, Q, LP,
                     BLOCK_LP: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # (b * Q + q) * H + h
     h = pid % H
     b = pid // H // Q
-    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, loc, w, pid, LP, P, BLOCK_LP)
+    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP)
     fx = tl.floor(ix)
     fy = tl.floor(iy)
     d = tl.arange(0, BLOCK_D)
@@ -85,12 +85,12 @@ def _forward_kernel(value, shapes, starts, loc, w, out, S, H, D, Q, LP, P,
 
 
 @triton.jit
-def _backward_kernel(grad, value, shapes, starts, loc, w, grad_value, grad_loc, grad_w, S, H, D, Q, LP, P,
+def _backward_kernel(grad, value, shapes, starts, level_of, loc, w, grad_value, grad_loc, grad_w, S, H, D, Q, LP,
                      BLOCK_LP: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     h = pid % H
     b = pid // H // Q
-    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, loc, w, pid, LP, P, BLOCK_LP)
+    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP)
     fx = tl.floor(ix)
     fy = tl.floor(iy)
     d = tl.arange(0, BLOCK_D)
@@ -121,39 +121,37 @@ def _backward_kernel(grad, value, shapes, starts, loc, w, grad_value, grad_loc, 
     tl.store(grad_loc + 2 * i + 1, (a * giy * hl.to(tl.float32)).to(grad_loc.dtype.element_ty), mask=km)
 
 
-def _sizes(value, loc):
+def _prepare(value, spatial_shapes, level_start_index, points_per_level, sampling_locations, attention_weights):
+    """Contiguous inputs, the level of each of the K points, and the sizes the kernels take."""
+    value, loc, w = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
+    shapes, starts = spatial_shapes.to(torch.int64).contiguous(), level_start_index.to(torch.int64).contiguous()
+    levels = torch.arange(points_per_level.numel(), device=value.device)
+    level_of = torch.repeat_interleave(levels, points_per_level.to(device=value.device, dtype=torch.int64))
     B, S, H, D = value.shape
-    _, Q, _, L, P, _ = loc.shape
-    return B, S, H, D, Q, L * P, P
-
-
-def _blocks(LP: int, D: int) -> dict:
-    return dict(BLOCK_LP=triton.next_power_of_2(LP), BLOCK_D=triton.next_power_of_2(D))
+    Q, K = loc.shape[1], loc.shape[3]
+    blocks = dict(BLOCK_LP=triton.next_power_of_2(K), BLOCK_D=triton.next_power_of_2(D))
+    return value, shapes, starts, level_of, loc, w, (B, S, H, D, Q, K), blocks
 
 
 def _on(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    value, loc, w = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
-    shapes, starts = spatial_shapes.to(torch.int64).contiguous(), level_start_index.to(torch.int64).contiguous()
-    B, S, H, D, Q, LP, P = _sizes(value, loc)
+def forward(*args):
+    value, shapes, starts, level_of, loc, w, (B, S, H, D, Q, K), blocks = _prepare(*args)
     out = value.new_empty((B, Q, H * D))
     if out.numel():
         with _on(value), record_function("fastzoo::msda_triton_forward"):
-            _forward_kernel[(B * Q * H,)](value, shapes, starts, loc, w, out, S, H, D, Q, LP, P, **_blocks(LP, D))
+            _forward_kernel[(B * Q * H,)](value, shapes, starts, level_of, loc, w, out, S, H, D, Q, K, **blocks)
     return out
 
 
-def backward(grad, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    value, loc, w = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
-    shapes, starts = spatial_shapes.to(torch.int64).contiguous(), level_start_index.to(torch.int64).contiguous()
-    B, S, H, D, Q, LP, P = _sizes(value, loc)
+def backward(grad, *args):
+    value, shapes, starts, level_of, loc, w, (B, S, H, D, Q, K), blocks = _prepare(*args)
     grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
     grad_loc, grad_w = torch.empty_like(loc), torch.empty_like(w)
     if grad_w.numel():
         with _on(value), record_function("fastzoo::msda_triton_backward"):
-            _backward_kernel[(B * Q * H,)](grad.contiguous(), value, shapes, starts, loc, w, grad_value, grad_loc,
-                                           grad_w, S, H, D, Q, LP, P, **_blocks(LP, D))
+            _backward_kernel[(B * Q * H,)](grad.contiguous(), value, shapes, starts, level_of, loc, w, grad_value,
+                                           grad_loc, grad_w, S, H, D, Q, K, **blocks)
     return grad_value.to(value.dtype), grad_loc, grad_w

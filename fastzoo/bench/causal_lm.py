@@ -31,6 +31,7 @@ import fastzoo
 from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe, prepare
 from fastzoo.bench.steps import check_mode, compared_as, model_step
+from fastzoo.equivalence.weights import draw_
 from fastzoo.models.spec import Workload
 
 GENERATE_NEW_TOKENS = 32
@@ -78,7 +79,7 @@ def causal_lm_suite(
 
 # -- the models and the batch ----------------------------------------------------------------
 class _Models:
-    """The original at random init (dropout off), its users' version, and fastzoo from its weights."""
+    """The original holding the weights drawn from the seed (equivalence.weights; dropout off), its users' version, and fastzoo from its weights."""
 
     def __init__(self, entry, w: Workload, device: torch.device, seed: int):
         spec, bench = entry.spec, entry.spec.bench
@@ -86,7 +87,7 @@ class _Models:
         self.values = {**entry.config, **bench.deterministic, **w.config}
         self.cfg = spec.config_class.from_dict(self.values)
         torch.manual_seed(seed)
-        self.original = spec.original.build(self.values).eval()
+        self.original = draw_(spec.original.build(self.values), seed=seed).eval()
         self.peer_label = self.label("padded to longest")
         self.names = {n for n, _ in fastzoo.create(entry.name, attn="eager", pretrained=self.original).named_parameters()}
 

@@ -52,9 +52,23 @@ TARGET_SETTING = DeformableSetting("Deformable DETR, 800x800")
 QUICK_SETTING = DeformableSetting("Deformable DETR sizes, 400x400 image", image=400, decoder_queries=100)
 
 
-def make_inputs(s: DeformableSetting, queries: int, device, dtype, seed: int = 0) -> tuple:
-    """value, spatial_shapes, level_start_index, sampling_locations (some points past the edges, as
-    a model's offsets put them), attention_weights (softmaxed over levels x points, as the model does)."""
+def reference_points(s: DeformableSetting, queries: int, encoder: bool, g: torch.Generator) -> Tensor:
+    """[queries, 2] (x, y) in [0, 1]: the encoder's are its tokens' pixel centres, level by level (Deformable
+    DETR's ``get_reference_points``, every valid ratio 1); the decoder's are spread over the image."""
+    if not encoder:
+        return torch.rand(queries, 2, generator=g)
+    points = []
+    for h, w in s.levels():
+        y, x = torch.meshgrid(torch.linspace(0.5, h - 0.5, h) / h, torch.linspace(0.5, w - 0.5, w) / w, indexing="ij")
+        points.append(torch.stack([x.reshape(-1), y.reshape(-1)], -1))
+    return torch.cat(points)
+
+
+def make_inputs(s: DeformableSetting, queries: int, device, dtype, *, encoder: bool, seed: int = 0) -> tuple:
+    """value, spatial_shapes, level_start_index, sampling_locations, attention_weights as the model makes
+    them: each query's reference point plus offsets of a few pixels on each level (Deformable DETR's
+    ``reference_points + sampling_offsets / (W, H)``, offsets ~ N(0, 2 px); some fall past the edges),
+    attention weights softmaxed over levels x points; and a fixed upstream gradient."""
     g = torch.Generator().manual_seed(seed)
     levels = s.levels()
     shapes = torch.tensor(levels, dtype=torch.int64)
@@ -62,7 +76,9 @@ def make_inputs(s: DeformableSetting, queries: int, device, dtype, seed: int = 0
     start = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
     L = len(levels)
     value = torch.randn(s.batch, s.tokens(), s.heads, s.head_dim, generator=g)
-    loc = torch.rand(s.batch, queries, s.heads, L, s.points, 2, generator=g) * 1.1 - 0.05
+    ref = reference_points(s, queries, encoder, g)
+    offsets = torch.randn(s.batch, queries, s.heads, L, s.points, 2, generator=g) * 2.0
+    loc = ref[None, :, None, None, None, :] + offsets / shapes.flip(-1)[None, None, None, :, None, :]
     weights = torch.randn(s.batch, queries, s.heads, L * s.points, generator=g).softmax(-1)
     weights = weights.view(s.batch, queries, s.heads, L, s.points)
     upstream = torch.randn(s.batch, queries, s.heads * s.head_dim, generator=g)
@@ -97,7 +113,7 @@ def attention_step(fn, args: tuple, upstream: Tensor, items: int) -> Step:
 
 
 def group(s: DeformableSetting, part: str, queries: int, device, dtype) -> Group:
-    args, upstream = make_inputs(s, queries, device, dtype)
+    args, upstream = make_inputs(s, queries, device, dtype, encoder=part == "encoder")
     levels = s.levels()
     peer = lambda *a: transformers_msda(*a, levels=levels)  # noqa: E731
 
@@ -111,7 +127,9 @@ def group(s: DeformableSetting, part: str, queries: int, device, dtype) -> Group
     fused = "triton" if torch.device(device).type == "cuda" else "cpu"
     cases = [case("transformers MultiScaleDeformableAttention (grid_sample)", peer, peer=True, reference=True),
              case(f"fastzoo impl={fused}", lambda *a: multi_scale_deformable_attention(*a, impl=fused))]
-    return Group(f"{s.name} | {part}: {queries} queries, fwd+bwd", cases, reference=reference, unit="queries/s")
+    # the sizes, not the setting's name: --set image=... changes them
+    sizes = f"{s.image}x{s.image} image, batch {s.batch}, {s.heads}x{s.head_dim}, {len(s.strides)}x{s.points} points"
+    return Group(f"{sizes} | {part}: {queries} queries, fwd+bwd", cases, reference=reference, unit="queries/s")
 
 
 def deformable_suite(setting: DeformableSetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32) -> Suite:

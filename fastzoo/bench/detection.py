@@ -19,6 +19,7 @@ import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe
+from fastzoo.equivalence.weights import draw_
 
 # eager: on a CPU in bf16, torch's fused attention kernels train slower than matmul-softmax-matmul at
 # DETR's lengths (100 queries, 10^2-10^3 keys, head dim 32); so every backend is timed
@@ -85,7 +86,7 @@ def train_step(model, x, mask, labels, items: int, recipe: Recipe = BASELINE, fl
 
 
 class _Workload:
-    """The original (random init from the seed, never stepped: every case starts from its weights),
+    """The original (the weights drawn from the seed by equivalence.weights, never stepped: every case starts from its weights),
     the batch, and each case's model and step."""
 
     def __init__(self, name, config, images, sizes, device, seed):
@@ -95,7 +96,7 @@ class _Workload:
         entry = get_entry(name)
         cfg = {**entry.config, **config, "dropout": 0.0}
         torch.manual_seed(seed)
-        self.original = entry.spec.original.build(cfg).to(device).train()
+        self.original = draw_(entry.spec.original.build(cfg), seed=seed).to(device).train()
         self.description = entry.spec.original.description
         self.x, self.mask, self.labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
 
@@ -106,7 +107,7 @@ class _Workload:
     def fastzoo(self, attn: str, recipe: Recipe):
         import fastzoo
 
-        return fastzoo.create(self.name, pretrained=self.original, attn=attn, loss="kernel",
+        return fastzoo.create(self.name, pretrained=self.original, attn=attn, giou_impl="kernel",
                               channels_last=recipe.channels_last).to(self.device).train()
 
     def step(self, model, recipe: Recipe, *, counted: bool = True, gate: bool = True) -> Step:

@@ -22,6 +22,7 @@ import fastzoo
 from fastzoo.bench.harness import Case, Group, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe, prepare, prepare_images
 from fastzoo.bench.steps import check_mode, classification_loss, compared_as, model_step
+from fastzoo.equivalence.weights import draw_
 from fastzoo.layers.attention import UsesAttention
 from fastzoo.models.spec import Workload
 
@@ -35,7 +36,7 @@ def image_classification_suite(
     entry,
     workloads: list[Workload],
     *,
-    backends: list[str],
+    backends: list,  # names, or (name, options) for a pinned kernel
     modes=("train",),
     recipes=(BASELINE,),
     device="cpu",
@@ -65,7 +66,7 @@ def image_classification_suite(
 
 
 class _Models:
-    """One workload's original (random init from the seed), its inputs and its fastzoo twins."""
+    """One workload's original (the weights drawn from the seed: equivalence.weights), its inputs and its fastzoo twins."""
 
     def __init__(self, entry, w: Workload, device: torch.device, seed: int):
         spec, bench = entry.spec, entry.spec.bench
@@ -74,7 +75,7 @@ class _Models:
         self.cfg = spec.config_class.from_dict(self.values)
         self.name = w.name or entry.name
         torch.manual_seed(seed)
-        self.original = spec.original.build(self.values).eval()
+        self.original = draw_(spec.original.build(self.values), seed=seed).eval()
         side = getattr(self.cfg, "img_size", None) or w.img_size
         self.side = side if isinstance(side, int) else side[0]
         self.batch = w.batch
@@ -136,9 +137,10 @@ def _recipe_group(m: _Models, mode: str, recipe: Recipe, backends, original_eage
     if baseline and original_eager and m.bench.peer is not None:
         cases.append(Case(f"{m.bench.library} (eager)", lambda: m.step(copy.deepcopy(m.original), mode, recipe, original=True)))
     for b in backends if m.attention else (None,):
-        label = f"fastzoo {b}" if b else "fastzoo"
-        cases.append(Case(label, lambda b=b: m.step(m.fastzoo(b, dtype=recipe.dtype), mode, recipe),
-                          reference=b == "eager" and not low and baseline, compiled=c))
+        b, options = (b, {}) if b is None or isinstance(b, str) else b  # a name, or (name, options): a pinned kernel
+        label = f"fastzoo {b}" + "".join(f" ({k}={v})" for k, v in options.items()) if b else "fastzoo"
+        cases.append(Case(label, lambda b=b, options=options: m.step(m.fastzoo(b, options, dtype=recipe.dtype), mode, recipe),
+                          reference=b == "eager" and not options and not low and baseline, compiled=c))
     name = f"{m.name} | {mode} | {recipe.name}"
     return Group(name, cases, reference=lambda: m.reference(mode, recipe.channels_last), dtype=recipe.dtype)
 

@@ -1,6 +1,6 @@
 """DETR's set loss per training step (matcher + every term, all decoder layers, forward + backward):
 transformers' ``ForObjectDetectionLoss`` (the peer) vs fastzoo's
-:func:`~fastzoo.losses.set_prediction.set_prediction_loss` in each GIoU mode, on the same logits and
+:func:`~fastzoo.losses.set_prediction.set_prediction_loss` in each ``giou_impl``, on the same logits and
 boxes of 6 decoder layers (auxiliary loss), 100 queries, 91 classes, 1-50 boxes per image.
 
 Beside the time, each case's host reads per step are counted (:class:`HostReads`): the reads of
@@ -38,7 +38,7 @@ class SetLossSetting:
 TARGET_SETTING = SetLossSetting("8 images", 8)
 LARGE_SETTING = SetLossSetting("32 images", 32)
 BATCH_FIELD = "images"  # the setting's field --batch-size sets
-MODES = ("kernel", "padded", "concat", "per_sample")
+GIOU_IMPLS = ("kernel", "padded", "concat", "per_sample")  # the order of the table
 
 
 class HostReads(TorchFunctionMode):
@@ -110,11 +110,11 @@ def hf_loss(logits, boxes, labels, cfg):
     return loss
 
 
-def fastzoo_loss(mode: str):
+def fastzoo_loss(giou_impl: str):
     from fastzoo.losses.set_prediction import set_prediction_loss
 
     def loss_of(logits, boxes, labels, cfg):
-        return set_prediction_loss(logits, boxes, labels, num_classes=cfg.num_labels, giou=mode)[0]
+        return set_prediction_loss(logits, boxes, labels, num_classes=cfg.num_labels, giou_impl=giou_impl)[0]
 
     return loss_of
 
@@ -136,14 +136,14 @@ def loss_step(loss_of, logits0, raw0, labels, cfg, items: int) -> Step:
 
 
 def set_loss_suite(setting: SetLossSetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32, seed: int = 0,
-                   modes=MODES) -> Suite:
+                   giou_impls=GIOU_IMPLS) -> Suite:
     device, s = torch.device(device), setting
     logits, raw, labels, counts = make_inputs(s, device, seed)
     cfg = hf_config(s)
     losses = {"transformers ForObjectDetectionLoss ([B*Q, N] cost per layer, N x N GIoU)": hf_loss,
-              **{f"fastzoo set_prediction_loss, GIoU {m}": fastzoo_loss(m) for m in modes}}
+              **{f"fastzoo set_prediction_loss, GIoU {m}": fastzoo_loss(m) for m in giou_impls}}
     reads = {short: host_reads(loss_step(loss_of, logits, raw, labels, cfg, s.images).run)
-             for short, loss_of in zip(["transformers", *(f"fastzoo {m}" for m in modes)], losses.values())}
+             for short, loss_of in zip(["transformers", *(f"fastzoo {m}" for m in giou_impls)], losses.values())}
     cases = [Case(label, lambda f=loss_of: loss_step(f, logits, raw, labels, cfg, s.images), peer=i == 0,
                   reference=i == 0) for i, (label, loss_of) in enumerate(losses.items())]
     group = Group(f"{s.name} | set loss, {s.layers} layers, forward + backward", cases, unit="images/s",

@@ -46,20 +46,25 @@ Packed outputs are compared token by token with the padded reference, so a packe
 leaks attention across sequences fails. Models run in eval mode (no dropout) so that the
 comparison is deterministic; gradients are still computed.
 """
-from fastzoo.equivalence.check import Result, check, example_inputs, has_attention, original, tiny_overrides
-from fastzoo.equivalence.weights import describe, draw_
+from fastzoo.equivalence.check import (
+    Result, check, compares_grads, example_inputs, has_attention, original, tiny_overrides,
+)
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerDiff, LayerReport, logits_of
 from fastzoo.equivalence.rule import (
     FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL, FP32_OUT_ULPS, GRAD_SCALE_FLOOR, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR,
-    Comparison, compare_cases, compare_errors, compare_grads, compare_outputs, curve_error, grad_error,
+    Comparison, compare_cases, compare_errors, compare_grads, compare_grads_where_finite, compare_outputs,
+    compare_loss, compare_outputs_where_finite, curve_error, grad_error, nonfinite_difference,
 )
+from fastzoo.equivalence.weights import describe, draw_
 from fastzoo.tasks import Inputs
 
 __all__ = [
     "FP32_GRAD_RTOL", "FP32_LAYER_RTOL", "FP32_OUT_ATOL", "FP32_OUT_ULPS", "GRAD_SCALE_FLOOR", "LOW_FACTOR", "LOW_GRAD_FLOOR",
     "LOW_OUT_FLOOR", "Comparison", "Inputs", "LayerDiff", "LayerReport", "Result", "check", "compare", "compare_cases",
-    "compare_errors", "compare_grads", "compare_outputs", "curve_error", "example_inputs", "grad_error", "has_attention",
+    "compare_errors", "compare_grads", "compare_grads_where_finite", "compare_loss", "compare_outputs",
+    "compare_outputs_where_finite", "compares_grads", "curve_error", "example_inputs", "grad_error", "has_attention",
+    "nonfinite_difference",
     "logits_of",
     "describe", "draw_", "original", "tiny_overrides",
 ]

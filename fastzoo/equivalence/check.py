@@ -99,6 +99,12 @@ def has_attention(model_name: str) -> bool:
     return any(isinstance(m, UsesAttention) for m in model.modules())
 
 
+def compares_grads(backend: str, options: dict, device, train: bool) -> bool:
+    """Whether a check (and ``fastzoo check --explain``) runs the backward: in training, where the
+    backend has a backward on ``device``'s type."""
+    return train and torch.device(device).type in get_backend(backend, **options).capabilities.backward
+
+
 def original(model_name: str, *, seed: int = 0, **overrides) -> nn.Module:
     """The original library's model for ``model_name`` (config from the registry plus
     ``overrides``), holding the weights :func:`~fastzoo.equivalence.weights.draw_` draws from
@@ -151,7 +157,7 @@ def check(
     )
     ref = original(model_name, seed=seed, **(overrides or {}))
     caps = get_backend(backend, **options).capabilities
-    grads = train and device.type in caps.backward
+    grads = compares_grads(backend, options, device, train)
     if train and not grads:
         result.notes.append(f"gradients not compared: {backend} has no backward on {device.type}")
     # The fastzoo model reads its config and weights from the original, as a user would.

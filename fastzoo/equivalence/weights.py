@@ -49,7 +49,8 @@ VAR_LOW, VAR_HIGH = 0.5, 1.5  # BatchNorm running_var, kept away from 0
 def describe(seed: int = 0) -> str:
     """The draw, named for reports (a check's Result, a fuzz row, the tour's JSON)."""
     return (f"fastzoo.equivalence.weights.draw_(seed={seed}): matrices N(0, {MATRIX_GAIN:g}^2/fan_in), "
-            f"biases N(0, {BIAS_STD:g}^2), gains 1+N(0, {GAIN_STD:g}^2), BN var U({VAR_LOW:g}, {VAR_HIGH:g}), "
+            f"convolutions N(0, {CONV_GAIN:g}^2/fan_in), embeddings N(0, {EMBED_STD:g}^2), biases N(0, {BIAS_STD:g}^2), "
+            f"gains 1+N(0, {GAIN_STD:g}^2), BN mean N(0, {BIAS_STD:g}^2) var U({VAR_LOW:g}, {VAR_HIGH:g}), "
             f"tokens N(0, {TOKEN_STD:g}^2)")
 
 

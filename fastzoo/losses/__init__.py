@@ -11,6 +11,7 @@ from fastzoo.losses.giou import (
     giou_loss_kernel,
     giou_loss_padded,
     giou_loss_per_sample,
+    kernel_build_needed,
     kernel_path,
 )
 from fastzoo.losses.linear_ce import linear_cross_entropy
@@ -19,6 +20,6 @@ from fastzoo.losses.registry import Loss, get_loss, list_losses, losses, registe
 
 __all__ = [
     "IGNORE_INDEX", "Loss", "causal_lm_loss", "generalized_box_iou", "get_loss", "giou_loss", "giou_loss_concat",
-    "giou_loss_kernel", "giou_loss_padded", "giou_loss_per_sample", "kernel_path", "linear_cross_entropy", "list_losses",
+    "giou_loss_kernel", "giou_loss_padded", "giou_loss_per_sample", "kernel_build_needed", "kernel_path", "linear_cross_entropy", "list_losses",
     "losses", "next_token_targets", "register_loss",
 ]

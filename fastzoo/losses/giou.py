@@ -157,6 +157,12 @@ def kernel_path(device) -> str:
     return _giou_op().kernel_path(torch.device(device).type)
 
 
+def kernel_build_needed(device) -> bool:
+    """Whether the first fused call on ``device`` compiles the C++ kernel (~40 s, once per torch
+    version, compiler and Python): scripts say so before it starts."""
+    return _giou_op().build_needed(torch.device(device).type)
+
+
 def giou_loss(
     pred: torch.Tensor,
     target: torch.Tensor,

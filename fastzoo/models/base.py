@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fastzoo.attention import AttnRequest, default_backend, get_backend
+from fastzoo.errors import UnservedInputError
 from fastzoo.models.config import ModelConfig  # noqa: F401  (each model file's config base)
 from fastzoo.tracing import tracing
 
@@ -137,6 +138,20 @@ class FastzooModel(nn.Module):
         each replaced atomically (see :func:`write_pretrained`)."""
         meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict(), **self.extra_config()}
         return write_pretrained(path, meta, self.state_dict())
+
+
+def refuse_inputs(model: str, unserved: dict, unknown: dict, why: str = "") -> None:
+    """The rule every forward keeps: no input is silently ignored. ``unserved``: keywords of the
+    original's signature this model does not serve, refused when given a value (not None / False);
+    ``unknown``: keywords the original's signature does not have, refused whatever their value.
+    :class:`~fastzoo.errors.UnservedInputError` (a ``ValueError``) naming the first one (``why``: what
+    the model serves instead)."""
+    for name, value in unserved.items():
+        if value is not None and value is not False:
+            raise UnservedInputError(f"{name}=: fastzoo's {model} does not serve it{'; ' + why if why else ''}")
+    for name in unknown:
+        raise UnservedInputError(f"{name}=: {model}.forward() has no such keyword (the original's signature has none "
+                                 f"either)")
 
 
 def write_pretrained(path, config: dict, state: dict, weights_format: str = "fastzoo") -> Path:

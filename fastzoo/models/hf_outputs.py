@@ -17,6 +17,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from fastzoo.models.base import refuse_inputs
+
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 # tower classes whose pooler_output is the model's pooled features (forward_head(pre_logits=True))
 _TOWERS = {"ViTModel", "DeiTModel", "Dinov2Model", "CLIPVisionModel", "SiglipVisionModel"}
@@ -29,19 +31,23 @@ def hf_architecture(config) -> str | None:
     return archs[0]
 
 
-def _refuse(kwargs: dict, supported: tuple[str, ...]) -> None:
-    for name, value in kwargs.items():
-        if name in supported or value in (None, False):
-            continue
-        if name == "output_attentions":
-            raise ValueError("output_attentions=True: fastzoo's attention kernels never materialise the attention "
-                             "weights; compare against transformers with attn_implementation='eager' for them")
-        if name == "interpolate_pos_encoding":
-            raise ValueError("interpolate_pos_encoding=True: fastzoo's ViT is built for one image size; build it for "
-                             "yours with fastzoo.create(..., img_size=N), which resamples the position embedding")
-        raise TypeError(f"{name}=: not an argument of this model's transformers forward "
-                        f"(it takes pixel_values, labels, output_hidden_states, return_dict{', ' if supported else ''}"
-                        f"{', '.join(supported)})")
+# keywords of transformers' vision forwards that fastzoo does not serve: refused when given, with what to do
+_UNSERVED = {
+    "output_attentions": "its attention kernels never materialise the attention weights; compare against "
+                         "transformers with attn_implementation='eager' for them",
+    "interpolate_pos_encoding": "the ViT is built for one image size; build it for yours with fastzoo.create(..., "
+                                "img_size=N), which resamples the position embedding",
+    "attention_mask": "an image model attends to every patch",
+}
+
+
+def _refuse(kwargs: dict) -> None:
+    """Keywords left after the served ones: transformers' that fastzoo does not serve, when given (a
+    value other than None / False), and any other, by name (:func:`~fastzoo.models.base.refuse_inputs`)."""
+    for name in _UNSERVED:
+        if name in kwargs:
+            refuse_inputs("image model", {name: kwargs.pop(name)}, {}, why=_UNSERVED[name])
+    refuse_inputs("image model", {}, kwargs)
 
 
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor, config, num_items_in_batch=None,
@@ -103,7 +109,7 @@ def vit_forward(model, pixel_values, labels=None, *, output_hidden_states=None, 
     """A fastzoo ViT called as the transformers class in its ``config.hf_config`` (see the module docstring)."""
     import transformers.modeling_outputs as outputs
 
-    _refuse(kwargs, ())
+    _refuse(kwargs)
     cfg = model.config
     output_hidden_states, return_dict = _defaults(cfg, output_hidden_states, return_dict)
     if bool_masked_pos is not None and model.mask_token is None:
@@ -140,7 +146,7 @@ def resnet_forward(model, pixel_values, labels=None, *, output_hidden_states=Non
     """A fastzoo ResNet called as transformers' ``ResNetForImageClassification`` / ``ResNetModel``."""
     import transformers.modeling_outputs as outputs
 
-    _refuse(kwargs, ())
+    _refuse(kwargs)
     output_hidden_states, return_dict = _defaults(model.config, output_hidden_states, return_dict)
     x = model.maxpool(model._stem(_pixels(pixel_values, model.conv1.weight)))
     states = [x]

@@ -87,7 +87,9 @@ class ModelSpec:
     same-run GEMM peak with it (through the task's ``step_flops``). ``bench``: the family's benchmark workloads and recipes
     (:class:`BenchSettings`; None: no model suite).
     ``refused``: names the original library gives to architectures of this kind that the
-    family does not reproduce, each with the options it would need (``create`` says so).
+    family does not reproduce, each with the options it would need (``create`` says so);
+    ``why_not``: for any other unknown name, what the original library builds under it that this
+    family lacks (None: not the original library's name either).
     """
 
     family: str
@@ -101,6 +103,7 @@ class ModelSpec:
     flops: Callable[..., int] | None = None
     bench: BenchSettings | None = None
     refused: Mapping[str, str] = field(default_factory=dict)  # the originals' names it does not reproduce -> why
+    why_not: Callable[[str], str | None] | None = None
 
     def __post_init__(self):
         if not isinstance(self.task, Task):

@@ -42,6 +42,11 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of ``epoch`` already consumed
 
+    @property
+    def epoch_of_last_step(self) -> int:
+        """The epoch the last step belongs to, counted from 1 (as logs and evaluations name it)."""
+        return self.epoch + (self.batch_in_epoch > 0)
+
 
 def model_config_json(model) -> dict:
     cfg = getattr(model, "config", None)

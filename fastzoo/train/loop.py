@@ -186,6 +186,8 @@ class Trainer:
             else:  # steps after the checkpoint are run again: their old records go
                 trim_log(self.out / "log.jsonl", state.step)
         progress = Progress(total, state.step, self.out / "log.jsonl", self.task.unit, enabled=world.is_main)
+        progress.message(f"training steps {state.step + 1} to {total} ({spe} an epoch of --batch-size {args.batch_size}), "
+                         f"a line every {args.log_interval} (--log-interval)")
         means = RunningMeans(self.device)
         self.model.train()
         code = 0
@@ -199,7 +201,7 @@ class Trainer:
                         values = means.compute()
                         items = values.pop("loss_count", None)
                         values = {k: v for k, v in values.items() if not k.endswith("_count")}
-                        progress.log(state.step, {"epoch": state.epoch, **values,
+                        progress.log(state.step, {"epoch": state.epoch_of_last_step, **values,
                                                   "lr": self.optimizer.param_groups[0]["lr"]}, items)
                     epoch_done = state.batch_in_epoch == spe
                     if epoch_done:
@@ -248,9 +250,9 @@ class Trainer:
     def _evaluate_and_log(self, state: TrainState, progress: Progress) -> None:
         result = self.evaluate()
         if result:
-            progress.message(f"eval @ step {state.step} (epoch {state.epoch}): "
+            progress.message(f"eval @ step {state.step} (epoch {state.epoch_of_last_step}): "
                              + "  ".join(f"{k} {v:.4f}" for k, v in result.items()))
-            progress.write_record({"step": state.step, "epoch": state.epoch, **{f"eval_{k}": v for k, v in result.items()}})
+            progress.write_record({"step": state.step, "epoch": state.epoch_of_last_step, **{f"eval_{k}": v for k, v in result.items()}})
 
     def _capture(self, step, state, batch, rng, loss, count_global, buffers) -> int:
         world = self.world

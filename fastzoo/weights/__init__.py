@@ -11,8 +11,8 @@ architecture (a ``config.json``, a live module) must also agree with the model's
 on every field that changes the function, or :func:`load_pretrained` refuses it.
 """
 from fastzoo.weights.formats import (
-    TIMM_HUB_KEYS, config_from_source, export_state_dict, find_converter, load_pretrained, pretrained_cfg_of,
-    states_config, to_fastzoo,
+    TIMM_HUB_KEYS, config_from_source, export_state_dict, find_converter, load_pretrained, loads_in_eval,
+    pretrained_cfg_of, states_config, to_fastzoo,
 )
 from fastzoo.weights.sources import (
     INDEX_FILES, WEIGHT_FILES, Source, read_config_json, read_file, read_source, stale_shard_files,
@@ -21,6 +21,6 @@ from fastzoo.weights.strict import check_config, check_state_dict, load_into, mo
 
 __all__ = [
     "INDEX_FILES", "TIMM_HUB_KEYS", "WEIGHT_FILES", "Source", "check_config", "check_state_dict", "config_from_source",
-    "export_state_dict", "find_converter", "load_into", "load_pretrained", "model_state", "pretrained_cfg_of",
+    "export_state_dict", "find_converter", "load_into", "load_pretrained", "loads_in_eval", "model_state", "pretrained_cfg_of",
     "read_config_json", "read_file", "read_source", "stale_shard_files", "states_config", "to_fastzoo", "untied",
 ]

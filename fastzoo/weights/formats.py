@@ -53,7 +53,23 @@ def config_from_source(spec, src: Source) -> dict:
     try:
         return conv.infer_config(src.state_dict, src.module)
     except (KeyError, IndexError) as e:
-        raise CheckpointError(f"{src.origin}: cannot read the architecture from the weights (no {e})") from e
+        raise CheckpointError(f"{src.origin}: missing key {e}: the architecture cannot be read from the weights "
+                              f"without it") from e
+
+
+# the mode each library's loader returns a model in: transformers' ``from_pretrained`` gives eval,
+# timm's ``create_model`` and torchvision's ``get_model`` give train (``nn.Module``'s default)
+EVAL_AFTER_LOADING = {"hf": True, "timm": False, "torchvision": False}
+
+
+def loads_in_eval(spec, src: Source) -> bool:
+    """Whether a model built from ``src`` comes back in eval mode: as the loader of the library whose
+    checkpoint it is would return it (fastzoo's own keys: as the family's original library, the
+    format of its first converter)."""
+    fmt = "fastzoo" if _is_fastzoo(src.config) else find_converter(spec, src).format
+    if fmt == "fastzoo":
+        fmt = spec.converters[0].format
+    return EVAL_AFTER_LOADING[fmt]
 
 
 def states_config(src: Source) -> bool:

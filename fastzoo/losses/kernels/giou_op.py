@@ -12,7 +12,8 @@ Kernels, by device (``kernel_path`` says which one runs):
 
 - ``"cpu-cpp"``: one C++ loop for the forward and one for the backward (``giou_cpu.cpp``),
   built on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja;
-  cached in the torch extensions directory), on the calling thread, 16 boxes per vector
+  cached in the torch extensions directory per torch version, compiler and Python: ``fastzoo.cpp_build``),
+  on the calling thread, 16 boxes per vector
   block. Its autograd rule is registered in C++ too, so an eager call never goes back to Python.
 - ``"cpu-vectorised"``: the same closed form in vectorised torch ops (below), used only if
   the C++ build fails -- with a warning that says why -- or when
@@ -43,10 +44,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fastzoo.cpp_build import build, failure_text
+from fastzoo.cpp_build import build, failure_text, is_built
 from fastzoo.losses.kernels import compute_dtype  # shared with triton_giou, which this module imports
 
 FORCE_ENV = "FASTZOO_GIOU_CPU"  # "vectorised": skip the C++ build (tests of the fallback)
+CPP_NAME, CPP_SOURCE = "fastzoo_giou_cpu", Path(__file__).with_name("giou_cpu.cpp")
 _cpu_path: str | None = None  # "cpu-cpp" | "cpu-vectorised", decided on first use
 
 
@@ -71,6 +73,12 @@ def cpp_loaded() -> bool:
     return _cpu_path == "cpu-cpp"
 
 
+def build_needed(device_type: str) -> bool:
+    """Whether the first fused GIoU call on ``device_type`` compiles the C++ kernel (~40 s): on CPU,
+    not loaded yet and not in the build cache for this torch, compiler and Python."""
+    return device_type == "cpu" and _cpu_path is None and not os.environ.get(FORCE_ENV) and not is_built(CPP_NAME, CPP_SOURCE)
+
+
 def _load_cpp_kernel() -> str:
     forced = os.environ.get(FORCE_ENV)
     if forced == "vectorised":
@@ -83,7 +91,7 @@ def _load_cpp_kernel() -> str:
         # -ffp-contract=off: no fused multiply-adds, so values round as torchvision's ops do.
         # -fno-trapping-math: a division under a select may be computed in every lane (the block
         # loops vectorise); no value changes, only which lanes raise FP flags nobody reads.
-        build("fastzoo_giou_cpu", Path(__file__).with_name("giou_cpu.cpp"),
+        build(CPP_NAME, CPP_SOURCE,
               extra_cflags=("-O3", "-ffp-contract=off", "-fno-trapping-math"))
     except Exception as e:  # no compiler, no ninja, a failed build: say so, once
         warnings.warn(f"fastzoo GIoU on CPU: building the C++ kernel failed ({failure_text(e)}); "

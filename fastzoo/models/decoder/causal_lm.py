@@ -25,16 +25,10 @@ import torch.nn.functional as F
 
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy, softcap_logits
-from fastzoo.models.base import FastzooModel
+from fastzoo.models.base import FastzooModel, refuse_inputs
 from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
 from fastzoo.tracing import tracing
 
-
-# The logits block the training loss may hold: one pass over the LM head (the gradient computed
-# with the loss, no second matmul) wherever 256 tokens x the vocabulary fit, as in every decoder
-# vocabulary up to 262k tokens in fp32; the block stays under a third of the [tokens, vocab]
-# logits a loss on materialised logits holds (with its gradient) from about 600 tokens up.
-LM_HEAD_BLOCK_BYTES = 256 << 20
 
 
 class CausalLM(CausalLMConventions, FastzooModel):
@@ -42,11 +36,11 @@ class CausalLM(CausalLMConventions, FastzooModel):
     (the attribute holding its layers: ``transformer`` / ``model``), ``output_class`` (the name
     of its transformers output class) and ``n_positions`` (its longest position, None: no limit)."""
 
-    eval_after_pretrained = True  # like transformers' from_pretrained
     body_name: str = "model"
     output_class: str = "CausalLMOutputWithPast"
     logits_divisor: float = 1.0  # logits are lm_head(h) / logits_divisor (Granite's logits_scaling)
     logits_softcap: float | None = None  # then cap * tanh(logits / cap) (Gemma's final_logit_softcapping)
+    cross_attention_keywords: bool = False  # transformers' forward has encoder_hidden_states / _mask (GPT-2)
 
     def __init__(self):
         super().__init__()
@@ -104,13 +98,11 @@ class CausalLM(CausalLMConventions, FastzooModel):
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         cu_seqlens, max_seqlen = _flash_kwargs(kwargs, cu_seqlens, max_seqlen)
-        for name, value in (("output_attentions", output_attentions), ("encoder_hidden_states", kwargs.pop("encoder_hidden_states", None))):
-            if value:
-                raise ValueError(f"{name}: fastzoo's {type(self).__name__} does not provide it (attention kernels return "
-                                 "no weights; no cross-attention); use transformers' model for that")
-        kwargs.pop("encoder_attention_mask", None)
-        if kwargs:
-            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+        cross = {k: kwargs.pop(k) for k in ("encoder_hidden_states", "encoder_attention_mask") if k in kwargs
+                 and self.cross_attention_keywords}
+        refuse_inputs(type(self).__name__, {"output_attentions": output_attentions, **cross}, kwargs,
+                      why="attention kernels return no weights, and there is no cross-attention; use transformers' "
+                          "model for that")
         if output_hidden_states is None:  # HF: the config's default
             output_hidden_states = self.config.output_hidden_states
         cache = self._cache(past_key_values, use_cache)
@@ -202,7 +194,7 @@ class CausalLM(CausalLMConventions, FastzooModel):
         if self.training:  # no logits: the loss is fused with the LM head (scaling and soft-capping inside)
             h_ND = h_ND if self.logits_divisor == 1.0 else h_ND / self.logits_divisor
             loss = linear_cross_entropy(h_ND, self.lm_head.weight, targets_N, ignore_index=IGNORE_INDEX, reduction=reduction,
-                                        block_bytes=LM_HEAD_BLOCK_BYTES, softcap=self.logits_softcap)
+                                        softcap=self.logits_softcap)
         else:
             logits_NV = self.head(h_ND)
             loss = F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction=reduction)

@@ -107,7 +107,7 @@ class LlamaConfig(ModelConfig):
         None, "attention window of sliding layers: a query sees itself and the sliding_window - 1 keys before it", ge=1)
     layer_types: tuple[str, ...] | None = changes_function(
         None, "per layer full_attention or sliding_attention (qwen2's max_window_layers, gemma's alternation); None: "
-              "every layer sliding if sliding_window is set, else full",
+              "gemma's alternation as transformers derives it, else every layer sliding if sliding_window is set, else full",
         compare=lambda c: tuple(c.layer_kind(i) for i in range(c.num_hidden_layers)))
     no_rope_layers: tuple[int, ...] | None = changes_function(
         None, "smollm3: per layer 1 (rotary embeddings) or 0 (none); None: rotary on every layer")
@@ -202,6 +202,9 @@ class LlamaConfig(ModelConfig):
 
     def validate(self):
         layout = self.layout
+        if self.layer_types is None and layout.global_every:  # transformers' Gemma configs derive them so
+            self.layer_types = tuple("full_attention" if (i + 1) % layout.global_every == 0 else "sliding_attention"
+                                     for i in range(self.num_hidden_layers))
         if self.head_size % 2:
             raise ConfigError(f"head_dim={self.head_size}: rotary embeddings rotate pairs, the head width must be even",
                               fields=("head_dim",))

@@ -123,6 +123,7 @@ class GPT2LMHeadModel(CausalLM):
     body_name = "transformer"
     embedding_path = "transformer.wte"
     output_class = "CausalLMOutputWithCrossAttentions"
+    cross_attention_keywords = True
 
     def __init__(self, cfg: GPT2Config):
         super().__init__()
@@ -163,25 +164,31 @@ class GPT2LMHeadModel(CausalLM):
         token_type_ids=None,
         position_ids=None,
         inputs_embeds=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
         labels=None,
         use_cache=None,
+        logits_to_keep=0,
         output_attentions=None,
         output_hidden_states=None,
         return_dict=None,
-        logits_to_keep=0,
         cu_seqlens=None,
         max_seqlen=None,
         **kwargs,
     ):
-        """transformers' ``GPT2LMHeadModel.forward``: returns ``CausalLMOutputWithCrossAttentions``
-        (a tuple with ``return_dict=False``); the keywords are the decoder family's
-        (:meth:`~fastzoo.models.decoder.causal_lm.CausalLM.causal_lm_forward`), plus
-        ``token_type_ids`` (looked up in the token embedding, as HF)."""
+        """transformers' ``GPT2LMHeadModel.forward``, its keywords in its order: returns
+        ``CausalLMOutputWithCrossAttentions`` (a tuple with ``return_dict=False``); the keywords are the
+        decoder family's (:meth:`~fastzoo.models.decoder.causal_lm.CausalLM.causal_lm_forward`), plus
+        ``token_type_ids`` (looked up in the token embedding, as HF); ``encoder_hidden_states`` /
+        ``encoder_attention_mask`` (cross-attention, which GPT-2 has only with ``add_cross_attention``)
+        are refused by name when given."""
         return self.causal_lm_forward(
             input_ids, inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, labels=labels, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, return_dict=return_dict, logits_to_keep=logits_to_keep,
-            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kwargs=kwargs, token_type_ids=token_type_ids)
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, token_type_ids=token_type_ids,
+            kwargs={"encoder_hidden_states": encoder_hidden_states, "encoder_attention_mask": encoder_attention_mask,
+                    **kwargs})
 
     # -- conventions ------------------------------------------------------------------------
     def hf_config(self):

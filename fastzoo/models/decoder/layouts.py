@@ -36,6 +36,7 @@ class Layout:
     qkv_bias: bool = False  # q/k/v biases always (Qwen2), whatever attention_bias says
     windows: str = "none"  # "none"; "all": every layer (sliding_window); "layer_types": per layer
     window_required: bool = False  # transformers builds the sliding mask on every forward: sliding_window set (Gemma)
+    global_every: int | None = None  # layer_types left out: every global_every-th layer full, the others sliding (Gemma)
     fields: tuple[str, ...] = ()  # the config fields only this layout has (others must keep their defaults)
     act_field: str = "hidden_act"  # the config.json name of the MLP activation
     refused: tuple[tuple[str, str], ...] = ()  # (transformers field, why) that fastzoo refuses when set
@@ -53,10 +54,10 @@ LAYOUTS = {
                                                     "residual_multiplier", "attention_multiplier", "logits_scaling")),
     "smollm3": Layout("SmolLM3ForCausalLM", windows="layer_types", fields=("attention_bias", "mlp_bias", "no_rope_layers")),
     "phi3": Layout("Phi3ForCausalLM", fused=True, windows="all"),
-    "gemma2": Layout("Gemma2ForCausalLM", **_GEMMA, fields=(
+    "gemma2": Layout("Gemma2ForCausalLM", **_GEMMA, global_every=2, fields=(
         "attention_bias", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
         refused=(("use_bidirectional_attention", "bidirectional attention (an encoder)"),)),
-    "gemma3_text": Layout("Gemma3ForCausalLM", qk_norm="head", **_GEMMA, fields=(
+    "gemma3_text": Layout("Gemma3ForCausalLM", qk_norm="head", **_GEMMA, global_every=6, fields=(
         "attention_bias", "query_pre_attn_scalar", "final_logit_softcapping"),
         refused=(("use_bidirectional_attention", "bidirectional attention (an encoder)"),
                  ("attn_logit_softcapping", "attention soft-capping, which transformers' Gemma 3 does not apply"))),

@@ -128,11 +128,6 @@ _GEMMA2 = dict(model_type="gemma2", vocab_size=256000, head_dim=256, hidden_act=
                rope_parameters=_rope(10000.0))
 
 
-def _alternating(layers: int, every: int) -> tuple[str, ...]:
-    """Gemma's layer_types: every ``every``-th layer global, the others sliding."""
-    return tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers))
-
-
 # Which fields each checkpoint's config.json states (as published on the hub; these are the
 # architecture, rotary, norm epsilon, window, multipliers / soft-caps and token ids):
 LLAMA_VARIANTS = (
@@ -181,15 +176,15 @@ LLAMA_VARIANTS = (
     _llama("gemma2", "google/gemma-2-2b", "Gemma 2 2B: soft-capping, alternating sliding (4096) and global layers, "
            "pre- and post-norms, GeGLU", "gemma-2-2b", "google/gemma-2-2b-it", **_GEMMA2, hidden_size=2304,
            intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-           query_pre_attn_scalar=256, layer_types=_alternating(26, 2)),
+           query_pre_attn_scalar=256),
     _llama("gemma-2-9b", "google/gemma-2-9b", "Gemma 2 9B", "google/gemma-2-9b-it", **_GEMMA2, hidden_size=3584,
            intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
-           query_pre_attn_scalar=256, layer_types=_alternating(42, 2)),
+           query_pre_attn_scalar=256),
     _llama("gemma3_text", "google/gemma-3-1b-pt", "Gemma 3 1B (text): QK-norm, sliding (512) and global layers 5:1 "
            "with their own rotary bases", "gemma-3-1b", "google/gemma-3-1b-it", model_type="gemma3_text",
            vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
            num_key_value_heads=1, head_dim=256, hidden_act="gelu_pytorch_tanh", max_position_embeddings=32768,
-           rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512, layer_types=_alternating(26, 6),
+           rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=512,
            tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
            rope_parameters={"full_attention": _rope(1000000.0), "sliding_attention": _rope(10000.0)}),
 )

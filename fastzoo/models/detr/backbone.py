@@ -1,11 +1,13 @@
 """DETR's convolutional backbone: a ResNet with frozen BatchNorm, as either of the two modules
 transformers' ``DetrConvEncoder`` builds, under that module's own parameter names:
 
-- ``backbone="timm"`` (``use_timm_backbone=True``, the hub checkpoints): timm's ResNet, whose
-  names are torchvision's (``conv1``, ``layer1.0.conv1`` ...): fastzoo's ResNet; with ``dilation``
-  (DC5) its last stage dilated, timm's ``output_stride=16``;
-- ``backbone="transformers"``: transformers' ``ResNetBackbone`` (``embedder.embedder.convolution``,
-  ``encoder.stages.0.layers.0.shortcut`` ...), any stem and stage widths (:class:`HFResNet`).
+- ``use_timm_backbone=True`` (the hub checkpoints; ``backbone`` names it, "resnet50"): timm's ResNet,
+  whose names are torchvision's (``conv1``, ``layer1.0.conv1`` ...): fastzoo's ResNet; with
+  ``dilation`` (DC5) its last stage dilated, timm's ``output_stride=16``; initialised as timm's
+  (``zero_init_last``: each block's last BatchNorm weight 0);
+- ``use_timm_backbone=False``: transformers' ``ResNetBackbone`` (``embedder.embedder.convolution``,
+  ``encoder.stages.0.layers.0.shortcut`` ...), any stem and stage widths (:class:`HFResNet`),
+  initialised as transformers' ``ResNetPreTrainedModel`` (convolutions kaiming-normal, fan out).
 
 Either way every BatchNorm becomes :class:`DetrFrozenBatchNorm2d` (statistics and affine
 parameters are buffers), and the C5 feature map comes back with the pixel mask resized to it.
@@ -134,6 +136,9 @@ class HFResNet(nn.Module):
         super().__init__()
         self.embedder = Embedder(cfg.num_channels, cfg.embedding_size)
         self.encoder = Encoder(cfg)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward_features(self, x):
         x = self.embedder(x)
@@ -141,10 +146,19 @@ class HFResNet(nn.Module):
             x = stage(x)
         return x
 
+    def forward_intermediates(self, x, indices, intermediates_only: bool = True):
+        """The outputs of stages ``indices`` (1: the first stage), as ``ResNetBackbone``'s ``out_features``."""
+        x, out = self.embedder(x), []
+        for i, stage in enumerate(self.encoder.stages[:max(indices)]):
+            x = stage(x)
+            if i + 1 in indices:
+                out.append(x)
+        return out
 
-def stage_of(name: str, backbone: str) -> int:
+
+def stage_of(name: str, timm: bool) -> int:
     """The stage (0: the stem, 1..: layer1.. / stages.0..) a backbone parameter belongs to."""
-    if backbone == "timm":
+    if timm:
         return int(name[len("layer")]) if name.startswith("layer") else 0
     return int(name.split(".")[2]) + 1 if name.startswith("encoder.stages.") else 0
 
@@ -153,10 +167,10 @@ def trains(name: str, cfg: DetrConfig) -> bool:
     """Whether backbone parameter ``name`` trains under ``cfg.freeze_backbone``."""
     rule = cfg.freeze_backbone
     if rule == "transformers":
-        rule = "none" if cfg.backbone == "timm" else "all"
+        rule = "none" if cfg.use_timm_backbone else "all"
     if rule in ("all", "none"):
         return rule == "none"
-    return stage_of(name, cfg.backbone) >= 2
+    return stage_of(name, cfg.use_timm_backbone) >= 2
 
 
 class DetrConvEncoder(nn.Module):
@@ -164,11 +178,12 @@ class DetrConvEncoder(nn.Module):
 
     def __init__(self, cfg: DetrConfig):
         super().__init__()
-        if cfg.backbone == "timm":
+        if cfg.use_timm_backbone:
             mult = 4 if cfg.layer_type == "bottleneck" else 1
             rcfg = ResNetConfig(num_classes=0, global_pool="", block=cfg.layer_type, layers=cfg.depths,
                                 channels=tuple(h // mult for h in cfg.hidden_sizes), in_chans=cfg.num_channels,
-                                output_stride=16 if cfg.dilation else 32, channels_last=cfg.channels_last)
+                                output_stride=16 if cfg.dilation else 32, channels_last=cfg.channels_last,
+                                zero_init_residual=True)
             model = ResNet(rcfg)
         else:
             model = HFResNet(cfg)
@@ -181,11 +196,24 @@ class DetrConvEncoder(nn.Module):
 
     def forward(self, pixel_values_BCHW: torch.Tensor, pixel_mask_BHW: torch.Tensor | None):
         """C5 ``[B, C, h, w]`` (stride 32, 16 with ``dilation``) and the pixel mask resized to it (nearest,
-        as transformers) ``[B, h, w]`` bool, True = a real pixel (None when the batch has no padding)."""
+        as transformers) ``[B, h, w]`` bool, True = a real pixel (None when no pixel mask is given)."""
         if self.channels_last:
             pixel_values_BCHW = pixel_values_BCHW.contiguous(memory_format=torch.channels_last)
         f_BCHW = self.model.forward_features(pixel_values_BCHW)
         if pixel_mask_BHW is None:
             return f_BCHW, None
-        mask_BHW = F.interpolate(pixel_mask_BHW[None].float(), size=f_BCHW.shape[-2:]).to(torch.bool)[0]
-        return f_BCHW, mask_BHW
+        return f_BCHW, resize_mask(pixel_mask_BHW, f_BCHW.shape[-2:])
+
+    def feature_maps(self, pixel_values_BCHW: torch.Tensor, pixel_mask_BHW: torch.Tensor, indices) -> list:
+        """The feature maps of stages ``indices`` (1: the first stage; timm's ``out_indices``), each with
+        the pixel mask resized to it: ``[(f [B, C, h, w], mask [B, h, w] bool)]`` (the multi-scale
+        detectors' input; ``pixel_mask`` given, all ones for an unpadded batch, as transformers does)."""
+        if self.channels_last:
+            pixel_values_BCHW = pixel_values_BCHW.contiguous(memory_format=torch.channels_last)
+        maps = self.model.forward_intermediates(pixel_values_BCHW, list(indices), intermediates_only=True)
+        return [(f, resize_mask(pixel_mask_BHW, f.shape[-2:])) for f in maps]
+
+
+def resize_mask(pixel_mask_BHW: torch.Tensor, size) -> torch.Tensor:
+    """The pixel mask resized to a feature map (nearest, as transformers), bool: True = a real pixel."""
+    return F.interpolate(pixel_mask_BHW[None].float(), size=tuple(size)).to(torch.bool)[0]

@@ -6,19 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastzoo.errors import ConfigError
-from fastzoo.losses.set_prediction import GIOU_MODES
+from fastzoo.losses.set_prediction import GIOU_IMPLS
 from fastzoo.models.config import MAX_BLOCKS, ModelConfig, changes_function, free, weights_decide
 
-BACKBONES = ("timm", "transformers")  # the two ResNet backbones transformers' DETR builds
 # which backbone parameters are frozen: transformers 5.17 freezes nothing of its timm backbone (its
 # freezing rule asks for "resnet" in the backbone's model_type, "timm_backbone") and all of its own
 # ResNet backbone (its rule keeps names with "stage.1".."stage.3", which "stages.N" never contains)
 FREEZE = ("transformers", "stem_and_first_stage", "all", "none")
 ACTIVATIONS = ("relu", "gelu", "silu")
-# timm's ResNets that DETR's timm path names (``backbone=``), by depth and block
+# timm's ResNets that DETR's timm path names (``backbone=``), by block and depths
 TIMM_RESNETS = {"resnet18": ("basic", (2, 2, 2, 2)), "resnet34": ("basic", (3, 4, 6, 3)),
                 "resnet50": ("bottleneck", (3, 4, 6, 3)), "resnet101": ("bottleneck", (3, 4, 23, 3)),
                 "resnet152": ("bottleneck", (3, 8, 36, 3))}
+TIMM_WIDTHS = {"basic": (64, 128, 256, 512), "bottleneck": (256, 512, 1024, 2048)}
+# transformers' ResNetConfig defaults: its own ResNet's sizes where use_timm_backbone=False leaves them out
+RESNET_DEFAULTS = {"layer_type": "bottleneck", "depths": (3, 4, 6, 3), "hidden_sizes": (256, 512, 1024, 2048),
+                   "embedding_size": 64}
 
 
 @dataclass
@@ -46,17 +49,21 @@ class DetrConfig(ModelConfig):
                                             "heads (transformers feeds each layer the normalised output), and a "
                                             "loss on each")
     # -- the backbone: a ResNet (transformers' ResNetConfig names) -----------------------------------
-    backbone: str = changes_function("timm", "which ResNet module: 'timm' (timm's, torchvision's names, "
-                                     "use_timm_backbone=True) or 'transformers' (transformers' ResNetBackbone)",
-                                     choices=BACKBONES)
+    use_timm_backbone: bool = weights_decide(True, "transformers' choice of ResNet module: timm's (torchvision's names; "
+                                             "the hub checkpoints) or, False, transformers' own ResNetBackbone")
+    backbone: str | None = weights_decide(None, "timm's model name of the backbone, as transformers' DetrConfig.backbone "
+                                          "(use_timm_backbone only; None: 'resnet50'); it sets layer_type, depths, "
+                                          "hidden_sizes and embedding_size", choices=tuple(TIMM_RESNETS))
     dilation: bool = changes_function(False, "DC5: the backbone's last stage dilated (by 2) instead of strided, so "
                                       "its feature map has stride 16, as transformers' dilation=True asks of timm "
                                       "(output_stride=16); timm's backbone only (transformers' own has no dilation)")
-    layer_type: str = weights_decide("bottleneck", "'basic' (ResNet-18/34) or 'bottleneck' blocks",
-                                     choices=("basic", "bottleneck"))
-    depths: tuple[int, ...] = weights_decide((3, 4, 6, 3), "blocks per stage (ResNet-50)", ge=1, le=MAX_BLOCKS)
-    hidden_sizes: tuple[int, ...] = weights_decide((256, 512, 1024, 2048), "each stage's output channels", ge=1)
-    embedding_size: int = weights_decide(64, "the stem's channels", ge=1)
+    layer_type: str | None = weights_decide(None, "'basic' (ResNet-18/34) or 'bottleneck' blocks (None: from backbone, "
+                                            "or transformers' ResNetConfig default)", choices=("basic", "bottleneck"))
+    depths: tuple[int, ...] | None = weights_decide(None, "blocks per stage (None: from backbone, or ResNet-50's)",
+                                                    ge=1, le=MAX_BLOCKS)
+    hidden_sizes: tuple[int, ...] | None = weights_decide(None, "each stage's output channels (None: from backbone, "
+                                                          "or ResNet-50's)", ge=1)
+    embedding_size: int | None = weights_decide(None, "the stem's channels (None: 64)", ge=1)
     num_channels: int = weights_decide(3, "image channels", ge=1)
     freeze_backbone: str = free("transformers", "which backbone parameters are frozen: 'transformers' (as "
                                 "transformers 5.17 builds it: none of the timm backbone, all of its own ResNet "
@@ -69,18 +76,18 @@ class DetrConfig(ModelConfig):
     bbox_loss_coefficient: float = free(5.0, "weight of the L1 box loss", ge=0)
     giou_loss_coefficient: float = free(2.0, "weight of the GIoU loss", ge=0)
     eos_coefficient: float = free(0.1, "class weight of 'no object' in the cross-entropy", gt=0)
-    loss: str = free("kernel", "how the GIoU term runs: per_sample (a loop) | concat (gathered pairs) | padded "
-                     "(padded pairs, plain ops) | kernel (padded pairs, the fused op: no gather, no host sync)",
-                     choices=GIOU_MODES)
+    giou_impl: str = free("kernel", "how the set loss's GIoU term runs: " + "; ".join(f"{k}: {v}" for k, v in GIOU_IMPLS.items()),
+                          choices=tuple(GIOU_IMPLS))
     channels_last: bool = free(False, "NHWC backbone parameters and activations")
     gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
                                         "checkpointing on (as gradient_checkpointing_enable())")
 
     def validate(self):
+        self._backbone_sizes()
         if self.d_model % 4:  # d_model / 2 features per axis, in (sin, cos) pairs
             raise ConfigError(f"d_model={self.d_model}: the sine position embedding needs a multiple of 4 (d_model / 2 "
                               f"features per axis, in sin / cos pairs)", fields=("d_model",))
-        if self.backbone == "transformers" and self.layer_type == "bottleneck" and min(self.hidden_sizes) < 4:
+        if not self.use_timm_backbone and self.layer_type == "bottleneck" and min(self.hidden_sizes) < 4:
             raise ConfigError(f"hidden_sizes={self.hidden_sizes}: transformers' bottleneck is a quarter of its output "
                               f"wide, so each stage needs at least 4 channels", fields=("hidden_sizes", "layer_type"))
         for heads, name in ((self.encoder_attention_heads, "encoder_attention_heads"),
@@ -100,27 +107,39 @@ class DetrConfig(ModelConfig):
         if self.class_cost == self.bbox_cost == self.giou_cost == 0:
             raise ConfigError("class_cost, bbox_cost and giou_cost are all 0: the matching has no cost",
                               fields=("class_cost", "bbox_cost", "giou_cost"))
-        if self.dilation and self.backbone != "timm":
-            raise ConfigError("dilation=True (DC5) needs backbone='timm': transformers' ResNetBackbone has no dilation "
-                              "(transformers builds it undilated whatever dilation says)", fields=("dilation", "backbone"))
-        if self.backbone == "timm":  # timm's ResNet: a 64-channel stem, stage widths x1 (basic) or x4 (bottleneck)
-            mult = 4 if self.layer_type == "bottleneck" else 1
-            if self.embedding_size != 64 or any(h % mult for h in self.hidden_sizes):
-                raise ConfigError(f"backbone='timm' is timm's ResNet: embedding_size 64 and hidden_sizes divisible by "
-                                  f"{mult}, got {self.embedding_size} and {self.hidden_sizes}; transformers' own ResNet "
-                                  f"(backbone='transformers') takes any sizes",
-                                  fields=("backbone", "embedding_size", "hidden_sizes"))
+        if self.dilation and not self.use_timm_backbone:
+            raise ConfigError("dilation=True (DC5) needs use_timm_backbone=True: transformers' ResNetBackbone has no "
+                              "dilation (transformers builds it undilated whatever dilation says)",
+                              fields=("dilation", "use_timm_backbone"))
+
+    def _backbone_sizes(self):
+        """The backbone's sizes: from the timm name ``backbone`` (use_timm_backbone; sizes given beside it
+        must agree), else the fields given, transformers' ``ResNetConfig`` defaults for the rest."""
+        sizes = ("layer_type", "depths", "hidden_sizes", "embedding_size")
+        if not self.use_timm_backbone:
+            if self.backbone is not None:
+                raise ConfigError(f"backbone={self.backbone!r} names timm's model, which use_timm_backbone=False does not "
+                                  f"build (transformers' own ResNet takes layer_type, depths, hidden_sizes, "
+                                  f"embedding_size); drop backbone or set use_timm_backbone=True",
+                                  fields=("backbone", "use_timm_backbone"))
+            for name in sizes:
+                if getattr(self, name) is None:
+                    setattr(self, name, RESNET_DEFAULTS[name])
+            return
+        self.backbone = self.backbone or "resnet50"
+        block, depths = TIMM_RESNETS[self.backbone]
+        implied = {"layer_type": block, "depths": depths, "hidden_sizes": TIMM_WIDTHS[block], "embedding_size": 64}
+        for name in sizes:
+            given = getattr(self, name)
+            if given is not None and given != implied[name]:
+                raise ConfigError(f"{name}={given!r} with backbone={self.backbone!r}: timm's {self.backbone} has "
+                                  f"{name}={implied[name]!r}; name another timm ResNet ({', '.join(TIMM_RESNETS)}), or "
+                                  f"use_timm_backbone=False for transformers' own ResNet at any sizes",
+                                  fields=(name, "backbone"))
+            setattr(self, name, implied[name])
 
     is_encoder_decoder = True  # transformers' DetrConfig says so (read by its tools); not a field
 
     @property
     def num_classes(self) -> int:
         return self.num_labels
-
-    def timm_name(self) -> str | None:
-        """timm's name of this backbone (transformers' ``backbone=``), if it is a standard ResNet."""
-        widths = {"basic": (64, 128, 256, 512), "bottleneck": (256, 512, 1024, 2048)}[self.layer_type]
-        for name, (block, depths) in TIMM_RESNETS.items():
-            if (block, depths) == (self.layer_type, self.depths) and self.hidden_sizes == widths:
-                return name
-        return None

@@ -14,12 +14,13 @@ from __future__ import annotations
 import re
 
 from fastzoo.errors import CheckpointError
-from fastzoo.models.detr.config import TIMM_RESNETS, DetrConfig
+from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS, DetrConfig
 
 # transformers 5.x's renames of DETR's older keys (conversion_mapping.py, "DetrModel")
 _RENAMES = ((re.compile(r"backbone\.conv_encoder\."), "backbone."),
             (re.compile(r"\.out_proj\."), ".o_proj."),
             (re.compile(r"layers\.(\d+)\.fc([12])\."), r"layers.\1.mlp.fc\2."))
+_DETR_PARTS = ("class_labels_classifier.", "bbox_predictor.", "model.query_position_embeddings.", "model.input_projection.")
 _LAYER = re.compile(r"^model\.(encoder|decoder)\.layers\.(\d+)\.")
 
 
@@ -30,7 +31,9 @@ class HfDetrConverter:
 
     @staticmethod
     def matches(state: dict) -> bool:
-        return "class_labels_classifier.weight" in state and "model.query_position_embeddings.weight" in state
+        """DETR's keys: any of its heads or transformer parts (a state dict missing one key is still
+        DETR's, and strict loading names the key)."""
+        return any(k.startswith(_DETR_PARTS) for k in state)
 
     @staticmethod
     def to_fastzoo(state: dict) -> dict:
@@ -101,9 +104,13 @@ def _backbone_from_keys(s: dict) -> dict:
         stages = sorted(depth)
         bottleneck = f"{pre}layer1.0.conv3.weight" in s
         last = "conv3" if bottleneck else "conv2"
-        return {"backbone": "timm", "layer_type": "bottleneck" if bottleneck else "basic",
-                "depths": tuple(depth[i] for i in stages), "embedding_size": s[pre + "conv1.weight"].shape[0],
-                "hidden_sizes": tuple(s[f"{pre}layer{i}.0.{last}.weight"].shape[0] for i in stages)}
+        sizes = ("bottleneck" if bottleneck else "basic", tuple(depth[i] for i in stages),
+                 tuple(s[f"{pre}layer{i}.0.{last}.weight"].shape[0] for i in stages), s[pre + "conv1.weight"].shape[0])
+        for name, (block, depths) in TIMM_RESNETS.items():
+            if sizes == (block, depths, TIMM_WIDTHS[block], 64):
+                return {"use_timm_backbone": True, "backbone": name}
+        raise CheckpointError(f"a DETR checkpoint whose timm backbone (layer_type, depths, hidden_sizes, embedding_size = "
+                              f"{sizes}) is none of timm's {', '.join(TIMM_RESNETS)}, which transformers builds by name")
     if pre + "embedder.embedder.convolution.weight" in s:  # transformers' ResNetBackbone
         depth = {}
         for k in s:
@@ -113,7 +120,7 @@ def _backbone_from_keys(s: dict) -> dict:
         stages = sorted(depth)
         bottleneck = f"{pre}encoder.stages.0.layers.0.layer.2.convolution.weight" in s
         last = 2 if bottleneck else 1
-        return {"backbone": "transformers", "layer_type": "bottleneck" if bottleneck else "basic",
+        return {"use_timm_backbone": False, "backbone": None, "layer_type": "bottleneck" if bottleneck else "basic",
                 "depths": tuple(depth[i] for i in stages),
                 "embedding_size": s[pre + "embedder.embedder.convolution.weight"].shape[0],
                 "hidden_sizes": tuple(s[f"{pre}encoder.stages.{i}.layers.0.layer.{last}.convolution.weight"].shape[0]
@@ -152,10 +159,7 @@ def _backbone_from_config(cfg: dict) -> dict:
         if output_stride not in (None, 32, 16):
             raise CheckpointError(f"backbone output_stride={output_stride}: fastzoo's DETR builds timm's backbone at "
                                   f"output stride 32 or 16 (dilation=True, DC5)")
-        block, depths = TIMM_RESNETS[name]
-        widths = (64, 128, 256, 512) if block == "basic" else (256, 512, 1024, 2048)
-        return {"backbone": "timm", "layer_type": block, "depths": depths, "hidden_sizes": widths, "embedding_size": 64,
-                "dilation": output_stride == 16}
+        return {"use_timm_backbone": True, "backbone": name, "dilation": output_stride == 16}
     if bb.get("model_type") != "resnet":
         raise CheckpointError(f"backbone_config has model_type={bb.get('model_type')!r}; fastzoo's DETR builds ResNet "
                               f"backbones (timm's, or transformers' 'resnet')")
@@ -166,19 +170,22 @@ def _backbone_from_config(cfg: dict) -> dict:
     if outs[-1] != f"stage{len(bb.get('depths', (3, 4, 6, 3)))}":
         raise CheckpointError(f"backbone_config: out_features={outs} does not end at the last stage, which DETR reads")
     # transformers builds its ResNetBackbone undilated whatever `dilation` says: that is the function read
-    return {"backbone": "transformers", "layer_type": bb.get("layer_type", "bottleneck"),
+    return {"use_timm_backbone": False, "backbone": None, "layer_type": bb.get("layer_type", "bottleneck"),
             "depths": tuple(bb.get("depths", (3, 4, 6, 3))), "hidden_sizes": tuple(bb.get("hidden_sizes", (256, 512, 1024, 2048))),
             "embedding_size": bb.get("embedding_size", 64), "dilation": False}
 
 
-def hf_config(cfg: DetrConfig):
-    """``cfg`` as a ``transformers.DetrConfig`` (which builds the same network on random weights)."""
-    import transformers
-
-    names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
+HF_FIELDS = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
              "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
              "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
              "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient", "num_labels")
+
+
+def hf_config(cfg: DetrConfig, config_class: str = "DetrConfig", names: tuple[str, ...] = HF_FIELDS,
+              out_features: tuple[int, ...] | None = None):
+    """``cfg`` as a ``transformers.DetrConfig`` (which builds the same network on random weights); a detector
+    of the family passes its own transformers config class, the fields it writes and the backbone stages it
+    reads (``out_features``; default the last)."""
     fields = {k: getattr(cfg, k) for k in names}
     if cfg.id2label is not None:
         fields.update(id2label=dict(cfg.id2label), label2id={v: k for k, v in cfg.id2label.items()})
@@ -186,7 +193,7 @@ def hf_config(cfg: DetrConfig):
     fractional = {k: v for k, v in fields.items() if k in _INT_WEIGHTS and not float(v).is_integer()}
     fields.update({k: int(v) if k in _INT_WEIGHTS and k not in fractional else v for k, v in fields.items()})
     fields.update({k: 1 for k in fractional})
-    hf = _hf_config(cfg, fields)
+    hf = _hf_config(cfg, fields, config_class, out_features or (len(cfg.depths),))
     for k, v in fractional.items():
         object.__setattr__(hf, k, v)
     return hf
@@ -195,21 +202,17 @@ def hf_config(cfg: DetrConfig):
 _INT_WEIGHTS = ("class_cost", "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient")
 
 
-def _hf_config(cfg: DetrConfig, fields: dict):
+def _hf_config(cfg: DetrConfig, fields: dict, config_class: str, out_features: tuple[int, ...]):
     import transformers
 
-    if cfg.backbone == "timm":
-        name = cfg.timm_name()
-        if name is None:
-            raise ValueError(f"this timm backbone (layer_type={cfg.layer_type}, depths={cfg.depths}, hidden_sizes="
-                             f"{cfg.hidden_sizes}) is no timm ResNet name transformers could build; use "
-                             f"backbone='transformers' for other sizes")
-        return transformers.DetrConfig(use_timm_backbone=True, backbone=name, use_pretrained_backbone=False,
-                                       dilation=cfg.dilation, **fields)
+    make = getattr(transformers, config_class)
+    if cfg.use_timm_backbone:
+        return make(use_timm_backbone=True, backbone=cfg.backbone, use_pretrained_backbone=False, dilation=cfg.dilation,
+                    **fields)
     resnet = transformers.ResNetConfig(num_channels=cfg.num_channels, embedding_size=cfg.embedding_size,
                                        hidden_sizes=list(cfg.hidden_sizes), depths=list(cfg.depths),
-                                       layer_type=cfg.layer_type, out_features=[f"stage{len(cfg.depths)}"])
-    return transformers.DetrConfig(use_timm_backbone=False, backbone_config=resnet, use_pretrained_backbone=False, **fields)
+                                       layer_type=cfg.layer_type, out_features=[f"stage{i}" for i in out_features])
+    return make(use_timm_backbone=False, backbone_config=resnet, use_pretrained_backbone=False, **fields)
 
 
 HF = HfDetrConverter()

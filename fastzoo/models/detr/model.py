@@ -38,13 +38,16 @@ from torch import nn
 
 from fastzoo.attention import packing
 from fastzoo.attention.base import AttnContext
-from fastzoo.models.base import FastzooModel
+from fastzoo.models.base import FastzooModel, refuse_inputs
 from fastzoo.models.detr.backbone import DetrConvEncoder
 from fastzoo.models.detr.config import DetrConfig
 from fastzoo.models.timm_api import check_images
 
-def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None) -> torch.Tensor:
-    """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``."""
+def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None,
+                            offset: float = 0.0) -> torch.Tensor:
+    """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``.
+    ``offset``: subtracted from the cumulative positions before they are normalised (Deformable DETR's 0.5:
+    each position at its pixel's centre; DETR's 0)."""
     B, _, H, W = shape
     n = d_model // 2
     if mask_BHW is None:
@@ -53,8 +56,8 @@ def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.
     else:
         m = mask_BHW.to(dtype)
         y_BHW, x_BHW = m.cumsum(1), m.cumsum(2)
-    y_BHW = y_BHW / (y_BHW[:, -1:, :] + 1e-6) * (2 * math.pi)
-    x_BHW = x_BHW / (x_BHW[:, :, -1:] + 1e-6) * (2 * math.pi)
+    y_BHW = (y_BHW - offset) / (y_BHW[:, -1:, :] + 1e-6) * (2 * math.pi)  # x - 0.0 is x: DETR's values exactly
+    x_BHW = (x_BHW - offset) / (x_BHW[:, :, -1:] + 1e-6) * (2 * math.pi)
     dim_t = torch.arange(n, dtype=torch.int64, device=device).to(dtype)
     dim_t = 10000 ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / n)
     px, py = x_BHW[..., None] / dim_t, y_BHW[..., None] / dim_t
@@ -151,11 +154,12 @@ class DetrMLPPredictionHead(nn.Module):
 
 
 class DetrForObjectDetection(FastzooModel):
-    """DETR with transformers' call convention (``forward`` in ``hf_api.py``)."""
+    """DETR with transformers' call convention."""
 
     family = "detr"
     config_class = DetrConfig
     main_input_name = "pixel_values"
+    sigmoid_classes = False  # a softmax over the classes and "no object"
     supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 
     def __init__(self, cfg: DetrConfig):
@@ -259,21 +263,31 @@ class DetrForObjectDetection(FastzooModel):
         """Class logits ``[L, B, Q, C+1]`` and boxes (cx, cy, w, h) ``[L, B, Q, 4]``."""
         return self.class_labels_classifier(h_LBQD), self.bbox_predictor(h_LBQD).sigmoid()
 
-    def forward(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None, labels: list[dict] | None = None,
-                return_dict: bool | None = None, **kwargs):
-        """transformers' ``DetrForObjectDetection.forward``: ``pixel_values [B, 3, H, W]``, ``pixel_mask
-        [B, H, W]`` (1 = a real pixel, 0 = padding), ``labels``: per image a dict with ``class_labels [n]``
-        and ``boxes [n, 4]`` (cx, cy, w, h in [0, 1]; n may be 0). Returns transformers'
-        ``DetrObjectDetectionOutput`` (``loss``, ``loss_dict``, ``logits``, ``pred_boxes``,
-        ``auxiliary_outputs``, ``last_hidden_state``); ``return_dict=False`` gives its tuple. The
-        loss is :func:`fastzoo.losses.set_prediction.set_prediction_loss` with this config's settings."""
+    def forward(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None, decoder_attention_mask=None,
+                encoder_outputs=None, inputs_embeds=None, decoder_inputs_embeds=None, labels: list[dict] | None = None,
+                **kwargs):
+        """transformers 5.17's ``DetrForObjectDetection.forward``, its keywords in its order:
+        ``pixel_values [B, 3, H, W]``, ``pixel_mask [B, H, W]`` (1 = a real pixel, 0 = padding),
+        ``labels``: per image a dict with ``class_labels [n]`` and ``boxes [n, 4]`` (cx, cy, w, h in
+        [0, 1]; n may be 0). Returns transformers' ``DetrObjectDetectionOutput`` (``loss``,
+        ``loss_dict``, ``logits``, ``pred_boxes``, ``auxiliary_outputs``, ``last_hidden_state``);
+        ``return_dict=False`` gives its tuple. The loss is
+        :func:`fastzoo.losses.set_prediction.set_prediction_loss` with this config's settings, normalised
+        by the box count as transformers' (``num_items_in_batch``, which its Trainer passes, changes nothing
+        there either). Refused by name (``ValueError``): ``decoder_attention_mask``, ``encoder_outputs``,
+        ``inputs_embeds``, ``decoder_inputs_embeds`` given, ``output_attentions`` / ``output_hidden_states``
+        true, and any other keyword."""
         from transformers.models.detr.modeling_detr import DetrObjectDetectionOutput
 
         from fastzoo.losses.set_prediction import set_prediction_loss
 
-        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-            raise ValueError("output_attentions / output_hidden_states: fastzoo's DETR does not return per-layer "
-                             "attentions or hidden states (the attention kernels never materialise the weights)")
+        return_dict = kwargs.pop("return_dict", None)
+        kwargs.pop("num_items_in_batch", None)
+        unserved = {"decoder_attention_mask": decoder_attention_mask, "encoder_outputs": encoder_outputs,
+                    "inputs_embeds": inputs_embeds, "decoder_inputs_embeds": decoder_inputs_embeds,
+                    **{k: kwargs.pop(k, None) for k in ("output_attentions", "output_hidden_states")}}
+        refuse_inputs("DETR", unserved, kwargs, why="it runs the whole model from pixel_values (+ pixel_mask) and returns "
+                      "no per-layer attentions or hidden states (the attention kernels never materialise the weights)")
         pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
                                                  self.class_labels_classifier.weight)
         h_LBQD = self.model(pixel_values, pixel_mask, self.packs())

@@ -20,12 +20,12 @@ def build_original(cfg: dict):
     return transformers.DetrForObjectDetection(hf)
 
 
-TINY = dict(backbone="transformers", embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1), d_model=32,
+TINY = dict(use_timm_backbone=False, embedding_size=8, hidden_sizes=(8, 16, 24, 32), depths=(1, 1, 1, 1), d_model=32,
             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
             encoder_layers=2, decoder_layers=2, num_queries=8, num_labels=5)
 # the tour's DETR: timm's ResNet-18 backbone under the full-size transformer (6+6 layers, width 256, 100 queries)
-R18 = dict(backbone="timm", layer_type="basic", depths=(2, 2, 2, 2), hidden_sizes=(64, 128, 256, 512))
-R50 = dict(backbone="timm", layer_type="bottleneck", depths=(3, 4, 6, 3), hidden_sizes=(256, 512, 1024, 2048))
+R18 = dict(backbone="resnet18")
+R50 = {}  # backbone None: timm's resnet50, as transformers' DetrConfig()
 SPEC = ModelSpec(
     family="detr",
     task=DETECTION,
@@ -34,12 +34,12 @@ SPEC = ModelSpec(
         Variant("detr", dict(R50), "DETR ResNet-50 (COCO's 91 label ids, 100 queries, 6+6 layers)",
                 "transformers DetrForObjectDetection (facebook/detr-resnet-50)",
                 aliases=("facebook/detr-resnet-50", "detr_resnet50")),
-        Variant("detr_resnet101", dict(R50, depths=(3, 4, 23, 3)), "DETR ResNet-101",
+        Variant("detr_resnet101", dict(backbone="resnet101"), "DETR ResNet-101",
                 "transformers DetrForObjectDetection (facebook/detr-resnet-101)", aliases=("facebook/detr-resnet-101",)),
         Variant("detr_resnet50_dc5", dict(R50, dilation=True), "DETR-DC5 ResNet-50 (last stage dilated: stride 16)",
                 "transformers DetrForObjectDetection (facebook/detr-resnet-50-dc5)",
                 aliases=("facebook/detr-resnet-50-dc5",)),
-        Variant("detr_resnet101_dc5", dict(R50, depths=(3, 4, 23, 3), dilation=True),
+        Variant("detr_resnet101_dc5", dict(backbone="resnet101", dilation=True),
                 "DETR-DC5 ResNet-101 (last stage dilated: stride 16)",
                 "transformers DetrForObjectDetection (facebook/detr-resnet-101-dc5)",
                 aliases=("facebook/detr-resnet-101-dc5",)),

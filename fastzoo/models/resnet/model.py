@@ -300,7 +300,7 @@ class ResNet(hf_outputs.TransformersCall, TimmModelAPI, FastzooModel):
             raise ValueError(f"global_pool='' (no pooling) needs num_classes=0, got num_classes={num_classes}")
         self.config.num_classes, self.config.global_pool = num_classes, global_pool
         w = self.conv1.weight
-        self.avgpool = nn.AdaptiveAvgPool2d(1) if global_pool else nn.Identity()
+        self.avgpool = (nn.AdaptiveAvgPool2d(1) if global_pool else nn.Identity()).train(self.training)
         fc = nn.Linear(self.config.num_features, num_classes) if num_classes else nn.Identity()
         self.fc = fc.to(device=w.device, dtype=w.dtype).train(self.training)
 

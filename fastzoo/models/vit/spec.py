@@ -87,6 +87,7 @@ SPEC = ModelSpec(
     model=VisionTransformer,
     variants=tuple(_timm_variant(name, derived) for name, derived in _TIMM["variants"].items()) + hf_names.variants(),
     refused={name: "; ".join(reasons) for name, reasons in _TIMM["refused"].items()},
+    why_not=timm_names.why_not,
     converters=(VIT, hf.HF_VIT),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
     original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),

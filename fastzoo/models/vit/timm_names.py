@@ -90,6 +90,28 @@ def derive(modules: Mapping[str, nn.Module] | None = None) -> dict:
     return {"timm": timm.__version__, "variants": variants, "refused": refused}
 
 
+# what timm's other ViT-like modules build that fastzoo's ViT (timm's VisionTransformer) lacks
+OTHER_MODULES = {
+    "timm.models.eva": "EVA's blocks: rotary position embeddings (the '_rope' names), SwiGLU MLPs, a norm inside "
+                       "the MLP",
+}
+
+
+def why_not(name: str) -> str | None:
+    """Why a timm vision-transformer name outside :func:`candidates` is not fastzoo's: the timm module
+    that builds it and what that module has (None: not such a timm name)."""
+    import timm
+
+    if not isinstance(name, str) or not timm.is_model(name):
+        return None
+    module = timm.models.model_entrypoint(name).__module__
+    if module not in OTHER_MODULES and not name.startswith(("vit", "deit", "beit", "eva")):
+        return None
+    what = OTHER_MODULES.get(module) or (sys.modules[module].__doc__ or module).strip().splitlines()[0]
+    return (f"timm builds it in {module} ({what}), not with timm's VisionTransformer, which fastzoo's ViT reproduces "
+            f"(`fastzoo list 'vit*'` lists those names)")
+
+
 def load() -> dict:
     """The committed derivation (``timm_variants.json``)."""
     return json.loads(DATA.read_text())
