@@ -1,6 +1,7 @@
 """fastzoo.equivalence: a fastzoo model against the original library's model (timm's ViT,
 Hugging Face's GPT-2) on the same weights and inputs. It passes for correct backends, fails
 for wrong ones, names the first layer where the two models part, and its CLI reports all of it."""
+import copy
 import json
 
 import pytest
@@ -200,6 +201,20 @@ def test_a_perturbed_weight_is_found_in_exactly_its_layer():
     assert report.first_forward is report.first
     before = [d for d in report.layers[: report.layers.index(report.first)]]
     assert before and not any(d.forward_diverges for d in before)  # everything upstream still agrees
+
+
+def test_a_parameter_lost_in_the_port_fails_the_gradients_and_a_tied_head_does_not():
+    """GPT-2's head is tied to its token embedding (one parameter, two names on both sides): the
+    correct port passes with gradients; a bias the port lost (its original has it) is a gradient on
+    one side only, which fails by name even where the forward cannot tell (a forward-only check does)."""
+    from fastzoo.equivalence.check import original
+    ref = original("gpt2", **TINY["gpt2"])
+    ids = torch.randint(0, TINY["gpt2"]["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    ours = fastzoo.create("gpt2", pretrained=copy.deepcopy(ref), attn="eager").eval()
+    assert all(c.passed for c in equivalence.compare(ours, ref, (ids,))[0])
+    ours.transformer.h[1].mlp.c_fc.bias = None
+    logits, grads = equivalence.compare(ours, ref, (ids,))[0]
+    assert not grads.passed and grads.err == float("inf") and "'transformer.h.1.mlp.c_fc.bias'" in grads.worst, grads
 
 
 def test_a_backend_wrong_in_one_layer_is_named_by_the_forward_report(register):

@@ -87,8 +87,11 @@ def compare(
     layers = layers and dtype == torch.float32
     ref = _run(original, original_inputs, torch.float32, device, seed=seed, grads=grads, layers=layers)
     ours = _run(model, inputs, dtype, device, seed=seed, grads=grads, layers=layers, against=ref)
-    own = {n for n, _ in model.named_parameters()}  # the original's extra names (an HF tied head) are not compared
-    ref_grads = {k: v for k, v in _in_fastzoo_names(model, original, ref.grads).items() if k in own} if grads else {}
+    # a second name of one of fastzoo's tied parameters (an HF tied head) is not compared twice; any other
+    # name fastzoo lacks stays in, so that a parameter lost in the port fails the gradient comparison
+    own = {n for n, _ in model.named_parameters()}
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - own
+    ref_grads = {k: v for k, v in _in_fastzoo_names(model, original, ref.grads).items() if k not in aliases} if grads else {}
     peers = [] if peer is None else list(peer) if isinstance(peer, Sequence) else [peer]
     low = [_run(p, original_inputs, dtype, device, seed=seed, grads=grads) for p in peers]
     comps = [compare_outputs(name, ours.out_NC, ref.out_NC, [r.out_NC for r in low] or None)]

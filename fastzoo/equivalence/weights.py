@@ -15,12 +15,18 @@ BatchNorm statistics of 0 / 1 a mean read as a variance, a LayerScale of 1e-5 a 
   2.8, 4.3, 27; at 1.2: 10, 60, 4300 (one-hot softmax);
 - an untied embedding's rows (tokens, DETR's object queries): ``N(0, EMBED_STD^2)``, O(1) per
   component as a matrix's output;
+- then rows scaled by a log-uniform factor in ``[SMALL_ROW_LOW, 1]``: every row of a learned
+  token tensor (class token, position embedding), a quarter of the rows of an embedding (tied too): the first norm of a token whose rows are small reads
+  a variance down to ~1e-5, where a norm eps of 1e-5 or 1e-6 moves its output by percents (at a
+  variance of 1 by 4.5e-6, below fp32's bound: an eps bug would pass);
 - biases (of anything, norms included): ``N(0, BIAS_STD^2)``;
 - gains (norm weights, LayerScale's gamma, any other learned 1-D vector): ``1 + N(0, GAIN_STD^2)``
   as the module applies it: a "1 + w" norm (Gemma's RMSNorm, found by probing the module, not by
   its name) gets ``w ~ N(0, GAIN_STD^2)``;
 - BatchNorm statistics (also frozen BatchNorm's buffers): mean ``N(0, BIAS_STD^2)``, variance
-  ``U(VAR_LOW, VAR_HIGH)``, positive;
+  log-uniform in ``[VAR_LOW, VAR_HIGH]`` (checkpoints hold variances down to 1e-4 and below, where
+  eps matters), and the weight times ``sqrt(variance)``, so each channel's scale
+  ``weight / sqrt(var)`` is a gain ``1 + N(0, GAIN_STD^2)``: outputs stay O(1) per unit input;
 - other learned tensors (class / register tokens, position embeddings, latent queries):
   ``N(0, TOKEN_STD^2)``.
 
@@ -43,15 +49,17 @@ BIAS_STD = 0.2
 GAIN_STD = 0.2
 TOKEN_STD = 0.5
 EMBED_STD = 1.0  # an untied embedding's rows: O(1) per component, as a matrix's output
-VAR_LOW, VAR_HIGH = 0.5, 1.5  # BatchNorm running_var, kept away from 0
+VAR_LOW, VAR_HIGH = 1e-4, 1.0  # BatchNorm running_var, log-uniform: eps matters on the small ones
+SMALL_ROWS, SMALL_ROW_LOW = 0.25, 1e-2  # rows scaled by 1e-2..1: a quarter of an embedding's, every token's
 
 
 def describe(seed: int = 0) -> str:
     """The draw, named for reports (a check's Result, a fuzz row, the tour's JSON)."""
     return (f"fastzoo.equivalence.weights.draw_(seed={seed}): matrices N(0, {MATRIX_GAIN:g}^2/fan_in), "
             f"convolutions N(0, {CONV_GAIN:g}^2/fan_in), embeddings N(0, {EMBED_STD:g}^2), biases N(0, {BIAS_STD:g}^2), "
-            f"gains 1+N(0, {GAIN_STD:g}^2), BN mean N(0, {BIAS_STD:g}^2) var U({VAR_LOW:g}, {VAR_HIGH:g}), "
-            f"tokens N(0, {TOKEN_STD:g}^2)")
+            f"gains 1+N(0, {GAIN_STD:g}^2), BN mean N(0, {BIAS_STD:g}^2) var log-U({VAR_LOW:g}, {VAR_HIGH:g}) "
+            f"weight x sqrt(var), tokens N(0, {TOKEN_STD:g}^2); rows x log-U({SMALL_ROW_LOW:g}, 1): every token row, "
+            f"{SMALL_ROWS:g} of embedding rows")
 
 
 def draw_(module: nn.Module, *, seed: int = 0) -> nn.Module:
@@ -71,7 +79,29 @@ def draw_(module: nn.Module, *, seed: int = 0) -> nn.Module:
                 seen.add(id(t))
                 g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{prefix}.{name}".encode()))
                 t.copy_(_value(m, name, t, offset, g, tied=id(t) in projections))
+                if isinstance(m, nn.Embedding) or (t.ndim >= 2 and not _is_matrix(m, name, t)):
+                    t.mul_(_row_scales(t, g, every=not isinstance(m, nn.Embedding)))
+            _scale_by_variance(m)
     return module
+
+
+def _row_scales(t: torch.Tensor, g: torch.Generator, *, every: bool) -> torch.Tensor:
+    """A factor per row (every index but the last), log-uniform in [SMALL_ROW_LOW, 1]: for ``every``
+    row (a class token is one row), or else for a fraction SMALL_ROWS of them and 1 for the rest (an
+    embedding: the other rows keep tokens apart, and attention sharp), so that a norm reading a sum
+    of small rows sees a variance down to ~1e-5, where an eps of 1e-5 or 1e-6 differs by percents."""
+    u = torch.rand((*t.shape[:-1], 1), generator=g)
+    if every:
+        return SMALL_ROW_LOW ** u
+    return torch.where(u < SMALL_ROWS, SMALL_ROW_LOW ** (u / SMALL_ROWS), torch.ones_like(u))
+
+
+def _scale_by_variance(m: nn.Module) -> None:
+    """A BatchNorm's weight times sqrt(running_var): its output stays O(1) per unit input whatever the
+    drawn variance, and eps moves it by ~eps / (2 var) on the small-variance channels."""
+    var, weight = getattr(m, "running_var", None), getattr(m, "weight", None)
+    if _is_norm(m) and isinstance(var, torch.Tensor) and isinstance(weight, torch.Tensor) and var.is_floating_point():
+        weight.mul_(var.sqrt())
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -101,7 +131,7 @@ def _fan_in(m: nn.Module, t: torch.Tensor) -> int:
 def _value(m: nn.Module, name: str, t: torch.Tensor, offset: float, g: torch.Generator, *, tied: bool) -> torch.Tensor:
     r = torch.randn(t.shape, generator=g)
     if name == "running_var":
-        return torch.rand(t.shape, generator=g) * (VAR_HIGH - VAR_LOW) + VAR_LOW
+        return VAR_LOW * (VAR_HIGH / VAR_LOW) ** torch.rand(t.shape, generator=g)
     if name in ("bias", "running_mean"):
         return BIAS_STD * r
     if isinstance(m, nn.Embedding) and not tied:  # a row is the output: O(1) per component

@@ -33,13 +33,14 @@ class DetrFrozenBatchNorm2d(nn.Module):
         self.register_buffer("bias", torch.zeros(n))
         self.register_buffer("running_mean", torch.zeros(n))
         self.register_buffer("running_var", torch.ones(n))
+        self.eps = 1e-5
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         state_dict.pop(prefix + "num_batches_tracked", None)  # a trainable BatchNorm's checkpoint
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x):
-        scale = self.weight.reshape(1, -1, 1, 1) * (self.running_var.reshape(1, -1, 1, 1) + 1e-5).rsqrt()
+        scale = self.weight.reshape(1, -1, 1, 1) * (self.running_var.reshape(1, -1, 1, 1) + self.eps).rsqrt()
         shift = self.bias.reshape(1, -1, 1, 1) - self.running_mean.reshape(1, -1, 1, 1) * scale
         return x * scale + shift
 
