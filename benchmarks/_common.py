@@ -36,8 +36,8 @@ def setup(args) -> tuple[torch.device, Path]:
 
 
 def timing(quick: bool, device: torch.device) -> dict:
-    """warm-up and timed runs; compilation happens in the warm-up."""
-    return {"warmup": 1, "iters": 3} if quick else {"warmup": 3, "iters": 10 if device.type == "cpu" else 20}
+    """warm-up and timed runs (at least 5: the spread a figure is judged by); compilation happens in the warm-up."""
+    return {"warmup": 1, "iters": 5} if quick else {"warmup": 3, "iters": 10 if device.type == "cpu" else 20}
 
 
 def dtype_for(device: torch.device) -> torch.dtype:

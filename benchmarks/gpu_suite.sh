@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_suite.sh --list                 the stages
 #   bash benchmarks/gpu_suite.sh STAGE OUTDIR           run one stage (OUTDIR: created if absent)
 #   bash benchmarks/gpu_suite.sh STAGE OUTDIR --dry-run print the stage's commands, run nothing
+#   bash benchmarks/gpu_suite.sh STAGE --dry-run        the same (the seeds stage also prints its projected H100 time
+#                                                       from a CPU dry run and fails if it overruns 8 minutes)
 #   bash benchmarks/gpu_suite.sh STAGE OUTDIR --cpu     run it on the CPU at tiny size (to try the suite)
 #   tar -xzf OUTDIR/STAGE.tar.gz                        at the repository root: the results in place
 #
@@ -19,7 +21,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#       xformers==0.0.35 'flash-attn-4[cu13]==4.0.0b36' --no-deps   (then the same for flash-attn-4's
+#       xformers==0.0.35 'flash-attn-4[cu13]==4.0.0b36' liger-kernel==0.8.5 --no-deps   (then the same for flash-attn-4's
 #       dependencies: nvidia-cutlass-dsl, its libs, quack-kernels, apache-tvm-ffi, torch-c-dlpack-ext, einops)
 # (match --python-version to the GPU machine's python). flash-attn 2, FlashAttention-3 and Transformer
 # Engine compile against torch and have no wheel to carry: their stages report them unavailable
@@ -49,10 +51,11 @@ STAGES=(
   "bench-resnet:ResNet-50 suite"
   "deformable:multi-scale deformable attention: Triton kernel parity tests on the GPU, then its suite vs transformers"
   "parity-train:300 training steps per available backend vs the reference (loss curves)"
+  "seeds:the seeds' tables: ViT-B/16 step per backend, GPT-2 padded vs packed, GIoU modes (benchmarks/seeds.py)"
 )
 
 usage() {
-  echo "usage: bash benchmarks/gpu_suite.sh STAGE OUTDIR [--dry-run | --cpu]   (or --list)" >&2
+  echo "usage: bash benchmarks/gpu_suite.sh STAGE OUTDIR [--dry-run | --cpu], STAGE --dry-run   (or --list)" >&2
   echo "stages: $(printf '%s\n' "${STAGES[@]}" | cut -d: -f1 | tr '\n' ' ')" >&2
 }
 
@@ -64,6 +67,11 @@ if [ $# -lt 2 ] || [ $# -gt 3 ]; then usage; exit 2; fi
 STAGE=$1
 OUTDIR=$2
 MODE=${3:-gpu}
+if [ $# -eq 2 ] && [ "$2" = "--dry-run" ]; then  # a dry run writes nothing: OUTDIR is a scratch folder
+  MODE=--dry-run
+  OUTDIR=$(mktemp -d)
+  trap 'rm -rf "$OUTDIR"' EXIT
+fi
 case "$MODE" in gpu|--dry-run|--cpu) ;; *) echo "gpu_suite.sh: unknown option '$MODE' (--dry-run or --cpu)" >&2; usage; exit 2 ;; esac
 if ! printf '%s\n' "${STAGES[@]}" | cut -d: -f1 | grep -qx -- "$STAGE"; then
   echo "gpu_suite.sh: unknown stage '$STAGE'" >&2; usage; exit 2
@@ -211,9 +219,21 @@ print(json.dumps(info, indent=2))"
     bench deformable_attention
     ;;
   parity-train) bench parity_train ;;
+  seeds)
+    # one part per step (each its own budget line); fa2, fa3 and TE compile against torch and travel as no
+    # wheel; xFormers and FA4 (nvidia-cutlass-dsl, ~92 MB: more than one call's 64 MiB, so carried in two
+    # calls into the machine's kept build folder) come from $WHEELS when they are there, else their rows
+    # say unavailable
+    if [ "$MODE" = "--dry-run" ]; then
+      "$PY" benchmarks/seeds.py --dry-run || STATUS=1
+    fi
+    for part in vit gpt2 giou; do
+      step "seeds_$part" "$PY" benchmarks/seeds.py --part "$part" --device "$DEV" --out "$RES" --no-progress
+    done
+    ;;
 esac
 
-if [ "$MODE" = "--dry-run" ]; then rm -rf "$WORK"; exit 0; fi
+if [ "$MODE" = "--dry-run" ]; then rm -rf "$WORK"; exit $STATUS; fi
 
 # pack: results + logs + summary under benchmarks/results/<device>/<stage>/, then only two files remain
 DEST="$WORK/pack/benchmarks/results/$DEVICE_DIR/$STAGE"

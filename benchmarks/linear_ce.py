@@ -17,8 +17,8 @@ from fastzoo.bench.linear_ce import TARGET_SETTING, linear_ce_suite
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def run(device, out, *, quick, compile=None, note="", progress=True, dtype="fp32"):  # a loss: no compiled rows
-    suite = linear_ce_suite(TARGET_SETTING, device=device, dtype=DTYPES[dtype])
+def run(device, out, *, quick, compile=None, note="", progress=True, dtype="fp32", torch_op=True):  # a loss: no compiled rows
+    suite = linear_ce_suite(TARGET_SETTING, device=device, dtype=DTYPES[dtype], torch_op=torch_op)
     stem = "linear_ce" if dtype == "fp32" else f"linear_ce_{dtype}"
     return save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True), out, stem)
 
@@ -26,6 +26,8 @@ def run(device, out, *, quick, compile=None, note="", progress=True, dtype="fp32
 if __name__ == "__main__":
     p = parser(__doc__)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the inputs' dtype (fp32: the equivalence rule's)")
+    p.add_argument("--no-torch-op", action="store_true", help="leave torch's chunked op out (the slowest case on a CPU)")
     args = p.parse_args()
     device, out = setup(args)
-    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress, dtype=args.dtype)
+    run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress, dtype=args.dtype,
+        torch_op=not args.no_torch_op)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fine-tune DETR (transformers' DetrForObjectDetection) on COCO-format data, with its categories.
+"""Fine-tune a detector (DETR, Deformable DETR) on COCO-format data, with its categories.
 
     # a transformers checkpoint (save_pretrained directory or state dict file) on a COCO-format set
     python scripts/finetune_detection.py --model facebook/detr-resnet-50 --pretrained detr-resnet-50/ \\
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
     def eval_step(net, batch):
         out = net(pixel_values=batch["pixel_values"], pixel_mask=batch["pixel_mask"], labels=batch["labels"])
-        mean_ap.update(*detections(out.logits, out.pred_boxes, batch["labels"]))
+        mean_ap.update(*detections(out.logits, out.pred_boxes, batch["labels"], model.sigmoid_classes))
         n = len(batch["labels"])  # the loss and its terms: whether the run learns before mAP moves
         terms = ("loss_ce", "loss_bbox", "loss_giou", "cardinality_error")
         return {"loss": (out.loss * n, n), **{k: (out.loss_dict[k] * n, n) for k in terms}}
@@ -169,11 +169,12 @@ def coco_map():
     return MeanAveragePrecision(box_format="xyxy", iou_type="bbox")
 
 
-def detections(logits, pred_boxes, labels):
+def detections(logits, pred_boxes, labels, sigmoid_classes: bool = False):
     """(predictions, targets) for MeanAveragePrecision, in pixels of each original image: every
-    query's best class other than "no object" and its probability, as transformers'
-    ``post_process_object_detection`` reads them."""
-    scores, classes = logits.float().softmax(-1)[..., :-1].max(-1)
+    query's best class and its probability, as transformers' ``post_process_object_detection`` reads
+    them: a softmax without "no object" (DETR), or each class's sigmoid (``sigmoid_classes``: Deformable DETR)."""
+    probs = logits.float().sigmoid() if sigmoid_classes else logits.float().softmax(-1)[..., :-1]
+    scores, classes = probs.max(-1)
     preds, targets = [], []
     for b, s, c, t in zip(pred_boxes.float(), scores, classes, labels):
         h, w = (int(v) for v in t["orig_size"])

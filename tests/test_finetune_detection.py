@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_scripts import COMMON, DETR_SIZES, ok, run, train_losses, user_error
+from test_train_scripts import COMMON, DETR_SIZES, _main, ok, run, train_losses, user_error
 
 import fastzoo
 from fastzoo.data.boxes import CocoDetection, collate_detection, read_coco
@@ -143,6 +143,27 @@ def test_synthetic_example_from_random_weights(tmp_path):
     assert sorted(train_losses(out)) == [1, 2]
     cfg = json.loads((out / "checkpoint-2" / "config.json").read_text())
     assert cfg["id2label"] == {str(d): str(d) for d in range(10)}
+
+
+def test_synthetic_example_trains_deformable_detr_and_scores_its_sigmoid_classes(tmp_path):
+    """Any detector of the family: Deformable DETR (sigmoid classes, focal loss) trains and is evaluated."""
+    out = tmp_path / "run"
+    sizes = [*DETR_SIZES, "encoder_n_points=2", "decoder_n_points=2", "two_stage_num_proposals=8", "with_box_refine=True"]
+    ok(run("finetune_detection.py", "--synthetic", 16, "--model", "deformable_detr", "--model-kwargs", *sizes,
+           "--steps", 2, "-b", 8, "--output-dir", out, *COMMON))
+    assert sorted(train_losses(out)) == [1, 2]
+    cfg = json.loads((out / "checkpoint-2" / "config.json").read_text())
+    assert cfg["model_type"] == "deformable_detr" and cfg["with_box_refine"] is True
+
+
+def test_detections_read_sigmoid_classes_without_a_no_object_column():
+    detections = _main("finetune_detection.py").detections
+    logits = torch.tensor([[[2.0, -1.0], [-3.0, -2.5]]])
+    boxes = torch.full((1, 2, 4), 0.5)
+    labels = [{"orig_size": torch.tensor([10, 20]), "boxes": boxes[0, :1], "class_labels": torch.tensor([0])}]
+    preds, _ = detections(logits, boxes, labels, sigmoid_classes=True)
+    assert preds[0]["labels"].tolist() == [0, 1]  # the second query's best sigmoid; a softmax would drop class 1
+    assert torch.allclose(preds[0]["scores"], torch.sigmoid(torch.tensor([2.0, -2.5])))
 
 
 def test_readme_run_file(coco, hf_detr, tmp_path):

@@ -136,7 +136,9 @@ def _token_bad(model, draw):
 def _detection_bad(model, draw):
     cfg = model.config
     B, C = draw(st.integers(1, 3), label="batch"), cfg.num_channels
-    x, mask = torch.randn(B, C, 64, 64), torch.ones(B, 64, 64, dtype=torch.long)
+    # big enough for a multi-scale detector's every level to keep two positions (GroupNorm cannot normalise one)
+    side = max(64, getattr(model, "min_image_side", 0))
+    x, mask = torch.randn(B, C, side, side), torch.ones(B, side, side, dtype=torch.long)
     n = draw(st.integers(1, 4), label="boxes")
     i, j = draw(st.integers(0, B - 1), label="image"), draw(st.integers(0, n - 1), label="box")
     labels = [{"class_labels": torch.randint(0, cfg.num_labels, (n,)), "boxes": torch.rand(n, 4) * 0.5 + 0.25}

@@ -33,7 +33,9 @@ def _input(model, family, draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16), label="input seed"))
     cfg = model.config
     if SPECS[family].task.name == "detection":  # padded images: the packed backends get each image's real tokens
-        B, H, W = draw(st.integers(1, 2)), draw(st.integers(32, 64), label="height"), draw(st.integers(32, 64), label="width")
+        lo = max(32, getattr(model, "min_image_side", 0))  # a multi-scale detector: two positions at every level
+        B = draw(st.integers(1, 2))
+        H, W = draw(st.integers(lo, 2 * lo), label="height"), draw(st.integers(lo, 2 * lo), label="width")
         mask = torch.zeros(B, H, W, dtype=torch.long)
         for i in range(B):
             mask[i, :draw(st.integers(H // 2, H)), :draw(st.integers(W // 2, W))] = 1

@@ -29,6 +29,21 @@ def value_and_grads(fn, h, w, t, reduction, seed=1):
 
 
 REF = lambda h, w, t, r: F.cross_entropy(h @ w.T, t, reduction=r)  # noqa: E731
+TWO_PASS = V * 4  # block_bytes with room for one token x the vocabulary: under 256 tokens, the two-pass path
+
+
+def test_default_takes_one_pass_with_a_block_as_large_as_the_weight():
+    """The default rule: chunks of ``width`` tokens (at least 256), spread evenly; at GPT-2's head 6
+    chunks of 683 tokens, a [683, 50257] block no larger than the weight; at a 128k vocabulary and a
+    256-wide head, 4 chunks of 256: the block (128 MiB in fp32) and the weight's gradient under a
+    quarter of the three [1024, 128256] fp32 tensors a loss on materialised logits holds (1,503 MiB)."""
+    from fastzoo.losses.linear_ce import one_pass_rows
+
+    assert one_pass_rows(N, V, D, torch.float32, None) == 150  # 300 tokens, chunks of at least 256: two of 150
+    rows = one_pass_rows(4096, 50257, 768, torch.float32, None)
+    assert rows == 683 and rows <= 768
+    rows = one_pass_rows(1024, 128256, 256, torch.float32, None)
+    assert rows == 256 and (rows + 256) * 128256 * 4 <= 3 * 1024 * 128256 * 4 / 4
 
 
 def test_case_spans_several_blocks_with_an_all_ignored_one():
@@ -57,7 +72,8 @@ def test_wide_first_pass_matches_cross_entropy_of_the_logits(reduction):
     """V = 5000: the first pass's [64, 2560] blocks (the last partial) and the second pass's [64, 512]."""
     h, w, t = case(v=5000)
     ref = value_and_grads(REF, h, w, t, reduction)
-    out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl="fused"), h, w, t, reduction)
+    out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl="fused", block_bytes=TWO_PASS),
+                          h, w, t, reduction)
     for name, a, b in zip(("loss", "grad hidden", "grad weight"), out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=name)  # fp32, as below
 
@@ -82,8 +98,8 @@ def test_one_pass_budget_matches_cross_entropy_of_the_logits(reduction):
     """block_bytes with room for 256 x V takes one pass over token chunks ("none" keeps two)."""
     from fastzoo.losses.linear_ce import one_pass_rows
 
-    assert one_pass_rows(N, V, torch.float32, ONE_PASS) == 150  # 300 tokens in two even chunks
-    assert one_pass_rows(N, V, torch.float32, ONE_PASS - 1) is None
+    assert one_pass_rows(N, V, D, torch.float32, ONE_PASS) == 150  # 300 tokens in two even chunks
+    assert one_pass_rows(N, V, D, torch.float32, ONE_PASS - 1) is None
     h, w, t = case()
     ref = value_and_grads(REF, h, w, t, reduction)
     out = value_and_grads(lambda *a: linear_cross_entropy(*a[:3], reduction=a[3], impl="fused", block_bytes=ONE_PASS),
@@ -100,9 +116,10 @@ def test_one_pass_chunks_match_cross_entropy_of_the_logits(dtype, room, rows, mo
     in an fp32 scratch a few rows at a time, the last step partial)."""
     import fastzoo.losses.linear_ce as lce
 
-    monkeypatch.setattr(lce, "SCRATCH_BYTES", 64 * V * 4)  # 64 rows: 300 tokens in 5 steps
+    monkeypatch.setattr(lce, "l2_cache_bytes", lambda: 64 * V * 4)  # 64 rows: 300 tokens in 5 steps
     budget = room * V * dtype.itemsize  # room for 256 rows: two even chunks of 150
-    assert lce.one_pass_rows(N, V, dtype, budget) == rows and N % lce.scratch_rows(V, torch.float32)
+    assert lce.one_pass_rows(N, V, D, dtype, budget) == rows
+    assert lce.scratch_rows(V, torch.float32, torch.device("cpu")) == 64 and N % 64
     h, w, t = case()
     fp32 = value_and_grads(REF, h, w, t, "mean")
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -127,7 +144,7 @@ def test_custom_ignore_index_and_leading_dims():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32
 
 
-@pytest.mark.parametrize("impl, block_bytes", [("fused", None), ("fused", ONE_PASS), ("reference", None)])
+@pytest.mark.parametrize("impl, block_bytes", [("fused", TWO_PASS), ("fused", ONE_PASS), ("fused", None), ("reference", None)])
 def test_all_targets_ignored_gives_nan_mean_and_zero_grads_like_cross_entropy(impl, block_bytes):
     h, w, _ = case()
     t = torch.full((N,), -100)
@@ -162,7 +179,7 @@ def test_frozen_weight_and_no_grad():
     torch.testing.assert_close(loss, REF(h, w, t, "mean").detach(), rtol=1e-6, atol=1e-6)  # fp32
 
 
-@pytest.mark.parametrize("block_bytes", [None, ONE_PASS], ids=["two-pass", "one-pass"])
+@pytest.mark.parametrize("block_bytes", [TWO_PASS, ONE_PASS, None], ids=["two-pass", "one-pass", "default"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_matches_the_reference_under_autocast(dtype, block_bytes):
     """Every loss path runs under autocast and matches fp32 within the dtype's
@@ -179,7 +196,7 @@ def test_autocast_matches_the_reference_under_autocast(dtype, block_bytes):
         assert (a - f).abs().max() <= 3 * (b - f).abs().max() + floor, name
 
 
-@pytest.mark.parametrize("block_bytes", [None, ONE_PASS], ids=["two-pass", "one-pass"])
+@pytest.mark.parametrize("block_bytes", [TWO_PASS, ONE_PASS, None], ids=["two-pass", "one-pass", "default"])
 def test_bf16_gradients_round_softmax_minus_onehot_once_as_the_reference(block_bytes):
     """Under autocast the reference's backward forms ``softmax - onehot`` (times the upstream gradient)
     in fp32 and rounds it once to bf16; so does the fused path. Rounding the softmax first and
@@ -249,3 +266,11 @@ def test_compiles_fullgraph():
     ref = value_and_grads(REF, h, w, t, "mean")
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32
+
+
+def test_no_tokens_gives_a_zero_sum_and_zero_gradients_like_cross_entropy():
+    """The one-pass path with no chunk to run still returns the weight's gradient, zeros."""
+    h, w = torch.randn(0, D, requires_grad=True), torch.randn(V, D, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.zeros(0, dtype=torch.long), reduction="sum", impl="fused")
+    loss.backward()
+    assert loss.item() == 0 and w.grad.abs().max() == 0 and h.grad.shape == (0, D)

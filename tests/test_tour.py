@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastzoo.bench.harness import Row
 from fastzoo.bench.recipes import BASELINE
-from fastzoo.bench.tour import Entry, recommend
+from fastzoo.bench.tour import Entry, Recommendation, recommend
 from fastzoo.registry import specs
 from fastzoo.tasks import TASKS
 
@@ -176,9 +177,9 @@ def _timed(label, median, lo, hi, iters=5, peer=False):
 
 
 def test_reliability_flags_spread_load_and_single_rounds():
-    from fastzoo.bench.tour import SPREAD_LIMIT, reliability
+    from fastzoo.bench.harness import SPREAD_LIMIT, reliability
 
-    quiet = _timed("a", 1.0, 0.95, 1.05), _timed("peer", 2.0, 1.9, 2.1, peer=True)
+    quiet = _timed("a", 1.0, 0.96, 1.04), _timed("peer", 2.0, 1.92, 2.08, peer=True)
     assert reliability(*quiet, load=[0.5, 0.7], cores=2) == []
     wide = _timed("a", 1.0, 0.5, 1.0 + SPREAD_LIMIT + 0.1)
     assert any("a's rounds spread" in w for w in reliability(wide, quiet[1], load=[0.5], cores=2))
@@ -186,3 +187,38 @@ def test_reliability_flags_spread_load_and_single_rounds():
     once = _timed("a", 1.0, 1.0, 1.0, iters=1)
     assert reliability(once, quiet[1], load=[0.1], cores=2) == ["one timed round, spread not measured"]
 
+
+def test_every_suite_records_its_load_and_judges_each_timed_row():
+    """The harness, not each report, applies the rule: a suite's rows carry their verdicts, its
+    markdown the load before and after and a "reliable" column."""
+    from fastzoo.bench.harness import Case, Group, Step, Suite, run_suite
+
+    step = lambda: Step(run=lambda: torch.ones(64).sum(), items=1)  # noqa: E731
+    suite = Suite("s", [Group("g", [Case("peer", step, peer=True), Case("ours", step)])], device=torch.device("cpu"))
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert len(report.load) == 2 and report.cores >= 1
+    assert all("one timed round, spread not measured" in r.unreliable for r in report.rows)
+    text = report.to_markdown()
+    assert "Load (1-minute average)" in text and "| no: one timed round" in text
+
+
+def test_recommendation_names_the_same_recipe_first_and_says_when_the_recipe_is_the_gain():
+    row = _timed("fastzoo sdpa", 1.0, 0.99, 1.01)
+    row.speedup, row.vs_original, row.max_err = 1.97, 1.01, 1e-3
+    line = Recommendation("vit", "use", row, _timed("timm (fp32, eager)", 1.97, 1.95, 1.99, peer=True)).line()
+    same, default = line.index("1.01x the original under the same recipe"), line.index("1.97x timm (fp32, eager)")
+    assert same < default and "the gain over its users' default is the recipe" in line
+    row.vs_original = 2.62
+    assert "is the recipe" not in Recommendation("gpt2", "use", row, None).line()
+
+
+
+def test_tables_show_the_same_recipe_ratio_before_the_peer_ratio():
+    from fastzoo.bench.report import Report
+
+    ours, peer = _timed("fastzoo sdpa", 1.0, 0.99, 1.01), _timed("timm (fp32, eager)", 1.97, 1.95, 1.99, peer=True)
+    ours.speedup, ours.vs_original = 1.97, 1.01
+    ours.throughput = peer.throughput = 1.0
+    header = Report("s", "cpu", "bf16", {}, 1, 5, {}, 1, [peer, ours]).table().splitlines()[0]
+    assert header.index("vs the original, same recipe") < header.index("speed-up vs peer")
+    assert "| 1.01x | 1.97x |" in Report("s", "cpu", "bf16", {}, 1, 5, {}, 1, [peer, ours]).table()

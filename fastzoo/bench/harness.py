@@ -40,10 +40,10 @@ import torch
 
 from fastzoo.bench.limits import Limits, rate
 from fastzoo.bench.limits import share as share_of
-from fastzoo.bench.report import Report, Row
+from fastzoo.bench.report import SPREAD_LIMIT, Report, Row, reliability  # noqa: F401 (the rule, re-exported)
 from fastzoo.equivalence import compare_cases
 from fastzoo.errors import BackendUnavailableError
-from fastzoo.machine import device_name, versions
+from fastzoo.machine import device_name, load_average, versions
 from fastzoo.text import dtype_name
 
 
@@ -169,6 +169,7 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
     interleave = interleave or suite.interleave
     if suite.skipped:
         return report
+    report.load, report.cores = [load_average()], os.cpu_count() or 1
     total = sum(len(g.cases) for g in suite.groups)
     own = bar is None
     if own:
@@ -209,7 +210,17 @@ def run_suite(suite: Suite, *, warmup: int = 2, iters: int = 10, progress: bool 
             _fill_speedups(rows)
             _fill_limits(rows, suite.limits)
             report.rows += rows
+    report.load.append(load_average())
+    judge(report.rows, report.load, report.cores)
     return report
+
+
+def judge(rows: list[Row], load: list[float], cores: int) -> None:
+    """Each timed row's :func:`reliability` against its group's peer (the peer's own: its rounds)."""
+    for r in rows:
+        if r.median_s is not None:
+            peer = next((p for p in rows if p.peer and p.group == r.group and p is not r), None)
+            r.unreliable = reliability(r, peer, load, cores)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ def image_classification_suite(
     entry,
     workloads: list[Workload],
     *,
-    backends: list[str],
+    backends: list,  # names, or (name, options) for a pinned kernel
     modes=("train",),
     recipes=(BASELINE,),
     device="cpu",
@@ -137,9 +137,10 @@ def _recipe_group(m: _Models, mode: str, recipe: Recipe, backends, original_eage
     if baseline and original_eager and m.bench.peer is not None:
         cases.append(Case(f"{m.bench.library} (eager)", lambda: m.step(copy.deepcopy(m.original), mode, recipe, original=True)))
     for b in backends if m.attention else (None,):
-        label = f"fastzoo {b}" if b else "fastzoo"
-        cases.append(Case(label, lambda b=b: m.step(m.fastzoo(b, dtype=recipe.dtype), mode, recipe),
-                          reference=b == "eager" and not low and baseline, compiled=c))
+        b, options = (b, {}) if b is None or isinstance(b, str) else b  # a name, or (name, options): a pinned kernel
+        label = f"fastzoo {b}" + "".join(f" ({k}={v})" for k, v in options.items()) if b else "fastzoo"
+        cases.append(Case(label, lambda b=b, options=options: m.step(m.fastzoo(b, options, dtype=recipe.dtype), mode, recipe),
+                          reference=b == "eager" and not options and not low and baseline, compiled=c))
     name = f"{m.name} | {mode} | {recipe.name}"
     return Group(name, cases, reference=lambda: m.reference(mode, recipe.channels_last), dtype=recipe.dtype)
 

@@ -5,9 +5,10 @@ GPT-2's head (4096 tokens x 768 -> vocab 50257) and at a Llama-3-sized vocabular
 Cases: the logits materialised and ``F.cross_entropy`` on them -- at the GPT-2 head as GPT-2
 does; at the 128k vocabulary as Hugging Face's Llama does (``lm_head``, then ``ForCausalLMLoss``,
 which upcasts the logits to fp32) -- the peer; torch's chunked ``F.linear_cross_entropy`` with
-``LinearCrossEntropyOptions()``; and ``fastzoo.losses.linear_cross_entropy`` (fused, gradients
-computed in the forward) by default (two passes, at or below torch's op's memory) and with
-``block_bytes`` room for one pass over token chunks (``LinearCESetting.one_pass_mib``). Each step computes the gradients of the hidden states and of the weight.
+``LinearCrossEntropyOptions()``; on CUDA Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (its
+Triton kernel; the ``[gpu]`` extra); and ``fastzoo.losses.linear_cross_entropy`` (fused, gradients
+computed in the forward) at its default settings. Each step computes the gradients of the hidden
+states and of the weight.
 Parity: the loss and both gradients against the logits path in fp32. Peak memory on CPU is what
 the step's tensors hold at most (``harness.cpu_peak_bytes``).
 
@@ -37,7 +38,6 @@ class LinearCESetting:
     n_embd: int
     vocab: int
     ignored: float = 0.1  # share of targets set to ignore_index
-    one_pass_mib: int = 64  # block_bytes of the fused loss's one-pass case, in MiB
 
     def describe(self) -> str:
         return f"{self.tokens} tokens x {self.n_embd} wide -> vocab {self.vocab}, {self.ignored:.0%} of targets ignored"
@@ -52,8 +52,7 @@ class LinearCESetting:
 
 
 TARGET_SETTING = LinearCESetting("4096 tokens, GPT-2 head", 4096, 768, 50257)
-# 256 MiB: every token in one chunk in bf16, two chunks in fp32; a third of the logits path's peak or less
-LARGE_VOCAB_SETTING = LinearCESetting("1024 tokens, 128256-token vocabulary", 1024, 256, 128256, one_pass_mib=256)
+LARGE_VOCAB_SETTING = LinearCESetting("1024 tokens, 128256-token vocabulary", 1024, 256, 128256)
 
 
 @dataclass
@@ -97,9 +96,28 @@ def hf_lm_head_loss(hidden: Tensor, weight: Tensor, target: Tensor) -> Tensor:
     return ForCausalLMLoss(F.linear(hidden, weight), None, weight.shape[0], shift_labels=target)
 
 
-def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
+def liger_loss(hidden: Tensor, weight: Tensor, target: Tensor) -> Tensor:
+    """Liger-Kernel's fused linear cross-entropy (CUDA, Triton), its mean over the counted targets."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)(weight, hidden, target)
+
+
+def liger_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def head_group(s: LinearCESetting, x: Inputs, *, hf: bool, torch_op: bool = True) -> Group:
     """One head: the logits path (GPT-2's, or Hugging Face's with ``hf``) as the peer and the
-    reference, torch's chunked op, fastzoo's fused loss."""
+    reference, torch's chunked op, Liger-Kernel's on CUDA where it imports, fastzoo's fused loss at
+    its defaults. ``torch_op=False`` leaves torch's op out (on a CPU the slowest case by far: a run
+    against the deadline of a busy machine)."""
     t = x.target_N
     if hf:
         peer_label, peer = "HF: lm_head + ForCausalLMLoss (logits upcast to fp32)", lambda h, w: hf_lm_head_loss(h, w, t)
@@ -109,18 +127,17 @@ def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
     def case(label, loss_of, **kw):
         return Case(label, lambda: loss_step(x, s, loss_of), **kw)
 
-    def fused(h, w, **kw):
+    def fused(h, w):
         # beside HF's loss, an fp32 loss as HF's (its logits upcast): autocast's convention for low-precision inputs
         with torch.autocast(h.device.type, dtype=h.dtype, enabled=hf and h.dtype in (torch.bfloat16, torch.float16)):
-            return linear_cross_entropy(h, w, t, impl="fused", **kw)
+            return linear_cross_entropy(h, w, t, impl="fused")
 
-    cases = [
-        case(peer_label, peer, peer=True, reference=True),
-        case("torch F.linear_cross_entropy (chunked)", lambda h, w: linear_cross_entropy(h, w, t, impl="torch")),
-        case("fastzoo linear_cross_entropy (fused)", fused),
-        case(f"fastzoo linear_cross_entropy (fused, one pass: block_bytes={s.one_pass_mib} MiB)",
-             lambda h, w: fused(h, w, block_bytes=s.one_pass_mib * 2**20)),
-    ]
+    cases = [case(peer_label, peer, peer=True, reference=True)]
+    if torch_op:
+        cases.append(case("torch F.linear_cross_entropy (chunked)", lambda h, w: linear_cross_entropy(h, w, t, impl="torch")))
+    if liger_available(x.hidden_ND.device):
+        cases.append(case("Liger-Kernel LigerFusedLinearCrossEntropyLoss", lambda h, w: liger_loss(h, w, t)))
+    cases.append(case("fastzoo linear_cross_entropy (fused, default)", fused))
 
     def reference():
         return loss_step(x, s, lambda h, w: F.cross_entropy(h.float() @ w.float().T, t)).outputs()
@@ -129,16 +146,17 @@ def head_group(s: LinearCESetting, x: Inputs, *, hf: bool) -> Group:
 
 
 def linear_ce_suite(setting: LinearCESetting = TARGET_SETTING, *, device="cpu", dtype=torch.float32, seed: int = 0,
-                    limits: machine.Limits | bool = True, large_vocab: LinearCESetting | None = LARGE_VOCAB_SETTING) -> Suite:
+                    limits: machine.Limits | bool = True, large_vocab: LinearCESetting | None = LARGE_VOCAB_SETTING,
+                    torch_op: bool = True) -> Suite:
     """``setting`` against GPT-2's logits path, and ``large_vocab`` (None: left out) against
     Hugging Face's Llama loss. ``limits``: True measures them in this run (quick), or pass ones
     measured for several suites; False: no limit columns."""
     device = torch.device(device)
     if limits is True:
         limits = machine.measure(device, dtypes=(dtype,), quick=True)
-    groups = [head_group(setting, make_inputs(setting, device, dtype, seed), hf=False)]
+    groups = [head_group(setting, make_inputs(setting, device, dtype, seed), hf=False, torch_op=torch_op)]
     if large_vocab is not None:
-        groups.append(head_group(large_vocab, make_inputs(large_vocab, device, dtype, seed), hf=True))
+        groups.append(head_group(large_vocab, make_inputs(large_vocab, device, dtype, seed), hf=True, torch_op=torch_op))
     config = {"batch": setting.describe() + (f"; and {large_vocab.describe()}" if large_vocab else ""),
               "step": "forward + backward of the mean loss (grads of hidden and weight)",
               "peer": "the logits materialised, F.cross_entropy on them (Hugging Face's ForCausalLMLoss at the "

@@ -4,12 +4,32 @@ that fills them is :mod:`fastzoo.bench.harness`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fastzoo import files
 from fastzoo.bench.limits import Limits, si
 from fastzoo.text import markdown_table
+
+
+SPREAD_LIMIT = 0.10  # (max - min) / median of a case's timed rounds beyond which its figure is not to be trusted
+
+
+def reliability(row: Row | None, peer: Row | None, load: list[float], cores: int) -> list[str]:
+    """Why the speed-up of ``row`` over ``peer`` is not to be trusted (empty: nothing seen): fewer
+    than two timed rounds (no spread to judge), rounds of either spread beyond ``SPREAD_LIMIT`` of
+    their median, or a 1-minute load average above the CPU's cores (others competed for it). Every
+    timed figure -- suites, the tour, the results READMEs -- is judged by this one rule."""
+    why = []
+    timed = [r for r in (row, peer) if r is not None and r.median_s]
+    if any(r.iters < 2 for r in timed):
+        why.append("one timed round, spread not measured")
+    for r in timed:
+        if r.iters >= 2 and (spread := (r.max_s - r.min_s) / r.median_s) > SPREAD_LIMIT:
+            why.append(f"{r.label}'s rounds spread {spread:.0%} of their median")
+    if load and max(load) > cores:
+        why.append(f"load {max(load):.1f} on {cores} cores: others competed for the CPU")
+    return why
 
 
 @dataclass
@@ -43,6 +63,7 @@ class Row:
     vs_original: float | None = None  # speed-up vs the original under the same recipe
     first_step_s: float | None = None  # compiled: the parity pass, compilation included
     work_bound: float | None = None  # the peer's FLOPs ÷ this case's: the speed-up less work alone would give
+    unreliable: list[str] = field(default_factory=list)  # why its figures are not to be trusted (harness.reliability)
 
 
 @dataclass
@@ -59,6 +80,8 @@ class Report:
     skipped: str | None = None
     note: str = ""
     limits: dict | None = None  # Limits.to_dict() of the limits measured in this run
+    load: list[float] = field(default_factory=list)  # 1-minute load average before and after the timing
+    cores: int = 0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
@@ -77,7 +100,8 @@ class Report:
             return "(no rows)"
         with_setting = len({r.group for r in self.rows}) > 1
         columns = limit_columns(self.rows)
-        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r) | limit_cells(r, columns)
+        same = any(r.vs_original is not None for r in self.rows)
+        return markdown_table([({"setting": r.group} if with_setting else {}) | row_cells(r, same) | limit_cells(r, columns)
                                for r in self.rows])
 
     def to_markdown(self, title: str | None = None) -> str:
@@ -91,6 +115,10 @@ class Report:
             lines.append("Config: " + "; ".join(f"{k}: {v}" for k, v in self.config.items()) + ".")
         if self.limits:
             lines.append(f"Limits: {Limits(**self.limits).describe()}.")
+        if self.load:
+            lines.append(f"Load (1-minute average) {' -> '.join(f'{x:.1f}' for x in self.load)} on {self.cores} cores; "
+                         f"a figure is reliable when its rounds and its peer's spread at most {SPREAD_LIMIT:.0%} of their "
+                         "median and the load stayed within the cores.")
         lines.append("")
         if self.skipped:
             lines.append(f"Skipped: {self.skipped}")
@@ -135,8 +163,12 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def row_cells(r: Row) -> dict:
+def row_cells(r: Row, same_recipe: bool = False) -> dict:
+    """One row's cells; ``same_recipe``: first the speed-up vs the original under the same recipe,
+    then vs the peer (the original as its users run it)."""
     timed = r.median_s is not None
+    same = {"vs the original, same recipe": ("original" if r.original else f"{r.vs_original:.2f}x")
+            if r.vs_original is not None else "-"} if same_recipe else {}
     return {
         "backend": r.label,
         "compiled": ("yes" + (f" (first step {_fmt_time(r.first_step_s)})" if r.first_step_s is not None else ""))
@@ -146,8 +178,10 @@ def row_cells(r: Row) -> dict:
         ),
         "throughput": f"{r.throughput:,.1f} {r.unit}" if timed else "-",
         "peak memory": f"{r.peak_mem_mib:,.0f} MiB" if r.peak_mem_mib is not None else ("n/a" if timed else "-"),
+        **same,
         "speed-up vs peer": ("peer" if r.peer else f"{r.speedup:.2f}x") if r.speedup is not None else "-",
         "max error vs reference": _fmt_err(r),
+        "reliable": ("no: " + "; ".join(r.unreliable) if r.unreliable else "yes") if timed else "-",
     }
 
 

@@ -3,25 +3,26 @@ materialising the ``[tokens, vocab]`` logits (the LM head of GPT-2: vocab 50257)
 
 The fused path follows Liger-Kernel's fused linear cross-entropy and Apple's Cut
 Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"):
-the logits are computed one ``[rows, cols]`` block at a time (tokens x vocabulary), never all
-at once. A first pass keeps each token's running ``logsumexp`` (online softmax); a second pass
-recomputes each block, turns it into ``softmax - onehot(target)`` in place and adds it into the
-gradients of ``hidden`` and ``weight`` right there, in the forward; each target's logit is its
-hidden state dotted with the target's row of the weight.
-The backward then only scales those saved gradients by the upstream gradient. The peak is the
-two gradients (which any path returns) plus one block no larger than ``hidden`` (at or below
-torch's chunked op). The first pass runs before the gradients exist, so its blocks may hold as
-many bytes as they will (:func:`lse_block`): at GPT-2's head six large matmuls instead of 99.
-The price is a fourth matmul: with ``block_bytes`` room for at least 256 tokens x the vocabulary the
-loss takes one pass over token chunks instead (Liger-Kernel's order: three matmuls, as many as the
-logits path; the softmax's ``1 / sum`` applied to the ``[rows, D]`` operands, never to the block),
-as fast as the logits path or faster on a CPU for a fraction of its memory
-(benchmarks/results/cpu-2core/linear_ce.md has both).
+the logits are computed one block at a time, never all at once, and the gradients of ``hidden``
+and ``weight`` are formed in the forward; the backward only scales them by the upstream gradient.
+By default ("mean" / "sum") it takes one pass over chunks of tokens (Liger-Kernel's order: the three
+matmuls of the logits path, each as large as the weight, so each runs at the machine's GEMM rate):
+each chunk's ``[rows, V]`` logits become ``softmax - onehot`` in place through one ``log_softmax``
+kernel, and the gradients are two matmuls on them, the weight's added into it (``addmm_``). The
+chunk holds as many logits as the weight holds parameters (:func:`one_pass_rows`), so the peak is
+about twice the gradients any path returns, a quarter or less of the materialised logits' (tokens,
+their log-softmax, their gradient) once tokens outnumber the width; it does fewer passes over the
+``[rows, V]`` block than the logits path does over ``[N, V]``, and is as fast or faster
+(benchmarks/results/cpu-2core/linear_ce.md, README.md there for the measurements).
+``reduction="none"``, ``softcap`` and a small ``block_bytes`` take two passes over ``[rows, cols]``
+blocks (tokens x vocabulary): a ``logsumexp`` pass (online softmax), then one that recomputes each
+block, turns it into ``softmax - onehot`` and adds it into the gradients, four matmuls; each
+target's logit is its hidden state dotted with the target's row of the weight.
 
 ``impl`` (all three compute the same function; tests compare them in value and gradient):
 
 - ``"reference"``: the logits materialised, ``F.cross_entropy`` on them;
-- ``"fused"``: the blocked autograd.Function below (two passes, or one with ``block_bytes``);
+- ``"fused"``: the blocked autograd.Function below (one pass over token chunks, or two);
 - ``"torch"``: torch's own chunked ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``;
 - ``"auto"``: the fastest on the device (:data:`AUTO_IMPL`, from ``benchmarks/results``).
 
@@ -34,8 +35,7 @@ constant in the weights, a one-class vocabulary, has gradients of exactly 0, as 
 ``softcap`` (Gemma's ``final_logit_softcapping``): the loss of the capped logits
 ``cap * tanh(logits / cap)``, still one block at a time: each block is capped where it is
 computed, and the gradient takes the cap's derivative ``1 - tanh^2`` per logit (the target's
-too). The fused path then takes two passes (the one-pass order folds the softmax's scale into
-the operands, which an elementwise derivative does not allow); torch's op has no cap.
+too), in the two-pass order; torch's op has no cap.
 """
 from __future__ import annotations
 
@@ -72,12 +72,12 @@ def linear_cross_entropy(
     flattened. ``reduction="mean"`` averages over the targets that are not ``ignore_index`` (all
     ignored: nan, as ``F.cross_entropy``); ``"none"`` returns one loss per token (0 where ignored).
 
-    ``block_bytes`` (fused path): the most the one logits block may hold. Default: as much as
-    ``hidden_ND`` (torch's rule), which keeps the peak at or below torch's chunked op: two passes
-    over ``[rows, 512]`` blocks (:func:`logits_block`). A budget with room for at least
-    :data:`ONE_PASS_ROWS` tokens x the whole vocabulary (in the matmuls' dtype) takes one pass over
-    token chunks instead ("mean" / "sum"; :func:`one_pass_rows`): three matmuls instead of four,
-    faster on a CPU, for that much more memory (benchmarks/results/cpu-2core/linear_ce.md has both).
+    ``block_bytes`` (fused path): the most the one logits block may hold. Default (None): one pass
+    over chunks of as many tokens as the head is wide (:func:`one_pass_rows`: a block as large as
+    the weight). A budget with room for at least :data:`ONE_PASS_ROWS` tokens x the vocabulary (in
+    the matmuls' dtype) sets the chunk; a smaller one takes two passes over ``[rows, 512]`` blocks
+    no larger than ``hidden_ND`` (:func:`logits_block`, torch's rule), four matmuls, for the least
+    memory. ``reduction="none"`` and ``softcap`` always take two passes.
 
     ``softcap``: the logits are soft-capped first, ``softcap * tanh(logits / softcap)`` (None: not).
     """
@@ -196,82 +196,108 @@ def lse_block(n_tokens: int, vocab: int, width: int, room: int) -> tuple[int, in
 
 
 ONE_PASS_ROWS = 256  # the fewest tokens per chunk of the one-pass path: fewer re-read the weight's gradient too often
-# below fp32, the one-pass path's softmax runs in an fp32 scratch of this many bytes, a few rows at a
-# time: few enough steps that each op stays large (a 2-thread op on a loaded CPU pays a wake-up)
-SCRATCH_BYTES = 32 * 2**20
+SCRATCH_BYTES = 32 * 2**20  # off the CPU, the fp32 softmax scratch below fp32: few enough steps that each op stays large
+L2_FALLBACK_BYTES = 2**20  # a CPU core's L2 cache where sysfs does not say
 
 
-def one_pass_rows(n_tokens: int, vocab: int, dtype: torch.dtype, block_bytes: int | None) -> int | None:
-    """Token rows per chunk of the one-pass path: as many as ``block_bytes`` holds of ``[rows, vocab]``
-    logits in the matmuls' ``dtype``, spread evenly over the chunks; None (two passes) if that is
-    under :data:`ONE_PASS_ROWS` tokens (or every token, when there are fewer). Below fp32 the
-    softmax's fp32 scratch comes on top (:func:`scratch_rows`, at most :data:`SCRATCH_BYTES`)."""
-    if block_bytes is None:
-        return None
-    rows = block_bytes // (vocab * dtype.itemsize)
+def one_pass_rows(n_tokens: int, vocab: int, width: int, dtype: torch.dtype, block_bytes: int | None) -> int | None:
+    """Token rows per chunk of the one-pass path, spread evenly over the chunks; None: two passes.
+
+    Default (``block_bytes=None``): the block holds as many logits as the weight holds parameters,
+    ``width`` tokens (at least :data:`ONE_PASS_ROWS`), so the peak is about twice the gradients any
+    path returns, a quarter or less of the materialised logits' once tokens outnumber the width
+    (measured in benchmarks/results/cpu-2core/README.md: larger chunks were faster, the weight's
+    gradient is re-read once per chunk). With ``block_bytes``: as many rows as it holds of ``[rows,
+    vocab]`` logits in the matmuls' ``dtype``, None if that is under :data:`ONE_PASS_ROWS` tokens (or
+    every token, when there are fewer)."""
     n = max(n_tokens, 1)
-    if rows < min(ONE_PASS_ROWS, n):
-        return None
+    if block_bytes is None:
+        rows = max(width, ONE_PASS_ROWS)
+    else:
+        rows = block_bytes // (vocab * dtype.itemsize)
+        if rows < min(ONE_PASS_ROWS, n):
+            return None
     chunks = -(-n // rows)
     return -(-n // chunks)
 
 
-def scratch_rows(vocab: int, acc: torch.dtype) -> int:
-    """Rows of the one-pass path's fp32 softmax scratch (below fp32): :data:`SCRATCH_BYTES` of them."""
-    return max(1, SCRATCH_BYTES // (vocab * acc.itemsize))
+def l2_cache_bytes() -> int:
+    """One CPU core's L2 cache, from sysfs (:data:`L2_FALLBACK_BYTES` where it does not say)."""
+    global _L2
+    if _L2 is None:
+        _L2 = L2_FALLBACK_BYTES
+        try:
+            with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
+                text = f.read().strip().upper()
+            scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+            _L2 = int(text.rstrip("KM")) * scale
+        except (OSError, ValueError):
+            pass
+    return _L2
+
+
+_L2 = None
+
+
+def scratch_rows(vocab: int, acc: torch.dtype, device: torch.device) -> int:
+    """Rows of the one-pass path's fp32 softmax scratch (below fp32): on a CPU as many as one core's
+    L2 cache holds, so the exponentials and the rounding read it from the cache (measured: 3x faster
+    than a scratch as large as the chunk); elsewhere :data:`SCRATCH_BYTES` of them."""
+    room = l2_cache_bytes() if device.type == "cpu" else SCRATCH_BYTES
+    return max(1, room // (vocab * acc.itemsize))
+
+
+GRAD_W_SLICE = 4096  # vocabulary rows per product added into the fp32 gradient of the weight (below fp32)
 
 
 def _one_pass(h_ND, w_VD, safe_t_N, valid_N, c, want_h: bool, want_w: bool, rows: int, acc: torch.dtype):
     """Per-token loss and the gradients of ``c * sum_i loss_i`` over the valid tokens, in one pass
-    over token chunks (Liger-Kernel's order: three matmuls). Each chunk's ``[rows, V]`` logits turn
-    into ``exp(logit - max)`` in place, less the row's ``sum`` at its target (``sum * (softmax -
-    onehot)``). In fp32 the rest of ``d loss / d logits`` (``1 / sum`` and the token's weight) is
-    folded into per-row scales of the ``[rows, D]`` operands and results, so the block is never
-    normalised. Below fp32 the exponentials are taken a few rows at a time in an fp32 scratch
-    (:func:`scratch_rows`), scaled there and rounded once to the matmuls' dtype, as the reference's
-    backward rounds its ``d loss / d logits``. One chunk (every token) writes the weight's gradient
-    once, in the matmuls' dtype, as the reference's backward does; several add into an ``acc``
-    accumulator."""
+    over token chunks (Liger-Kernel's order: three matmuls, as many as the logits path). Each
+    chunk's ``[rows, V]`` logits become ``k_i * (softmax - onehot)`` (``k_i``: the token's weight)
+    by one ``log_softmax`` kernel in place (its target entry is the token's loss), ``exp`` and the
+    onehot; the gradients are two matmuls on them, the weight's added into it with ``addmm_``. Below
+    fp32 the softmax runs a few rows at a time in an fp32 scratch (:func:`scratch_rows`) and is
+    rounded once to the matmuls' dtype, as the reference's backward rounds its ``d loss / d logits``;
+    the weight's gradient is accumulated in ``acc`` a vocabulary slice at a time (one chunk, every
+    token: written once in the matmuls' dtype, as the reference's)."""
     n, d = h_ND.shape
     v = w_VD.shape[0]
-    dt = h_ND.dtype
+    dt, dev = h_ND.dtype, h_ND.device
     low = dt != acc
-    block = torch.empty(min(rows, n) * v, dtype=dt, device=h_ND.device)
-    sub = scratch_rows(v, acc) if low else rows  # fp32: the whole chunk, in place
-    scratch = torch.empty(min(sub, rows, n) * v, dtype=acc, device=h_ND.device) if low else None
-    loss_N = torch.empty(n, dtype=acc, device=h_ND.device)
-    grad_h = torch.empty(n, d, dtype=acc, device=h_ND.device) if want_h else None
+    block = torch.empty(min(rows, n) * v, dtype=dt, device=dev)
+    sub = scratch_rows(v, acc, dev) if low else rows  # fp32: the whole chunk in place (tiling measured no faster)
+    scratch = torch.empty(min(sub, rows, n) * v, dtype=acc, device=dev) if low else None
+    k_N = valid_N.to(acc) * c  # d (c * sum loss) / d loss_i
+    minus_one = torch.full((min(sub, rows, n), 1), -1.0, dtype=acc, device=dev)
+    loss_N = torch.empty(n, dtype=acc, device=dev)
+    grad_h = torch.empty(n, d, dtype=dt, device=dev) if want_h else None
     whole = rows >= n
-    grad_w = None
+    grad_w = torch.empty(v, d, dtype=dt if whole or not low else acc, device=dev) if want_w else None
+    slice_w = torch.empty(min(GRAD_W_SLICE, v), d, dtype=dt, device=dev) if want_w and low and not whole else None
     for s, e in _spans(n, rows):
-        t_c, valid_c = safe_t_N[s:e], valid_N[s:e]
-        logits = torch.mm(h_ND[s:e], w_VD.T, out=block[: (e - s) * v].view(e - s, v))
-        k = valid_c.to(acc)[:, None] * c  # d (c * sum loss) / d loss_i
-        row_scale = None if low else torch.empty(e - s, 1, dtype=acc, device=h_ND.device)  # k / sum, per row
+        t_c = safe_t_N[s:e, None]
+        g = torch.mm(h_ND[s:e], w_VD.T, out=block[: (e - s) * v].view(e - s, v))
         for a, b in _spans(e - s, sub):
-            x = scratch[: (b - a) * v].view(b - a, v).copy_(logits[a:b]) if low else logits[a:b]
-            picked = x.gather(1, t_c[a:b, None]).squeeze(1)
-            m = x.amax(1, keepdim=True)
-            z = torch.exp(x.sub_(m), out=x).sum(1, keepdim=True)
-            loss_N[s + a:s + b] = torch.where(valid_c[a:b], m.squeeze(1) + z.squeeze(1).log() - picked, 0.0)
-            x.scatter_add_(1, t_c[a:b, None], -z)  # - onehot, before any rounding to the matmuls' dtype
-            if low:  # scaled and rounded in one op
-                torch.mul(x, k[a:b] / z, out=logits[a:b])
+            x = scratch[: (b - a) * v].view(b - a, v).copy_(g[a:b]) if low else g[a:b]
+            torch._log_softmax(x, 1, False, out=x)  # row by row in one kernel: max, sum of exp, subtract
+            loss_N[s + a:s + b] = x.gather(1, t_c[a:b]).squeeze(1).neg_()
+            x.exp_().scatter_add_(1, t_c[a:b], minus_one[: b - a])  # softmax - onehot, before any rounding
+            torch.mul(x, k_N[s + a:s + b, None], out=g[a:b]) if low else x.mul_(k_N[s + a:s + b, None])
+        if want_h:
+            torch.mm(g, w_VD, out=grad_h[s:e])
+        if want_w:
+            if s == 0 and (whole or not low):
+                torch.mm(g.T, h_ND[s:e], out=grad_w)
+            elif not low:
+                grad_w.addmm_(g.T, h_ND[s:e])
             else:
-                row_scale[a:b] = k[a:b] / z
-        if want_h:  # (d loss / d logits) @ W
-            g = torch.mm(logits, w_VD)
-            grad_h[s:e] = g.to(acc) if low else g.mul_(row_scale)
-        if want_w:  # (d loss / d logits)^T @ h
-            h_c = h_ND[s:e] if low else h_ND[s:e] * row_scale
-            if grad_w is None:  # the first chunk's product starts the gradient (in acc when more follow)
-                grad_w = torch.mm(logits.T, h_c)
-                grad_w = grad_w if whole else grad_w.to(acc)
-            else:
-                grad_w.add_(logits.T @ h_c) if low else grad_w.addmm_(logits.T, h_c)
-    if want_w and grad_w is None:  # no tokens
-        grad_w = torch.zeros_like(w_VD)
-    return loss_N, grad_h, grad_w
+                for a, b in _spans(v, GRAD_W_SLICE):
+                    part = torch.mm(g[:, a:b].T, h_ND[s:e], out=slice_w[: b - a])
+                    grad_w[a:b].copy_(part) if s == 0 else grad_w[a:b].add_(part)
+    if want_w and n == 0:  # no tokens: no chunk wrote it
+        grad_w.zero_()
+    del block, scratch  # before the caller casts the gradients
+    return torch.where(valid_N, loss_N, 0.0), grad_h, grad_w
 
 
 def _spans(n: int, step: int):
@@ -405,7 +431,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
         rows, cols = logits_block(h.shape[0], w.shape[0], h.shape[1])
         ctx.reduction, ctx.h_dtype, ctx.w_dtype, ctx.block, ctx.cap = reduction, h_dtype, w_dtype, (rows, cols, acc), cap
-        one_pass = (one_pass_rows(h.shape[0], w.shape[0], h.dtype, block_bytes)
+        one_pass = (one_pass_rows(h.shape[0], w.shape[0], h.shape[1], h.dtype, block_bytes)
                     if reduction != "none" and cap is None else None)
         if one_pass is None:
             lse_N = _logsumexp_pass(h, w, *_first_block(ctx, h, w, reduction, acc), acc, cap)

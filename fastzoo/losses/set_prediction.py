@@ -12,6 +12,12 @@ terms exactly as transformers' ``DetrHungarianMatcher`` / ``ImageLoss`` define t
 - ``loss`` = sum over decoder layers of ``loss_ce + bbox_loss_coefficient x loss_bbox +
   giou_loss_coefficient x loss_giou``.
 
+Declared parts, by the detector (transformers' ``DeformableDetrHungarianMatcher`` / ``DeformableDetrImageLoss``):
+``focal_alpha`` set makes the classification per-class sigmoids (no "no object" logit): ``loss_ce`` the
+sigmoid focal loss (gamma 2, ``alpha``) of every query against its one-hot matched class, summed and divided
+by the box count; the matching's class term the focal cost ``alpha (1-p)^2 (-log p) - (1-alpha) p^2
+(-log(1-p))`` (alpha 0.25); ``cardinality_error`` counts queries with some sigmoid above 0.5.
+
 How it runs. transformers computes one ``[B*Q, N]`` cost for the whole batch per layer (every
 query against every image's boxes), the GIoU loss as the diagonal of an ``N x N`` matrix, and
 reads the device a few times per layer (a cost copy and box checks; the counts:
@@ -62,7 +68,25 @@ class PaddedTargets:
 
 def pad_targets(labels, batch: int, device) -> PaddedTargets:
     """transformers' ``labels`` (a list of dicts, one per image) padded; shapes and types checked here
-    (free), values with the cost's host read (:func:`set_prediction_loss`)."""
+    (free, :func:`check_labels`), values with the cost's host read (:func:`set_prediction_loss`)."""
+    boxes, classes = check_labels(labels, batch)
+    counts = tuple(b.shape[0] for b in boxes)
+    M = max(counts)
+    boxes_BM4 = torch.tensor([0.5, 0.5, 1.0, 1.0], device=device).repeat(batch, M, 1)  # a valid box in padding
+    labels_BM = torch.zeros(batch, M, dtype=torch.long, device=device)
+    mask_BM = torch.zeros(batch, M, dtype=torch.bool, device=device)
+    for i, (b, c) in enumerate(zip(boxes, classes)):
+        n = b.shape[0]
+        boxes_BM4[i, :n] = b.to(device, torch.float32, non_blocking=True)
+        labels_BM[i, :n] = c.to(device, non_blocking=True)
+        mask_BM[i, :n] = True
+    return PaddedTargets(boxes_BM4, labels_BM, mask_BM, counts)
+
+
+def check_labels(labels, batch: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The boxes and class ids of transformers' ``labels`` after checking their structure, shapes and
+    types (no values: no host read); ValueError naming the image and key. A model may call it before its
+    forward, so that bad labels are refused before any work."""
     if not isinstance(labels, (list, tuple)) or len(labels) != batch:
         raise ValueError(f"labels must be a list of {batch} dicts (one per image) with 'class_labels' and 'boxes', "
                          f"got {type(labels).__name__}{f' of {len(labels)}' if isinstance(labels, (list, tuple)) else ''}")
@@ -80,17 +104,7 @@ def pad_targets(labels, batch: int, device) -> PaddedTargets:
                              f"per box), got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
         boxes.append(b)
         classes.append(c)
-    counts = tuple(b.shape[0] for b in boxes)
-    M = max(counts)
-    boxes_BM4 = torch.tensor([0.5, 0.5, 1.0, 1.0], device=device).repeat(batch, M, 1)  # a valid box in padding
-    labels_BM = torch.zeros(batch, M, dtype=torch.long, device=device)
-    mask_BM = torch.zeros(batch, M, dtype=torch.bool, device=device)
-    for i, (b, c) in enumerate(zip(boxes, classes)):
-        n = b.shape[0]
-        boxes_BM4[i, :n] = b.to(device, torch.float32, non_blocking=True)
-        labels_BM[i, :n] = c.to(device, non_blocking=True)
-        mask_BM[i, :n] = True
-    return PaddedTargets(boxes_BM4, labels_BM, mask_BM, counts)
+    return boxes, classes
 
 
 def center_to_corners(b: Tensor) -> Tensor:
@@ -115,18 +129,25 @@ def pairwise_giou(a: Tensor, b: Tensor) -> Tensor:
 
 @torch.no_grad()
 def matching_cost(logits_LBQC: Tensor, boxes_LBQ4: Tensor, t: PaddedTargets, class_cost: float, bbox_cost: float,
-                  giou_cost: float) -> Tensor:
-    """The matching cost of every layer's queries against its own image's boxes ``[L, B, Q, M]``."""
+                  giou_cost: float, focal_alpha: float | None = None) -> Tensor:
+    """The matching cost of every layer's queries against its own image's boxes ``[L, B, Q, M]``. The class
+    term: ``-p(target class)`` of the softmax (DETR), or with ``focal_alpha`` the focal cost of the sigmoid
+    (Deformable DETR's matcher: alpha and gamma 0.25 and 2, whatever the loss's alpha)."""
     L, B, Q, C = logits_LBQC.shape
     M = t.labels_BM.shape[1]
-    prob_LBQC = logits_LBQC.softmax(-1)
     # a class id out of range is refused by name after this read (_target_problems): clamped here so
     # the gather does not fail first (a RuntimeError on the CPU, a device-side assert on CUDA)
-    labels_BM = t.labels_BM.clamp(0, C - 1)
-    p_LBQM = prob_LBQC.gather(-1, labels_BM[None, :, None, :].expand(L, B, Q, M))
+    labels_LBQM = t.labels_BM.clamp(0, C - 1)[None, :, None, :].expand(L, B, Q, M)
+    if focal_alpha is None:
+        class_LBQM = -logits_LBQC.softmax(-1).gather(-1, labels_LBQM)
+    else:
+        p_LBQM = logits_LBQC.sigmoid().gather(-1, labels_LBQM)
+        neg = (1 - 0.25) * (p_LBQM ** 2.0) * (-(1 - p_LBQM + 1e-8).log())
+        pos = 0.25 * ((1 - p_LBQM) ** 2.0) * (-(p_LBQM + 1e-8).log())
+        class_LBQM = pos - neg
     l1_LBQM = (boxes_LBQ4[..., :, None, :] - t.boxes_BM4[None, :, None, :, :]).abs().sum(-1)
     giou_LBQM = pairwise_giou(center_to_corners(boxes_LBQ4), center_to_corners(t.boxes_BM4)[None])
-    return bbox_cost * l1_LBQM + class_cost * -p_LBQM + giou_cost * -giou_LBQM
+    return bbox_cost * l1_LBQM + class_cost * class_LBQM + giou_cost * -giou_LBQM
 
 
 def _bad_boxes(b: Tensor, mask_BM: Tensor) -> Tensor:
@@ -180,39 +201,47 @@ def assign(cost_LBQM: np.ndarray, counts) -> np.ndarray:
 def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=None, *, num_classes: int | None = None,
                         class_cost: float = 1.0, bbox_cost: float = 5.0, giou_cost: float = 2.0,
                         bbox_loss_coefficient: float = 5.0, giou_loss_coefficient: float = 2.0,
-                        eos_coefficient: float = 0.1, giou_impl: str = "kernel", num_boxes=None) -> tuple[Tensor, dict]:
+                        eos_coefficient: float = 0.1, giou_impl: str = "kernel", num_boxes=None,
+                        focal_alpha: float | None = None) -> tuple[Tensor, dict]:
     """``(loss, loss_dict)`` of L decoder layers' predictions (the last is the final output, the others
     auxiliary): ``logits_LBQC [L, B, Q, C+1]``, ``boxes_LBQ4 [L, B, Q, 4]`` (cx, cy, w, h);
     ``labels`` as transformers' (see the module docstring). A ``config`` with transformers' field names
-    (``num_labels``, ``class_cost`` ..., ``eos_coefficient``, ``giou_impl``) sets them all.
-    ``num_boxes``: the normaliser (e.g. all-reduced over processes); default this batch's box count."""
+    (``num_labels``, ``class_cost`` ..., ``eos_coefficient``, ``giou_impl``, and ``focal_alpha`` where the
+    model has one) sets them all. ``num_boxes``: the normaliser (e.g. all-reduced over processes); default
+    this batch's box count. ``focal_alpha``: the classification is per-class sigmoids (``logits [L, B, Q, C]``,
+    no "no object" class) with the focal term and cost (Deformable DETR's)."""
     if config is not None:
         num_classes, class_cost, bbox_cost, giou_cost = config.num_labels, config.class_cost, config.bbox_cost, config.giou_cost
         bbox_loss_coefficient, giou_loss_coefficient = config.bbox_loss_coefficient, config.giou_loss_coefficient
         eos_coefficient, giou_impl = config.eos_coefficient, config.giou_impl
+        focal_alpha = getattr(config, "focal_alpha", None)  # a config of a sigmoid-classified detector declares it
     if giou_impl not in GIOU_IMPLS:
         raise ValueError(f"giou_impl={giou_impl!r}: choose one of {', '.join(GIOU_IMPLS)}")
     with kernel_range("loss", "set_prediction_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
         return _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
-                                    bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes)
+                                    bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes,
+                                    focal_alpha)
 
 
 def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
-                         bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes):
+                         bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes,
+                         focal_alpha):
     if logits_LBQC.ndim != 4 or boxes_LBQ4.shape != (*logits_LBQC.shape[:3], 4):
         raise ValueError(f"logits must be [L, B, Q, C+1] and boxes [L, B, Q, 4], got {tuple(logits_LBQC.shape)} and "
                          f"{tuple(boxes_LBQ4.shape)}")
     L, B, Q, C1 = logits_LBQC.shape
-    C = C1 - 1 if num_classes is None else num_classes
-    if C1 != C + 1:
-        raise ValueError(f"logits have {C1} classes; num_classes={C} needs {C + 1} (the last: no object)")
+    extra = 0 if focal_alpha is not None else 1  # softmax: a last "no object" class; sigmoids: none
+    C = C1 - extra if num_classes is None else num_classes
+    if C1 != C + extra:
+        raise ValueError(f"logits have {C1} classes; num_classes={C} needs {C + extra}"
+                         f"{' (the last: no object)' if extra else ' (sigmoid classes, focal loss)'}")
     device = logits_LBQC.device
     t = pad_targets(labels, B, device)
     M = t.labels_BM.shape[1]
 
     query_LBM = np.full((L, B, M), -1, dtype=np.int64)
     if M:  # the one host read: every layer's cost and the target checks together
-        cost = matching_cost(logits_LBQC.detach(), boxes_LBQ4.detach(), t, class_cost, bbox_cost, giou_cost)
+        cost = matching_cost(logits_LBQC.detach(), boxes_LBQ4.detach(), t, class_cost, bbox_cost, giou_cost, focal_alpha)
         host = torch.cat([cost.float().flatten(), _target_problems(t, C)]).cpu().numpy()
         if host[-2:].any():
             _raise_target_problem(host[-2:], t, C)
@@ -226,13 +255,8 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
     target_LBQ = torch.full((L, B, Q + 1), C, dtype=torch.long, device=device)
     target_LBQ.scatter_(2, torch.where(matched_LBM, q_LBM, Q), t.labels_BM[None].expand(L, B, M))
     target_LBQ = target_LBQ[..., :Q]
-    ce_LBQ = F.cross_entropy(logits_LBQC.flatten(0, 2), target_LBQ.flatten(), reduction="none").view(L, B, Q)
-    # the class weights in the loss's precision (fp32 under autocast, as transformers' weighted cross-entropy):
-    # (bf16 rounds eos_coefficient 0.1 to 0.1001, which a sum over the queries accumulates)
-    weight = torch.ones(C + 1, device=device, dtype=ce_LBQ.dtype)
-    weight[C] = eos_coefficient
-    w_LBQ = weight[target_LBQ]
-    loss_ce = (ce_LBQ * w_LBQ).sum((1, 2)) / w_LBQ.sum((1, 2))
+    loss_ce = (_class_loss(logits_LBQC, target_LBQ, C, eos_coefficient) if focal_alpha is None
+               else _focal_class_loss(logits_LBQC, target_LBQ, C, focal_alpha, n))
 
     # boxes: the matched pairs in the padded layout [L, B, M]
     pred_LBM4 = boxes_LBQ4.gather(2, q_LBM[..., None].expand(L, B, M, 4))
@@ -241,7 +265,10 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
     loss_giou = _giou_sums(giou_impl, center_to_corners(pred_LBM4), center_to_corners(tgt_LBM4), matched_LBM) / n
 
     with torch.no_grad():
-        card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
+        if focal_alpha is None:  # predicted non-empty: "no object" is not the top class / some sigmoid above 0.5
+            card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
+        else:
+            card_LB = (logits_LBQC.sigmoid().max(-1).values > 0.5).sum(-1).float()
         card = (card_LB - torch.tensor(t.counts, dtype=torch.float32, device=device)).abs().mean(-1)
     loss_dict = {}
     for layer in [L - 1, *range(L - 1)]:
@@ -250,6 +277,33 @@ def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cos
                           f"loss_giou{sfx}": loss_giou[layer], f"cardinality_error{sfx}": card[layer]})
     loss = (loss_ce + bbox_loss_coefficient * loss_bbox + giou_loss_coefficient * loss_giou).sum()
     return loss, loss_dict
+
+
+def _class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, C: int, eos_coefficient: float) -> Tensor:
+    """DETR's per layer ``[L]``: cross-entropy over every query, "no object" weighted ``eos_coefficient``, a weighted mean."""
+    L, B, Q, _ = logits_LBQC.shape
+    ce_LBQ = F.cross_entropy(logits_LBQC.flatten(0, 2), target_LBQ.flatten(), reduction="none").view(L, B, Q)
+    # the class weights in the loss's precision (fp32 under autocast, as transformers' weighted cross-entropy):
+    # (bf16 rounds eos_coefficient 0.1 to 0.1001, which a sum over the queries accumulates)
+    weight = torch.ones(C + 1, device=logits_LBQC.device, dtype=ce_LBQ.dtype)
+    weight[C] = eos_coefficient
+    w_LBQ = weight[target_LBQ]
+    return (ce_LBQ * w_LBQ).sum((1, 2)) / w_LBQ.sum((1, 2))
+
+
+def _focal_class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, C: int, alpha: float, n) -> Tensor:
+    """Deformable DETR's per layer ``[L]``: the sigmoid focal loss (gamma 2) of every query and class against
+    the one-hot matched classes (unmatched queries: all zeros), summed and divided by the box count
+    (transformers' ``sigmoid_focal_loss(...) * num_queries``: a mean over queries times their number)."""
+    Q = logits_LBQC.shape[2]
+    onehot_LBQC = F.one_hot(target_LBQ, C + 1)[..., :C].to(logits_LBQC.dtype)
+    prob = logits_LBQC.sigmoid()
+    ce = F.binary_cross_entropy_with_logits(logits_LBQC, onehot_LBQC, reduction="none")
+    p_t = prob * onehot_LBQC + (1 - prob) * (1 - onehot_LBQC)
+    loss = ce * ((1 - p_t) ** 2)
+    if alpha >= 0:
+        loss = (alpha * onehot_LBQC + (1 - alpha) * (1 - onehot_LBQC)) * loss
+    return loss.mean(2).sum((1, 2)) / n * Q
 
 
 def _giou_sums(giou_impl: str, pred_LBM4: Tensor, tgt_LBM4: Tensor, matched_LBM: Tensor) -> Tensor:

@@ -12,11 +12,12 @@ from fastzoo.tasks.task import Inputs, Task
 
 
 def example_inputs(model, batch, gen, caps, notes):
-    """Image i keeps its left 64, 32 or 48 columns (i mod 3); the rest is padding (a batch of
-    images of different sizes), named by ``pixel_mask`` as transformers' image processors do. The
-    second image's half survives a stride-32 backbone (the tiny config's 2 x 2 feature map), so two
-    images already give the encoder a key-padding mask that is not all true."""
-    side = 64
+    """Image i keeps its left ``side``, ``side - 32`` or ``side - 16`` columns (i mod 3); the rest is padding
+    (a batch of images of different sizes), named by ``pixel_mask`` as transformers' image processors do. The
+    second image's half survives a stride-32 backbone (the tiny config's 2 x 2 feature map), so two images
+    already give the encoder a key-padding mask that is not all true. ``side``: 64, or the model's
+    ``min_image_side`` where larger (a multi-scale detector's every level keeps two positions)."""
+    side = max(64, getattr(model, "min_image_side", 0))
     images = torch.randn(batch, 3, side, side, generator=gen)
     mask = torch.ones(batch, side, side, dtype=torch.long)
     for i in range(batch):

@@ -30,12 +30,6 @@ from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
 from fastzoo.tracing import tracing
 
 
-# The logits block the training loss may hold: one pass over the LM head (the gradient computed
-# with the loss, no second matmul) wherever 256 tokens x the vocabulary fit, as in every decoder
-# vocabulary up to 262k tokens in fp32; the block stays under a third of the [tokens, vocab]
-# logits a loss on materialised logits holds (with its gradient) from about 600 tokens up.
-LM_HEAD_BLOCK_BYTES = 256 << 20
-
 
 class CausalLM(CausalLMConventions, FastzooModel):
     """Base of fastzoo's decoders (see the module docstring). A subclass sets ``body_name``
@@ -200,7 +194,7 @@ class CausalLM(CausalLMConventions, FastzooModel):
         if self.training:  # no logits: the loss is fused with the LM head (scaling and soft-capping inside)
             h_ND = h_ND if self.logits_divisor == 1.0 else h_ND / self.logits_divisor
             loss = linear_cross_entropy(h_ND, self.lm_head.weight, targets_N, ignore_index=IGNORE_INDEX, reduction=reduction,
-                                        block_bytes=LM_HEAD_BLOCK_BYTES, softcap=self.logits_softcap)
+                                        softcap=self.logits_softcap)
         else:
             logits_NV = self.head(h_ND)
             loss = F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction=reduction)

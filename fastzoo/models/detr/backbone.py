@@ -146,6 +146,15 @@ class HFResNet(nn.Module):
             x = stage(x)
         return x
 
+    def forward_intermediates(self, x, indices, intermediates_only: bool = True):
+        """The outputs of stages ``indices`` (1: the first stage), as ``ResNetBackbone``'s ``out_features``."""
+        x, out = self.embedder(x), []
+        for i, stage in enumerate(self.encoder.stages[:max(indices)]):
+            x = stage(x)
+            if i + 1 in indices:
+                out.append(x)
+        return out
+
 
 def stage_of(name: str, timm: bool) -> int:
     """The stage (0: the stem, 1..: layer1.. / stages.0..) a backbone parameter belongs to."""
@@ -193,5 +202,18 @@ class DetrConvEncoder(nn.Module):
         f_BCHW = self.model.forward_features(pixel_values_BCHW)
         if pixel_mask_BHW is None:
             return f_BCHW, None
-        mask_BHW = F.interpolate(pixel_mask_BHW[None].float(), size=f_BCHW.shape[-2:]).to(torch.bool)[0]
-        return f_BCHW, mask_BHW
+        return f_BCHW, resize_mask(pixel_mask_BHW, f_BCHW.shape[-2:])
+
+    def feature_maps(self, pixel_values_BCHW: torch.Tensor, pixel_mask_BHW: torch.Tensor, indices) -> list:
+        """The feature maps of stages ``indices`` (1: the first stage; timm's ``out_indices``), each with
+        the pixel mask resized to it: ``[(f [B, C, h, w], mask [B, h, w] bool)]`` (the multi-scale
+        detectors' input; ``pixel_mask`` given, all ones for an unpadded batch, as transformers does)."""
+        if self.channels_last:
+            pixel_values_BCHW = pixel_values_BCHW.contiguous(memory_format=torch.channels_last)
+        maps = self.model.forward_intermediates(pixel_values_BCHW, list(indices), intermediates_only=True)
+        return [(f, resize_mask(pixel_mask_BHW, f.shape[-2:])) for f in maps]
+
+
+def resize_mask(pixel_mask_BHW: torch.Tensor, size) -> torch.Tensor:
+    """The pixel mask resized to a feature map (nearest, as transformers), bool: True = a real pixel."""
+    return F.interpolate(pixel_mask_BHW[None].float(), size=tuple(size)).to(torch.bool)[0]

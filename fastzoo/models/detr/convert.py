@@ -175,14 +175,17 @@ def _backbone_from_config(cfg: dict) -> dict:
             "embedding_size": bb.get("embedding_size", 64), "dilation": False}
 
 
-def hf_config(cfg: DetrConfig):
-    """``cfg`` as a ``transformers.DetrConfig`` (which builds the same network on random weights)."""
-    import transformers
-
-    names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
+HF_FIELDS = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
              "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
              "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
              "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient", "num_labels")
+
+
+def hf_config(cfg: DetrConfig, config_class: str = "DetrConfig", names: tuple[str, ...] = HF_FIELDS,
+              out_features: tuple[int, ...] | None = None):
+    """``cfg`` as a ``transformers.DetrConfig`` (which builds the same network on random weights); a detector
+    of the family passes its own transformers config class, the fields it writes and the backbone stages it
+    reads (``out_features``; default the last)."""
     fields = {k: getattr(cfg, k) for k in names}
     if cfg.id2label is not None:
         fields.update(id2label=dict(cfg.id2label), label2id={v: k for k, v in cfg.id2label.items()})
@@ -190,7 +193,7 @@ def hf_config(cfg: DetrConfig):
     fractional = {k: v for k, v in fields.items() if k in _INT_WEIGHTS and not float(v).is_integer()}
     fields.update({k: int(v) if k in _INT_WEIGHTS and k not in fractional else v for k, v in fields.items()})
     fields.update({k: 1 for k in fractional})
-    hf = _hf_config(cfg, fields)
+    hf = _hf_config(cfg, fields, config_class, out_features or (len(cfg.depths),))
     for k, v in fractional.items():
         object.__setattr__(hf, k, v)
     return hf
@@ -199,16 +202,17 @@ def hf_config(cfg: DetrConfig):
 _INT_WEIGHTS = ("class_cost", "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient")
 
 
-def _hf_config(cfg: DetrConfig, fields: dict):
+def _hf_config(cfg: DetrConfig, fields: dict, config_class: str, out_features: tuple[int, ...]):
     import transformers
 
+    make = getattr(transformers, config_class)
     if cfg.use_timm_backbone:
-        return transformers.DetrConfig(use_timm_backbone=True, backbone=cfg.backbone, use_pretrained_backbone=False,
-                                       dilation=cfg.dilation, **fields)
+        return make(use_timm_backbone=True, backbone=cfg.backbone, use_pretrained_backbone=False, dilation=cfg.dilation,
+                    **fields)
     resnet = transformers.ResNetConfig(num_channels=cfg.num_channels, embedding_size=cfg.embedding_size,
                                        hidden_sizes=list(cfg.hidden_sizes), depths=list(cfg.depths),
-                                       layer_type=cfg.layer_type, out_features=[f"stage{len(cfg.depths)}"])
-    return transformers.DetrConfig(use_timm_backbone=False, backbone_config=resnet, use_pretrained_backbone=False, **fields)
+                                       layer_type=cfg.layer_type, out_features=[f"stage{i}" for i in out_features])
+    return make(use_timm_backbone=False, backbone_config=resnet, use_pretrained_backbone=False, **fields)
 
 
 HF = HfDetrConverter()

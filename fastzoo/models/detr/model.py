@@ -43,8 +43,11 @@ from fastzoo.models.detr.backbone import DetrConvEncoder
 from fastzoo.models.detr.config import DetrConfig
 from fastzoo.models.timm_api import check_images
 
-def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None) -> torch.Tensor:
-    """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``."""
+def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.Tensor | None,
+                            offset: float = 0.0) -> torch.Tensor:
+    """transformers' ``DetrSinePositionEmbedding(d_model // 2, normalize=True)``, flattened: ``[B, h*w, d_model]``.
+    ``offset``: subtracted from the cumulative positions before they are normalised (Deformable DETR's 0.5:
+    each position at its pixel's centre; DETR's 0)."""
     B, _, H, W = shape
     n = d_model // 2
     if mask_BHW is None:
@@ -53,8 +56,8 @@ def sine_position_embedding(shape, dtype, device, d_model: int, mask_BHW: torch.
     else:
         m = mask_BHW.to(dtype)
         y_BHW, x_BHW = m.cumsum(1), m.cumsum(2)
-    y_BHW = y_BHW / (y_BHW[:, -1:, :] + 1e-6) * (2 * math.pi)
-    x_BHW = x_BHW / (x_BHW[:, :, -1:] + 1e-6) * (2 * math.pi)
+    y_BHW = (y_BHW - offset) / (y_BHW[:, -1:, :] + 1e-6) * (2 * math.pi)  # x - 0.0 is x: DETR's values exactly
+    x_BHW = (x_BHW - offset) / (x_BHW[:, :, -1:] + 1e-6) * (2 * math.pi)
     dim_t = torch.arange(n, dtype=torch.int64, device=device).to(dtype)
     dim_t = 10000 ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / n)
     px, py = x_BHW[..., None] / dim_t, y_BHW[..., None] / dim_t
@@ -156,6 +159,7 @@ class DetrForObjectDetection(FastzooModel):
     family = "detr"
     config_class = DetrConfig
     main_input_name = "pixel_values"
+    sigmoid_classes = False  # a softmax over the classes and "no object"
     supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 
     def __init__(self, cfg: DetrConfig):
