@@ -80,3 +80,13 @@ def test_bounds_are_measured_for_every_cpu_kernel():
 def test_refuses_fp32():
     with pytest.raises(ValueError, match="dtype"):
         oplevel.check_backend("eager", dtype=torch.float32)
+
+
+def test_a_backend_never_measured_gets_the_loosest_measured_bound():
+    # a user's kernel, or any kernel on a GPU (not measured here): the worst CPU kernel's error is its allowance
+    for dt in LOW:
+        loosest = oplevel.bounds(None, dt)
+        for name, opts in CPU_BACKENDS:
+            own = oplevel.bounds(oplevel.backend_label(name, opts), dt)
+            assert all(own[k] <= loosest[k] for k in own)
+        assert oplevel.bounds("my_kernel", dt) == loosest
