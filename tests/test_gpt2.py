@@ -6,6 +6,7 @@ import transformers
 
 import conftest
 import fastzoo
+from fastzoo.equivalence import draw_
 from conftest import backends
 from fastzoo import equivalence
 from fastzoo.data import nested, pack, pad_to_longest
@@ -28,7 +29,7 @@ def hf_model(**kw):
     cfg = transformers.GPT2Config(
         **{**TINY, **kw}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None
     )
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return draw_(transformers.GPT2LMHeadModel(cfg)).eval()
 
 
 @pytest.fixture(scope="module")

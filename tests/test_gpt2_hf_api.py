@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo.data import pack, pad_to_longest
 from fastzoo.models.decoder.convert import GPT2 as HF_CONVERTER
 
@@ -24,7 +25,7 @@ def hf_model(**kw):
     cfg = transformers.GPT2Config(**{**TINY, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                                      "bos_token_id": 5, "eos_token_id": 5, **kw})
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return draw_(transformers.GPT2LMHeadModel(cfg)).eval()
 
 
 @pytest.fixture(scope="module")

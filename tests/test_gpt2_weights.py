@@ -8,6 +8,7 @@ from conftest import TINY as FAMILY_TINY
 from safetensors.torch import save_file
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo.errors import CheckpointError
 
 TINY = {**FAMILY_TINY["gpt2"], "n_inner": 96}  # an MLP width other than 4 * n_embd: the config read back must carry it
@@ -18,7 +19,7 @@ LOGIT_TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, same weights
 def hf():
     torch.manual_seed(4)
     cfg = transformers.GPT2Config(**TINY, layer_norm_epsilon=1e-6, bos_token_id=None, eos_token_id=None)
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return draw_(transformers.GPT2LMHeadModel(cfg), seed=4).eval()
 
 
 IDS = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 import fastzoo
+from fastzoo.equivalence import draw_
 from fastzoo import equivalence
 from fastzoo.data import nested, pack, pad_to_longest
 from fastzoo.errors import BackendUnavailableError, CheckpointError, ConfigError
@@ -71,7 +72,7 @@ def hf_model(layout="llama", seed=1, **kw):
     torch.manual_seed(seed)
     cfg = cls(**{**BASE, **fields, **kw}, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg._attn_implementation = "eager"
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    return draw_(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager"), seed=seed).eval()
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -37,6 +37,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
 import fastzoo
+from fastzoo.equivalence import draw_
 
 TOL = 1e-4  # fastzoo.equivalence's rule: fp32 CPU, max abs difference of logits / features
 GRAD_RTOL = 1e-4  # per parameter, relative to its largest gradient
@@ -46,38 +47,18 @@ NARROW = dict(channels=(64, 32, 32, 32))  # narrow stages (timm takes widths; it
 
 
 # -- reference models with non-trivial weights -------------------------------------------
-def _randomize_(model: nn.Module, seed: int = 1) -> nn.Module:
-    """O(1) weights and BN statistics, so every layer moves the output (timm zero-inits the last
-    BN of each ResNet block and ViT's tokens at 1e-6, which would hide whole branches)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.ndim >= 2 and "token" not in name and "pos_embed" not in name:
-                p.copy_(r * 1.2 / math.sqrt(p[0].numel()))
-            elif name.endswith(".weight"):  # norm gains
-                p.copy_(1 + 0.2 * r)
-            else:
-                p.copy_(0.2 * r)
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.copy_(0.1 * torch.randn(m.num_features, generator=g))
-                m.running_var.copy_(0.75 + 0.5 * torch.rand(m.num_features, generator=g))
-    return model
-
-
 def timm_vit(**kw) -> nn.Module:
-    return _randomize_(timm.create_model("vit_small_patch16_224", pretrained=False, **{**VIT_TINY, **kw})).eval()
+    return draw_(timm.create_model("vit_small_patch16_224", pretrained=False, **{**VIT_TINY, **kw})).eval()
 
 
 def timm_resnet(**kw) -> nn.Module:
-    return _randomize_(timm.create_model("resnet50", pretrained=False, **{**RESNET_TINY, **NARROW, **kw})).eval()
+    return draw_(timm.create_model("resnet50", pretrained=False, **{**RESNET_TINY, **NARROW, **kw})).eval()
 
 
 def tv_resnet() -> nn.Module:
     from torchvision.models.resnet import Bottleneck, ResNet
 
-    return _randomize_(ResNet(Bottleneck, list(RESNET_TINY["layers"]), num_classes=RESNET_TINY["num_classes"])).eval()
+    return draw_(ResNet(Bottleneck, list(RESNET_TINY["layers"]), num_classes=RESNET_TINY["num_classes"])).eval()
 
 
 def pair(kind: str):
@@ -522,7 +503,7 @@ def test_the_drop_in_snippet_runs_and_matches_timm():
     over the ResNet, and a dynamic-batch export (under no_grad: CPU flex has no backward; on a
     CPU the export itself runs on SDPA)."""
     arch = dict(img_size=32, patch_size=8, embed_dim=48, depth=6, num_heads=3, attn_drop_rate=0.0)  # snippet: 12 blocks, [5, 11]
-    ref = _randomize_(timm.create_model("vit_base_patch16_224", pretrained=False, **arch)).eval()
+    ref = draw_(timm.create_model("vit_base_patch16_224", pretrained=False, **arch)).eval()
     m = fastzoo.create("vit_b16", attn="flex", pretrained=ref.state_dict(), **arch)
     assert timm.data.resolve_data_config({}, model=m)["mean"] == (0.5, 0.5, 0.5)
     kw = dict(opt="adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.75)

@@ -1,6 +1,6 @@
 """ViT equals timm's VisionTransformer on the same weights: logits and gradients.
 
-The reference timm model's parameters are re-drawn at O(1) scale (:func:`randomize_`)
+The reference timm model's parameters are re-drawn at O(1) scale (``fastzoo.equivalence.draw_``)
 before they are copied: at timm's init (std 0.02) the logits are ~0.1 and a wrong
 activation (QuickGELU for GELU) moved them by only ~1e-4, under the tolerance. Here
 logits are O(1-10) and such a deviation is O(1e-2).
@@ -10,7 +10,6 @@ Tolerances (fp32, CPU): logits max abs diff <= 1e-4 (fastzoo.equivalence's rule)
 compared per parameter relative to that gradient's largest magnitude (<= 1e-4): absolute
 sizes of gradients vary by orders of magnitude between the head and the first block.
 """
-import math
 import re
 from functools import partial
 
@@ -22,6 +21,7 @@ from torch import nn
 
 import conftest
 import fastzoo
+from fastzoo.equivalence import draw_
 from conftest import backends
 from fastzoo import equivalence
 from fastzoo.errors import CheckpointError
@@ -36,27 +36,9 @@ TRAIN_BACKENDS = backends(backward=True)
 INFER_BACKENDS = backends()
 
 
-def randomize_(model: nn.Module, seed: int = 1) -> nn.Module:
-    """Re-draw every parameter at O(1) scale, in place: matrices with std 1.5/sqrt(fan_in)
-    (each layer's output is O(1) per unit input, not 0.02-scaled), LayerNorm weights
-    1 + 0.2 N(0, 1), everything else (biases, tokens, position embedding, LayerScale)
-    0.2 N(0, 1). Deterministic; logits come out O(1-10) for any width."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.ndim >= 2 and "token" not in name and "pos_embed" not in name:
-                p.copy_(r * 1.5 / math.sqrt(p[0].numel()))
-            elif "norm" in name and name.endswith(".weight"):
-                p.copy_(1 + 0.2 * r)
-            else:
-                p.copy_(0.2 * r)
-    return model
-
-
 def timm_vit(name="vit_base_patch16_224", **kw):
     torch.manual_seed(0)
-    return randomize_(timm.create_model(name, pretrained=False, **kw))
+    return draw_(timm.create_model(name, pretrained=False, **kw), seed=1)
 
 
 def assert_equal_to_timm(ours, ref, x, grad_rtol=GRAD_RTOL):

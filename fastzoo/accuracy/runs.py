@@ -37,7 +37,7 @@ import torch
 
 from fastzoo.accuracy.config import Arm, Optim, RunConfig, Tolerance, model_config, peers, precision
 from fastzoo.accuracy.report import AccuracyReport, ArmResult
-from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, grad_error
+from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, draw_, grad_error
 from fastzoo.errors import BackendUnavailableError, ConfigError
 from fastzoo.machine import device_name, load_average, versions
 from fastzoo.registry import get_entry
@@ -249,10 +249,13 @@ def _loss_and_grads(task, arm, model, idx):
 
 def _same_weights(cfg, task, batches, models, results, snapshots) -> None:
     """At each snapshot of the first arm (step k), every arm's loss and gradients on batch k + 1
-    from those parameters, against the first arm's own."""
+    from those parameters, against the first arm's own; first on a full random state drawn into the
+    first snapshot (``equivalence.draw_``: nonzero biases, norm gains, statistics, which a few
+    training steps from a library's init barely move)."""
     ran = [(a, m, r) for a, m, r in zip(cfg.arms, models, results) if r.status == "ok" and not isinstance(m, str)]
     if len(ran) < 2 or not snapshots:
         return
+    snapshots = [(snapshots[0][0], draw_(copy.deepcopy(snapshots[0][1]), seed=cfg.seed)), *snapshots]
     (ref_arm, ref_model, _), others = ran[0], ran[1:]
     for step, snap in snapshots:
         idx = batches[step]

@@ -189,25 +189,29 @@ def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | N
     return Comparison(name, err, LOW_FACTOR * peer_err + LOW_GRAD_FLOOR, peer_err, worst=worst)
 
 
-def compare_cases(ref: dict, got: dict, peer: dict | None = None, *, same_names: bool = True) -> list[Comparison]:
+def compare_cases(ref: dict, got: dict, peer: dict | Sequence[dict] | None = None, *,
+                  same_names: bool = True) -> list[Comparison]:
     """The benchmarks' gate: tensors a case computed, ``{"output": t, "grad:<param>": t, ...}``,
     against the fp32 reference's. Outputs, then gradients when the case has them.
 
-    ``peer``: the reference model's outputs in the same low precision (None in fp32).
+    ``peer``: the reference model's outputs in the same low precision (None in fp32), or its runs on
+    each of its kernels (the module docstring: the worst one's error counts).
     ``same_names=False``: a peer library naming its own parameters; gradients are compared on
     the names and shapes both sides share (none shared: outputs only).
     """
-    comps = [compare_outputs("output", got["output"].float(), ref["output"].float(), peer and peer["output"].float())]
+    peers = None if peer is None else _runs(peer)
+    comps = [compare_outputs("output", got["output"].float(), ref["output"].float(),
+                             peers and [p["output"].float() for p in peers])]
     g, g_ref = _case_grads(got), _case_grads(ref)
     if not g or not g_ref:
         return comps
-    g_peer = _case_grads(peer) if peer is not None else None
+    g_peer = [_case_grads(p) for p in peers] if peers else None
     if not same_names:
-        shared = {k for k in g_ref if k in g and g[k].shape == g_ref[k].shape and (g_peer is None or k in g_peer)}
+        shared = {k for k in g_ref if k in g and g[k].shape == g_ref[k].shape and all(k in p for p in g_peer or [])}
         if not shared:
             return comps
         g, g_ref = {k: g[k] for k in shared}, {k: g_ref[k] for k in shared}
-        g_peer = {k: g_peer[k] for k in shared} if g_peer is not None else None
+        g_peer = [{k: p[k] for k in shared} for p in g_peer] if g_peer is not None else None
     comps.append(compare_grads("grads", g, g_ref, g_peer))
     return comps
 
