@@ -4,9 +4,10 @@ transformers' ForObjectDetectionLoss vs fastzoo's set_prediction_loss in each GI
 step (ResNet-18 timm backbone, 6+6 layers at width 256, 100 queries, two image sizes padded;
 forward with labels, loss, backward, fused AdamW step) vs transformers' DetrForObjectDetection
 in fp32 on the same weights, in fp32 and in bf16 autocast with channels_last (where the device
-computes bf16), per attention backend.
+computes bf16), per attention backend; and the same step of Deformable DETR (ResNet-18 timm backbone, 4
+levels, 6+6 layers at width 256, 300 queries) vs transformers' DeformableDetrForObjectDetection.
 
-    python benchmarks/set_loss.py --threads 1 [--part detr_step]
+    python benchmarks/set_loss.py --threads 1 [--part detr_step] [--part deformable_detr_step]
 """
 from _common import parser, save, setup, timing
 from fastzoo.bench import limits, run_suite
@@ -15,11 +16,12 @@ from fastzoo.bench.recipes import BASELINE, Recipe, native_bf16
 from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, set_loss_suite
 
 DETR_STEP = dict(backbone="resnet18")
-PARTS = ("set_loss", "detr_step")
+PARTS = ("set_loss", "detr_step", "deformable_detr_step")
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
-    """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step)."""
+    """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step,
+    deformable_detr_step)."""
     reports = {}
     if "set_loss" in parts:
         for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
@@ -27,14 +29,16 @@ def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS
             suite.limits = limits.measure(device, quick=quick)
             reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
                                  out, stem)
-    if "detr_step" in parts:
+    for name in ("detr", "deformable_detr"):
+        if f"{name}_step" not in parts:
+            continue
         # fp32, and the fastest low-precision recipe the tour finds for it here (bf16 autocast with
         # channels_last: its fp32 channels_last and bf16 NCHW rows are slower); `fastzoo tour` tries every one
         tried = [BASELINE] + [Recipe("bf16 autocast", channels_last=True)] * native_bf16(device)
-        suite = detection_step_suite("detr", config=DETR_STEP, device=device, recipes=tried)
+        suite = detection_step_suite(name, config=DETR_STEP, device=device, recipes=tried)
         suite.limits = limits.measure(device, quick=quick)
-        reports["detr_step"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
-                                              interleave=True), out, "detr_step")
+        reports[f"{name}_step"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
+                                                 interleave=True), out, f"{name}_step")
     return reports
 
 
