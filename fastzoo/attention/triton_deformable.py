@@ -23,10 +23,17 @@ import contextlib
 import torch
 from torch.profiler import record_function
 
+from fastzoo.errors import BackendUnavailableError
+
 # Imported by this module alone, and this module only by deformable_op's Triton ops; at module
 # level because ``@triton.jit`` functions find the helpers they call among their module's globals.
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # impl="triton" on a machine without Triton
+    raise BackendUnavailableError(
+        "multi-scale deformable attention with impl=\"triton\" needs Triton, which is not installed: "
+        "`pip install triton`, or use impl=\"reference\"") from e
 
 
 @triton.jit
