@@ -67,14 +67,20 @@ def test_short_run_curves_agree_within_the_files_tolerance(path):
 
 def _bounds(cfg, arm, by_name) -> dict:
     """fp32: the file's tolerance; low precision: LOW_FACTOR x the peer's difference + that tolerance
-    (fastzoo.equivalence's rule for a dtype whose rounding is not the reference's)."""
-    from fastzoo.equivalence import LOW_FACTOR
+    (fastzoo.equivalence's rule for a dtype whose rounding is not the reference's), and for the
+    same-weights loss half a unit of the dtype's rounding of the loss (``compare_loss``: one number's
+    error can cancel by chance in the peer)."""
+    from fastzoo.equivalence import LOW_FACTOR, loss_rounding
+    from fastzoo.text import parse_dtype
 
     tol = {k: getattr(cfg.tolerance, k) for k in ("train_loss", "eval_loss", "eval_metric", "same_weights_loss", "same_weights_grad")}
     if not arm.amp:
         return tol
     peer = by_name[next(a.name for a in cfg.arms if a.amp == arm.amp)]
-    return {k: LOW_FACTOR * peer.diff[k] + t for k, t in tol.items()}
+    bounds = {k: LOW_FACTOR * peer.diff[k] + t for k, t in tol.items()}
+    loss = max(map(abs, by_name[arm.name].same_weights["loss"]))
+    bounds["same_weights_loss"] += loss_rounding(loss, parse_dtype(arm.amp))
+    return bounds
 
 
 def test_unavailable_arm_is_reported_not_hidden():

@@ -37,7 +37,7 @@ import torch
 
 from fastzoo.accuracy.config import Arm, Optim, RunConfig, Tolerance, model_config, peers, precision
 from fastzoo.accuracy.report import AccuracyReport, ArmResult
-from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, draw_, grad_error
+from fastzoo.equivalence import LOW_FACTOR, compare_errors, curve_error, draw_, grad_error, loss_rounding
 from fastzoo.errors import BackendUnavailableError, ConfigError
 from fastzoo.machine import device_name, load_average, versions
 from fastzoo.registry import get_entry
@@ -312,17 +312,21 @@ def _compare(cfg: RunConfig, results: list[ArmResult]) -> None:
         elif amp != "fp32" and by_name.get(peer_of[amp], ArmResult("")).status != "peer":
             r.status, r.note = "unjudged", f"no {amp} peer ran: nothing to bound its {amp} difference by"
         else:
-            _judge(r, tol, by_name[peer_of[amp]] if amp != "fp32" else None)
+            _judge(r, tol, by_name[peer_of[amp]] if amp != "fp32" else None, amp)
         r.first_over = next((i for i, (a, b) in enumerate(zip(r.train_loss, ref.train_loss), 1)
                              if not abs(a - b) <= r.bound.get("train_loss", tol.train_loss)), None)
         if r.status == "drifts":
             r.note += f" (first at step {r.first_over})"
 
 
-def _judge(r: ArmResult, tol: Tolerance, peer: ArmResult | None) -> None:
-    """``ok``, ``drifts`` or ``disagrees`` (module docstring) from the arm's differences and bounds."""
-    comps = {key: compare_errors(key, err, limit, None if peer is None else peer.diff.get(key))
-             for key, err in r.diff.items() if (limit := getattr(tol, key)) is not None}
+def _judge(r: ArmResult, tol: Tolerance, peer: ArmResult | None, amp: str = "fp32") -> None:
+    """``ok``, ``drifts`` or ``disagrees`` (module docstring) from the arm's differences and bounds; in
+    low precision the same-weights loss may also differ by the loss's own rounding (``compare_loss``'s rule)."""
+    limits = {key: limit for key in r.diff if (limit := getattr(tol, key)) is not None}
+    if peer is not None and "same_weights_loss" in limits:
+        limits["same_weights_loss"] += loss_rounding(max(map(abs, r.same_weights["loss"])), parse_dtype(amp))
+    comps = {key: compare_errors(key, r.diff[key], limit, None if peer is None else peer.diff.get(key))
+             for key, limit in limits.items()}
     r.bound = {key: c.bound for key, c in comps.items()}
     over = {k: f"{k} {c.err:.2g} > {c.bound:.2g}" for k, c in comps.items() if not c.passed}
     curves = [v for k, v in over.items() if not k.startswith("same_weights")]

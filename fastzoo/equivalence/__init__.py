@@ -54,7 +54,7 @@ from fastzoo.equivalence.layers import LayerDiff, LayerReport, logits_of
 from fastzoo.equivalence.rule import (
     FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL, FP32_OUT_ULPS, GRAD_SCALE_FLOOR, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR,
     Comparison, compare_cases, compare_errors, compare_grads, compare_grads_where_finite, compare_outputs,
-    compare_loss, compare_outputs_where_finite, curve_error, grad_error, nonfinite_difference,
+    compare_loss, compare_outputs_where_finite, loss_rounding, curve_error, grad_error, nonfinite_difference,
 )
 from fastzoo.equivalence.weights import describe, draw_
 from fastzoo.tasks import Inputs
@@ -62,7 +62,7 @@ from fastzoo.tasks import Inputs
 __all__ = [
     "FP32_GRAD_RTOL", "FP32_LAYER_RTOL", "FP32_OUT_ATOL", "FP32_OUT_ULPS", "GRAD_SCALE_FLOOR", "LOW_FACTOR", "LOW_GRAD_FLOOR",
     "LOW_OUT_FLOOR", "Comparison", "Inputs", "LayerDiff", "LayerReport", "Result", "check", "compare", "compare_cases",
-    "compare_errors", "compare_grads", "compare_grads_where_finite", "compare_loss", "compare_outputs",
+    "compare_errors", "compare_grads", "compare_grads_where_finite", "compare_loss", "loss_rounding", "compare_outputs",
     "compare_outputs_where_finite", "compares_grads", "curve_error", "example_inputs", "grad_error", "has_attention",
     "nonfinite_difference",
     "logits_of",

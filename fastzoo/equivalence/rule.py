@@ -126,8 +126,14 @@ def compare_loss(name: str, loss: torch.Tensor, ref: torch.Tensor, peer: Sequenc
         return compare_outputs_where_finite(name, loss, ref)
     c = compare_outputs_where_finite(name, loss, ref, peer)
     finite = ref[torch.isfinite(ref)]
-    rounding = torch.finfo(dtype).eps / 2 * (finite.abs().max().item() if finite.numel() else 0.0)
-    return Comparison(c.name, c.err, c.bound + rounding, c.peer_err)
+    return Comparison(c.name, c.err, c.bound + loss_rounding(finite.abs().max().item() if finite.numel() else 0.0, dtype),
+                      c.peer_err)
+
+
+def loss_rounding(loss: float, dtype: torch.dtype) -> float:
+    """Half a unit of ``dtype``'s rounding of a loss of size ``loss``: what a low-precision loss may
+    differ by beyond ``LOW_FACTOR`` times the original's own error (:func:`compare_loss`)."""
+    return torch.finfo(dtype).eps / 2 * abs(loss)
 
 
 def _grad_errors(g: dict, ref: dict) -> dict[str, float]:
