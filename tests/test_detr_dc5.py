@@ -69,11 +69,13 @@ def test_save_pretrained_round_trips_with_transformers(hf_dc5, tmp_path):
 
 
 def test_a_state_dict_is_dc5_when_told_and_checked_against_a_live_model(hf_dc5):
-    """Keys cannot show the dilation: dilation=True says it; a live DC5 model into a plain DETR is refused."""
+    """Keys cannot show the dilation: dilation=True says it; a live DC5 model into a plain DETR is refused.
+    Nor can they show ``auxiliary_loss``, which changes transformers' function (its decoder then feeds
+    each layer the LayerNorm's output and normalises the last one twice): the fixture's is told too."""
     hf_dc5.eval()
     x = torch.randn(2, 3, 64, 64)
-    heads = dict(encoder_attention_heads=2, decoder_attention_heads=2)
-    ours = fastzoo.create("detr", pretrained=hf_dc5.state_dict(), dilation=True, **heads).eval()
+    told = dict(encoder_attention_heads=2, decoder_attention_heads=2, auxiliary_loss=True)
+    ours = fastzoo.create("detr", pretrained=hf_dc5.state_dict(), dilation=True, **told).eval()
     with torch.no_grad():
         assert (ours(pixel_values=x).logits - hf_dc5(pixel_values=x).logits).abs().max() <= OUT_TOL
     plain = fastzoo.create("detr", **{**TINY, **R18})
