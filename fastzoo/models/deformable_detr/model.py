@@ -33,8 +33,9 @@ from torch import nn
 
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
+from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention as MSDA
 from fastzoo.models.detr.backbone import DetrConvEncoder, resize_mask
-from fastzoo.models.detr.model import DetrMLPPredictionHead, _check_pixels, sine_position_embedding
+from fastzoo.models.detr.model import DetrMLPPredictionHead, _check_pixels, init_outside_backbone, sine_position_embedding
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -257,17 +258,7 @@ class DeformableDetrForObjectDetection(FastzooModel):
     def _init_weights(self):
         """transformers' init (a fresh model; never the compared state: tests draw every parameter)."""
         cfg = self.config
-        for name, m in self.named_modules():
-            if name.startswith("model.backbone"):
-                continue
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                nn.init.normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=0.02)
-        from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention as MSDA
-
+        init_outside_backbone(self)
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, MSDA):
@@ -305,7 +296,6 @@ class DeformableDetrForObjectDetection(FastzooModel):
         reference | cpu | triton | auto), checked against this model's device and dtype now: an unknown or
         unavailable kernel is refused by name and nothing changes."""
         from fastzoo.attention.deformable import _kernel_name  # the seam's own choice and refusal, made now
-        from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention as MSDA
 
         p = self.class_embed[0].weight
         _kernel_name(impl, p.device.type, p.dtype, False)

@@ -175,17 +175,7 @@ class DetrForObjectDetection(FastzooModel):
             self.gradient_checkpointing_enable()
 
     def _init_weights(self):
-        """transformers' init: normal(0, 0.02) Linear/Conv/Embedding weights and zero biases
-        outside the backbone; xavier-uniform attention projections' weights."""
-        for name, m in self.named_modules():
-            if name.startswith("model.backbone"):
-                continue
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                nn.init.normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, std=0.02)
+        init_outside_backbone(self)
 
     @classmethod
     def can_generate(cls) -> bool:  # transformers' question of every model: DETR does not generate
@@ -346,3 +336,17 @@ def _check_pixels(pixel_values, pixel_mask, channels: int, weight: torch.Tensor)
         raise ValueError(f"pixel_mask must be a [B, H, W] = [{B}, {H}, {W}] tensor (1 = real pixel), got "
                          f"{getattr(pixel_mask, 'shape', type(pixel_mask).__name__)}")
     return pixel_values, pixel_mask
+
+
+def init_outside_backbone(model: nn.Module) -> None:
+    """transformers' init of a DETR-family detector outside its backbone: normal(0, 0.02)
+    Linear / Conv / Embedding weights and zero biases (a fresh model; never the compared state)."""
+    for name, m in model.named_modules():
+        if name.startswith("model.backbone"):
+            continue
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
