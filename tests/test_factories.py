@@ -53,6 +53,18 @@ def test_a_library_looked_up_before_it_is_imported_is_still_registered_with():
     assert out.split() == ["True", "True"]
 
 
+@pytest.mark.parametrize("family", sorted(p.name for p in (ROOT / "fastzoo" / "models").iterdir()
+                                           if (p / "__init__.py").exists()))
+def test_a_family_imported_first_still_registers_with_both_libraries_without_a_warning(family):
+    """A model module imported before torchvision and timm (a script's ``from fastzoo.models.X import ...``):
+    its own imports (transformers pulls in torchvision) register fastzoo's names, which imports every
+    family, and must not find this one half-initialised."""
+    out = _python(f"import warnings\nwarnings.simplefilter('error')\nimport fastzoo.models.{family}\n"
+                  "import torchvision, timm\n"
+                  "print(len(torchvision.models.list_models(include='fastzoo_*')), len(timm.list_models('fastzoo_*')))")
+    assert out.split() == [str(len(set(timm.list_models("fastzoo_*"))))] * 2
+
+
 def test_every_image_classifier_name_is_in_both_factories():
     from torchvision.models import list_models
 

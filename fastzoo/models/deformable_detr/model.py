@@ -33,7 +33,6 @@ from torch import nn
 
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
-from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention as MSDA
 from fastzoo.models.detr.backbone import DetrConvEncoder, resize_mask
 from fastzoo.models.detr.model import DetrMLPPredictionHead, _check_pixels, init_outside_backbone, sine_position_embedding
 
@@ -260,18 +259,17 @@ class DeformableDetrForObjectDetection(FastzooModel):
         cfg = self.config
         init_outside_backbone(self)
         with torch.no_grad():
-            for m in self.modules():
-                if isinstance(m, MSDA):
-                    nn.init.zeros_(m.sampling_offsets.weight)
-                    thetas = torch.arange(m.heads, dtype=torch.float32) * (2.0 * math.pi / m.heads)
-                    grid = torch.stack([thetas.cos(), thetas.sin()], -1)
-                    grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(m.heads, 1, 1, 2).repeat(1, m.levels, m.points, 1)
-                    grid *= torch.arange(1, m.points + 1, dtype=torch.float32).view(1, 1, -1, 1)
-                    m.sampling_offsets.bias.copy_(grid.view(-1))
-                    nn.init.zeros_(m.attention_weights.weight)
-                    nn.init.zeros_(m.attention_weights.bias)
-                    nn.init.xavier_uniform_(m.value_proj.weight)
-                    nn.init.xavier_uniform_(m.output_proj.weight)
+            for m in self.deformable_attentions():
+                nn.init.zeros_(m.sampling_offsets.weight)
+                thetas = torch.arange(m.heads, dtype=torch.float32) * (2.0 * math.pi / m.heads)
+                grid = torch.stack([thetas.cos(), thetas.sin()], -1)
+                grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(m.heads, 1, 1, 2).repeat(1, m.levels, m.points, 1)
+                grid *= torch.arange(1, m.points + 1, dtype=torch.float32).view(1, 1, -1, 1)
+                m.sampling_offsets.bias.copy_(grid.view(-1))
+                nn.init.zeros_(m.attention_weights.weight)
+                nn.init.zeros_(m.attention_weights.bias)
+                nn.init.xavier_uniform_(m.value_proj.weight)
+                nn.init.xavier_uniform_(m.output_proj.weight)
             if not cfg.two_stage:
                 nn.init.xavier_uniform_(self.model.reference_points.weight)
             nn.init.normal_(self.model.level_embed)
@@ -299,10 +297,16 @@ class DeformableDetrForObjectDetection(FastzooModel):
 
         p = self.class_embed[0].weight
         _kernel_name(impl, p.device.type, p.dtype, False)
-        for m in self.modules():
-            if isinstance(m, MSDA):
-                m.impl = impl
+        for m in self.deformable_attentions():
+            m.impl = impl
         return self
+
+    def deformable_attentions(self) -> list[nn.Module]:
+        """Every layer's multi-scale deformable attention module (``layers.py`` is imported when a model is
+        built, as transformers is then: never when fastzoo is imported)."""
+        from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention as MSDA
+
+        return [m for m in self.modules() if isinstance(m, MSDA)]
 
     def heads(self, hs, refs):
         """Class logits ``[L, B, Q, C]`` and boxes ``[L, B, Q, 4]``: each layer's box head adds to its reference."""
