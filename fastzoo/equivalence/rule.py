@@ -196,18 +196,24 @@ def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | N
 
 
 def compare_cases(ref: dict, got: dict, peer: dict | Sequence[dict] | None = None, *,
-                  same_names: bool = True) -> list[Comparison]:
+                  same_names: bool = True, own: dict | None = None) -> list[Comparison]:
     """The benchmarks' gate: tensors a case computed, ``{"output": t, "grad:<param>": t, ...}``,
     against the fp32 reference's. Outputs, then gradients when the case has them.
 
     ``peer``: the reference model's outputs in the same low precision (None in fp32), or its runs on
     each of its kernels (the module docstring: the worst one's error counts).
+    ``own``: where ``ref`` is the original in fp64, its own fp32 run: the output within the fp32 rule or 3x
+    that run's error from ``ref``, each gradient likewise parameter by parameter (:func:`compare_grads`'
+    ``kernels``).
     ``same_names=False``: a peer library naming its own parameters; gradients are compared on
     the names and shapes both sides share (none shared: outputs only).
     """
     peers = None if peer is None else _runs(peer)
     comps = [compare_outputs("output", got["output"].float(), ref["output"].float(),
                              peers and [p["output"].float() for p in peers])]
+    if own is not None and peers is None:  # the output likewise: its fp32 rule, or 3x the original fp32's error
+        c, own_err = comps[0], _max_abs(own["output"].float(), ref["output"].float())
+        comps[0] = Comparison(c.name, c.err, max(c.bound, LOW_FACTOR * own_err), own_err)
     g, g_ref = _case_grads(got), _case_grads(ref)
     if not g or not g_ref:
         return comps
@@ -218,7 +224,8 @@ def compare_cases(ref: dict, got: dict, peer: dict | Sequence[dict] | None = Non
             return comps
         g, g_ref = {k: g[k] for k in shared}, {k: g_ref[k] for k in shared}
         g_peer = [{k: p[k] for k in shared} for p in g_peer] if g_peer is not None else None
-    comps.append(compare_grads("grads", g, g_ref, g_peer))
+    g_own = None if own is None else {k: v for k, v in _case_grads(own).items() if k in g_ref}
+    comps.append(compare_grads("grads", g, g_ref, g_peer, kernels=g_own))
     return comps
 
 
