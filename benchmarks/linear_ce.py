@@ -1,7 +1,7 @@
 """The LM head's loss, forward + backward: 4096 tokens x 768 -> vocab 50257 (GPT-2's head) against
 the logits materialised, and 1024 tokens x 256 -> vocab 128256 (Llama-3's vocabulary) against
 Hugging Face's causal-LM loss; torch's chunked F.linear_cross_entropy and fastzoo's fused
-linear_cross_entropy (two passes by default, one pass with block_bytes) beside them, timed in
+linear_cross_entropy (one pass over token chunks, its block set from the shapes) beside them, timed in
 rounds (one step of each case per round: a shared CPU's load hits all alike), with each case's
 peak memory. fp32 writes linear_ce.*, bf16 inputs linear_ce_bf16.*.
 

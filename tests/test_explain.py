@@ -86,6 +86,15 @@ def test_nested_causal_on_cpu_is_reported_as_a_fallback_to_dense_sdpa():
     assert all("no causal kernel on CPU" in r.fallback and r.executed == [FLASH_CPU] for r in report.rows)
 
 
+def test_nested_non_causal_on_cpu_runs_jagged_sdpa_and_is_no_fallback():
+    """ViT (one length, no mask) through jagged SDPA on CPU: SDPA's math kernel on the jagged views, which
+    a dense call may also run, so the jagged tensors' construction is what shows the path ran."""
+    model = fastzoo.create("vit_s16", attn="nested", **TINY["vit"]).train()
+    report = explain(model, torch.randn(2, 3, 32, 32))
+    assert report.rows and all(r.fallback is None and "aten::_nested_view_from_jagged" in r.executed for r in report.rows)
+    assert any("_scaled_dot_product_attention_math" in op for r in report.rows for op in r.executed)
+
+
 def test_backends_are_restored_after_explain_even_when_it_raises():
     model, args, kwargs = gpt2_and_input()
     before = [m.backend for m in model.modules() if hasattr(m, "backend")]

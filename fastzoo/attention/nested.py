@@ -48,7 +48,9 @@ class NestedBackend(AttentionBackend):
         verified="CPU fp32 (torch 2.14.1); H100 (torch 2.11): GPT-2 bf16 packed, ViT-B/16 (dense: no padding)",
     )
 
-    kernel_ops = SDPA_OPS
+    # the jagged tensors' construction shows that the NestedTensor path ran: on CPU, jagged SDPA then runs
+    # SDPA's math kernel, the op a dense call may run too
+    kernel_ops = SDPA_OPS + r"|::_nested_view_from_jagged$"
 
     def kernel_profile(self, q, k, ctx):
         if q.device.type == "cpu" and ctx.causal:
@@ -56,7 +58,7 @@ class NestedBackend(AttentionBackend):
                    "(varlen's cpu kernel)")
         else:
             why = "the NestedTensor path did not run"
-        return KernelProfile(f"{self.label()}: jagged NestedTensor SDPA", "_nested", missing=why)
+        return KernelProfile(f"{self.label()}: jagged NestedTensor SDPA", r"::_nested_view_from_jagged$", missing=why)
 
     def forward(self, q_BHSD, k_BHSD, v_BHSD, ctx):
         seqlens = packing.seqlens(ctx, q_BHSD, k_BHSD)
