@@ -37,7 +37,8 @@ from torch.utils.data import Dataset
 
 from fastzoo.data.boxes import LABEL_IDS, CocoDetection, collate_detection, read_coco
 from fastzoo.losses import kernel_build_needed, kernel_path
-from fastzoo.losses.set_prediction import GIOU_IMPLS, center_to_corners
+from fastzoo.losses.set_matching import center_to_corners
+from fastzoo.losses.set_prediction import GIOU_IMPLS
 from fastzoo.tasks import DETECTION
 from fastzoo.train import Task, UsageError, parse_args, run_main, setup, train, train_parser
 from fastzoo.train.cli import create_model, positive_int

@@ -476,6 +476,16 @@ def test_padded_all_padding_gives_zero(impl):
         assert loss.item() == 0.0 and (grad == 0).all()  # torchvision's mean of nothing is 0 too
 
 
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_padded_backward_of_no_pairs_is_empty(impl):
+    """No pairs at all (a batch without boxes), per-row loss, its gradient reaching the op through a select:
+    an empty gradient comes back (the C++ backward read the first element of an empty grad: a segfault)."""
+    pred = torch.rand(8, 4).requires_grad_()
+    loss = giou_loss_padded(pred[:0][None], torch.rand(1, 0, 4), reduction="none", eps=0.0, impl=impl, validate=False)[0]
+    (grad,) = torch.autograd.grad(loss.sum(), pred)
+    assert loss.shape == (0,) and (grad == 0).all()
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(mask=torch.ones(2, 3)), "mask must be a bool"),
     (dict(mask=torch.ones(3, 2, dtype=torch.bool)), "mask must be a bool"),

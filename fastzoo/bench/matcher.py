@@ -3,7 +3,7 @@
 The peer: DETR's ``HungarianMatcher`` algorithm (Carion et al. 2020, ``models/matcher.py``, as
 transformers' ``DetrHungarianMatcher``) -- the cost of every query against every box of the
 *batch*, ``[B*Q, N]``, copied to the host and split per image. fastzoo's set loss
-(``fastzoo.losses.set_prediction``: ``matching_cost`` and ``assign``) -- each image's queries
+(``fastzoo.losses.set_matching``: ``matching_cost`` and ``assign``) -- each image's queries
 against its own boxes only, in the padded layout ``[B, Q, M]`` (M = most boxes in an image), one
 host copy per batch. Both then run scipy's ``linear_sum_assignment`` per image. Parity: the same
 assignment.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
-from fastzoo.losses.set_prediction import assign, center_to_corners, matching_cost, pad_targets, pairwise_giou
+from fastzoo.losses.set_matching import MatchCost, assign, center_to_corners, matching_cost, pad_targets, pairwise_giou
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def fastzoo_match(boxes_BQ4, logits_BQC, labels) -> torch.Tensor:
     """The set loss's matching (one layer): per-image padded cost, one host copy, the same scipy
     solver; the query of each target box in the same concatenated order as :func:`detr_match`."""
     t = pad_targets(labels, boxes_BQ4.shape[0], boxes_BQ4.device)
-    cost = matching_cost(logits_BQC[None], boxes_BQ4[None], t, 1.0, 5.0, 2.0)
+    cost = matching_cost(logits_BQC[None], boxes_BQ4[None], t, MatchCost(1.0, 5.0, 2.0))
     query_BM = torch.from_numpy(assign(cost.cpu().numpy(), t.counts)[0])
     return query_BM[t.mask_BM.cpu()].to(boxes_BQ4.device)
 

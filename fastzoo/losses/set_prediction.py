@@ -1,43 +1,41 @@
-"""DETR's set-prediction loss (Carion et al. 2020), for any detector that predicts a fixed set of
-boxes per image: a one-to-one (Hungarian) matching of predictions to target boxes, then class
-cross-entropy over every query and L1 + GIoU over the matched pairs -- the matching cost and the
-terms exactly as transformers' ``DetrHungarianMatcher`` / ``ImageLoss`` define them (the
-``loss_dict`` keys, auxiliary layers suffixed ``_0`` ... ``_{L-2}``, are theirs too):
+"""The set-prediction loss of the DETR family (Carion et al. 2020), one loss whose detectors declare
+their parts: the matcher's cost (:class:`~fastzoo.losses.set_matching.MatchCost`), the classification
+term (:class:`ClassTerm`), which stacks of layers are matched and how (Hungarian, or by index for
+denoising groups), and how the terms are named and weighted -- each exactly as transformers' loss of
+that detector (``ImageLoss``, ``DeformableDetrImageLoss``, ``RTDetrLoss``):
 
-- cost = ``bbox_cost`` x L1(cxcywh) - ``class_cost`` x p(target class) - ``giou_cost`` x GIoU(xyxy);
-- ``loss_ce``: cross-entropy over all queries, unmatched ones target "no object" (the last class)
-  with weight ``eos_coefficient``, a weighted mean; ``loss_bbox``: L1 in cxcywh, and ``loss_giou``:
-  1 - GIoU, each summed over the matched pairs and divided by the batch's box count (at least 1);
-  ``cardinality_error`` (logged, no gradient): |predicted non-empty queries - boxes|, mean over images;
-- ``loss`` = sum over decoder layers of ``loss_ce + bbox_loss_coefficient x loss_bbox +
-  giou_loss_coefficient x loss_giou``.
+- matched pairs: ``loss_bbox`` L1 in cxcywh and ``loss_giou`` 1 - GIoU (xyxy), each summed over the
+  matched pairs and divided by the batch's box count (at least 1; times the groups for denoising);
+- classification, one of :data:`CLASS_TERMS`: ``ce`` (DETR) cross-entropy over every query, unmatched
+  ones target "no object" (the last class) with weight ``eos_coefficient``, a weighted mean; ``focal``
+  (Deformable DETR) the sigmoid focal loss (gamma 2, ``alpha``) of every query against its one-hot
+  matched class, summed over queries and classes, divided by the box count; ``varifocal`` (RT-DETR,
+  Zhang et al. 2021) binary cross-entropy against the IoU-aware target ``IoU(matched pair) x one-hot``
+  (the IoU of the detached prediction), weighted ``alpha p^gamma`` on the negatives and the target on
+  the positive, normalised as ``focal``.
 
-Declared parts, by the detector (transformers' ``DeformableDetrHungarianMatcher`` / ``DeformableDetrImageLoss``):
-``focal_alpha`` set makes the classification per-class sigmoids (no "no object" logit): ``loss_ce`` the
-sigmoid focal loss (gamma 2, ``alpha``) of every query against its one-hot matched class, summed and divided
-by the box count; the matching's class term the focal cost ``alpha (1-p)^2 (-log p) - (1-alpha) p^2
-(-log(1-p))`` (alpha 0.25); ``cardinality_error`` counts queries with some sigmoid above 0.5.
+:func:`set_prediction_loss` is DETR's and Deformable DETR's (``loss_ce`` ..., ``cardinality_error``,
+auxiliary layers suffixed ``_0`` ... ``_{L-2}``, ``loss`` = sum of the layers' ``loss_ce +
+bbox_loss_coefficient x loss_bbox + giou_loss_coefficient x loss_giou``); :func:`rt_detr_loss` is
+RT-DETR's (``loss_vfl``, ``loss_bbox``, ``loss_giou`` already weighted; ``_aux_{i}`` for the decoder
+layers and the encoder's proposals, ``_dn_{i}`` for the denoising groups; ``loss`` = their sum).
 
 How it runs. transformers computes one ``[B*Q, N]`` cost for the whole batch per layer (every
 query against every image's boxes), the GIoU loss as the diagonal of an ``N x N`` matrix, and
 reads the device a few times per layer (a cost copy and box checks; the counts:
-benchmarks/results/cpu-2core/README.md, "DETR: the set loss"). Here: targets padded to ``[B, M]`` (M = most boxes in an image), the cost of every
-layer at once per image ``[L, B, Q, M]``, and one host read per step that carries the costs and
-the target checks together; the assignment goes back as one ``[L, B, M]`` index (a copy to the
-device, no read). The GIoU term runs as ``giou_impl`` says (:data:`GIOU_IMPLS`). GIoU is
-transformers' formula (no epsilon).
-
-Errors: labels that are not a list of ``{"class_labels": [n] int, "boxes": [n, 4] float}``, boxes
-that are not finite or leave [0, 1] (a negative width or height, pixel coordinates), class ids outside ``[0, num_classes)``
-raise ``ValueError`` naming the image; a non-finite matching cost (NaN / Inf predictions, which
-make scipy fail inside transformers) names the decoder layer and the image. An image may have no
-boxes, or more boxes than queries (then, as transformers, ``Q`` of them are matched).
+benchmarks/results/cpu-2core/README.md, "DETR: the set loss"). Here: targets padded to ``[B, M]``,
+the cost of every layer at once per image, one host read per step that carries every Hungarian-matched
+layer's costs and the target checks together (:mod:`fastzoo.losses.set_matching`), denoising matched
+by index (no read), and the GIoU term of every matched pair of every layer in one call, as
+``giou_impl`` says (:data:`GIOU_IMPLS`). An image may have no boxes, or more boxes than queries (then,
+as transformers, ``Q`` of them are matched). Errors: see :mod:`fastzoo.losses.set_matching`; bad
+predictions or denoising metadata name the argument.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -45,157 +43,50 @@ from torch import Tensor
 from fastzoo.kernel_ranges import kernel_range
 from fastzoo.losses.giou import PAD_BOX, giou_loss_concat, giou_loss_padded, giou_loss_per_sample
 from fastzoo.losses.registry import Loss
+from fastzoo.losses.set_matching import (
+    MatchCost,
+    PaddedTargets,
+    by_index,
+    center_to_corners,
+    check_labels,
+    hungarian,
+    pad_targets,
+    paired_iou,
+)
+
+__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "rt_detr_loss", "set_prediction_loss"]
 
 # how the GIoU term runs: ``giou_impl=`` of the loss, DETR's config field of that name, the bench's cases
 GIOU_IMPLS = {"per_sample": "GIoU term in a loop over images", "concat": "GIoU term on the gathered pairs",
               "padded": "GIoU term on the padded pairs, plain ops",
               "kernel": "GIoU term through the fused padded op (no gather, no host sync)"}
+CLASS_TERMS = {"ce": "softmax cross-entropy with a 'no object' class (DETR)",
+               "focal": "sigmoid focal loss (Deformable DETR)",
+               "varifocal": "sigmoid varifocal loss, IoU-aware targets (RT-DETR)"}
+
+
+@dataclass(frozen=True)
+class ClassTerm:
+    """The classification term (one of :data:`CLASS_TERMS`) and its constants: ``eos_coefficient``
+    (``ce``), ``alpha`` (``focal``: the positives' weight; ``varifocal``: the negatives'), ``gamma``."""
+
+    kind: str = "ce"
+    eos_coefficient: float = 0.1
+    alpha: float = 0.25
+    gamma: float = 2.0
 
 
 @dataclass
-class PaddedTargets:
-    """One batch's targets padded to ``[B, M]``: cxcywh boxes, class ids, which slots are real."""
+class _Stack:
+    """Layers of predictions ``[L, B, Q, ...]`` with their match: the query of each target slot
+    ``query_LBS`` (-1: none), the slots' boxes and class ids ``[B, S]``, the terms' normaliser."""
 
-    boxes_BM4: Tensor
-    labels_BM: Tensor
-    mask_BM: Tensor
-    counts: tuple[int, ...]  # boxes per image, on the host (from the shapes: no read)
-
-    @property
-    def num_boxes(self) -> int:
-        return sum(self.counts)
-
-
-def pad_targets(labels, batch: int, device) -> PaddedTargets:
-    """transformers' ``labels`` (a list of dicts, one per image) padded; shapes and types checked here
-    (free, :func:`check_labels`), values with the cost's host read (:func:`set_prediction_loss`)."""
-    boxes, classes = check_labels(labels, batch)
-    counts = tuple(b.shape[0] for b in boxes)
-    M = max(counts)
-    boxes_BM4 = torch.tensor([0.5, 0.5, 1.0, 1.0], device=device).repeat(batch, M, 1)  # a valid box in padding
-    labels_BM = torch.zeros(batch, M, dtype=torch.long, device=device)
-    mask_BM = torch.zeros(batch, M, dtype=torch.bool, device=device)
-    for i, (b, c) in enumerate(zip(boxes, classes)):
-        n = b.shape[0]
-        boxes_BM4[i, :n] = b.to(device, torch.float32, non_blocking=True)
-        labels_BM[i, :n] = c.to(device, non_blocking=True)
-        mask_BM[i, :n] = True
-    return PaddedTargets(boxes_BM4, labels_BM, mask_BM, counts)
-
-
-def check_labels(labels, batch: int) -> tuple[list[Tensor], list[Tensor]]:
-    """The boxes and class ids of transformers' ``labels`` after checking their structure, shapes and
-    types (no values: no host read); ValueError naming the image and key. A model may call it before its
-    forward, so that bad labels are refused before any work."""
-    if not isinstance(labels, (list, tuple)) or len(labels) != batch:
-        raise ValueError(f"labels must be a list of {batch} dicts (one per image) with 'class_labels' and 'boxes', "
-                         f"got {type(labels).__name__}{f' of {len(labels)}' if isinstance(labels, (list, tuple)) else ''}")
-    boxes, classes = [], []
-    for i, t in enumerate(labels):
-        if not hasattr(t, "keys") or "class_labels" not in t or "boxes" not in t:
-            raise ValueError(f"labels[{i}] must be a dict with 'class_labels' [n] and 'boxes' [n, 4] (cx, cy, w, h in "
-                             f"[0, 1]), got {sorted(t.keys()) if hasattr(t, 'keys') else type(t).__name__}")
-        c, b = t["class_labels"], t["boxes"]
-        if not isinstance(b, Tensor) or b.ndim != 2 or b.shape[1] != 4 or not b.is_floating_point():
-            raise ValueError(f"labels[{i}]['boxes'] must be a float [n, 4] tensor (cx, cy, w, h), got "
-                             f"{getattr(b, 'dtype', type(b).__name__)} {tuple(getattr(b, 'shape', ()))}")
-        if not isinstance(c, Tensor) or c.shape != (b.shape[0],) or c.is_floating_point() or c.dtype == torch.bool:
-            raise ValueError(f"labels[{i}]['class_labels'] must be an integer tensor of shape ({b.shape[0]},) (one id "
-                             f"per box), got {getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))}")
-        boxes.append(b)
-        classes.append(c)
-    return boxes, classes
-
-
-def center_to_corners(b: Tensor) -> Tensor:
-    """(cx, cy, w, h) -> (x1, y1, x2, y2), transformers' ``center_to_corners_format``."""
-    cx, cy, w, h = b.unbind(-1)
-    return torch.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h], dim=-1)
-
-
-def pairwise_giou(a: Tensor, b: Tensor) -> Tensor:
-    """GIoU ``[..., Q, M]`` between xyxy boxes ``a [..., Q, 4]`` and ``b [..., M, 4]``, transformers'
-    (DETR's) formula: no epsilon, intersection and enclosure clamped at 0."""
-    a, b = a[..., :, None, :], b[..., None, :, :]
-    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
-    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
-    wh = (torch.min(a[..., 2:], b[..., 2:]) - torch.max(a[..., :2], b[..., :2])).clamp(min=0)
-    inter = wh[..., 0] * wh[..., 1]
-    union = area_a + area_b - inter
-    enclose = (torch.max(a[..., 2:], b[..., 2:]) - torch.min(a[..., :2], b[..., :2])).clamp(min=0)
-    area_c = enclose[..., 0] * enclose[..., 1]
-    return inter / union - (area_c - union) / area_c
-
-
-@torch.no_grad()
-def matching_cost(logits_LBQC: Tensor, boxes_LBQ4: Tensor, t: PaddedTargets, class_cost: float, bbox_cost: float,
-                  giou_cost: float, focal_alpha: float | None = None) -> Tensor:
-    """The matching cost of every layer's queries against its own image's boxes ``[L, B, Q, M]``. The class
-    term: ``-p(target class)`` of the softmax (DETR), or with ``focal_alpha`` the focal cost of the sigmoid
-    (Deformable DETR's matcher: alpha and gamma 0.25 and 2, whatever the loss's alpha)."""
-    L, B, Q, C = logits_LBQC.shape
-    M = t.labels_BM.shape[1]
-    # a class id out of range is refused by name after this read (_target_problems): clamped here so
-    # the gather does not fail first (a RuntimeError on the CPU, a device-side assert on CUDA)
-    labels_LBQM = t.labels_BM.clamp(0, C - 1)[None, :, None, :].expand(L, B, Q, M)
-    if focal_alpha is None:
-        class_LBQM = -logits_LBQC.softmax(-1).gather(-1, labels_LBQM)
-    else:
-        p_LBQM = logits_LBQC.sigmoid().gather(-1, labels_LBQM)
-        neg = (1 - 0.25) * (p_LBQM ** 2.0) * (-(1 - p_LBQM + 1e-8).log())
-        pos = 0.25 * ((1 - p_LBQM) ** 2.0) * (-(p_LBQM + 1e-8).log())
-        class_LBQM = pos - neg
-    l1_LBQM = (boxes_LBQ4[..., :, None, :] - t.boxes_BM4[None, :, None, :, :]).abs().sum(-1)
-    giou_LBQM = pairwise_giou(center_to_corners(boxes_LBQ4), center_to_corners(t.boxes_BM4)[None])
-    return bbox_cost * l1_LBQM + class_cost * class_LBQM + giou_cost * -giou_LBQM
-
-
-def _bad_boxes(b: Tensor, mask_BM: Tensor) -> Tensor:
-    """Which real boxes are not finite (cx, cy, w, h) in [0, 1] (NaN compares false: caught by the range)."""
-    return ~((b >= 0) & (b <= 1)).all(-1) & mask_BM
-
-
-def _target_problems(t: PaddedTargets, num_classes: int) -> Tensor:
-    """A [2] flag on the device: some real box is malformed, some class id is out of range."""
-    bad_box = _bad_boxes(t.boxes_BM4, t.mask_BM)
-    bad_label = ((t.labels_BM < 0) | (t.labels_BM >= num_classes)) & t.mask_BM
-    return torch.stack([bad_box.any(), bad_label.any()]).float()
-
-
-def _raise_target_problem(flags, t: PaddedTargets, num_classes: int) -> None:
-    if flags[0]:
-        b = t.boxes_BM4.cpu()
-        bad = _bad_boxes(b, t.mask_BM.cpu())
-        i, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"labels[{i}]['boxes'][{j}] = {b[i, j].tolist()}: boxes must be finite (cx, cy, w, h) "
-                         f"normalised to [0, 1] (so w >= 0 and h >= 0)")
-    if flags[1]:
-        lab = t.labels_BM.cpu()
-        bad = ((lab < 0) | (lab >= num_classes)) & t.mask_BM.cpu()
-        i, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"labels[{i}]['class_labels'][{j}] = {int(lab[i, j])}: class ids must lie in "
-                         f"[0, {num_classes}) (num_labels={num_classes}; 'no object' is not a target class)")
-
-
-def assign(cost_LBQM: np.ndarray, counts) -> np.ndarray:
-    """scipy's Hungarian solver per (layer, image) on the host: the query of each target slot
-    ``[L, B, M]`` (-1: padding, or a box left unmatched when an image has more boxes than queries)."""
-    from scipy.optimize import linear_sum_assignment
-
-    L, B, Q, M = cost_LBQM.shape
-    query = np.full((L, B, M), -1, dtype=np.int64)
-    for b, n in enumerate(counts):
-        if n == 0:
-            continue
-        for layer in range(L):
-            c = cost_LBQM[layer, b, :, :n]
-            if not np.isfinite(c).all():
-                which = "the last decoder layer" if layer == L - 1 else f"auxiliary decoder layer {layer}"
-                raise ValueError(f"the matching cost of {which} (of {L}), image {b}, is not finite: its predicted "
-                                 f"boxes or logits hold NaN or Inf")
-            rows, cols = linear_sum_assignment(c)
-            query[layer, b, cols] = rows
-    return query
+    logits_LBQC: Tensor
+    boxes_LBQ4: Tensor
+    query_LBS: Tensor
+    boxes_BS4: Tensor
+    labels_BS: Tensor
+    n: float
 
 
 def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=None, *, num_classes: int | None = None,
@@ -203,80 +94,212 @@ def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=
                         bbox_loss_coefficient: float = 5.0, giou_loss_coefficient: float = 2.0,
                         eos_coefficient: float = 0.1, giou_impl: str = "kernel", num_boxes=None,
                         focal_alpha: float | None = None) -> tuple[Tensor, dict]:
-    """``(loss, loss_dict)`` of L decoder layers' predictions (the last is the final output, the others
-    auxiliary): ``logits_LBQC [L, B, Q, C+1]``, ``boxes_LBQ4 [L, B, Q, 4]`` (cx, cy, w, h);
-    ``labels`` as transformers' (see the module docstring). A ``config`` with transformers' field names
-    (``num_labels``, ``class_cost`` ..., ``eos_coefficient``, ``giou_impl``, and ``focal_alpha`` where the
-    model has one) sets them all. ``num_boxes``: the normaliser (e.g. all-reduced over processes); default
-    this batch's box count. ``focal_alpha``: the classification is per-class sigmoids (``logits [L, B, Q, C]``,
-    no "no object" class) with the focal term and cost (Deformable DETR's)."""
+    """DETR's and Deformable DETR's ``(loss, loss_dict)`` of L decoder layers' predictions (the last is the
+    final output, the others auxiliary): ``logits_LBQC [L, B, Q, C+1]``, ``boxes_LBQ4 [L, B, Q, 4]`` (cx, cy,
+    w, h); ``labels`` as transformers'. A ``config`` with transformers' field names (``num_labels``,
+    ``class_cost`` ..., ``eos_coefficient``, ``giou_impl``, and ``focal_alpha`` where the model has one) sets
+    them all. ``num_boxes``: the normaliser (e.g. all-reduced over processes); default this batch's box
+    count. ``focal_alpha``: the classification is per-class sigmoids (``logits [L, B, Q, C]``, no "no object"
+    class) with the focal term and Deformable DETR's matcher (focal cost, alpha 0.25 and gamma 2 whatever
+    the loss's alpha)."""
     if config is not None:
         num_classes, class_cost, bbox_cost, giou_cost = config.num_labels, config.class_cost, config.bbox_cost, config.giou_cost
         bbox_loss_coefficient, giou_loss_coefficient = config.bbox_loss_coefficient, config.giou_loss_coefficient
         eos_coefficient, giou_impl = config.eos_coefficient, config.giou_impl
         focal_alpha = getattr(config, "focal_alpha", None)  # a config of a sigmoid-classified detector declares it
+    _check_giou_impl(giou_impl)
+    with kernel_range("loss", "set_prediction_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
+        _check_predictions(logits_LBQC, boxes_LBQ4)
+        L, B, Q, C1 = logits_LBQC.shape
+        extra = 0 if focal_alpha is not None else 1  # softmax: a last "no object" class; sigmoids: none
+        C = C1 - extra if num_classes is None else num_classes
+        if C1 != C + extra:
+            raise ValueError(f"logits have {C1} classes; num_classes={C} needs {C + extra}"
+                             f"{' (the last: no object)' if extra else ' (sigmoid classes, focal loss)'}")
+        t = pad_targets(labels, B, logits_LBQC.device)
+        cost = MatchCost(class_cost, bbox_cost, giou_cost, None if focal_alpha is None else (0.25, 2.0))
+        term = ClassTerm("ce", eos_coefficient) if focal_alpha is None else ClassTerm("focal", alpha=focal_alpha)
+        (query_LBM,) = hungarian([(logits_LBQC, boxes_LBQ4)], t, cost, C)
+        n = max(t.num_boxes, 1) if num_boxes is None else num_boxes
+        stack = _Stack(logits_LBQC, boxes_LBQ4, query_LBM, t.boxes_BM4, t.labels_BM, n)
+        pairs = [_pairs(stack)]
+        ((loss_ce, loss_bbox),), (loss_giou,) = _class_and_l1([stack], pairs, term, C), _giou_sums(giou_impl, pairs)
+
+        with torch.no_grad():
+            if focal_alpha is None:  # predicted non-empty: "no object" is not the top class / some sigmoid above 0.5
+                card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
+            else:
+                card_LB = (logits_LBQC.sigmoid().max(-1).values > 0.5).sum(-1).float()
+            card = (card_LB - torch.tensor(t.counts, dtype=torch.float32, device=logits_LBQC.device)).abs().mean(-1)
+        loss_giou = loss_giou / n
+        loss_dict = {}
+        for layer in [L - 1, *range(L - 1)]:
+            sfx = "" if layer == L - 1 else f"_{layer}"
+            loss_dict.update({f"loss_ce{sfx}": loss_ce[layer], f"loss_bbox{sfx}": loss_bbox[layer],
+                              f"loss_giou{sfx}": loss_giou[layer], f"cardinality_error{sfx}": card[layer]})
+        loss = (loss_ce + bbox_loss_coefficient * loss_bbox + giou_loss_coefficient * loss_giou).sum()
+        return loss, loss_dict
+
+
+def rt_detr_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config, *, enc_topk_logits: Tensor | None = None,
+                 enc_topk_bboxes: Tensor | None = None, denoising_meta_values: dict | None = None) -> tuple[Tensor, dict]:
+    """RT-DETR's ``(loss, loss_dict)``, transformers' ``RTDetrForObjectDetectionLoss``: the L decoder layers'
+    ``logits_LBQC [L, B, DN+Q, C]`` (per-class sigmoids) and ``boxes_LBQ4 [L, B, DN+Q, 4]`` (cxcywh;
+    transformers' ``intermediate_logits`` / ``intermediate_reference_points`` with the layers first), the
+    DN denoising queries first when ``denoising_meta_values`` (transformers' dict: ``dn_positive_idx``,
+    ``dn_num_group``, ``dn_num_split``) is given; the encoder's top-k proposals ``enc_topk_logits [B, Q, C]``,
+    ``enc_topk_bboxes [B, Q, 4]``. ``config``: transformers' ``RTDetrConfig`` field names (``matcher_*``,
+    ``use_focal_loss``, ``focal_loss_alpha`` / ``_gamma``, ``weight_loss_*``, ``auxiliary_loss``) and
+    fastzoo's ``giou_impl``.
+
+    Terms (varifocal class term, L1, GIoU, each times its ``weight_loss_*``): the last layer's (all its
+    queries: with denoising, transformers 5.17 matches the denoising queries there too); with
+    ``auxiliary_loss``, each earlier layer's normal queries (``_aux_0`` ...), the encoder's proposals
+    (``_aux_{L-1}``) and each layer's denoising groups matched by index (``_dn_0`` ..., normalised by the box
+    count times the groups)."""
+    fields = ("num_labels", "matcher_class_cost", "matcher_bbox_cost", "matcher_giou_cost", "use_focal_loss",
+              "matcher_alpha", "matcher_gamma", "focal_loss_alpha", "focal_loss_gamma", "weight_loss_vfl",
+              "weight_loss_bbox", "weight_loss_giou", "auxiliary_loss")
+    missing = [f for f in fields if not hasattr(config, f)]
+    if missing:
+        raise ValueError(f"config lacks RT-DETR's loss fields {', '.join(missing)} (transformers' RTDetrConfig names)")
+    cost = MatchCost(config.matcher_class_cost, config.matcher_bbox_cost, config.matcher_giou_cost,
+                     (config.matcher_alpha, config.matcher_gamma) if config.use_focal_loss else None)
+    if cost.class_cost == cost.bbox_cost == cost.giou_cost == 0:
+        raise ValueError("matcher_class_cost, matcher_bbox_cost and matcher_giou_cost are all 0: the matcher needs one")
+    giou_impl = getattr(config, "giou_impl", "kernel")
+    _check_giou_impl(giou_impl)
+    with kernel_range("loss", "rt_detr_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
+        return _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_topk_logits,
+                             enc_topk_bboxes, denoising_meta_values)
+
+
+def _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_logits_BQC, enc_boxes_BQ4, dn_meta):
+    _check_predictions(logits_LBQC, boxes_LBQ4)
+    L, B, QQ, C = logits_LBQC.shape
+    if C != config.num_labels:
+        raise ValueError(f"logits have {C} classes; num_labels={config.num_labels} (sigmoid classes, no 'no object')")
+    t = pad_targets(labels, B, logits_LBQC.device)
+    DN, G = _check_denoising(dn_meta, t, QQ) if dn_meta is not None else (0, 0)
+    aux = bool(config.auxiliary_loss)
+    if aux:
+        _check_encoder(enc_logits_BQC, enc_boxes_BQ4, (B, QQ - DN, C))
+    # Hungarian stacks: the last layer (all its queries), and with auxiliary_loss the earlier layers' normal
+    # queries with the encoder's proposals as one more layer; one stack when they share the query count
+    suffixes = [""]
+    if not aux:
+        stacks = [(logits_LBQC[-1:], boxes_LBQ4[-1:])]
+    elif DN == 0:
+        stacks = [(torch.cat([logits_LBQC, enc_logits_BQC[None]]), torch.cat([boxes_LBQ4, enc_boxes_BQ4[None]]))]
+        suffixes = [*(f"_aux_{i}" for i in range(L - 1)), "", f"_aux_{L - 1}"]
+    else:
+        stacks = [(logits_LBQC[-1:], boxes_LBQ4[-1:]),
+                  (torch.cat([logits_LBQC[:-1, :, DN:], enc_logits_BQC[None]]),
+                   torch.cat([boxes_LBQ4[:-1, :, DN:], enc_boxes_BQ4[None]]))]
+        suffixes = ["", *(f"_aux_{i}" for i in range(L))]
+    starts = [0, *accumulate(lg.shape[0] for lg, _ in stacks)]
+    names = [[_layer_name(sfx, L) for sfx in suffixes[a:b]] for a, b in zip(starts, starts[1:])]
+    queries = hungarian(stacks, t, cost, C, names)
+    n = max(t.num_boxes, 1)
+    matched = [_Stack(lg, bx, q, t.boxes_BM4, t.labels_BM, n) for (lg, bx), q in zip(stacks, queries)]
+    if aux and DN:
+        suffixes += [f"_dn_{i}" for i in range(L)]
+        matched.append(_Stack(logits_LBQC[:, :, :DN], boxes_LBQ4[:, :, :DN], by_index(t, G, L),
+                              t.boxes_BM4.repeat(1, G, 1), t.labels_BM.repeat(1, G), n * G))
+    term = ClassTerm("varifocal", alpha=config.focal_loss_alpha, gamma=config.focal_loss_gamma)
+    pairs = [_pairs(s) for s in matched]
+    class_l1 = _class_and_l1(matched, pairs, term, C)
+    gious = _giou_sums(giou_impl, pairs)
+    loss_dict = {}
+    order = sorted(range(len(suffixes)), key=lambda i: (suffixes[i] != "", i))  # the last layer's terms first
+    per_layer = [(c[i], b[i], g[i] / s.n) for (c, b), g, s in zip(class_l1, gious, matched) for i in range(len(c))]
+    for i in order:
+        vfl, bbox, giou = per_layer[i]
+        sfx = suffixes[i]
+        loss_dict.update({f"loss_vfl{sfx}": config.weight_loss_vfl * vfl, f"loss_bbox{sfx}": config.weight_loss_bbox * bbox,
+                          f"loss_giou{sfx}": config.weight_loss_giou * giou})
+    return torch.stack(list(loss_dict.values())).sum(), loss_dict
+
+
+def _layer_name(suffix: str, L: int) -> str:
+    """How a matching error names an RT-DETR layer, from its loss_dict suffix."""
+    if suffix == "":
+        return "the last decoder layer"
+    if suffix == f"_aux_{L - 1}":
+        return "the encoder's top-k proposals (enc_topk_logits, enc_topk_bboxes)"
+    return f"auxiliary decoder layer {suffix.rsplit('_', 1)[1]}"
+
+
+def _check_giou_impl(giou_impl: str) -> None:
     if giou_impl not in GIOU_IMPLS:
         raise ValueError(f"giou_impl={giou_impl!r}: choose one of {', '.join(GIOU_IMPLS)}")
-    with kernel_range("loss", "set_prediction_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
-        return _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
-                                    bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes,
-                                    focal_alpha)
 
 
-def _set_prediction_loss(logits_LBQC, boxes_LBQ4, labels, num_classes, class_cost, bbox_cost, giou_cost,
-                         bbox_loss_coefficient, giou_loss_coefficient, eos_coefficient, giou_impl, num_boxes,
-                         focal_alpha):
-    if logits_LBQC.ndim != 4 or boxes_LBQ4.shape != (*logits_LBQC.shape[:3], 4):
-        raise ValueError(f"logits must be [L, B, Q, C+1] and boxes [L, B, Q, 4], got {tuple(logits_LBQC.shape)} and "
-                         f"{tuple(boxes_LBQ4.shape)}")
-    L, B, Q, C1 = logits_LBQC.shape
-    extra = 0 if focal_alpha is not None else 1  # softmax: a last "no object" class; sigmoids: none
-    C = C1 - extra if num_classes is None else num_classes
-    if C1 != C + extra:
-        raise ValueError(f"logits have {C1} classes; num_classes={C} needs {C + extra}"
-                         f"{' (the last: no object)' if extra else ' (sigmoid classes, focal loss)'}")
-    device = logits_LBQC.device
-    t = pad_targets(labels, B, device)
+def _check_predictions(logits_LBQC, boxes_LBQ4) -> None:
+    if (not isinstance(logits_LBQC, Tensor) or not isinstance(boxes_LBQ4, Tensor) or logits_LBQC.ndim != 4
+            or boxes_LBQ4.shape != (*logits_LBQC.shape[:3], 4)):
+        raise ValueError(f"logits must be [L, B, Q, C] and boxes [L, B, Q, 4], got {tuple(getattr(logits_LBQC, 'shape', ()))} "
+                         f"and {tuple(getattr(boxes_LBQ4, 'shape', ()))}")
+
+
+def _check_encoder(enc_logits, enc_boxes, BQC) -> None:
+    B, Q, C = BQC
+    if (not isinstance(enc_logits, Tensor) or not isinstance(enc_boxes, Tensor) or enc_logits.shape != (B, Q, C)
+            or enc_boxes.shape != (B, Q, 4)):
+        raise ValueError(f"enc_topk_logits and enc_topk_bboxes must be [{B}, {Q}, {C}] and [{B}, {Q}, 4] (the encoder's "
+                         f"top-k proposals, needed with auxiliary_loss), got {tuple(getattr(enc_logits, 'shape', ()))} "
+                         f"and {tuple(getattr(enc_boxes, 'shape', ()))}")
+
+
+def _check_denoising(dn_meta, t: PaddedTargets, queries: int) -> tuple[int, int]:
+    """The denoising queries' count and groups from transformers' ``denoising_meta_values``, checked against the
+    labels (shapes only: no read)."""
+    if not hasattr(dn_meta, "keys") or not {"dn_positive_idx", "dn_num_group", "dn_num_split"} <= set(dn_meta.keys()):
+        raise ValueError("denoising_meta_values must be transformers' dict with 'dn_positive_idx', 'dn_num_group' and "
+                         f"'dn_num_split', got {sorted(dn_meta.keys()) if hasattr(dn_meta, 'keys') else type(dn_meta).__name__}")
+    G, split, idx = dn_meta["dn_num_group"], list(dn_meta["dn_num_split"]), dn_meta["dn_positive_idx"]
     M = t.labels_BM.shape[1]
+    if len(split) != 2 or sum(split) != queries or split[0] != 2 * M * G:
+        raise ValueError(f"denoising_meta_values['dn_num_split'] = {split}: must be [2 x {M} boxes x {G} groups, "
+                         f"queries] summing to the predictions' {queries} queries")
+    lengths = [len(i) for i in idx]
+    if lengths != [n * G for n in t.counts]:
+        raise ValueError(f"denoising_meta_values['dn_positive_idx'] has {lengths} positives per image; the labels' "
+                         f"{list(t.counts)} boxes x {G} groups need {[n * G for n in t.counts]}")
+    return split[0], G
 
-    query_LBM = np.full((L, B, M), -1, dtype=np.int64)
-    if M:  # the one host read: every layer's cost and the target checks together
-        cost = matching_cost(logits_LBQC.detach(), boxes_LBQ4.detach(), t, class_cost, bbox_cost, giou_cost, focal_alpha)
-        host = torch.cat([cost.float().flatten(), _target_problems(t, C)]).cpu().numpy()
-        if host[-2:].any():
-            _raise_target_problem(host[-2:], t, C)
-        query_LBM = assign(host[:-2].reshape(L, B, Q, M), t.counts)
-    query_LBM = torch.from_numpy(query_LBM).to(device, non_blocking=True)
-    matched_LBM = query_LBM >= 0
-    q_LBM = query_LBM.clamp(min=0)
-    n = max(t.num_boxes, 1) if num_boxes is None else num_boxes
 
-    # class: every query, unmatched ones "no object" (index C); matched labels scattered to their query
-    target_LBQ = torch.full((L, B, Q + 1), C, dtype=torch.long, device=device)
-    target_LBQ.scatter_(2, torch.where(matched_LBM, q_LBM, Q), t.labels_BM[None].expand(L, B, M))
-    target_LBQ = target_LBQ[..., :Q]
-    loss_ce = (_class_loss(logits_LBQC, target_LBQ, C, eos_coefficient) if focal_alpha is None
-               else _focal_class_loss(logits_LBQC, target_LBQ, C, focal_alpha, n))
+def _pairs(s: _Stack) -> tuple[Tensor, Tensor, Tensor]:
+    """A stack's matched pairs in the padded layout: which slots are matched ``[L, B, S]``, the predicted
+    and the target boxes ``[L, B, S, 4]`` (cxcywh; unmatched slots hold query 0's and the padding's)."""
+    L, B, S = s.query_LBS.shape
+    matched_LBS = s.query_LBS >= 0
+    pred_LBS4 = s.boxes_LBQ4.gather(2, s.query_LBS.clamp(min=0)[..., None].expand(L, B, S, 4))
+    return matched_LBS, pred_LBS4, s.boxes_BS4[None].expand(L, B, S, 4)
 
-    # boxes: the matched pairs in the padded layout [L, B, M]
-    pred_LBM4 = boxes_LBQ4.gather(2, q_LBM[..., None].expand(L, B, M, 4))
-    tgt_LBM4 = t.boxes_BM4[None].expand(L, B, M, 4)
-    loss_bbox = torch.where(matched_LBM[..., None], (pred_LBM4 - tgt_LBM4).abs(), 0.0).sum((1, 2, 3)) / n
-    loss_giou = _giou_sums(giou_impl, center_to_corners(pred_LBM4), center_to_corners(tgt_LBM4), matched_LBM) / n
 
-    with torch.no_grad():
-        if focal_alpha is None:  # predicted non-empty: "no object" is not the top class / some sigmoid above 0.5
-            card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
+def _class_and_l1(stacks: list[_Stack], pairs, term: ClassTerm, C: int) -> list[tuple[Tensor, Tensor]]:
+    """Per stack ``(class term [L], L1 term [L])``, each normalised by the stack's ``n``."""
+    out = []
+    for s, (matched_LBS, pred_LBS4, tgt_LBS4) in zip(stacks, pairs):
+        L, B, Q, _ = s.logits_LBQC.shape
+        S = s.query_LBS.shape[2]
+        slot_LBS = torch.where(matched_LBS, s.query_LBS, Q)  # unmatched slots write to a dropped column Q
+        target_LBQ = torch.full((L, B, Q + 1), C, dtype=torch.long, device=s.logits_LBQC.device)
+        target_LBQ = target_LBQ.scatter(2, slot_LBS, s.labels_BS[None].expand(L, B, S))[..., :Q]
+        loss_bbox = torch.where(matched_LBS[..., None], (pred_LBS4 - tgt_LBS4).abs(), 0.0).sum((1, 2, 3)) / s.n
+        if term.kind == "ce":
+            loss_class = _class_loss(s.logits_LBQC, target_LBQ, C, term.eos_coefficient)
+        elif term.kind == "focal":
+            loss_class = _focal_class_loss(s.logits_LBQC, target_LBQ, C, term.alpha, s.n)
         else:
-            card_LB = (logits_LBQC.sigmoid().max(-1).values > 0.5).sum(-1).float()
-        card = (card_LB - torch.tensor(t.counts, dtype=torch.float32, device=device)).abs().mean(-1)
-    loss_dict = {}
-    for layer in [L - 1, *range(L - 1)]:
-        sfx = "" if layer == L - 1 else f"_{layer}"
-        loss_dict.update({f"loss_ce{sfx}": loss_ce[layer], f"loss_bbox{sfx}": loss_bbox[layer],
-                          f"loss_giou{sfx}": loss_giou[layer], f"cardinality_error{sfx}": card[layer]})
-    loss = (loss_ce + bbox_loss_coefficient * loss_bbox + giou_loss_coefficient * loss_giou).sum()
-    return loss, loss_dict
+            with torch.no_grad():  # the IoU-aware target: of the detached prediction, as transformers'
+                iou_LBS = paired_iou(center_to_corners(pred_LBS4), center_to_corners(tgt_LBS4))
+                score_LBQ = torch.zeros(L, B, Q + 1, dtype=s.logits_LBQC.dtype, device=s.logits_LBQC.device)
+                score_LBQ = score_LBQ.scatter(2, slot_LBS, torch.where(matched_LBS, iou_LBS, 0.0).to(score_LBQ.dtype))
+            loss_class = _varifocal_class_loss(s.logits_LBQC, target_LBQ, score_LBQ[..., :Q], C, term, s.n)
+        out.append((loss_class, loss_bbox))
+    return out
 
 
 def _class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, C: int, eos_coefficient: float) -> Tensor:
@@ -306,31 +329,52 @@ def _focal_class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, C: int, alpha: fl
     return loss.mean(2).sum((1, 2)) / n * Q
 
 
-def _giou_sums(giou_impl: str, pred_LBM4: Tensor, tgt_LBM4: Tensor, matched_LBM: Tensor) -> Tensor:
-    """Per layer ``[L]``: the sum of 1 - GIoU over the matched pairs, as ``giou_impl`` runs it."""
-    L = pred_LBM4.shape[0]
+def _varifocal_class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, score_LBQ: Tensor, C: int, term: ClassTerm,
+                          n) -> Tensor:
+    """RT-DETR's per layer ``[L]`` (transformers' ``loss_labels_vfl``): BCE of every query and class against
+    ``IoU x one-hot``, weighted ``alpha sigmoid(logit)^gamma`` where the one-hot is 0 and the IoU where it
+    is 1 (weights and targets carry no gradient), a mean over queries times their number over the box count."""
+    Q, dtype = logits_LBQC.shape[2], logits_LBQC.dtype
+    onehot_LBQC = F.one_hot(target_LBQ, C + 1)[..., :C]
+    target_LBQC = score_LBQ[..., None] * onehot_LBQC
+    weight = (term.alpha * logits_LBQC.detach().sigmoid().pow(term.gamma) * (1 - onehot_LBQC) + target_LBQC).to(dtype)
+    loss = F.binary_cross_entropy_with_logits(logits_LBQC, target_LBQC, weight=weight, reduction="none")
+    return loss.mean(2).sum((1, 2)) * Q / n
+
+
+def _giou_sums(giou_impl: str, stack_pairs) -> list[Tensor]:
+    """Per stack ``[L]``: the sum of 1 - GIoU over its matched pairs, every stack's pairs in one call
+    (``padded`` / ``kernel``) or per layer (``concat``) or per layer and image (``per_sample``)."""
+    pairs = [(center_to_corners(pred), center_to_corners(tgt), matched) for matched, pred, tgt in stack_pairs]
     if giou_impl in ("padded", "kernel"):  # unmatched slots hold an inverted box: padding to the loss
-        pad = torch.tensor(PAD_BOX, dtype=tgt_LBM4.dtype, device=tgt_LBM4.device)
-        tgt = torch.where(matched_LBM[..., None], tgt_LBM4, pad)
-        loss = giou_loss_padded(pred_LBM4.flatten(0, 1), tgt.flatten(0, 1), reduction="none", eps=0.0,
+        preds, tgts = [], []
+        for pred, tgt, matched in pairs:
+            pad = torch.tensor(PAD_BOX, dtype=tgt.dtype, device=tgt.device)
+            preds.append(pred.flatten(0, 2))
+            tgts.append(torch.where(matched[..., None], tgt, pad).flatten(0, 2))
+        loss = giou_loss_padded(torch.cat(preds), torch.cat(tgts), reduction="none", eps=0.0,
                                 impl="kernel" if giou_impl == "kernel" else "torch", validate=False)
-        return loss.view(L, -1).sum(1)
+        return [part.view(m.shape[0], -1).sum(1) for part, (_, _, m) in zip(loss.split([m.numel() for _, _, m in pairs]), pairs)]
     sums = []
-    for layer in range(L):
-        m = matched_LBM[layer]
-        if giou_impl == "concat":
-            sums.append(giou_loss_concat(pred_LBM4[layer][m], tgt_LBM4[layer][m], eps=0.0, validate=False))
-        else:
-            preds = [p[mm] for p, mm in zip(pred_LBM4[layer], m)]
-            tgts = [g[mm] for g, mm in zip(tgt_LBM4[layer], m)]
-            sums.append(giou_loss_per_sample(preds, tgts, eps=0.0, validate=False))
-    return torch.stack(sums)
+    for pred_LBS4, tgt_LBS4, matched_LBS in pairs:
+        per_layer = []
+        for layer in range(pred_LBS4.shape[0]):
+            m = matched_LBS[layer]
+            if giou_impl == "concat":
+                per_layer.append(giou_loss_concat(pred_LBS4[layer][m], tgt_LBS4[layer][m], eps=0.0, validate=False))
+            else:
+                preds = [p[mm] for p, mm in zip(pred_LBS4[layer], m)]
+                tgts = [g[mm] for g, mm in zip(tgt_LBS4[layer], m)]
+                per_layer.append(giou_loss_per_sample(preds, tgts, eps=0.0, validate=False))
+        sums.append(torch.stack(per_layer))
+    return sums
 
 
 SET_PREDICTION = Loss(
     name="set_prediction",
-    description="DETR's set loss (Hungarian matching, class CE + L1 + GIoU, auxiliary layers), transformers' terms",
-    functions=("set_prediction_loss",),
+    description="the DETR family's set loss (Hungarian and denoising matches; CE / focal / varifocal class term + L1 + "
+                "GIoU, auxiliary and encoder layers), transformers' terms",
+    functions=("set_prediction_loss", "rt_detr_loss"),
     impls=GIOU_IMPLS,
     kernel_ops=r"^fastzoo::giou",
     fused_op=r"^fastzoo::giou",

@@ -414,7 +414,8 @@ std::tuple<at::Tensor, at::Tensor> giou_loss_masked_bwd_cpu(const at::Tensor& gr
   // every slot is written (0 in padding): no zero-fill first
   at::Tensor grad_pred = need_pred ? at::empty_like(pred) : at::empty({0}, pred.options());
   at::Tensor grad_target = need_target ? at::empty_like(target) : at::empty({0}, target.options());
-  if (!need_pred && !need_target) return {grad_pred, grad_target};
+  // no pairs: nothing to write, and grad may hold no element to read (nor memory behind its pointer)
+  if ((!need_pred && !need_target) || n == 0) return {grad_pred, grad_target};
   dispatch_pair(pred, target, [&]<typename P, typename T, typename A>() {
     const bool* m = valid.const_data_ptr<bool>();
     const A* go = grad.const_data_ptr<A>();
