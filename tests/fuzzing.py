@@ -306,6 +306,8 @@ MEANING = {  # what the results file's counters count
              "concurrency: one thread's forward compared with the serial result",
     "refused": "requests refused by name as declared (a backend without the capability; a bad input or config)",
     "original_refused": "draws the original library cannot build or run (nothing to compare; not an example)",
+    "original_unstable": "low-precision cases where the original's own runs in the dtype give NaN / +inf / -inf at "
+                         "other places than its fp32 run (an overflow whose sign is rounding): not compared",
     "non_finite_spread": "packed input whose original output is itself non-finite, on a backend that attends over the "
                          "whole packed row (a NaN reaches the row's other sequences: declared, not compared)",
     "failures": "mismatches, bare_exceptions, half_loads, wrong_accepts, hangs: failing runs, hypothesis's "

@@ -108,7 +108,7 @@ def test_an_ill_conditioned_detr_gradient_is_judged_against_the_originals_own_fp
                "boxes": torch.tensor([[0.0364, 0.1444, 0.0, 0.0], [0.3088, 0.6743, 0.9361, 0.7871]])},
               {"class_labels": torch.zeros(0, dtype=torch.long), "boxes": torch.zeros(0, 4)}]
     want = detector_step(ref, images, mask, labels, grads=True)[1]
-    users, exact = original_rounding(ref, images, mask, labels)
+    users, exact, _ = original_rounding(ref, images, mask, labels)
     model = fastzoo.create("detr", pretrained=ref, attn="varlen", dropout=0.0, bbox_cost=0.0, bbox_loss_coefficient=0.0).eval()
     name = "model.input_projection.weight"
 
@@ -223,3 +223,79 @@ def test_a_transformers_vision_original_runs_its_users_sdpa_as_the_bf16_peer():
     torch.testing.assert_close(got, peers[1], atol=0, rtol=0)  # transformers' SDPA: the same bf16 numbers
     assert equivalence.compare_outputs("logits", got, want, peers).passed
 
+
+
+def test_a_layernorm_of_one_feature_is_judged_against_the_originals_own_fp32_error():
+    """Found by the long profile on the drawn weights: GPT-2 with ``n_embd=1``. A LayerNorm over one
+    feature outputs its bias whatever its input (``x - mean`` is 0, up to rounding, over ``sqrt(eps)``),
+    so every gradient that passes through it is rounding noise: transformers' own fp32 gradients are
+    5.8e-3 of their scale from its fp64 ones here (58x the fixed 1e-4), and fastzoo's backends differed
+    from transformers' by as much (0.0476 on ``ln_1.bias`` in the fuzzed case). The fp32 bound is 3x the
+    original's own error against its fp64 run (``exact``) where that is larger than 1e-4."""
+    import copy
+
+    from fastzoo import equivalence
+
+    spec = SPECS["gpt2"]
+    cfg = {**TINY["gpt2"], "n_embd": 1, "n_head": 1, "n_layer": 1, "n_inner": 1, "resid_pdrop": 0.0,
+           "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    torch.manual_seed(0)
+    ref = spec.original.build(cfg).eval()
+    equivalence.draw_(ref, seed=0)
+    ours = fastzoo.create("gpt2", pretrained=ref, attn="eager").eval()
+    ids = torch.randint(0, cfg["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        model.zero_grad()
+        out = model(ids).logits
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    theirs, exact = grads(ref), grads(copy.deepcopy(ref).double())
+    own = equivalence.compare_grads("transformers fp32 vs fp64", theirs, exact)
+    assert own.err > 10 * equivalence.FP32_GRAD_RTOL, own  # transformers' own fp32 gradients are noise here
+    for name, options in backends(backward=True, dtype=torch.float32):
+        ours.set_attention(name, **options)
+        mine = {n: g if g.shape == theirs[n].shape else g.t() for n, g in grads(ours).items()}  # Conv1D: transposed
+        c = equivalence.compare_grads("grads", mine, theirs, exact=exact)
+        assert c.passed, (name, options, c)
+    off = {n: g + 0.5 * g.abs().max() + 1.0 for n, g in mine.items()}  # a wrong gradient still fails
+    assert not equivalence.compare_grads("grads", off, theirs, exact=exact).passed
+
+
+def test_an_overflow_whose_sign_is_rounding_is_the_originals_instability_not_compared():
+    """Found by the long profile: Granite with ``logits_scaling=5.6e-281`` (0 in fp32: every logit becomes
+    +inf or -inf by its sign) under bf16 autocast. Which logits are +inf and which -inf is the sign of a
+    logit within bf16's rounding of 0: transformers' own bf16 run has them at other places than its fp32
+    run, and fastzoo's flex at others again. The property counts such a case as the original's
+    instability (``kinds_are_rounding``) instead of comparing it; at 1e-30 the logits (up to ~1e31) stay
+    finite, and every backend is compared and within the rule."""
+    import copy
+
+    from test_fuzz_equivalence import kinds_are_rounding
+
+    from fastzoo import equivalence
+
+    spec = SPECS["llama"]
+    ids = torch.randint(0, TINY["llama"]["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
+    for scaling, unstable in ((5.6e-281, True), (1e-40, True), (1e-30, False)):
+        torch.manual_seed(0)
+        ref = spec.original.build({**TINY["llama"], "model_type": "granite", "logits_scaling": scaling}).eval()
+        equivalence.draw_(ref, seed=3)
+        with torch.no_grad():
+            want = ref(ids).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                peers = [m(ids).logits.float() for m in (copy.deepcopy(ref), spec.as_users_run_it(copy.deepcopy(ref)))]
+        assert kinds_are_rounding((want, None, {}), [(q, None, {}) for q in peers]) == unstable, scaling
+        if unstable:
+            continue
+        ours = fastzoo.create("llama", pretrained=ref, attn="eager").eval()
+        for name, options in backends(dtype=torch.bfloat16):
+            try:
+                ours.set_attention(name, **options)
+            except BackendUnavailableError:
+                continue
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                got = ours(ids).logits.float()
+            c = equivalence.compare_outputs_where_finite("logits", got, want, peers)
+            assert c.passed, (name, options, c)

@@ -59,6 +59,38 @@ def test_a_bf16_loss_is_compared_against_the_originals_own_error_plus_half_a_rou
     assert not equivalence.compare_loss("loss", torch.tensor([5.001]), ref).passed  # fp32: 1e-4
 
 
+def test_an_fp32_bound_widens_by_the_originals_own_fp64_error_only():
+    """The original's fp32 run is 1e-3 from its fp64 run: fastzoo 2e-3 from the fp32 run passes (within 3x
+    the original's own error), 4.5e-3 from it and 3.5e-3 from the fp64 run fails; without the fp64 run, or
+    where it is not finite, the fixed 1e-4 holds. Gradients likewise, relative to their scale."""
+    ref, exact = torch.tensor([1.0, 2.0]), torch.tensor([1.001, 2.0], dtype=torch.float64)
+    assert equivalence.compare_outputs("logits", torch.tensor([0.998, 2.0]), ref, exact=exact).passed
+    assert not equivalence.compare_outputs("logits", torch.tensor([1.0045, 2.0]), ref, exact=exact).passed
+    assert not equivalence.compare_outputs("logits", torch.tensor([0.998, 2.0]), ref).passed
+    assert not equivalence.compare_outputs("logits", torch.tensor([0.998, 2.0]), ref,
+                                           exact=torch.tensor([NAN, 2.0], dtype=torch.float64)).passed
+    g = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.01, 0.0])}
+    e = {"a": torch.tensor([1.0, 0.0], dtype=torch.float64), "b": torch.tensor([0.0102, 0.0], dtype=torch.float64)}
+    assert equivalence.compare_grads("grads", {"a": g["a"], "b": torch.tensor([0.0105, 0.0])}, g, exact=e).passed
+    c = equivalence.compare_grads("grads", {"a": g["a"], "b": torch.tensor([0.0110, 0.0])}, g, exact=e)
+    # own error 2e-4 / 0.0102 = 0.020 of b's scale: 5e-4 / 0.01 = 0.05 passes; 0.1 (and 0.078 from fp64) fails
+    assert not c.passed and c.worst == "b"
+
+
+def test_where_the_originals_low_precision_runs_give_another_kind_fastzoo_gives_one_of_theirs():
+    """An overflow whose sign is a logit's rounding: +inf in the original's fp32 run, -inf in its bf16 run.
+    There fastzoo may give either infinity, not a NaN or a finite value; everywhere else the kinds and the
+    values are held as before."""
+    ref, peer = torch.tensor([INF, 1.0, -INF]), [torch.tensor([-INF, 1.0, -INF])]
+    assert equivalence.compare_outputs_where_finite("logits", torch.tensor([-INF, 1.0, -INF]), ref, peer).passed
+    assert equivalence.compare_outputs_where_finite("logits", torch.tensor([INF, 1.0, -INF]), ref, peer).passed
+    for wrong in ([NAN, 1.0, -INF], [5.0, 1.0, -INF], [INF, 1.0, INF], [INF, 1.5, -INF]):
+        assert not equivalence.compare_outputs_where_finite("logits", torch.tensor(wrong), ref, peer).passed, wrong
+    g_ref, g_peer = {"w": ref}, [{"w": peer[0]}]
+    assert equivalence.compare_grads_where_finite("grads", {"w": torch.tensor([-INF, 1.0, -INF])}, g_ref, g_peer).passed
+    assert not equivalence.compare_grads_where_finite("grads", {"w": torch.tensor([NAN, 1.0, -INF])}, g_ref, g_peer).passed
+
+
 class _RefusesCausal(EagerBackend):
     """Declares eager's capabilities (causal masking included) but refuses every causal model."""
 

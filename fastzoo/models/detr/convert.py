@@ -159,7 +159,7 @@ def _backbone_from_config(cfg: dict) -> dict:
         if output_stride not in (None, 32, 16):
             raise CheckpointError(f"backbone output_stride={output_stride}: fastzoo's DETR builds timm's backbone at "
                                   f"output stride 32 or 16 (dilation=True, DC5)")
-        return {"use_timm_backbone": True, "backbone": name, "dilation": output_stride == 16}
+        return {"use_timm_backbone": True, "backbone": name, "dilation": output_stride == 16, **_stem_channels(bb)}
     if bb.get("model_type") != "resnet":
         raise CheckpointError(f"backbone_config has model_type={bb.get('model_type')!r}; fastzoo's DETR builds ResNet "
                               f"backbones (timm's, or transformers' 'resnet')")
@@ -172,7 +172,14 @@ def _backbone_from_config(cfg: dict) -> dict:
     # transformers builds its ResNetBackbone undilated whatever `dilation` says: that is the function read
     return {"use_timm_backbone": False, "backbone": None, "layer_type": bb.get("layer_type", "bottleneck"),
             "depths": tuple(bb.get("depths", (3, 4, 6, 3))), "hidden_sizes": tuple(bb.get("hidden_sizes", (256, 512, 1024, 2048))),
-            "embedding_size": bb.get("embedding_size", 64), "dilation": False}
+            "embedding_size": bb.get("embedding_size", 64), "dilation": False, **_stem_channels(bb)}
+
+
+def _stem_channels(bb: dict | None) -> dict:
+    """``num_channels`` as the backbone's stem reads it: its config's (transformers builds the stem from
+    ``backbone_config``, which Deformable DETR's config gives 3 channels whatever its own ``num_channels``
+    says); none where the config.json has no backbone config (its ``num_channels`` is the stem's)."""
+    return {"num_channels": bb["num_channels"]} if bb and bb.get("num_channels") is not None else {}
 
 
 HF_FIELDS = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
@@ -207,8 +214,12 @@ def _hf_config(cfg: DetrConfig, fields: dict, config_class: str, out_features: t
 
     make = getattr(transformers, config_class)
     if cfg.use_timm_backbone:
-        return make(use_timm_backbone=True, backbone=cfg.backbone, use_pretrained_backbone=False, dilation=cfg.dilation,
-                    **fields)
+        hf = make(use_timm_backbone=True, backbone=cfg.backbone, use_pretrained_backbone=False, dilation=cfg.dilation,
+                  **fields)
+        # the stem is built from the backbone config's channels, which DeformableDetrConfig sets to 3 whatever
+        # num_channels says (DetrConfig copies num_channels there)
+        hf.backbone_config.num_channels = cfg.num_channels
+        return hf
     resnet = transformers.ResNetConfig(num_channels=cfg.num_channels, embedding_size=cfg.embedding_size,
                                        hidden_sizes=list(cfg.hidden_sizes), depths=list(cfg.depths),
                                        layer_type=cfg.layer_type, out_features=[f"stage{i}" for i in out_features])

@@ -1,0 +1,287 @@
+"""RT-DETR (Zhao et al. 2024, "DETRs Beat YOLOs on Real-time Object Detection") and RT-DETRv2 (Lv et al.
+2024), as transformers' ``RTDetrForObjectDetection`` / ``RTDetrV2ForObjectDetection``: their module names
+(``model.backbone.model``, ``model.encoder_input_proj.N``, ``model.encoder.aifi.N``, ``model.encoder.fpn_blocks.N``,
+``model.enc_score_head``, ``model.decoder.layers.N``, ``model.decoder.class_embed.N`` ...), so their state dicts
+load key for key, and their call convention.
+
+The pieces: the ResNet-vd backbone (``backbone.py``), the hybrid encoder (``encoder.py``), the decoder
+(``decoder.py``) and the denoising queries (``denoising.py``). Here, as transformers 5.17 computes it:
+
+- the backbone's maps through 1x1 conv + BatchNorm projections, the hybrid encoder, then the decoder's
+  projections (``num_feature_levels`` beyond the encoder's: 3x3 stride-2 convs of the coarsest map);
+- query selection: every token of every level gets an anchor box (its cell, side 0.05 x 2^level; invalid
+  near the border) and, through ``enc_output``, a class score and a box refining its anchor; the
+  ``num_queries`` best tokens are the decoder's queries (detached) and initial boxes;
+- training with ``labels``: the denoising queries are prepended (``denoising.py``), the outputs carry them
+  (``logits`` of ``[B, denoising + num_queries, C]``, as transformers') and the loss splits them;
+- the loss is the set loss's RT-DETR part (``fastzoo.losses.set_prediction.rt_detr_loss``: varifocal,
+  L1, GIoU on every layer, the encoder's top-k and the denoising groups).
+
+``pixel_mask`` is accepted and, as in transformers, changes nothing (RT-DETR attends to every token).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fastzoo.attention.base import AttnContext
+from fastzoo.models.base import FastzooModel, write_pretrained
+from fastzoo.models.detr.model import _check_pixels
+from fastzoo.models.rt_detr.config import RTDetrConfig
+from fastzoo.models.rt_detr.denoising import denoising_queries
+
+
+def _projection(cin: int, d: int, eps: float, kernel_size: int = 1, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, d, kernel_size, stride=stride, padding=kernel_size // 2, bias=False),
+                         nn.BatchNorm2d(d, eps))
+
+
+def anchors(shapes, device, dtype, grid_size: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``generate_anchors``: per token its cell's centre and side ``grid_size * 2^level`` as
+    logits ``[1, S, 4]`` (the dtype's largest value where a coordinate is within 0.01 of the border), and
+    that validity ``[1, S, 1]``."""
+    out = []
+    for level, (h, w) in enumerate(shapes):
+        gy, gx = torch.meshgrid(torch.arange(end=h, device=device).to(dtype), torch.arange(end=w, device=device).to(dtype),
+                                indexing="ij")
+        xy = torch.stack([gx, gy], -1).unsqueeze(0) + 0.5
+        xy[..., 0] /= w
+        xy[..., 1] /= h
+        wh = torch.ones_like(xy) * grid_size * (2.0 ** level)
+        out.append(torch.concat([xy, wh], -1).reshape(-1, h * w, 4))
+    a = torch.concat(out, 1)
+    valid = ((a > 1e-2) * (a < 1 - 1e-2)).all(-1, keepdim=True)
+    a = torch.log(a / (1 - a))
+    return torch.where(valid, a, torch.full((), torch.finfo(dtype).max, dtype=dtype, device=device)), valid
+
+
+class RTDetrModel(nn.Module):
+    """transformers' ``RTDetrModel``: backbone, projections, hybrid encoder, query selection, decoder."""
+
+    def __init__(self, cfg: RTDetrConfig):
+        # the layers are imported when a model is built, as transformers is then (its import pulls in
+        # torchvision, whose registration of fastzoo's models would meet this module half-initialised)
+        from fastzoo.models.rt_detr.backbone import RTDetrConvEncoder
+        from fastzoo.models.rt_detr.decoder import RTDetrDecoder, RTDetrMLPPredictionHead
+        from fastzoo.models.rt_detr.encoder import RTDetrHybridEncoder
+
+        super().__init__()
+        self.config = cfg
+        d, eps = cfg.d_model, cfg.batch_norm_eps
+        self.backbone = RTDetrConvEncoder(cfg)
+        channels = [cfg.hidden_sizes[i - 1] for i in cfg.backbone_out_indices]
+        # transformers' encoder input projections keep BatchNorm's default epsilon
+        self.encoder_input_proj = nn.ModuleList(_projection(c, cfg.encoder_hidden_dim, 1e-5) for c in channels)
+        self.encoder = RTDetrHybridEncoder(cfg)
+        if cfg.num_denoising > 0:
+            self.denoising_class_embed = nn.Embedding(cfg.num_labels + 1, d, padding_idx=cfg.num_labels)
+        self.enc_output = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d, eps=cfg.layer_norm_eps))
+        self.enc_score_head = nn.Linear(d, cfg.num_labels)
+        self.enc_bbox_head = RTDetrMLPPredictionHead(d, d, 4, num_layers=3)
+        proj = [_projection(c, d, eps) for c in cfg.decoder_in_channels]
+        cin = cfg.decoder_in_channels[-1]
+        for _ in range(cfg.num_feature_levels - len(proj)):
+            proj.append(_projection(cin, d, eps, kernel_size=3, stride=2))
+            cin = d
+        self.decoder_input_proj = nn.ModuleList(proj)
+        self.decoder = RTDetrDecoder(cfg)
+
+    def sources(self, pixel_values):
+        """The encoder's maps and the decoder's tokens ``[B, S, d_model]`` with their levels' shapes."""
+        cfg = self.config
+        maps = [proj(m) for proj, m in zip(self.encoder_input_proj, self.backbone(pixel_values))]
+        enc_maps = self.encoder(maps)
+        srcs = [proj(m) for proj, m in zip(self.decoder_input_proj, enc_maps)]
+        for level in range(len(srcs), cfg.num_feature_levels):  # each from the coarsest map, as transformers
+            srcs.append(self.decoder_input_proj[level](enc_maps[-1]))
+        shapes = tuple(tuple(s.shape[-2:]) for s in srcs)
+        tokens_BSD = torch.cat([s.flatten(2).transpose(1, 2) for s in srcs], 1)
+        return enc_maps, tokens_BSD, shapes
+
+    def forward(self, pixel_values, labels=None) -> dict:
+        cfg = self.config
+        enc_maps, mem_BSD, shapes = self.sources(pixel_values)
+        device, dtype = mem_BSD.device, mem_BSD.dtype
+        shapes_L2 = torch.as_tensor(shapes, dtype=torch.long, device=device)
+        start_L = torch.cat((shapes_L2.new_zeros((1,)), shapes_L2.prod(1).cumsum(0)[:-1]))
+        dn = None
+        if self.training and cfg.num_denoising > 0 and labels is not None:
+            dn = denoising_queries(labels, cfg.num_labels, cfg.num_queries, self.denoising_class_embed, cfg.num_denoising,
+                                   cfg.label_noise_ratio, cfg.box_noise_scale)
+        if self.training or cfg.anchor_image_size is None:
+            anchor_1S4, valid_1S1 = anchors(shapes, device, dtype)
+        else:
+            h, w = cfg.anchor_image_size
+            anchor_1S4, valid_1S1 = anchors(tuple((int(h / s), int(w / s)) for s in cfg.feat_strides), device, dtype)
+        out_mem = self.enc_output(valid_1S1.to(dtype) * mem_BSD)
+        enc_class = self.enc_score_head(out_mem)
+        enc_coord = self.enc_bbox_head(out_mem) + anchor_1S4
+        top_BQ = torch.topk(enc_class.max(-1).values, cfg.num_queries, dim=1)[1]
+
+        def pick(t):
+            return t.gather(dim=1, index=top_BQ.unsqueeze(-1).repeat(1, 1, t.shape[-1]))
+
+        ref_logit = pick(enc_coord)
+        enc_topk_boxes, enc_topk_logits = ref_logit.sigmoid(), pick(enc_class)
+        target = pick(out_mem).detach()
+        if dn is not None:
+            dn_class, dn_box, dn = dn
+            ref_logit, target = torch.concat([dn_box, ref_logit], 1), torch.concat([dn_class, target], 1)
+        hs, logits, boxes = self.decoder(target, ref_logit.detach(), mem_BSD, shapes_L2, start_L, AttnContext(), dn)
+        return dict(hs=hs, logits=logits, boxes=boxes, enc_maps=enc_maps, init_ref=ref_logit.detach(),
+                    enc_topk_logits=enc_topk_logits, enc_topk_bboxes=enc_topk_boxes, enc_outputs_class=enc_class,
+                    enc_outputs_coord_logits=enc_coord, dn=dn)
+
+
+def _check_side(pixel_values, cfg: RTDetrConfig) -> None:
+    """ValueError naming ``pixel_values`` where the backbone's maps do not halve exactly from one encoder level
+    to the next (the FPN upsamples each 2x onto the finer one; transformers fails there on a size mismatch).
+    Stage ``i``'s map has side ``ceil(side / 2^(i + 1))``."""
+    outs = cfg.backbone_out_indices
+    for side in pixel_values.shape[-2:]:
+        sizes = [-(-side // 2 ** (i + 1)) for i in outs]
+        if any(fine != 2 * coarse for fine, coarse in zip(sizes, sizes[1:])):
+            raise ValueError(f"pixel_values: {tuple(pixel_values.shape[-2:])} images give feature maps of sides {sizes}, "
+                             f"which do not halve exactly from level to level as RT-DETR's encoder needs: use sides "
+                             f"that are multiples of {2 ** (outs[-1] + 1)}")
+
+
+class RTDetrForObjectDetection(FastzooModel):
+    """RT-DETR (``model_type="rt_detr"``) or RT-DETRv2 (``"rt_detr_v2"``) with transformers' call convention."""
+
+    family = "rt_detr"
+    config_class = RTDetrConfig
+    main_input_name = "pixel_values"
+    sigmoid_classes = True  # one sigmoid per class, no "no object" logit
+    eval_after_pretrained = True  # like transformers' from_pretrained
+
+    def __init__(self, cfg: RTDetrConfig):
+        super().__init__()
+        import transformers.modeling_outputs  # noqa: F401  (registers HF output classes as pytree nodes, see the decoders)
+
+        self.config = cfg
+        self.model = RTDetrModel(cfg)
+        if cfg.v2:  # transformers' V2 holds the decoder's heads at the top too (the same modules)
+            self.class_embed = self.model.decoder.class_embed
+            self.bbox_embed = self.model.decoder.bbox_embed
+        self._init_weights()
+
+    def _init_weights(self):
+        """transformers' init of the heads and the deformable attention (a fresh model; never the compared
+        state: tests draw every parameter)."""
+        cfg = self.config
+        prior = 1 / (cfg.num_labels + 1)
+        bias = float(-math.log((1 - prior) / prior))
+        with torch.no_grad():
+            for head in [*self.model.decoder.class_embed, self.model.enc_score_head]:
+                nn.init.xavier_uniform_(head.weight)
+                nn.init.constant_(head.bias, bias)
+            for head in self.model.decoder.bbox_embed:
+                nn.init.zeros_(head.layers[-1].weight)
+                nn.init.zeros_(head.layers[-1].bias)
+            for m in self.deformable_attentions():
+                nn.init.zeros_(m.sampling_offsets.weight)
+                thetas = torch.arange(m.heads, dtype=torch.float32) * (2.0 * math.pi / m.heads)
+                grid = torch.stack([thetas.cos(), thetas.sin()], -1)
+                grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(m.heads, 1, 1, 2).repeat(1, m.levels, m.points, 1)
+                grid *= torch.arange(1, m.points + 1, dtype=torch.float32).view(1, 1, -1, 1)
+                m.sampling_offsets.bias.copy_(grid.view(-1))
+                for lin in (m.attention_weights, m.value_proj, m.output_proj):
+                    nn.init.zeros_(lin.bias)
+                nn.init.zeros_(m.attention_weights.weight)
+                nn.init.xavier_uniform_(m.value_proj.weight)
+                nn.init.xavier_uniform_(m.output_proj.weight)
+            if cfg.num_denoising > 0:
+                nn.init.xavier_uniform_(self.model.denoising_class_embed.weight)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return False
+
+    def attention_needs(self) -> dict:
+        """AIFI's and the decoder's self-attention: unmasked (the denoising groups run as unmasked calls)."""
+        cfg = self.config
+        head_dim = max(cfg.encoder_hidden_dim // cfg.encoder_attention_heads, cfg.d_model // cfg.decoder_attention_heads)
+        return {"head_dim": head_dim, "causal": False, "grid_2d": False, "padding_mask": False}
+
+    def set_deformable_attention(self, impl: str = "auto") -> "RTDetrForObjectDetection":
+        """The decoder's multi-scale deformable attention kernel (``fastzoo.attention.deformable``:
+        reference | cpu | triton | auto), checked against this model's device and dtype now: an unknown or
+        unavailable kernel is refused by name and nothing changes (RT-DETRv2's discrete sampling runs on
+        the reference whatever is set, as the seam says)."""
+        from fastzoo.attention.deformable import _kernel_name  # the seam's own choice and refusal, made now
+
+        p = self.model.enc_score_head.weight
+        _kernel_name(impl, p.device.type, p.dtype, False)
+        for m in self.deformable_attentions():
+            m.impl = impl
+        return self
+
+    def deformable_attentions(self) -> list[nn.Module]:
+        from fastzoo.models.rt_detr.decoder import RTDetrMultiscaleDeformableAttention
+
+        return [m for m in self.modules() if isinstance(m, RTDetrMultiscaleDeformableAttention)]
+
+    def forward(self, pixel_values: torch.Tensor, pixel_mask: torch.Tensor | None = None, labels: list[dict] | None = None,
+                return_dict: bool | None = None, **kwargs):
+        """transformers' ``RTDetrForObjectDetection.forward``: ``pixel_values [B, 3, H, W]``, ``pixel_mask``
+        (unused, as transformers), ``labels`` as DETR's. Returns transformers' output class;
+        ``return_dict=False`` gives its tuple."""
+        from fastzoo.losses.set_prediction import check_labels
+
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: fastzoo's RT-DETR takes pixel_values, pixel_mask, labels and "
+                             f"return_dict (no per-layer attentions or hidden states, no precomputed embeddings)")
+        pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
+                                                 self.model.enc_score_head.weight)
+        _check_side(pixel_values, self.config)
+        if labels is not None:
+            check_labels(labels, pixel_values.shape[0])
+        out = self.model(pixel_values, labels)
+        logits_BLQC, boxes_BLQ4, dn = out["logits"], out["boxes"], out["dn"]
+        meta = dn.meta if dn is not None and self.training else None
+        loss = loss_dict = aux = None
+        if labels is not None:
+            from fastzoo.losses.set_prediction import rt_detr_loss
+
+            loss, loss_dict = rt_detr_loss(logits_BLQC.transpose(0, 1), boxes_BLQ4.transpose(0, 1), labels, self.config,
+                                           enc_topk_logits=out["enc_topk_logits"], enc_topk_bboxes=out["enc_topk_bboxes"],
+                                           denoising_meta_values=meta)
+            if self.config.auxiliary_loss:
+                n = meta["dn_num_split"][0] if meta is not None else 0
+                aux = [{"logits": logits_BLQC[:, i, n:], "pred_boxes": boxes_BLQ4[:, i, n:]}
+                       for i in range(logits_BLQC.shape[1] - 1)]
+                aux.append({"logits": out["enc_topk_logits"], "pred_boxes": out["enc_topk_bboxes"]})
+        return self._output(loss, loss_dict, aux, out, return_dict)
+
+    def _output(self, loss, loss_dict, aux, out, return_dict):
+        if self.config.v2:
+            from transformers.models.rt_detr_v2.modeling_rt_detr_v2 import RTDetrV2ObjectDetectionOutput as Output
+        else:
+            from transformers.models.rt_detr.modeling_rt_detr import RTDetrObjectDetectionOutput as Output
+        hs, logits, boxes = out["hs"], out["logits"], out["boxes"]
+        o = Output(loss=loss, loss_dict=loss_dict, logits=logits[:, -1], pred_boxes=boxes[:, -1], auxiliary_outputs=aux,
+                   last_hidden_state=hs[:, -1], intermediate_hidden_states=hs, intermediate_logits=logits,
+                   intermediate_reference_points=boxes, encoder_last_hidden_state=out["enc_maps"],
+                   init_reference_points=out["init_ref"], enc_topk_logits=out["enc_topk_logits"],
+                   enc_topk_bboxes=out["enc_topk_bboxes"], enc_outputs_class=out["enc_outputs_class"],
+                   enc_outputs_coord_logits=out["enc_outputs_coord_logits"],
+                   denoising_meta_values=out["dn"].meta if out["dn"] is not None else None)
+        return o if return_dict is not False else o.to_tuple()
+
+    def hf_config(self):
+        """This architecture as a ``transformers.RTDetrConfig`` / ``RTDetrV2Config``."""
+        from fastzoo.models.rt_detr.convert import hf_config
+
+        return hf_config(self.config)
+
+    def save_pretrained(self, path, **_hf_options):
+        """A directory transformers' ``from_pretrained`` and fastzoo both read (transformers' ``config.json`` and
+        ``model.safetensors`` in its keys, which are this model's), written atomically. transformers' own
+        options are accepted and ignored."""
+        arch = "RTDetrV2ForObjectDetection" if self.config.v2 else "RTDetrForObjectDetection"
+        cfg = {**self.hf_config().to_dict(), "architectures": [arch]}
+        return write_pretrained(path, cfg, self.state_dict(), weights_format="pt")

@@ -1,0 +1,331 @@
+"""RT-DETR and RT-DETRv2 against transformers' RTDetrForObjectDetection / RTDetrV2ForObjectDetection on the same
+weights, every parameter and buffer drawn (`fastzoo.equivalence.weights.draw_`): logits, boxes, the encoder's
+query selection in eval mode; in train mode with labels, the denoising queries drawn from the same seed (the
+groups, their boxes and the RNG left as transformers leaves it), every per-layer output and parameter gradient,
+and the loss (every loss_dict term, in every GIoU mode) with its gradients; for every CPU attention backend of
+the self-attentions and every deformable attention kernel serving the CPU; v1 and v2 (bilinear and discrete
+sampling, more decoder levels than encoder maps), bottleneck and basic ResNet-vd, pre-norm AIFI; checkpoints
+both ways; config errors by name."""
+import pytest
+import torch
+from conftest import SPECS, backends
+
+import fastzoo
+from fastzoo.attention.deformable import available
+from fastzoo.equivalence.rule import compare_grads, compare_outputs
+from fastzoo.equivalence.weights import draw_
+from fastzoo.errors import ConfigError
+from fastzoo.losses.set_prediction import GIOU_IMPLS
+
+TINY = dict(SPECS["rt_detr"].tiny)
+V2 = dict(model_type="rt_detr_v2")
+CASES = {
+    "v1": {},
+    "v1_bottleneck_prenorm": dict(layer_type="bottleneck", hidden_sizes=(16, 32, 48, 64), encoder_in_channels=(32, 48, 64),
+                                  normalize_before=True, hidden_expansion=0.5, encoder_layers=2),
+    "v2": V2,
+    "v2_discrete_4_levels": dict(V2, decoder_method="discrete", num_feature_levels=4, decoder_n_levels=4,
+                                 decoder_offset_scale=0.7),
+}
+IMPLS = available(torch.device("cpu"), torch.float32, backward=True)
+
+
+def original(**overrides):
+    torch.manual_seed(0)
+    return draw_(SPECS["rt_detr"].original.build({**TINY, **overrides})).train()
+
+
+def boxes_labels(counts, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in counts:
+        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
+        out.append({"class_labels": torch.randint(0, TINY["num_labels"], (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
+    return out
+
+
+def batch(seed=0, counts=(2, 0, 5)):
+    """3 images of 64 x 96 (RT-DETR's maps halve exactly: sides a multiple of the coarsest stride, 32)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 3, 64, 96, generator=g), boxes_labels(counts, seed=seed)
+
+
+def run_inner(model, x, labels, seed):
+    """The detector's inner model in train mode on ``labels`` (denoising queries drawn after ``seed``):
+    per-layer logits and boxes, the encoder's top-k, the denoising meta, and the RNG's next draw."""
+    torch.manual_seed(seed)
+    if isinstance(model, fastzoo.models.rt_detr.RTDetrForObjectDetection):
+        o = model.model(x, labels)
+        meta = o["dn"].meta if o["dn"] is not None else None
+        out = dict(logits=o["logits"], boxes=o["boxes"], enc_topk_logits=o["enc_topk_logits"],
+                   enc_topk_bboxes=o["enc_topk_bboxes"], init_ref=o["init_ref"])
+    else:
+        o = model.model(pixel_values=x, labels=labels)
+        meta = o.denoising_meta_values
+        out = dict(logits=o.intermediate_logits, boxes=o.intermediate_reference_points, enc_topk_logits=o.enc_topk_logits,
+                   enc_topk_bboxes=o.enc_topk_bboxes, init_ref=o.init_reference_points)
+    return out, meta, torch.rand(4)
+
+
+def synthetic_loss(out: dict, seed=0) -> torch.Tensor:
+    """A scalar reaching every output through fixed random weights (every layer, every query, the
+    encoder's top-k), so each parameter's gradient is compared."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((t * torch.randn(t.shape, generator=g)).sum() for k, t in sorted(out.items()) if k != "init_ref")
+
+
+def compare_train(hf, ours, x, labels, seed=0):
+    """fastzoo.equivalence's fp32 rule: outputs 1e-4 absolute (or 8 ulps of their scale), gradients 1e-4 of their
+    scale (or 3x the original's own fp32 rounding against its fp64 run, where larger); the denoising groups
+    and the RNG's next draw exactly equal (the same calls in the same order)."""
+    o1, m1, next1 = run_inner(hf, x, labels, seed)
+    o2, m2, next2 = run_inner(ours, x, labels, seed)
+    assert torch.equal(next1, next2)  # the same random numbers consumed
+    assert (m1 is None) == (m2 is None)
+    if m1 is not None:
+        assert m1["dn_num_group"] == m2["dn_num_group"] and m1["dn_num_split"] == m2["dn_num_split"]
+        assert all(torch.equal(a, b) for a, b in zip(m1["dn_positive_idx"], m2["dn_positive_idx"], strict=True))
+    checks = [compare_outputs(k, o2[k], o1[k]) for k in o1]
+    hf.zero_grad()
+    ours.zero_grad()
+    synthetic_loss(o1).backward()
+    synthetic_loss(o2).backward()
+    g1 = {n: p.grad for n, p in hf.model.named_parameters() if p.grad is not None}
+    g2 = {n: p.grad for n, p in ours.model.named_parameters() if p.grad is not None}
+    assert len(g1) > 80 and set(g1) == set(g2)
+    exact = _fp64_grads(hf, x, labels, seed)
+    checks.append(compare_grads("grads", g2, g1, exact=exact))
+    failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
+    assert not failed, failed
+
+
+def _fp64_grads(hf, x, labels, seed) -> dict:
+    import copy
+
+    other = copy.deepcopy(hf).double()
+    labels = [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]
+    out, _, _ = run_inner(other, x.double(), labels, seed)
+    synthetic_loss(out).backward()
+    return {n: p.grad.float() for n, p in other.model.named_parameters() if p.grad is not None}
+
+
+def compare_eval(hf, ours, x):
+    with torch.no_grad():
+        o1, o2 = hf.eval()(pixel_values=x), ours.eval()(pixel_values=x)
+    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k))
+              for k in ("logits", "pred_boxes", "enc_topk_logits", "enc_topk_bboxes", "enc_outputs_class",
+                        "enc_outputs_coord_logits", "intermediate_hidden_states")]
+    checks += [compare_outputs(f"encoder map {i}", b, a)
+               for i, (a, b) in enumerate(zip(o1.encoder_last_hidden_state, o2.encoder_last_hidden_state, strict=True))]
+    failed = [(c.name, c.err, c.bound) for c in checks if not c.passed]
+    assert not failed, failed
+    hf.train()
+    ours.train()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    return request.param, original(**CASES[request.param])
+
+
+def test_eval_mode_equal_to_transformers(case):
+    _, hf = case
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf)
+    assert not ours.training  # as transformers' from_pretrained gives it
+    compare_eval(hf, ours, batch()[0])
+
+
+@pytest.mark.parametrize("attn", backends(backward=True), ids=lambda b: b[0] + "".join(f"-{v}" for v in b[1].values()))
+def test_train_mode_with_denoising_equal_to_transformers_for_every_backend(case, attn):
+    _, hf = case
+    backend, options = attn
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).set_attention(backend, **options).train()
+    x, labels = batch()
+    compare_train(hf, ours, x, labels)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_equal_to_transformers_for_every_deformable_kernel(impl):
+    hf = original(**CASES["v1"])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).set_deformable_attention(impl).train()
+    x, labels = batch(seed=2)
+    compare_train(hf, ours, x, labels)
+    compare_eval(hf, ours, x)
+
+
+def test_more_boxes_than_denoising_queries_and_no_boxes_equal_transformers():
+    """More boxes than num_denoising (one group), and a batch without a box (no denoising queries)."""
+    hf = original(**CASES["v2"])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    x, labels = batch(seed=3, counts=(TINY["num_denoising"] + 3, 1, 0))
+    compare_train(hf, ours, x, labels)
+    x, labels = batch(seed=4, counts=(0, 0, 0))
+    compare_train(hf, ours, x, labels)
+
+
+def test_the_same_seed_gives_the_same_denoising_groups_and_another_seed_others():
+    hf = original()
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    x, labels = batch(seed=5)
+    with torch.no_grad():
+        refs = [run_inner(m, x, labels, seed)[0]["init_ref"] for m in (hf, ours) for seed in (7, 8)]
+    n = 2 * 5 * (TINY["num_denoising"] // 5)  # twice the most boxes per group, num_denoising // most groups
+    assert torch.equal(refs[0][:, :n], refs[2][:, :n])  # seed 7: the same noisy boxes, bit for bit
+    assert torch.equal(refs[1][:, :n], refs[3][:, :n])
+    assert not torch.equal(refs[0][:, :n], refs[1][:, :n])  # another seed draws other boxes
+
+
+@pytest.mark.parametrize("over", [dict(eval_size=640), dict(anchor_image_size=(64, 96))], ids=["eval_size", "anchors"])
+def test_eval_size_and_anchor_image_size_equal_transformers(over):
+    """eval_size: transformers drops AIFI's position embedding in eval mode; anchor_image_size: eval mode's
+    anchors from the configured size."""
+    hf = original(**over)
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf)
+    compare_eval(hf, ours, batch(seed=6)[0])
+
+
+@pytest.mark.parametrize("name", ["v1", "v2_discrete_4_levels"])
+def test_save_pretrained_round_trips_with_transformers(tmp_path, name):
+    """Written by fastzoo, read by transformers (and back by fastzoo), in eval mode as transformers loads."""
+    import transformers
+
+    hf = original(**CASES[name])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf)
+    ours.save_pretrained(tmp_path)
+    cls = transformers.RTDetrV2ForObjectDetection if name.startswith("v2") else transformers.RTDetrForObjectDetection
+    back = cls.from_pretrained(tmp_path)
+    again = fastzoo.create(pretrained=str(tmp_path))
+    assert again.config.model_type == hf.config.model_type
+    x = batch(seed=7)[0]
+    with torch.no_grad():
+        ref = hf.eval()(pixel_values=x).logits
+        for m in (back, again):
+            assert not m.training
+            assert (m(pixel_values=x).logits - ref).abs().max() <= 1e-4  # the fp32 rule
+
+
+@pytest.mark.parametrize("name", ["v1_bottleneck_prenorm", "v2_discrete_4_levels"])
+def test_a_bare_state_dict_gives_its_architecture(name):
+    """From the keys alone: the backbone, the encoder's maps and layers, the levels, v1 or v2 (heads, points
+    and functions the tensors cannot show are given, as a user gives a tiny model's)."""
+    hf = original(**CASES[name])
+    given = {k: v for k, v in {**TINY, **CASES[name]}.items()
+             if k in ("encoder_attention_heads", "decoder_attention_heads", "decoder_n_points", "num_queries",
+                      "num_denoising", "normalize_before", "decoder_method", "decoder_offset_scale")}
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf.state_dict(), **given)
+    made = fastzoo.create("rtdetr_r50vd", **{**TINY, **CASES[name]}).config
+    for field in ("model_type", "layer_type", "depths", "hidden_sizes", "embedding_size", "backbone_out_indices",
+                  "encoder_in_channels", "encoder_hidden_dim", "encoder_layers", "hidden_expansion", "d_model",
+                  "decoder_layers", "num_feature_levels", "decoder_n_levels"):
+        assert getattr(ours.config, field) == getattr(made, field), field
+    compare_eval(hf, ours, batch(seed=8)[0])
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(learn_initial_query=True), "learn_initial_query"),
+    (dict(encoder_in_channels=(16, 24)), "encoder_in_channels"),
+    (dict(decoder_in_channels=(32, 32, 16)), "decoder_in_channels"),
+    (dict(model_type="rt_detr_v2", decoder_n_levels=2), "decoder_n_levels"),
+    (dict(encode_proj_layers=(3,)), "encode_proj_layers"),
+    (dict(decoder_attention_heads=3), "decoder_attention_heads"),
+    (dict(decoder_method="nearest"), "decoder_method"),
+])
+def test_bad_configs_are_refused_by_name(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        fastzoo.create("rtdetr_r50vd", **{**TINY, **bad})
+
+
+def test_names_give_their_versions_and_sizes():
+    from fastzoo.registry import get_entry
+
+    assert fastzoo.create("PekingU/rtdetr_v2_r18vd", **TINY).config.model_type == "rt_detr_v2"
+    assert get_entry("PekingU/rtdetr_v2_r18vd").config["model_type"] == "rt_detr_v2"
+    assert get_entry("rtdetr_r18vd").config["decoder_layers"] == 3 and get_entry("rtdetr_r18vd").config["layer_type"] == "basic"
+    assert get_entry("PekingU/rtdetr_r101vd_coco_o365").config["encoder_hidden_dim"] == 384
+
+
+def test_a_deformable_kernel_this_machine_cannot_run_is_refused_by_name():
+    from fastzoo.errors import BackendUnavailableError, UnknownBackendError
+
+    ours = fastzoo.create("rtdetr_r50vd", **TINY)
+    with pytest.raises(BackendUnavailableError, match="triton"):
+        ours.set_deformable_attention("triton")
+    with pytest.raises(UnknownBackendError, match="refrence"):
+        ours.set_deformable_attention("refrence")
+    assert {m.impl for m in ours.deformable_attentions()} == {"auto"}  # nothing changed
+
+
+def test_unknown_forward_keywords_are_refused_by_name():
+    ours = fastzoo.create("rtdetr_r50vd", **TINY)
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(pixel_values=batch()[0], output_attentions=True)
+
+
+def test_images_whose_maps_do_not_halve_are_refused_naming_the_size():
+    """transformers fails inside its FPN on a size mismatch; 80 px gives maps of 10, 5 and 3."""
+    ours = fastzoo.create("rtdetr_r50vd", **TINY).eval()
+    with pytest.raises(ValueError, match=r"pixel_values: \(64, 80\) images .* \[10, 5, 3\].* multiples of 32"):
+        ours(pixel_values=torch.randn(1, 3, 64, 80))
+    assert ours(pixel_values=torch.randn(1, 3, 64, 96)).logits.isfinite().all()
+
+
+def compare_loss_path(hf, ours, x, labels, seed=0):
+    """The detectors' forward with ``labels`` in train mode (denoising queries from ``seed``): logits and boxes
+    (denoising queries included, as transformers'), the auxiliary outputs, the loss and every loss_dict term
+    (1e-4 absolute, or 8 ulps of their scale), every gradient of the loss (1e-4 of the scale, or 3x the
+    original's own fp32 rounding against its fp64 run where larger)."""
+    import copy
+
+    def run(m, x, labels):
+        torch.manual_seed(seed)
+        return m(pixel_values=x, labels=labels)
+
+    o1, o2 = run(hf, x, labels), run(ours, x, labels)
+    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k)) for k in ("logits", "pred_boxes", "loss")]
+    assert list(o2.loss_dict) == list(o1.loss_dict)
+    checks += [compare_outputs(k, o2.loss_dict[k], o1.loss_dict[k]) for k in o1.loss_dict]
+    for i, (a, b) in enumerate(zip(o1.auxiliary_outputs or [], o2.auxiliary_outputs or [], strict=True)):
+        checks += [compare_outputs(f"aux {i} {k}", b[k], a[k]) for k in ("logits", "pred_boxes")]
+    hf.zero_grad()
+    ours.zero_grad()
+    o1.loss.backward()
+    o2.loss.backward()
+    g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert len(g1) > 80 and set(g1) == set(g2)
+    other = copy.deepcopy(hf).double()
+    run(other, x.double(), [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]).loss.backward()
+    exact = {n: p.grad.float() for n, p in other.named_parameters() if p.grad is not None}
+    checks.append(compare_grads("grads", g2, g1, exact=exact))
+    failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
+    assert not failed, failed
+    return o2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_with_denoising_equal_to_transformers(name):
+    hf = original(**CASES[name])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    out = compare_loss_path(hf, ours, *batch(seed=9))
+    assert any(k.endswith("_dn_0") for k in out.loss_dict)  # the denoising terms ran
+    assert out.logits.shape[1] > TINY["num_queries"]  # denoising queries first, as transformers'
+
+
+@pytest.mark.parametrize("mode", GIOU_IMPLS)
+def test_loss_equal_to_transformers_in_every_giou_mode(mode):
+    hf = original(**CASES["v2"])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf, giou_impl=mode).train()
+    compare_loss_path(hf, ours, *batch(seed=10))
+
+
+def test_loss_without_boxes_without_auxiliary_terms_and_in_eval_mode_equal_transformers():
+    hf = original(auxiliary_loss=False)
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    assert list(compare_loss_path(hf, ours, *batch(seed=11)).loss_dict) == ["loss_vfl", "loss_bbox", "loss_giou"]
+    hf = original()
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    compare_loss_path(hf, ours, *batch(seed=12, counts=(0, 0, 0)))  # no box: no denoising queries
+    hf.eval()
+    ours.eval()
+    out = compare_loss_path(hf, ours, *batch(seed=13))  # eval mode: no denoising queries, the loss still computed
+    assert out.logits.shape[1] == TINY["num_queries"] and not any("_dn_" in k for k in out.loss_dict)
