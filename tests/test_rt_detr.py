@@ -1,10 +1,11 @@
 """RT-DETR and RT-DETRv2 against transformers' RTDetrForObjectDetection / RTDetrV2ForObjectDetection on the same
 weights, every parameter and buffer drawn (`fastzoo.equivalence.weights.draw_`): logits, boxes, the encoder's
 query selection in eval mode; in train mode with labels, the denoising queries drawn from the same seed (the
-groups, their boxes and the RNG left as transformers leaves it) and every per-layer output and parameter
-gradient, for every CPU attention backend of the self-attentions and every deformable attention kernel serving
-the CPU; v1 and v2 (bilinear and discrete sampling, more decoder levels than encoder maps), bottleneck and basic
-ResNet-vd, pre-norm AIFI; checkpoints both ways; config errors by name."""
+groups, their boxes and the RNG left as transformers leaves it), every per-layer output and parameter gradient,
+and the loss (every loss_dict term, in every GIoU mode) with its gradients; for every CPU attention backend of
+the self-attentions and every deformable attention kernel serving the CPU; v1 and v2 (bilinear and discrete
+sampling, more decoder levels than encoder maps), bottleneck and basic ResNet-vd, pre-norm AIFI; checkpoints
+both ways; config errors by name."""
 import pytest
 import torch
 from conftest import SPECS, backends
@@ -14,6 +15,7 @@ from fastzoo.attention.deformable import available
 from fastzoo.equivalence.rule import compare_grads, compare_outputs
 from fastzoo.equivalence.weights import draw_
 from fastzoo.errors import ConfigError
+from fastzoo.losses.set_prediction import GIOU_IMPLS
 
 TINY = dict(SPECS["rt_detr"].tiny)
 V2 = dict(model_type="rt_detr_v2")
@@ -265,3 +267,65 @@ def test_images_whose_maps_do_not_halve_are_refused_naming_the_size():
     with pytest.raises(ValueError, match=r"pixel_values: \(64, 80\) images .* \[10, 5, 3\].* multiples of 32"):
         ours(pixel_values=torch.randn(1, 3, 64, 80))
     assert ours(pixel_values=torch.randn(1, 3, 64, 96)).logits.isfinite().all()
+
+
+def compare_loss_path(hf, ours, x, labels, seed=0):
+    """The detectors' forward with ``labels`` in train mode (denoising queries from ``seed``): logits and boxes
+    (denoising queries included, as transformers'), the auxiliary outputs, the loss and every loss_dict term
+    (1e-4 absolute, or 8 ulps of their scale), every gradient of the loss (1e-4 of the scale, or 3x the
+    original's own fp32 rounding against its fp64 run where larger)."""
+    import copy
+
+    def run(m, x, labels):
+        torch.manual_seed(seed)
+        return m(pixel_values=x, labels=labels)
+
+    o1, o2 = run(hf, x, labels), run(ours, x, labels)
+    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k)) for k in ("logits", "pred_boxes", "loss")]
+    assert list(o2.loss_dict) == list(o1.loss_dict)
+    checks += [compare_outputs(k, o2.loss_dict[k], o1.loss_dict[k]) for k in o1.loss_dict]
+    for i, (a, b) in enumerate(zip(o1.auxiliary_outputs or [], o2.auxiliary_outputs or [], strict=True)):
+        checks += [compare_outputs(f"aux {i} {k}", b[k], a[k]) for k in ("logits", "pred_boxes")]
+    hf.zero_grad()
+    ours.zero_grad()
+    o1.loss.backward()
+    o2.loss.backward()
+    g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert len(g1) > 80 and set(g1) == set(g2)
+    other = copy.deepcopy(hf).double()
+    run(other, x.double(), [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]).loss.backward()
+    exact = {n: p.grad.float() for n, p in other.named_parameters() if p.grad is not None}
+    checks.append(compare_grads("grads", g2, g1, exact=exact))
+    failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
+    assert not failed, failed
+    return o2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_with_denoising_equal_to_transformers(name):
+    hf = original(**CASES[name])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    out = compare_loss_path(hf, ours, *batch(seed=9))
+    assert any(k.endswith("_dn_0") for k in out.loss_dict)  # the denoising terms ran
+    assert out.logits.shape[1] > TINY["num_queries"]  # denoising queries first, as transformers'
+
+
+@pytest.mark.parametrize("mode", GIOU_IMPLS)
+def test_loss_equal_to_transformers_in_every_giou_mode(mode):
+    hf = original(**CASES["v2"])
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf, giou_impl=mode).train()
+    compare_loss_path(hf, ours, *batch(seed=10))
+
+
+def test_loss_without_boxes_without_auxiliary_terms_and_in_eval_mode_equal_transformers():
+    hf = original(auxiliary_loss=False)
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    assert list(compare_loss_path(hf, ours, *batch(seed=11)).loss_dict) == ["loss_vfl", "loss_bbox", "loss_giou"]
+    hf = original()
+    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    compare_loss_path(hf, ours, *batch(seed=12, counts=(0, 0, 0)))  # no box: no denoising queries
+    hf.eval()
+    ours.eval()
+    out = compare_loss_path(hf, ours, *batch(seed=13))  # eval mode: no denoising queries, the loss still computed
+    assert out.logits.shape[1] == TINY["num_queries"] and not any("_dn_" in k for k in out.loss_dict)
