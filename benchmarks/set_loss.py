@@ -4,24 +4,26 @@ transformers' ForObjectDetectionLoss vs fastzoo's set_prediction_loss in each GI
 step (ResNet-18 timm backbone, 6+6 layers at width 256, 100 queries, two image sizes padded;
 forward with labels, loss, backward, fused AdamW step) vs transformers' DetrForObjectDetection
 in fp32 on the same weights, in fp32 and in bf16 autocast with channels_last (where the device
-computes bf16), per attention backend; and the same step of Deformable DETR (ResNet-18 timm backbone, 4
-levels, 6+6 layers at width 256, 300 queries) vs transformers' DeformableDetrForObjectDetection.
+computes bf16), per attention backend; the same step of Deformable DETR (ResNet-18 timm backbone, 4
+levels, 6+6 layers at width 256, 300 queries) vs transformers' DeformableDetrForObjectDetection; and
+RT-DETR's set loss per training step (8 images x 300 queries, 6 decoder layers, the encoder's proposals,
+100 denoising queries; forward + backward) vs transformers' RTDetrForObjectDetectionLoss.
 
-    python benchmarks/set_loss.py --threads 1 [--part detr_step] [--part deformable_detr_step]
+    python benchmarks/set_loss.py --threads 1 [--part detr_step] [--part deformable_detr_step] [--part rt_detr_loss]
 """
 from _common import parser, save, setup, timing
 from fastzoo.bench import limits, run_suite
 from fastzoo.bench.detection import detection_step_suite
 from fastzoo.bench.recipes import BASELINE, Recipe, native_bf16
-from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, set_loss_suite
+from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, rt_detr_suite, set_loss_suite
 
 DETR_STEP = dict(backbone="resnet18")
-PARTS = ("set_loss", "detr_step", "deformable_detr_step")
+PARTS = ("set_loss", "detr_step", "deformable_detr_step", "rt_detr_loss")
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
     """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step,
-    deformable_detr_step)."""
+    deformable_detr_step, rt_detr_loss)."""
     reports = {}
     if "set_loss" in parts:
         for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
@@ -29,6 +31,11 @@ def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS
             suite.limits = limits.measure(device, quick=quick)
             reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
                                  out, stem)
+    if "rt_detr_loss" in parts:
+        suite = rt_detr_suite(device=device)
+        suite.limits = limits.measure(device, quick=quick)
+        reports["rt_detr_loss"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
+                                                 interleave=True), out, "rt_detr_loss")
     for name in ("detr", "deformable_detr"):
         if f"{name}_step" not in parts:
             continue
@@ -44,7 +51,7 @@ def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS
 
 if __name__ == "__main__":
     p = parser(__doc__)
-    p.add_argument("--part", choices=PARTS, action="append", help="run only this part (repeatable; default: both)")
+    p.add_argument("--part", choices=PARTS, action="append", help="run only this part (repeatable; default: all)")
     args = p.parse_args()
     device, out = setup(args)
     run(device, out, quick=args.quick, note=args.note, progress=not args.no_progress, parts=args.part or PARTS)

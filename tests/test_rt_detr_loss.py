@@ -123,6 +123,21 @@ def test_one_host_read_per_step():
     assert host_reads(lambda: run("transformers", outputs, labels, meta, cfg)) > L + 1
 
 
+def test_rt_detr_suite_equals_transformers_and_reads_the_host_once_per_step():
+    """The benchmark's claim at tiny size: each giou_impl equal to transformers (loss and every gradient, the
+    harness's fp32 rule); the padded modes read the host once, transformers 5 times per Hungarian-matched layer
+    (the cost copy, 4 box checks; 3 decoder layers and the encoder here), twice per denoising layer (the GIoU's box
+    checks) and once for the box count."""
+    from fastzoo.bench import run_suite
+    from fastzoo.bench.set_loss import RTDetrLossSetting, rt_detr_suite
+
+    suite = rt_detr_suite(RTDetrLossSetting("tiny", 3, queries=10, max_boxes=4, layers=3, num_classes=7, num_denoising=8))
+    reads = suite.config["host reads per step"]
+    assert reads["fastzoo kernel"] == reads["fastzoo padded"] == 1 and reads["transformers"] == (L + 1) * 5 + L * 2 + 1
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert [r.status for r in report.rows] == ["ok"] * 5, [(r.label, r.status, r.max_err) for r in report.rows]
+
+
 def _call(outputs, labels, meta, cfg, change=None):
     args = dict(logits=outputs["logits"], boxes=outputs["raw"].sigmoid(), enc_topk_logits=outputs["enc_logits"],
                 enc_topk_bboxes=outputs["enc_raw"].sigmoid(), denoising_meta_values=meta, config=cfg, labels=labels)

@@ -1,7 +1,11 @@
 """DETR's set loss per training step (matcher + every term, all decoder layers, forward + backward):
 transformers' ``ForObjectDetectionLoss`` (the peer) vs fastzoo's
 :func:`~fastzoo.losses.set_prediction.set_prediction_loss` in each ``giou_impl``, on the same logits and
-boxes of 6 decoder layers (auxiliary loss), 100 queries, 91 classes, 1-50 boxes per image.
+boxes of 6 decoder layers (auxiliary loss), 100 queries, 91 classes, 1-50 boxes per image; and RT-DETR's
+(:func:`rt_detr_suite`): transformers' ``RTDetrForObjectDetectionLoss`` vs
+:func:`~fastzoo.losses.set_prediction.rt_detr_loss` on 6 decoder layers of 300 queries with the denoising
+queries of a training step (transformers' own group builder, 100 denoising queries), the encoder's 300
+proposals, 80 classes.
 
 Beside the time, each case's host reads per step are counted (:class:`HostReads`): the reads of
 device data a CUDA device would wait for (``.item()``, ``bool()``, ``.cpu()``, ``.tolist()``,
@@ -82,15 +86,21 @@ def host_reads(fn) -> int:
     return mode.count
 
 
-def make_inputs(s: SetLossSetting, device, seed: int = 0):
-    """Raw (pre-sigmoid) box outputs and logits ``[L, B, Q, ...]`` and transformers' labels."""
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(1, s.max_boxes + 1, (s.images,), generator=g).tolist()
+def make_labels(images: int, max_boxes: int, num_classes: int, g: torch.Generator, device):
+    """transformers' labels of ``images`` images with 1 to ``max_boxes`` boxes each, and the counts."""
+    counts = torch.randint(1, max_boxes + 1, (images,), generator=g).tolist()
     labels = []
     for n in counts:
         c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.02
-        labels.append({"class_labels": torch.randint(0, s.num_classes, (n,), generator=g).to(device),
+        labels.append({"class_labels": torch.randint(0, num_classes, (n,), generator=g).to(device),
                        "boxes": torch.cat([c, wh], 1).to(device)})
+    return labels, counts
+
+
+def make_inputs(s: SetLossSetting, device, seed: int = 0):
+    """Raw (pre-sigmoid) box outputs and logits ``[L, B, Q, ...]`` and transformers' labels."""
+    g = torch.Generator().manual_seed(seed)
+    labels, counts = make_labels(s.images, s.max_boxes, s.num_classes, g, device)
     logits = torch.randn(s.layers, s.images, s.queries, s.num_classes + 1, generator=g).to(device)
     raw = (torch.randn(s.layers, s.images, s.queries, 4, generator=g) * 1.5).to(device)
     return logits, raw, labels, counts
@@ -151,6 +161,107 @@ def set_loss_suite(setting: SetLossSetting = TARGET_SETTING, *, device="cpu", dt
     config = {"batch": s.describe(), "real boxes": sum(counts),
               "host reads per step": reads}
     return Suite("set_loss", [group], config=config, device=device)
+
+
+@dataclass(frozen=True)
+class RTDetrLossSetting:
+    name: str
+    images: int
+    queries: int = 300
+    max_boxes: int = 50
+    layers: int = 6
+    num_classes: int = 80  # COCO's classes, as RT-DETR's checkpoints
+    num_denoising: int = 100  # RTDetrConfig's default
+
+    def describe(self) -> str:
+        return (f"{self.images} images x {self.queries} queries (+ denoising: {self.num_denoising} queries' worth of "
+                f"groups), 1-{self.max_boxes} boxes per image, {self.layers} decoder layers + the encoder's proposals, "
+                f"{self.num_classes} classes")
+
+
+RT_DETR_SETTING = RTDetrLossSetting("8 images", 8)
+
+
+def rt_detr_inputs(s: RTDetrLossSetting, device, seed: int = 0):
+    """RT-DETR's decoder outputs in training (the denoising queries first), the encoder's proposals (raw boxes,
+    before the sigmoid), transformers' labels and its denoising metadata (its own builder, seeded)."""
+    from transformers.models.rt_detr.modeling_rt_detr import get_contrastive_denoising_training_group
+
+    g = torch.Generator().manual_seed(seed)
+    labels, _ = make_labels(s.images, s.max_boxes, s.num_classes, g, device)
+    torch.manual_seed(seed)
+    _, _, _, meta = get_contrastive_denoising_training_group(
+        labels, s.num_classes, s.queries, torch.nn.Embedding(s.num_classes + 1, 8).to(device),
+        num_denoising_queries=s.num_denoising, label_noise_ratio=0.5, box_noise_scale=1.0)
+    Q = sum(meta["dn_num_split"])
+    outputs = {"logits": torch.randn(s.layers, s.images, Q, s.num_classes, generator=g).to(device),
+               "boxes": (torch.randn(s.layers, s.images, Q, 4, generator=g) * 1.5).to(device),
+               "enc_logits": torch.randn(s.images, s.queries, s.num_classes, generator=g).to(device),
+               "enc_boxes": (torch.randn(s.images, s.queries, 4, generator=g) * 1.5).to(device)}
+    return outputs, labels, meta
+
+
+def rt_detr_hf_loss(o, labels, meta, cfg):
+    from transformers.loss.loss_rt_detr import RTDetrForObjectDetectionLoss
+
+    loss, _, _ = RTDetrForObjectDetectionLoss(
+        o["logits"][-1], labels, o["logits"].device, o["boxes"][-1], cfg, o["logits"].transpose(0, 1),
+        o["boxes"].transpose(0, 1), enc_topk_logits=o["enc_logits"], enc_topk_bboxes=o["enc_boxes"],
+        denoising_meta_values=meta)
+    return loss
+
+
+def rt_detr_fastzoo_loss(giou_impl: str):
+    from fastzoo.losses.set_prediction import rt_detr_loss
+
+    def loss_of(o, labels, meta, cfg):
+        cfg.giou_impl = giou_impl
+        return rt_detr_loss(o["logits"], o["boxes"], labels, cfg, enc_topk_logits=o["enc_logits"],
+                            enc_topk_bboxes=o["enc_boxes"], denoising_meta_values=meta)[0]
+
+    return loss_of
+
+
+def rt_detr_step(loss_of, outputs0, labels, meta, cfg, items: int) -> Step:
+    leaves = {k: v.clone().requires_grad_() for k, v in outputs0.items()}
+
+    def run():
+        for v in leaves.values():
+            v.grad = None
+        o = {**leaves, "boxes": leaves["boxes"].sigmoid(), "enc_boxes": leaves["enc_boxes"].sigmoid()}
+        loss = loss_of(o, labels, meta, cfg)
+        loss.backward()
+        return loss
+
+    def outputs():
+        loss = run()
+        return {"output": loss.detach()[None], **{f"grad:{k}": v.grad.clone() for k, v in leaves.items()}}
+
+    return Step(run=run, items=items, outputs=outputs)
+
+
+def rt_detr_suite(setting: RTDetrLossSetting = RT_DETR_SETTING, *, device="cpu", seed: int = 0,
+                  giou_impls=GIOU_IMPLS) -> Suite:
+    """RT-DETR's set loss per training step (every term of every layer, denoising included, forward + backward)."""
+    from transformers import RTDetrConfig
+
+    device, s = torch.device(device), setting
+    outputs, labels, meta = rt_detr_inputs(s, device, seed)
+    cfg = RTDetrConfig(num_labels=s.num_classes, num_queries=s.queries, decoder_layers=s.layers,
+                       num_denoising=s.num_denoising)  # the loss's fields at transformers' defaults
+    losses = {"transformers RTDetrForObjectDetectionLoss": rt_detr_hf_loss,
+              **{f"fastzoo rt_detr_loss, GIoU {m}": rt_detr_fastzoo_loss(m) for m in giou_impls}}
+    reads = {short: host_reads(rt_detr_step(loss_of, outputs, labels, meta, cfg, s.images).run)
+             for short, loss_of in zip(["transformers", *(f"fastzoo {m}" for m in giou_impls)], losses.values())}
+    cases = [Case(label, lambda f=loss_of: rt_detr_step(f, outputs, labels, meta, cfg, s.images), peer=i == 0,
+                  reference=i == 0) for i, (label, loss_of) in enumerate(losses.items())]
+    group = Group(f"{s.name} | RT-DETR set loss, {s.layers} layers + encoder + denoising, forward + backward", cases,
+                  unit="images/s", reference=lambda: rt_detr_step(rt_detr_hf_loss, outputs, labels, meta, cfg,
+                                                                  s.images).outputs())
+    config = {"batch": s.describe(), "real boxes": sum(len(t["boxes"]) for t in labels),
+              "denoising": f"{meta['dn_num_group']} groups, {meta['dn_num_split'][0]} queries",
+              "host reads per step": reads}
+    return Suite("rt_detr_loss", [group], config=config, device=device)
 
 
 def cli_suite(setting, *, device, dtype) -> Suite:

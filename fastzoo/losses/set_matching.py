@@ -90,15 +90,16 @@ def center_to_corners(b: Tensor) -> Tensor:
 
 def pairwise_giou(a: Tensor, b: Tensor) -> Tensor:
     """GIoU ``[..., Q, M]`` between xyxy boxes ``a [..., Q, 4]`` and ``b [..., M, 4]``, transformers'
-    (DETR's) formula: no epsilon, intersection and enclosure clamped at 0."""
-    a, b = a[..., :, None, :], b[..., None, :, :]
-    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
-    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
-    wh = (torch.min(a[..., 2:], b[..., 2:]) - torch.max(a[..., :2], b[..., :2])).clamp(min=0)
-    inter = wh[..., 0] * wh[..., 1]
+    (DETR's) formula: no epsilon, intersection and enclosure clamped at 0. Each coordinate apart: every
+    intermediate a contiguous ``[..., Q, M]`` (half the time of ``[..., Q, M, 2]`` slices, the same values)."""
+    ax1, ay1, ax2, ay2 = (x[..., :, None] for x in a.unbind(-1))
+    bx1, by1, bx2, by2 = (x[..., None, :] for x in b.unbind(-1))
+    area_a, area_b = (ax2 - ax1) * (ay2 - ay1), (bx2 - bx1) * (by2 - by1)
+    inter = ((torch.min(ax2, bx2) - torch.max(ax1, bx1)).clamp(min=0)
+             * (torch.min(ay2, by2) - torch.max(ay1, by1)).clamp(min=0))
     union = area_a + area_b - inter
-    enclose = (torch.max(a[..., 2:], b[..., 2:]) - torch.min(a[..., :2], b[..., :2])).clamp(min=0)
-    area_c = enclose[..., 0] * enclose[..., 1]
+    area_c = ((torch.max(ax2, bx2) - torch.min(ax1, bx1)).clamp(min=0)
+              * (torch.max(ay2, by2) - torch.min(ay1, by1)).clamp(min=0))
     return inter / union - (area_c - union) / area_c
 
 
@@ -139,7 +140,7 @@ def matching_cost(logits_LBQC: Tensor, boxes_LBQ4: Tensor, t: PaddedTargets, cos
         neg = (1 - alpha) * (p_LBQM ** gamma) * (-(1 - p_LBQM + 1e-8).log())
         pos = alpha * ((1 - p_LBQM) ** gamma) * (-(p_LBQM + 1e-8).log())
         class_LBQM = pos - neg
-    l1_LBQM = (boxes_LBQ4[..., :, None, :] - t.boxes_BM4[None, :, None, :, :]).abs().sum(-1)
+    l1_LBQM = sum((boxes_LBQ4[..., k, None] - t.boxes_BM4[None, :, None, :, k]).abs() for k in range(4))  # no [.., 4] temporary
     giou_LBQM = pairwise_giou(center_to_corners(boxes_LBQ4), center_to_corners(t.boxes_BM4)[None])
     return cost.bbox_cost * l1_LBQM + cost.class_cost * class_LBQM + cost.giou_cost * -giou_LBQM
 
