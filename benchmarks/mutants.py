@@ -61,13 +61,13 @@ if __name__ == "__main__":
         for r in (mutants.Row(**r) for part in parts for r in part["rows"]):  # a row two shards ran: the first
             key = (r.mutant, r.family, r.dtype, r.backend, r.check)
             if r.killed is False:  # a survivor's explanation as the catalogue gives it now
-                r.note = mutants.survivor_note(catalogue[r.mutant], r.family, r.dtype, r.backend) or r.note
+                r.note = mutants.survivor_note(catalogue[r.mutant], r.family, r.dtype) or r.note
             if key not in seen:
                 seen.add(key)
                 rows.append(r)
-        result = {**next(p for p in parts if "profile" in p), "findings": {m.name: m.finding for m in mutants.CATALOGUE if m.finding},
-                  "not_bugs": {m.name: m.why_survives for m in mutants.CATALOGUE if m.why_survives},
-                  "shards": [{k: v for k, v in part.items() if k not in ("rows", "summary", "findings", "not_bugs", "catalogue")}
+        result = {**next(p for p in parts if "profile" in p),
+                  "equivalent": {m.name: m.equivalent for m in mutants.CATALOGUE if m.equivalent},
+                  "shards": [{k: v for k, v in part.items() if k not in ("rows", "summary", "equivalent", "catalogue")}
                              for part in parts],
                   "summary": mutants.summary(rows), "rows": [dataclasses.asdict(r) for r in rows]}
     else:
@@ -78,8 +78,7 @@ if __name__ == "__main__":
         result = {"profile": "long" if args.long else "fast", "torch": torch.__version__, "threads": 1,
                   "shard": args.shard, "load_average": [before, load_average()],
                   "minutes": round((time.time() - t0) / 60, 1), "summary": mutants.summary(rows),
-                  "findings": {m.name: m.finding for m in mutants.CATALOGUE if m.finding},
-                  "not_bugs": {m.name: m.why_survives for m in mutants.CATALOGUE if m.why_survives},
+                  "equivalent": {m.name: m.equivalent for m in mutants.CATALOGUE if m.equivalent},
                   "catalogue": [{"name": m.name, "description": m.description, "models": m.models, "kernel": m.kernel}
                                 for m in mutants.CATALOGUE],
                   "rows": [dataclasses.asdict(r) for r in rows]}

@@ -2,6 +2,7 @@
 Hugging Face's GPT-2) on the same weights and inputs. It passes for correct backends, fails
 for wrong ones, names the first layer where the two models part, and its CLI reports all of it."""
 import copy
+import importlib
 import json
 
 import pytest
@@ -20,6 +21,7 @@ from fastzoo.equivalence import FP32_GRAD_RTOL, FP32_LAYER_RTOL, FP32_OUT_ATOL
 from fastzoo.equivalence import check as check_parity
 
 VIT = dict(overrides=TINY["vit"])
+NORMS = "normalisations at variance ~eps"  # equivalence.norms' comparison
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def _no_grad_through_keys(q, k, v, ctx):  # right forward, wrong backward: k and
 @pytest.mark.parametrize("backend,options", [("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"})])
 def test_correct_backends_pass_with_gradients(backend, options):
     res = check_parity("vit_s16", backend, backend_options=options, **VIT)
-    assert [c.name for c in res.comparisons] == ["logits", "grads"]
+    assert [c.name for c in res.comparisons] == ["logits", "grads", NORMS]
     assert res.passed, res.rows()
     # fastzoo.equivalence: fp32 CPU logits within 1e-4; gradients within 1e-4 relative (observed ~1e-7 / ~1e-6).
     assert res.comparisons[0].err <= FP32_OUT_ATOL and res.comparisons[1].err <= FP32_GRAD_RTOL
@@ -58,7 +60,7 @@ def test_correct_backends_pass_with_gradients(backend, options):
 
 def test_flex_on_cpu_is_checked_for_inference_and_says_why_not_gradients():
     res = check_parity("vit_s16", "flex", **VIT)
-    assert res.passed and [c.name for c in res.comparisons] == ["logits"]
+    assert res.passed and [c.name for c in res.comparisons] == ["logits", NORMS]
     assert any("no backward on cpu" in n for n in res.notes)
 
 
@@ -80,8 +82,8 @@ def test_a_wrong_forward_fails(register):
 def test_a_wrong_backward_fails_even_when_the_forward_is_right(register):
     register("no_kv_grad", _no_grad_through_keys, CPU_FP32)
     res = check_parity("vit_s16", "no_kv_grad", **VIT)
-    logits, grads = res.comparisons
-    assert logits.passed  # the forward is exact
+    logits, grads, norms = res.comparisons
+    assert logits.passed and norms.passed  # the forward is exact
     assert not grads.passed and grads.err > 0.1 and grads.worst  # observed ~1.0: gradients far off, named
 
 
@@ -166,7 +168,7 @@ def test_cli_list_markdown_is_the_bare_matrix(capsys):
 def test_gpt2_padded_and_packed_against_the_padded_reference():
     res = check_parity("gpt2", "sdpa", overrides=TINY["gpt2"])
     names = [c.name for c in res.comparisons]
-    assert names == ["logits (padded)", "grads (padded)", "logits (packed)", "grads (packed)"]
+    assert names == ["logits (padded)", "grads (padded)", "logits (packed)", "grads (packed)", NORMS]
     assert res.passed, res.rows()
 
 
@@ -295,5 +297,27 @@ def test_detr_is_checked_on_the_inputs_its_task_declares(backend):
     from fastzoo import equivalence
 
     res = equivalence.check("detr", backend, overrides=equivalence.tiny_overrides("detr"), batch=3)
-    assert [c.name for c in res.comparisons] == ["logits", "grads", "loss (set loss)", "grads (set loss)"]
+    assert [c.name for c in res.comparisons] == ["logits", "grads", "loss (set loss)", "grads (set loss)", NORMS]
     assert all(c.err <= 1e-4 for c in res.comparisons), res.rows()  # fp32 rule
+
+
+def test_a_normalisation_eps_the_outputs_cannot_see_fails_by_name(monkeypatch):
+    """DETR is post-norm: its LayerNorms read residual sums of O(1), where an eps of 1e-6 for 1e-5 moves the
+    outputs below fp32's bound. The per-normalisation probe (inputs of variance ~eps) fails it and names
+    the module; the outputs alone pass."""
+    module = importlib.import_module("fastzoo.equivalence.check")  # the module (the package re-exports check)
+    create = module.create
+    target = "model.encoder.layers.0.self_attn_layer_norm"
+
+    def create_with_wrong_eps(*args, **kwargs):
+        model = create(*args, **kwargs)
+        model.get_submodule(target).eps = 1e-6  # transformers' DETR: 1e-5
+        return model
+
+    monkeypatch.setattr(module, "create", create_with_wrong_eps)
+    res = equivalence.check("detr", "sdpa", overrides=equivalence.tiny_overrides("detr"), train=False)
+    by_name = {c.name: c for c in res.comparisons}
+    assert by_name["logits"].passed and by_name["loss (set loss)"].passed  # the outputs cannot see it
+    norms = by_name[NORMS]
+    # a normalisation of std-1e-3 rows moves by ~50 %: far past fp32's 1e-4 (observed ~1)
+    assert not norms.passed and norms.err > 100 * FP32_OUT_ATOL and norms.worst == target, res.rows()

@@ -8,7 +8,7 @@ sampling, more decoder levels than encoder maps), bottleneck and basic ResNet-vd
 both ways; config errors by name."""
 import pytest
 import torch
-from conftest import SPECS, backends
+from conftest import SPECS, backends, cuda_only
 
 import fastzoo
 from fastzoo.attention.deformable import available
@@ -71,7 +71,7 @@ def synthetic_loss(out: dict, seed=0) -> torch.Tensor:
     """A scalar reaching every output through fixed random weights (every layer, every query, the
     encoder's top-k), so each parameter's gradient is compared."""
     g = torch.Generator().manual_seed(seed)
-    return sum((t * torch.randn(t.shape, generator=g)).sum() for k, t in sorted(out.items()) if k != "init_ref")
+    return sum((t * torch.randn(t.shape, generator=g).to(t.device)).sum() for k, t in sorted(out.items()) if k != "init_ref")
 
 
 def compare_train(hf, ours, x, labels, seed=0):
@@ -130,7 +130,7 @@ def case(request):
 
 def test_eval_mode_equal_to_transformers(case):
     _, hf = case
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf)
+    ours = fastzoo.create(pretrained=hf)
     assert not ours.training  # as transformers' from_pretrained gives it
     compare_eval(hf, ours, batch()[0])
 
@@ -139,7 +139,7 @@ def test_eval_mode_equal_to_transformers(case):
 def test_train_mode_with_denoising_equal_to_transformers_for_every_backend(case, attn):
     _, hf = case
     backend, options = attn
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).set_attention(backend, **options).train()
+    ours = fastzoo.create(pretrained=hf).set_attention(backend, **options).train()
     x, labels = batch()
     compare_train(hf, ours, x, labels)
 
@@ -147,7 +147,7 @@ def test_train_mode_with_denoising_equal_to_transformers_for_every_backend(case,
 @pytest.mark.parametrize("impl", IMPLS)
 def test_equal_to_transformers_for_every_deformable_kernel(impl):
     hf = original(**CASES["v1"])
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).set_deformable_attention(impl).train()
+    ours = fastzoo.create(pretrained=hf).set_deformable_attention(impl).train()
     x, labels = batch(seed=2)
     compare_train(hf, ours, x, labels)
     compare_eval(hf, ours, x)
@@ -156,7 +156,7 @@ def test_equal_to_transformers_for_every_deformable_kernel(impl):
 def test_more_boxes_than_denoising_queries_and_no_boxes_equal_transformers():
     """More boxes than num_denoising (one group), and a batch without a box (no denoising queries)."""
     hf = original(**CASES["v2"])
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    ours = fastzoo.create(pretrained=hf).train()
     x, labels = batch(seed=3, counts=(TINY["num_denoising"] + 3, 1, 0))
     compare_train(hf, ours, x, labels)
     x, labels = batch(seed=4, counts=(0, 0, 0))
@@ -165,7 +165,7 @@ def test_more_boxes_than_denoising_queries_and_no_boxes_equal_transformers():
 
 def test_the_same_seed_gives_the_same_denoising_groups_and_another_seed_others():
     hf = original()
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    ours = fastzoo.create(pretrained=hf).train()
     x, labels = batch(seed=5)
     with torch.no_grad():
         refs = [run_inner(m, x, labels, seed)[0]["init_ref"] for m in (hf, ours) for seed in (7, 8)]
@@ -180,7 +180,7 @@ def test_eval_size_and_anchor_image_size_equal_transformers(over):
     """eval_size: transformers drops AIFI's position embedding in eval mode; anchor_image_size: eval mode's
     anchors from the configured size."""
     hf = original(**over)
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf)
+    ours = fastzoo.create(pretrained=hf)
     compare_eval(hf, ours, batch(seed=6)[0])
 
 
@@ -190,7 +190,7 @@ def test_save_pretrained_round_trips_with_transformers(tmp_path, name):
     import transformers
 
     hf = original(**CASES[name])
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf)
+    ours = fastzoo.create(pretrained=hf)
     ours.save_pretrained(tmp_path)
     cls = transformers.RTDetrV2ForObjectDetection if name.startswith("v2") else transformers.RTDetrForObjectDetection
     back = cls.from_pretrained(tmp_path)
@@ -305,7 +305,7 @@ def compare_loss_path(hf, ours, x, labels, seed=0):
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_with_denoising_equal_to_transformers(name):
     hf = original(**CASES[name])
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    ours = fastzoo.create(pretrained=hf).train()
     out = compare_loss_path(hf, ours, *batch(seed=9))
     assert any(k.endswith("_dn_0") for k in out.loss_dict)  # the denoising terms ran
     assert out.logits.shape[1] > TINY["num_queries"]  # denoising queries first, as transformers'
@@ -314,18 +314,34 @@ def test_loss_with_denoising_equal_to_transformers(name):
 @pytest.mark.parametrize("mode", GIOU_IMPLS)
 def test_loss_equal_to_transformers_in_every_giou_mode(mode):
     hf = original(**CASES["v2"])
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf, giou_impl=mode).train()
+    ours = fastzoo.create(pretrained=hf, giou_impl=mode).train()
     compare_loss_path(hf, ours, *batch(seed=10))
 
 
 def test_loss_without_boxes_without_auxiliary_terms_and_in_eval_mode_equal_transformers():
     hf = original(auxiliary_loss=False)
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    ours = fastzoo.create(pretrained=hf).train()
     assert list(compare_loss_path(hf, ours, *batch(seed=11)).loss_dict) == ["loss_vfl", "loss_bbox", "loss_giou"]
     hf = original()
-    ours = fastzoo.create("rtdetr_r50vd", pretrained=hf).train()
+    ours = fastzoo.create(pretrained=hf).train()
     compare_loss_path(hf, ours, *batch(seed=12, counts=(0, 0, 0)))  # no box: no denoising queries
     hf.eval()
     ours.eval()
     out = compare_loss_path(hf, ours, *batch(seed=13))  # eval mode: no denoising queries, the loss still computed
     assert out.logits.shape[1] == TINY["num_queries"] and not any("_dn_" in k for k in out.loss_dict)
+
+
+@cuda_only()
+@pytest.mark.parametrize("name", ["v1", "v2"])
+def test_on_cuda_with_the_triton_kernel_equal_to_transformers(name):
+    """The decoder's deformable attention through the Triton kernel on CUDA, fp32 (TF32 off in both models):
+    train mode with denoising, every output and gradient, and the loss path."""
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
+    hf = original(**CASES[name])
+    ours = fastzoo.create(pretrained=hf).cuda().train()
+    hf.cuda()
+    ours.set_deformable_attention("triton")
+    x, labels = batch(seed=14)
+    x, labels = x.cuda(), [{k: v.cuda() for k, v in t.items()} for t in labels]
+    compare_train(hf, ours, x, labels)
+    compare_loss_path(hf, ours, x, labels)

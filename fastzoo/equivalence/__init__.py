@@ -17,7 +17,9 @@ Three entry points, one rule:
   (:func:`draw_`: every bias, norm weight, BatchNorm statistic, layer scale and embedding drawn,
   :func:`describe` names it; a library's init of zero biases and unit norms hides bugs), the fastzoo model from
   it (``fastzoo.create(name, pretrained=original, attn=backend)``) and the inputs (images for
-  ViT; a padded batch and the same sequences packed for GPT-2). ``fastzoo check`` prints it.
+  ViT; a padded batch and the same sequences packed for GPT-2), and every normalisation alone against
+  the original's same-named module on inputs of variance near its eps (:mod:`~fastzoo.equivalence.norms`:
+  a post-norm model's activations never take it there). ``fastzoo check`` prints it.
 - :func:`compare_cases` applies the rule to tensors a benchmark already computed.
 
 The rule (every equivalence test, `fastzoo check` and the benchmarks apply it):

@@ -14,6 +14,7 @@ from fastzoo.layers.attention import UsesAttention
 from fastzoo.equivalence import oplevel
 from fastzoo.equivalence.compare import compare
 from fastzoo.equivalence.layers import LayerReport
+from fastzoo.equivalence.norms import compare_norms
 from fastzoo.equivalence.rule import (
     FP32_GRAD_RTOL, FP32_OUT_ATOL, FP32_OUT_ULPS, LOW_FACTOR, LOW_GRAD_FLOOR, LOW_OUT_FLOOR, Comparison,
 )
@@ -135,7 +136,9 @@ def check(
     ``train=True`` also compares parameter gradients where the backend has a backward on
     ``device`` (otherwise a note says why they were not compared). In bf16 / fp16 the backend is
     also checked alone (:mod:`fastzoo.equivalence.oplevel`: its output and dq/dk/dv on rounded
-    q/k/v against fp64 attention, on the features the model uses), one comparison row each. ``layers=True`` adds the
+    q/k/v against fp64 attention, on the features the model uses), one comparison row each. Every
+    normalisation is also run alone against the original's same-named module on inputs of variance
+    near its eps (:mod:`fastzoo.equivalence.norms`), one row naming the worst. ``layers=True`` adds the
     per-layer report of each input form (fp32). Raises
     :class:`~fastzoo.errors.BackendUnavailableError` if the backend cannot serve the model
     here, exactly as ``fastzoo.create`` would.
@@ -178,6 +181,9 @@ def check(
         result.comparisons += comps
         if report is not None:
             result.layers[form or "images"] = report
+    probe = compare_norms(ours, ref, dtype=dtype, device=device, seed=seed, notes=result.notes)
+    if probe is not None:
+        result.comparisons.append(probe)
     if low and any(isinstance(m, UsesAttention) for m in ours.modules()):
         # the kernel alone, where the model's 3x rule is blunt: same rounded q/k/v against fp64 attention
         result.comparisons += oplevel.check_backend(

@@ -1,5 +1,6 @@
 """The mutation suite: small real bugs injected into built fastzoo models and kernels, which every
-check must kill. A survivor is a bug in the check (or, said in its row, not a bug).
+check must kill. A survivor is a bug in the check, unless the mutated function equals the original's
+there (an equivalent mutant, said in its catalogue entry: counted apart).
 
 Each :class:`Mutant` is injected from outside, never by editing the package: a kernel mutant wraps
 the attention contract's entry (``AttentionBackend.__call__``), so every backend and the op-level
@@ -45,6 +46,7 @@ class Patches:
 
     def __init__(self):
         self._undo: list[tuple[object, str, object]] = []
+        self.reached: bool | None = None  # a kernel mutant: whether it changed any call (None: cannot tell)
 
     def setattr(self, obj, name: str, value) -> None:
         self._undo.append((obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name)))
@@ -150,8 +152,12 @@ def _kernel(transform: Transform) -> Callable[[Patches], None]:
         call = AttentionBackend.__call__
 
         def mutated(self, q, k, v, ctx):
-            return call(self, *transform(q, k, v, ctx))
+            changed = transform(q, k, v, ctx)
+            if any(new is not old for new, old in zip(changed, (q, k, v, ctx))):
+                patches.reached = True
+            return call(self, *changed)
 
+        patches.reached = False
         patches.setattr(AttentionBackend, "__call__", mutated)
 
     return inject
@@ -174,10 +180,15 @@ def _on_built(mutate: Callable[[nn.Module], None]) -> Callable[[Patches], None]:
     return inject
 
 
+KEY_PROJECTIONS = ("k_proj", "key")  # checkpoint names of a key projection
+
+
 def _drop_bias(model):
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            m.bias = None  # the first linear layer's bias dropped
+    for name, m in model.named_modules():
+        # a key projection's bias adds q.b to every score of a query alike, which softmax ignores: dropping
+        # it leaves the function as it was (an equivalent mutant), so the first bias the function can see
+        if isinstance(m, nn.Linear) and m.bias is not None and name.rsplit(".", 1)[-1] not in KEY_PROJECTIONS:
+            m.bias = None
             return
 
 
@@ -291,39 +302,24 @@ class Mutant:
     inject: Callable[[Patches], None]
     kernel: bool = False  # in the attention kernel: the op-level check must kill it in bf16 and fp16
     feature: str | None = None  # kernel mutants: the op-level case feature (oplevel.Case field) it lives in
-    # "model backend", "model dtype" or "dtype" -> why a survivor there is not a bug
-    why_survives: dict = field(default_factory=dict)
-    finding: str = ""  # a known weakness of the checks this mutant shows (a survivor that is a bug), for the lead
+    # MODELS label -> why the mutated function equals the original's there (an equivalent mutant: no check
+    # can kill it, so a survivor there is not counted; a kill there would be a check's false alarm)
+    equivalent: dict = field(default_factory=dict)
 
     @contextlib.contextmanager
     def applied(self):
         patches = Patches()
         self.inject(patches)
         try:
-            yield
+            yield patches
         finally:
             patches.undo()
 
 
 ATTENTION_MODELS = ("gpt2", "llama", "vit", "detr")
-_PACKED_DETR = (
-    "not reached: this backend takes no key-padding mask, so DETR packs its encoder's real tokens for it "
-    "(cu_seqlens) and no call carries a mask to invert; the packed path's own bug is cu_seqlens_off_by_one")
-_KEY_BIAS = (
-    "not a bug in the function: DETR's first biased linear layer is the encoder's key projection, whose bias adds "
-    "q.b to every score of a query alike, which softmax ignores (equal up to rounding), so the outputs cannot show it; "
-    "the check with gradients kills it (the original's gradient for that bias has no parameter in fastzoo's model)")
-_EPS_FINDING = (
-    "on DETR only: an eps of 1e-5 for 1e-6 moves a normalisation by ~4.5e-6 / var of its input, and DETR's "
-    "transformer is post-norm: every LayerNorm reads a residual sum to which an attention or feed-forward output of "
-    "O(1) was just added (the decoder's first one the self-attention's output over zero queries, its biases projected), "
-    "so no drawn embedding row makes a normalised variance small (fp32 margins 0.1-0.4). GPT-2, ViT and Llama are "
-    "pre-norm: the draw's small embedding / token rows (equivalence.weights) reach their first norm and kill it")
-_RIGHT_PADDED = (
-    "not a bug in what is compared: the causal LM's padded batch is right-padded, and an inverted mask on a right-"
-    "padded causal row leaves every real query without a real key at or before it, so by the contract's rule "
-    "(attention.masks.padding: such a query sees every key causality allows) each real token sees exactly the keys it "
-    "saw; only padding positions change. Killed on DETR (not causal) and by the op-level check (a left-padded row)")
+_ROTARY_SHIFT = (
+    "rotary positions: a score depends on the difference of its query's and key's positions only, which a shift "
+    "of every position by one leaves as it was (equal up to rounding); killed on GPT-2, whose positions are learned")
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant("attention_scale_x1.01", "every attention scale 1.01x", ATTENTION_MODELS, _kernel(_scale), kernel=True),
     Mutant("attention_scale_ignored", "a model's own attention scale dropped for 1/sqrt(head_dim)", ("granite", "gemma2"),
@@ -336,23 +332,18 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("gqa_heads_permuted", "query head h reads key/value head h % Hkv, not h // groups", ("llama",),
            _kernel(_gqa), kernel=True, feature="gqa"),
     Mutant("padding_mask_inverted", "the last sequence's key-padding mask inverted", ("detr", "gpt2", "llama"),
-           _kernel(_padding), kernel=True, feature="padding", why_survives={
-               **{f"{m} {dt}": _RIGHT_PADDED for m in ("gpt2", "llama") for dt in ("fp32", "bf16")},
-               **{f"detr {be}": _PACKED_DETR for be in ("nested", "varlen", "varlen:impl=flex", "varlen:impl=cpu")}}),
+           _kernel(_padding), kernel=True, feature="padding"),
     Mutant("cu_seqlens_off_by_one", "the first packed-sequence boundary one token late", ("gpt2", "llama"),
            _kernel(_cu_seqlens), kernel=True, feature="packed"),
-    Mutant("dropped_bias", "the first linear layer's bias dropped", ("gpt2", "qwen2", "vit", "detr", "resnet"),
-           _on_built(_drop_bias), why_survives={f"detr {dt}": _KEY_BIAS for dt in ("fp32", "bf16")}),
+    Mutant("dropped_bias", "the first linear layer's bias dropped (a key projection's, invisible to softmax, passed over)", ("gpt2", "qwen2", "vit", "detr", "resnet"),
+           _on_built(_drop_bias)),
     Mutant("transposed_weight", "one square linear weight loaded transposed", ("gpt2", "llama", "vit", "detr"),
            _on_built(_transpose)),
     Mutant("norm_eps_swapped", "LayerNorm / RMSNorm eps 1e-5 <-> 1e-6", ("gpt2", "llama", "vit", "detr"),
-           _on_built(_norm_eps), finding=_EPS_FINDING),
+           _on_built(_norm_eps)),
     Mutant("rotary_base_+1%", "rotary base (rope_theta) 1 % larger", ("llama",), _on_built(_rotary_base)),
     Mutant("packed_position_ids_off_by_one", "packed input's position ids one off", ("gpt2", "llama"),
-           _on_built(_packed_positions), why_survives={f"llama {dt}": (
-               "not a bug for rotary positions: a score depends on the difference of its query's and key's positions "
-               "only, which a shift of every position by one leaves as it was (equal up to rounding: margin ~0.09); "
-               "killed on GPT-2, whose positions are learned and absolute") for dt in ("fp32", "bf16")}),
+           _on_built(_packed_positions), equivalent={"llama": _ROTARY_SHIFT}),
     Mutant("gelu_exact_tanh_swapped", "GELU exact <-> tanh approximation", ("gpt2", "vit", "gemma2"),
            _on_built(_gelu)),
     Mutant("layer_scale_skipped", "LayerScale (DeiT-3) skipped", ("deit3",), _layer_scale),
@@ -396,14 +387,18 @@ def _margin(comps) -> tuple[float, str]:
 
 def _judge(run: Callable[[], list], mutant: Mutant) -> tuple[float | None, str, str]:
     """(margin, worst comparison, note) of ``run`` with ``mutant`` applied; a crash inside the mutated
-    model is a kill (the check fails loudly), margin inf; a backend refusing the mutated call: None."""
-    with mutant.applied():
+    model is a kill (the check fails loudly), margin inf; a backend refusing the mutated call, or a kernel
+    mutant that changed no call (the check's calls lack its feature: the function is unchanged): None."""
+    with mutant.applied() as patches:
         try:
             comps = run()
         except BackendUnavailableError as e:  # the injection itself refused (not a verdict of the check)
             return None, "", f"the mutated call is refused by the backend: {str(e)[:160]}"
         except Exception as e:  # noqa: BLE001
             return math.inf, "", f"check raised {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if patches.reached is False:
+        return None, "", (f"not reached: no attention call of this check has the mutant's feature "
+                          f"({mutant.feature or 'any'}), so nothing changed (e.g. a packed-only backend: no key-padding mask)")
     m, worst = _margin(comps)
     return m, worst, ""
 
@@ -441,17 +436,18 @@ def _baseline(key: tuple, run: Callable[[], list], cache: dict) -> tuple[float, 
     return cache[key]
 
 
-def survivor_note(mutant: Mutant, family: str, dtype: str, backend: str = "") -> str:
-    """Why ``mutant`` surviving on ``family`` in ``dtype`` (on ``backend``) is not a bug, or the finding it
-    shows (fp32), or ""."""
-    why = mutant.why_survives
-    if f"{family} {backend}" in why:
-        return why[f"{family} {backend}"]
-    if dtype != "fp32" and not mutant.kernel and not why:
+EQUIVALENT = "equivalent mutant: "  # a survivor's note where the mutated function equals the original's
+
+
+def survivor_note(mutant: Mutant, family: str, dtype: str) -> str:
+    """Why ``mutant`` surviving on ``family`` in ``dtype`` is no bug in the checks (an equivalent mutant,
+    or a model mutant within the low-precision rule), or ""."""
+    if family in mutant.equivalent:
+        return EQUIVALENT + mutant.equivalent[family]
+    if dtype != "fp32" and not mutant.kernel:
         return ("low precision, a model mutant: within 3x the original's own error in the dtype, the rule it is "
                 "judged by there (flash-attn's); its goal is fp32, where it is judged at 1e-4")
-    return why.get(f"{family} {dtype}") or why.get(dtype) or (
-        f"FINDING: {mutant.finding}" if mutant.finding and dtype == "fp32" else "")
+    return ""
 
 
 def _row(mutant: Mutant, family: str, dtype, backend, kind: str, run: Callable[[], list], cache: dict) -> Row:
@@ -472,7 +468,7 @@ def _row(mutant: Mutant, family: str, dtype, backend, kind: str, run: Callable[[
         return Row(mutant.name, family, dtype_name(dtype), label, kind, None, None, note=note)
     killed = margin > 1
     if not killed:
-        note = survivor_note(mutant, family, dtype_name(dtype), label) or note
+        note = survivor_note(mutant, family, dtype_name(dtype)) or note
     return Row(mutant.name, family, dtype_name(dtype), label, kind, killed, margin, worst, note,
                round(time.perf_counter() - t, 2))
 
@@ -523,18 +519,24 @@ def run(long: bool = False, progress: Callable[[str], None] | None = None,
 
 
 def summary(rows: list[Row]) -> dict:
-    """Kill counts: fp32 (every check), and the kernel mutants in bf16 / fp16 on the op-level check."""
+    """Kill counts: fp32 (every check), and the kernel mutants in bf16 / fp16 on the op-level check. An
+    equivalent mutant's surviving rows are counted apart, not judged (no check can kill them)."""
     kernel = {m.name for m in CATALOGUE if m.kernel}
 
     def count(sel):
-        judged = [r for r in rows if sel(r) and r.killed is not None]
+        rows_ = [r for r in rows if sel(r) and r.killed is not None]
+        equivalent = [r for r in rows_ if not r.killed and r.note.startswith(EQUIVALENT)]
+        judged = [r for r in rows_ if not any(r is e for e in equivalent)]
         survivors: dict[str, dict] = {}
         for r in judged:
             if not r.killed:
-                kind = "finding" if r.note.startswith("FINDING") else "explained" if r.note else "UNEXPLAINED"
-                entry = survivors.setdefault(f"{r.mutant} on {r.family}", {"rows": 0, "kind": kind})
+                entry = survivors.setdefault(f"{r.mutant} on {r.family}", {"rows": 0, "kind": "explained" if r.note else "UNEXPLAINED"})
                 entry["rows"] += 1
-        return {"judged": len(judged), "killed": sum(r.killed for r in judged), "survivors": survivors}
+        groups: dict[str, int] = {}
+        for r in equivalent:
+            groups[f"{r.mutant} on {r.family}"] = groups.get(f"{r.mutant} on {r.family}", 0) + 1
+        return {"judged": len(judged), "killed": sum(r.killed for r in judged), "survivors": survivors,
+                "equivalent (not judged)": groups}
 
     return {
         "fp32": count(lambda r: r.dtype == "fp32"),

@@ -14,14 +14,19 @@ from fastzoo.tasks.task import Inputs, Task
 def example_inputs(model, batch, gen, caps, notes):
     cfg = model.config
     S = min(32, model.n_positions or 32)  # a learned position table bounds the length; rotary does not
-    lengths = [S - (i * S) // (2 * batch) for i in range(batch)]  # distinct lengths, all >= S/2
+    lengths = [S - ((i + 1) * S) // (2 * batch) for i in range(batch)]  # distinct lengths in [S/2, S), all padded
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
     ids_BS = torch.zeros(batch, S, dtype=torch.long)
     mask_BS = torch.zeros(batch, S, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids_BS[i, : len(s)] = s
-        mask_BS[i, : len(s)] = 1
-    padded = Inputs((ids_BS,), {"attention_mask": mask_BS}, keep=mask_BS.bool())
+        # the last row left-padded (as generate pads), the others right-padded (as training pads): an
+        # inverted key-padding mask on a right-padded causal row leaves every real token's keys as they were
+        at = slice(S - len(s), S) if i == batch - 1 else slice(0, len(s))
+        ids_BS[i, at] = s
+        mask_BS[i, at] = 1
+    # positions count real tokens (transformers' generate: the mask's cumulative sum), as packing counts them
+    pos_BS = (mask_BS.cumsum(1) - 1).masked_fill(mask_BS == 0, 1)
+    padded = Inputs((ids_BS,), {"attention_mask": mask_BS, "position_ids": pos_BS}, keep=mask_BS.bool())
     if caps.padding_mask or caps.varlen:  # GPT-2 unpads a padded batch for packed-only backends
         yield "padded", padded, padded
     else:
