@@ -90,6 +90,31 @@ def test_parity_gate_uses_the_shared_rule():
     assert len(compare_cases(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
 
 
+def test_a_group_with_the_originals_fp64_run_judges_fp32_with_its_own_error():
+    """``Group.exact`` (the original's fp64 outputs): each fp32 gradient within 1e-4 of its scale, or
+    3x the original fp32's own error (from its fp64 run) of either run, parameter by parameter: a wide
+    error on one parameter widens that one only; the output likewise."""
+    ref = {"output": torch.tensor([10.001]), "grad:a": torch.tensor([1.0, -4.4]), "grad:b": torch.tensor([2.0, 2.0])}
+    exact = {"output": torch.tensor([10.0], dtype=torch.float64),
+             "grad:a": torch.tensor([1.0, -4.0], dtype=torch.float64), "grad:b": torch.tensor([2.0, 2.0], dtype=torch.float64)}
+
+    def case(label, outputs, **kw):
+        return Case(label, lambda: Step(run=lambda: None, items=1, outputs=lambda: outputs), **kw)
+
+    near_a = {"output": torch.tensor([10.002]), "grad:a": torch.tensor([1.0, -3.0]), "grad:b": torch.tensor([2.0, 2.0])}
+    off_b = {**near_a, "grad:b": torch.tensor([2.0, 2.01])}  # 0.5% on b, whose own error is 0
+    off_out = {**near_a, "output": torch.tensor([10.0045])}  # the original's own output error is 1e-3
+    group = Group("g", [case("original", ref, peer=True, reference=True), case("near", near_a), case("b off", off_b),
+                        case("output off", off_out)], reference=lambda: ref, exact=lambda: exact)
+    rows = {r.label: r for r in run_suite(Suite("s", [group]), warmup=0, iters=1, progress=False).rows}
+    assert rows["original"].status == "ok" and rows["near"].status == "ok", rows["near"].note
+    assert rows["near"].grad_bound == pytest.approx(0.3)  # 3x the original's 0.4 / 4 on a
+    assert rows["b off"].status == "failed parity" and rows["b off"].grad_bound == pytest.approx(1e-4)
+    assert rows["output off"].status == "failed parity" and rows["output off"].out_bound == pytest.approx(3e-3, rel=1e-2)
+    without = Group("g", [case("original", ref, peer=True, reference=True), case("near", near_a)], reference=lambda: ref)
+    assert run_suite(Suite("s", [without]), warmup=0, iters=1, progress=False).rows[1].status == "failed parity"
+
+
 @pytest.fixture
 def wrong_backend():
     """A deliberately wrong attention (returns v: no mixing across tokens), counting its calls."""

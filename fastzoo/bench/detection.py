@@ -9,7 +9,11 @@ recipe``; in bf16 autocast it and the original on SDPA, its users' kernel, set t
 per backend under the recipe (the fused GIoU kernel in the padded set loss, one host read per
 step; ``varlen`` / ``nested`` run the encoder on each image's real tokens only). The optimizer is
 transformers ``Trainer``'s default (fused AdamW), the same for every case. Parity: the loss and
-every parameter gradient against the original in fp32 in the group's memory format.
+every parameter gradient against the original in fp32 in the group's memory format; for a family
+whose spec says ``fp64_reference`` (Deformable DETR: bilinear sampling's gradient jumps at its cell edges,
+so two fp32 runs differ as much as a wrong port could), the fp32 groups also run the original in fp64 and
+the rule judges with its own fp32 error: each output and gradient within the fp32 tolerance, 3x that
+error from its fp32 run, or within 3x that error of the fp64 run (``fastzoo.equivalence.rule``).
 """
 from __future__ import annotations
 
@@ -99,6 +103,7 @@ class _Workload:
         torch.manual_seed(seed)
         self.original = draw_(entry.spec.original.build(cfg), seed=seed).to(device).train()
         self.description = entry.spec.original.description
+        self.fp64_reference = entry.spec.bench is not None and entry.spec.bench.fp64_reference
         self.x, self.mask, self.labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
 
     def original_model(self, recipe: Recipe, *, users: bool = False):
@@ -128,10 +133,14 @@ class _Workload:
         return s
 
     @cache
-    def reference(self, channels_last: bool) -> dict:
-        """The original's fp32 outputs in the memory format (channels_last sums convolutions in another order)."""
+    def reference(self, channels_last: bool, dtype: torch.dtype = torch.float32) -> dict:
+        """The original's outputs in the memory format (channels_last sums convolutions in another order),
+        in fp32 or fp64 (the model, images and boxes cast)."""
         recipe = Recipe(channels_last=channels_last)
-        return self.step(self.original_model(recipe), recipe, counted=False).outputs()
+        model = self.original_model(recipe).to(dtype)
+        x = self.x.to(dtype).contiguous(memory_format=torch.channels_last) if channels_last else self.x.to(dtype)
+        labels = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()} for t in self.labels]
+        return train_step(model, x, self.mask, labels, self.images, recipe).outputs()
 
 
 def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=((160, 224), (128, 192)),
@@ -148,19 +157,20 @@ def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, s
     for recipe in recipes:
         baseline, low = recipe == BASELINE, recipe.dtype != torch.float32
         peer = f"{w.description}, fp32"
-        cases = [Case(peer, lambda: w.step(w.original_model(BASELINE), BASELINE, gate=baseline), peer=True,
+        cases = [Case(peer, lambda b=baseline: w.step(w.original_model(BASELINE), BASELINE, gate=b), peer=True,
                       reference=baseline, original=baseline, dtype=torch.float32)]
         if not baseline:
             cases.append(Case(f"{w.description}, {recipe.name}", lambda r=recipe: w.step(w.original_model(r), r),
                               reference=True, original=True))
         if low:  # the rule's peer is the worse of the original's runs on its reference kernels and on its users'
-            cases.append(Case(f"transformers DetrForObjectDetection (sdpa), {recipe.name}",
+            cases.append(Case(f"{w.description.split(' (')[0]} (sdpa), {recipe.name}",
                               lambda r=recipe: w.step(w.original_model(r, users=True), r), reference=True, original=True))
         for b in backends:
             cases.append(Case(f"fastzoo {b}, {recipe.name}", lambda b=b, r=recipe: w.step(w.fastzoo(b, r), r)))
+        exact = (lambda cl=recipe.channels_last: w.reference(cl, torch.float64)) if w.fp64_reference and not low else None
         groups.append(Group(f"{name} training step, {images} images of sizes {list(sizes)} | {recipe.name}", cases,
                             unit="images/s", reference=lambda cl=recipe.channels_last: w.reference(cl),
-                            dtype=recipe.dtype if low else None))
+                            dtype=recipe.dtype if low else None, exact=exact))
     reads = {"original": host_reads(w.step(w.original_model(BASELINE), BASELINE, counted=False).run),
              "fastzoo sdpa": host_reads(w.step(w.fastzoo("sdpa", BASELINE), BASELINE, counted=False).run)}
     config_out = {"model": f"{name} with {config}", "batch": f"{images} images, sizes {list(sizes)}, padded + pixel_mask",

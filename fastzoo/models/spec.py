@@ -67,6 +67,9 @@ class BenchSettings:
     channels_last: bool = False  # NHWC is worth trying (convolutions)
     compile: bool = True  # torch.compile is worth trying (the tour tries it with --compile)
     deterministic: Mapping = field(default_factory=dict)  # config fields that make a training step deterministic (dropout 0)
+    # the fp32 parity gate also runs the original in fp64 and judges with its own fp32 error from it (the rule's
+    # ``exact``): for a function whose fp32 gradient jumps at rounding's scale (bilinear sampling's cell edges)
+    fp64_reference: bool = False
 
 
 @dataclass(frozen=True)
