@@ -6,24 +6,26 @@ forward with labels, loss, backward, fused AdamW step) vs transformers' DetrForO
 in fp32 on the same weights, in fp32 and in bf16 autocast with channels_last (where the device
 computes bf16), per attention backend; the same step of Deformable DETR (ResNet-18 timm backbone, 4
 levels, 6+6 layers at width 256, 300 queries) vs transformers' DeformableDetrForObjectDetection; and
-RT-DETR's set loss per training step (8 images x 300 queries, 6 decoder layers, the encoder's proposals,
-100 denoising queries; forward + backward) vs transformers' RTDetrForObjectDetectionLoss.
+the set loss per training step of Deformable DETR (8 images x 300 queries, focal term) and of RT-DETR (8 images x
+300 queries, 6 decoder layers, the encoder's proposals, 100 denoising queries; forward + backward) vs transformers'
+DeformableDetrForObjectDetectionLoss and RTDetrForObjectDetectionLoss.
 
-    python benchmarks/set_loss.py --threads 1 [--part detr_step] [--part deformable_detr_step] [--part rt_detr_loss]
+    python benchmarks/set_loss.py --threads 1 [--part set_loss] [--part detr_step] [--part deformable_detr_step]
+        [--part deformable_detr_loss] [--part rt_detr_loss]
 """
 from _common import parser, save, setup, timing
 from fastzoo.bench import limits, run_suite
 from fastzoo.bench.detection import detection_step_suite
 from fastzoo.bench.recipes import BASELINE, Recipe, native_bf16
-from fastzoo.bench.set_loss import LARGE_SETTING, TARGET_SETTING, rt_detr_suite, set_loss_suite
+from fastzoo.bench.set_loss import DEFORMABLE_SETTING, LARGE_SETTING, TARGET_SETTING, rt_detr_suite, set_loss_suite
 
 DETR_STEP = dict(backbone="resnet18")
-PARTS = ("set_loss", "detr_step", "deformable_detr_step", "rt_detr_loss")
+PARTS = ("set_loss", "detr_step", "deformable_detr_step", "deformable_detr_loss", "rt_detr_loss")
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
     """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step,
-    deformable_detr_step, rt_detr_loss)."""
+    deformable_detr_step, deformable_detr_loss, rt_detr_loss)."""
     reports = {}
     if "set_loss" in parts:
         for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
@@ -31,11 +33,13 @@ def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS
             suite.limits = limits.measure(device, quick=quick)
             reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
                                  out, stem)
-    if "rt_detr_loss" in parts:
-        suite = rt_detr_suite(device=device)
+    loss_suites = {"deformable_detr_loss": lambda: set_loss_suite(DEFORMABLE_SETTING, device=device),
+                   "rt_detr_loss": lambda: rt_detr_suite(device=device)}
+    for stem in (p for p in loss_suites if p in parts):
+        suite = loss_suites[stem]()
         suite.limits = limits.measure(device, quick=quick)
-        reports["rt_detr_loss"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
-                                                 interleave=True), out, "rt_detr_loss")
+        reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
+                             out, stem)
     for name in ("detr", "deformable_detr"):
         if f"{name}_step" not in parts:
             continue

@@ -90,6 +90,32 @@ def test_parity_gate_uses_the_shared_rule():
     assert len(compare_cases(ref, {"output": torch.zeros(3), "grad:x": torch.ones(1)}, same_names=False)) == 1
 
 
+def test_a_group_with_the_originals_fp64_run_judges_fp32_by_its_own_error():
+    """``Group.exact`` (the original's fp64 outputs): an fp32 case against them within 3x the original
+    fp32's own error from them (flash-attn's rule one precision up), the gradients' worst over every
+    parameter, as bilinear sampling's kinks move another parameter in each fp32 run; the output likewise.
+    Without it, the same case fails the fixed fp32 tolerance."""
+    ref = {"output": torch.tensor([10.001]), "grad:a": torch.tensor([1.0, -4.4]), "grad:b": torch.tensor([2.0, 2.0])}
+    exact = {"output": torch.tensor([10.0], dtype=torch.float64),
+             "grad:a": torch.tensor([1.0, -4.0], dtype=torch.float64), "grad:b": torch.tensor([2.0, 2.0], dtype=torch.float64)}
+
+    def case(label, outputs, **kw):
+        return Case(label, lambda: Step(run=lambda: None, items=1, outputs=lambda: outputs), **kw)
+
+    near = {"output": torch.tensor([10.002]), "grad:a": torch.tensor([1.0, -4.0]), "grad:b": torch.tensor([2.0, 2.5])}
+    far = {**near, "grad:b": torch.tensor([2.0, 2.7])}  # 0.7 / 2 = 0.35 > 3x the original's worst, 0.1
+    off_out = {**near, "output": torch.tensor([10.0045])}  # the original's own output error is 1e-3
+    group = Group("g", [case("original", ref, peer=True, reference=True), case("near", near), case("far", far),
+                        case("output off", off_out)], reference=lambda: ref, exact=lambda: exact)
+    rows = {r.label: r for r in run_suite(Suite("s", [group]), warmup=0, iters=1, progress=False).rows}
+    assert rows["original"].status == "ok" and rows["near"].status == "ok", rows["near"].note
+    assert rows["near"].grad_err == pytest.approx(0.25) and rows["near"].grad_bound == pytest.approx(0.3, rel=1e-3)
+    assert rows["far"].status == "failed parity" and rows["far"].grad_err == pytest.approx(0.35)
+    assert rows["output off"].status == "failed parity" and rows["output off"].out_bound == pytest.approx(3e-3, rel=1e-2)
+    without = Group("g", [case("original", ref, peer=True, reference=True), case("near", near)], reference=lambda: ref)
+    assert run_suite(Suite("s", [without]), warmup=0, iters=1, progress=False).rows[1].status == "failed parity"
+
+
 @pytest.fixture
 def wrong_backend():
     """A deliberately wrong attention (returns v: no mixing across tokens), counting its calls."""

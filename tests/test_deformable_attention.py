@@ -103,6 +103,32 @@ def test_bad_input_is_refused_naming_the_argument(break_it, message):
         msda(*break_it(inputs()), impl="reference")
 
 
+@pytest.mark.parametrize("impl, reads", [("reference", 3), ("cpu", 2)])
+def test_host_sizes_give_the_same_result_and_no_host_read(impl, reads):
+    """``spatial_shapes_list`` (the level sizes on the host) changes nothing in the values and gradients,
+    and the call then reads nothing back from the device (counted as the benchmarks count: without the
+    list, the CPU input check reads the level sizes and starts, and the reference the sizes again)."""
+    from fastzoo.bench.set_loss import host_reads
+
+    args = inputs()
+    ours = grads(lambda *a: msda(*a, impl=impl, spatial_shapes_list=SHAPES), args)
+    ref = grads(lambda *a: msda(*a, impl=impl), args)
+    for name, a, b in zip(("out", "value", "locations", "weights"), ours, ref):
+        assert torch.equal(a, b), name
+    assert host_reads(lambda: msda(*args, impl=impl, spatial_shapes_list=SHAPES)) == 0
+    assert host_reads(lambda: msda(*args, impl=impl)) == reads  # what the list saves
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (SHAPES[:3], "spatial_shapes_list must be 4 (height, width) pairs of positive ints"),
+    (((7, 9), (4, 5), (2, 3), (0, 1)), "spatial_shapes_list must be 4 (height, width) pairs of positive ints"),
+    (((7, 9), (4, 5), (2, 3), (1, 2)), "spatial_shapes_list .* covers 91 tokens, value_BSHD has S=90"),
+])
+def test_bad_host_sizes_are_refused_naming_them(sizes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        msda(*inputs(), impl="reference", spatial_shapes_list=sizes)
+
+
 def test_unknown_impl_is_refused_with_the_known_ones():
     with pytest.raises(KeyError, match="'referense'.*reference"):
         msda(*inputs(), impl="referense")

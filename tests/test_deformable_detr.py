@@ -222,3 +222,57 @@ def test_a_level_of_one_position_is_refused_naming_the_images():
         ours(pixel_values=torch.randn(1, 3, 64, 64))  # C5 2 x 2, the strided fourth level 1 x 1
     assert ours(pixel_values=torch.randn(1, 3, 96, 64)).logits.isfinite().all()  # C5 3 x 2: the fourth 2 x 1
     assert ours(pixel_values=torch.randn(2, 3, 64, 64)).logits.isfinite().all()  # two images: torch's test passes
+
+
+@pytest.mark.parametrize("extra", [{}, CASES["two_stage"]], ids=["plain", "two_stage"])
+def test_a_training_step_reads_the_host_once(extra):
+    """One host read per training step, the set loss's (its costs and the target checks together): the
+    deformable seam is given the level sizes the model already holds on the host, so its input check and
+    kernels read nothing back (counted as the benchmarks count, `fastzoo.bench.set_loss.HostReads`)."""
+    from fastzoo.bench.set_loss import host_reads
+
+    ours = fastzoo.create("deformable_detr", pretrained=original(**extra)).train()
+    x, mask, labels = batch()
+    assert host_reads(lambda: ours(pixel_values=x, pixel_mask=mask, labels=labels).loss.backward()) == 1
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """transformers' switch (its Trainer's ``gradient_checkpointing=True``, the config's legacy field): every
+    encoder and decoder layer recomputes its activations in the backward; the loss and every gradient equal
+    the run that kept them (the same ops from the same inputs: up to the backward's summation order, 1e-6 of
+    the largest gradient, as DETR's tests/test_detr_checkpointing.py)."""
+    hf = original(**CASES["box_refine"])
+    plain = fastzoo.create("deformable_detr", pretrained=hf).train()
+    ckpt = fastzoo.create("deformable_detr", pretrained=hf, gradient_checkpointing=True).train()
+    assert type(ckpt).supports_gradient_checkpointing and ckpt.is_gradient_checkpointing
+    x, mask, labels = batch()
+    runs = []
+    for m in (plain, ckpt):
+        loss = m(pixel_values=x, pixel_mask=mask, labels=labels).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_ref, ref), (loss, got) = runs
+    top = max(g.abs().max().item() for g in ref.values())
+    assert torch.equal(loss, loss_ref) and set(got) == set(ref)
+    assert max((got[n] - ref[n]).abs().max().item() for n in ref) <= 1e-6 * top
+    ckpt.gradient_checkpointing_disable()
+    assert not ckpt.is_gradient_checkpointing
+    # PEFT's idiom: every weight frozen, the input projections' outputs marked as needing a gradient
+    ckpt.requires_grad_(False)
+    ckpt.enable_input_require_grads()
+    assert ckpt(pixel_values=x, pixel_mask=mask).logits.requires_grad
+    ckpt.disable_input_require_grads()
+    assert not ckpt(pixel_values=x, pixel_mask=mask).logits.requires_grad
+
+
+def test_transformers_model_api_answers_as_its_class():
+    """What transformers' Trainer and tests read: the parameter count, the heads one module serves
+    (``_tied_weights_keys``, each pattern naming parameters that share storage), the config's init_std."""
+    from transformers.modeling_utils import _get_tied_weight_keys
+
+    hf = original(**CASES["box_refine"])
+    ours = fastzoo.create("deformable_detr", pretrained=hf)
+    assert ours.num_parameters() == hf.num_parameters() == sum(p.numel() for p in ours.parameters())
+    assert sorted(_get_tied_weight_keys(ours)) == sorted(_get_tied_weight_keys(hf))
+    fresh = fastzoo.create("deformable_detr", **TINY, init_std=1e-10)
+    assert fresh.model.input_proj[0][0].weight.abs().max() < 1e-8  # transformers' normal(0, init_std)

@@ -230,13 +230,16 @@ def test_transformers_trainer_runs_a_step_with_the_guides_collate(tmp_path):
 
 
 # -- the benchmarks' claims, at tiny size -----------------------------------------------------------
-def test_set_loss_suite_equals_transformers_and_reads_the_host_once_per_step():
+@pytest.mark.parametrize("focal_alpha", [None, 0.25], ids=["detr", "deformable_detr"])
+def test_set_loss_suite_equals_transformers_and_reads_the_host_once_per_step(focal_alpha):
     """transformers reads the device 5 times per layer (cost copy, 4 box checks) + once (box count):
-    31 at 6 layers; fastzoo's padded modes once per step (the costs of all layers and the checks)."""
+    31 at 6 layers; fastzoo's padded modes once per step (the costs of all layers and the checks). DETR's
+    softmax loss and Deformable DETR's focal one (against DeformableDetrForObjectDetectionLoss)."""
     from fastzoo.bench import run_suite
     from fastzoo.bench.set_loss import SetLossSetting, set_loss_suite
 
-    suite = set_loss_suite(SetLossSetting("tiny", 3, queries=10, max_boxes=4, layers=6, num_classes=7))
+    suite = set_loss_suite(SetLossSetting("tiny", 3, queries=10, max_boxes=4, layers=6, num_classes=7,
+                                          focal_alpha=focal_alpha))
     reads = suite.config["host reads per step"]
     assert reads["transformers"] == 6 * 5 + 1
     assert reads["fastzoo kernel"] == reads["fastzoo padded"] == 1

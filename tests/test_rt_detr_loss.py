@@ -111,6 +111,28 @@ def test_more_boxes_than_queries_and_no_boxes_equal_transformers():
     assert_equal_to_transformers(outputs, labels, meta, config())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_within_the_low_precision_rule(dtype):
+    """Low-precision predictions under CPU autocast (what an autocast forward gives): against the fp32 loss on the
+    same values, fastzoo's every term, total and gradient within 3x transformers' own error under the same autocast
+    (the equivalence rule's low-precision bound), plus a floor of fp32 rounding for the terms both get exactly."""
+    outputs, labels, meta = draw([2, 0, 5], denoising=True)
+    low = {k: v.to(dtype) for k, v in outputs.items()}
+    cfg = config()
+    loss32, terms32, grads32 = run("transformers", {k: v.float() for k, v in low.items()}, labels, meta, cfg)
+    with torch.autocast("cpu", dtype=dtype):
+        loss_hf, terms_hf, grads_hf = run("transformers", low, labels, meta, cfg)
+        loss_fz, terms_fz, grads_fz = run("fastzoo", low, labels, meta, cfg)
+    assert loss_fz.dtype == torch.float32  # the terms accumulate in fp32, as transformers' under autocast
+    for k in terms32:
+        bound = 3 * abs(float(terms_hf[k]) - float(terms32[k])) + LOSS_TOL
+        assert abs(float(terms_fz[k]) - float(terms32[k])) <= bound, k
+    assert abs(float(loss_fz) - float(loss32)) <= 3 * abs(float(loss_hf) - float(loss32)) + LOSS_TOL * len(terms32)
+    for k, g32 in grads32.items():
+        bound = 3 * (grads_hf[k].float() - g32).abs().max() + GRAD_TOL
+        assert (grads_fz[k].float() - g32).abs().max() <= bound, k
+
+
 def test_one_host_read_per_step():
     """transformers reads the device per matched layer (the cost copy, the matcher's box checks) and for the box
     count; here every Hungarian-matched layer's cost and the label checks come back together, the denoising

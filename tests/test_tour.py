@@ -28,9 +28,14 @@ ORDERED = sorted((s for s in specs() if s.bench is not None and "quick" in s.ben
 MODELS = [s.bench.variant for s in ORDERED]
 
 
+# families whose fp32 rows are compared with the original in fp64 (bilinear sampling's gradient jumps at its cell
+# edges): within the fp32 rule or 3x the original fp32's own error from fp64, parameter by parameter
+FP64_REFERENCE = tuple(s.bench.variant for s in ORDERED if s.bench.fp64_reference)
+
+
 def _within_rule(r) -> bool:
     """fp32 rows within the fp32 rule; a low-precision row within its bound (3x the original's own error)."""
-    if r["precision"] == "fp32":
+    if r["precision"] == "fp32" and not r["group"].startswith(FP64_REFERENCE):
         return r["max_err"] <= FP32_OUT_ATOL and (r["grad_err"] is None or r["grad_err"] <= FP32_GRAD_RTOL)
     return r["max_err"] <= r["out_bound"] and (r["grad_err"] is None or r["grad_err"] <= r["grad_bound"])
 
@@ -90,8 +95,10 @@ def test_parity_of_every_timed_fastzoo_path_is_within_the_rule_of_its_precision(
         assert r["status"] in ("ok", "unavailable"), f"{r['group']} / {r['label']}: {r['status']} {r['note']}"
         if r["status"] == "ok" and not r["peer"] and not r["floor"]:  # a floor row computes no loss
             assert _within_rule(r), f"{r['label']} ({r['precision']}): logits {r['max_err']}, grads {r['grad_err']}"
-            if r["precision"] == "fp32":
+            if r["precision"] == "fp32" and not r["group"].startswith(FP64_REFERENCE):
                 assert r["out_bound"] == FP32_OUT_ATOL
+            elif r["precision"] == "fp32":  # never looser than the fp32 rule, wider only by the original's own error
+                assert r["out_bound"] >= FP32_OUT_ATOL and r["grad_bound"] >= FP32_GRAD_RTOL
             checked += 1
     assert checked >= len(MODELS)  # at least one fastzoo path per model was compared with its original
 

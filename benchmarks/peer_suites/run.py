@@ -155,6 +155,21 @@ HF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
     "test_detr_model": (NOT_APPLICABLE, "DetrModel (the bare encoder-decoder): fastzoo provides DetrForObjectDetection"),
 }
 
+_DEFORMABLE_ATTENTIONS = (REFUSED, "output_attentions / output_hidden_states: fastzoo's Deformable DETR runs its "
+                                  "attention through kernels that return no weights (the deformable seam's fused "
+                                  "kernels, SDPA) and keeps no per-layer states; refused by name in its forward "
+                                  "(models/deformable_detr/model.py)")
+_DEFORMABLE_INTERNALS = (NOT_APPLICABLE, _DETR_INTERNALS[1].replace("fastzoo's DETR", "fastzoo's Deformable DETR")
+                         .replace("tests/test_detr.py", "tests/test_deformable_detr.py"))
+HF_DEFORMABLE_DETR_VERDICTS: dict[str, tuple[str, str]] = {
+    **{k: v for k, v in HF_DETR_VERDICTS.items() if v not in (_DETR_ATTENTIONS, _DETR_INTERNALS) and k != "test_detr_model"},
+    **{k: _DEFORMABLE_ATTENTIONS for k, v in HF_DETR_VERDICTS.items() if v == _DETR_ATTENTIONS},
+    **{k: _DEFORMABLE_INTERNALS for k, v in HF_DETR_VERDICTS.items() if v == _DETR_INTERNALS},
+    "test_model_outputs_equivalence": _DEFORMABLE_ATTENTIONS,  # its tuple-vs-dict check asks for both flags
+    "test_deformable_detr_model": (NOT_APPLICABLE, "DeformableDetrModel (the bare encoder-decoder): fastzoo provides "
+                                                   "DeformableDetrForObjectDetection"),
+}
+
 # soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
 SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
@@ -256,6 +271,14 @@ SUITES = {
         "plugin": "swap_hf_detr",
         "pytest_args": ["--noconftest"],
         "verdicts": HF_DETR_VERDICTS,
+    },
+    "hf-deformable-detr": {
+        "title": "transformers' tests/models/deformable_detr/test_modeling_deformable_detr.py against fastzoo's "
+                 "Deformable DETR",
+        "target": "tests/models/deformable_detr/test_modeling_deformable_detr.py",
+        "plugin": "swap_hf_deformable_detr",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_DEFORMABLE_DETR_VERDICTS,
     },
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",

@@ -19,6 +19,10 @@ number of points: with ``points_per_level=[P_0, ..., P_{L-1}]`` the levels' poin
 ``K = sum P_l``, level 0's points first. RT-DETRv2's ``method="discrete"`` reads the nearest pixel
 (no interpolation, no gradient to the locations); only the reference serves it.
 
+``spatial_shapes_list``: the same level sizes on the host, ``[(H_l, W_l), ...]`` (transformers' name for
+them), where the caller has them (a model knows its feature maps' sizes): then neither the input check
+nor the reference reads ``spatial_shapes_L2`` back from the device, so a call costs no host read.
+
 A word picks the kernel (``impl=``), each declared as an attention backend is (devices and dtypes,
 backward, the ops it shows in a profile) and refused by name where it cannot serve:
 
@@ -112,13 +116,21 @@ def kernel_ops() -> str:
     return "|".join(f"(?:{k.kernel_ops})" for k in KERNELS.values())
 
 
+def _sizes(spatial_shapes_L2: Tensor, spatial_shapes_list) -> list[tuple[int, int]]:
+    """The level sizes on the host: the caller's list, else read from the tensor (a host read)."""
+    if spatial_shapes_list is not None:
+        return [(int(h), int(w)) for h, w in spatial_shapes_list]
+    return [(int(h), int(w)) for h, w in spatial_shapes_L2.tolist()]
+
+
 def reference(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L: Tensor,
-              sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor) -> Tensor:
+              sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor, spatial_shapes_list=None) -> Tensor:
     """transformers' ``MultiScaleDeformableAttention.forward`` (Deformable DETR, RT-DETR), op for op,
-    so its values and gradients are transformers' bit for bit. Reads the level sizes to the host."""
+    so its values and gradients are transformers' bit for bit. Reads the level sizes to the host unless
+    ``spatial_shapes_list`` gives them."""
     B, _, heads, D = value_BSHD.shape
     _, Q, _, L, P, _ = sampling_locations_BQHLP2.shape
-    sizes = [(int(h), int(w)) for h, w in spatial_shapes_L2.tolist()]
+    sizes = _sizes(spatial_shapes_L2, spatial_shapes_list)
     value_levels = value_BSHD.split([h * w for h, w in sizes], dim=1)
     grids_BQHLP2 = 2 * sampling_locations_BQHLP2 - 1
     sampled = []
@@ -133,12 +145,13 @@ def reference(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L
 
 
 def reference_v2(value_BSHD: Tensor, spatial_shapes_L2: Tensor, sampling_locations_BQHK2: Tensor,
-                 attention_weights_BQHK: Tensor, points_per_level: list[int], method: str = "default") -> Tensor:
+                 attention_weights_BQHK: Tensor, points_per_level: list[int], method: str = "default",
+                 spatial_shapes_list=None) -> Tensor:
     """transformers' ``multi_scale_deformable_attention_v2`` (RT-DETRv2, D-FINE), op for op: each level
     its own number of points, the points flattened; ``method`` "default" (bilinear) or "discrete"."""
     B, _, heads, D = value_BSHD.shape
     _, Q, _, K, _ = sampling_locations_BQHK2.shape
-    sizes = [(int(h), int(w)) for h, w in spatial_shapes_L2.tolist()]
+    sizes = _sizes(spatial_shapes_L2, spatial_shapes_list)
     value_levels = value_BSHD.permute(0, 2, 3, 1).flatten(0, 1).split([h * w for h, w in sizes], dim=-1)
     grids_BQHK2 = 2 * sampling_locations_BQHK2 - 1 if method == "default" else sampling_locations_BQHK2
     grids = grids_BQHK2.permute(0, 2, 1, 3, 4).flatten(0, 1).split(points_per_level, dim=-2)
@@ -165,9 +178,10 @@ METHODS = ("default", "discrete")
 
 def check_inputs(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L: Tensor,
                  sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor,
-                 points_per_level: list[int] | None = None) -> None:
+                 points_per_level: list[int] | None = None, spatial_shapes_list=None) -> None:
     """ValueError naming the argument whose rank, size, dtype or device disagrees with the others.
-    The level sizes are checked against S only on the CPU (elsewhere that would be a host sync)."""
+    The level sizes are checked against S from ``spatial_shapes_list`` where given (no host read), else
+    from the tensors only on the CPU (elsewhere that would be a host sync)."""
     flat = points_per_level is not None  # the levels' points flattened: one dimension fewer
     named = {"value_BSHD": (value_BSHD, 4), "spatial_shapes_L2": (spatial_shapes_L2, 2),
              "level_start_index_L": (level_start_index_L, 1),
@@ -211,7 +225,17 @@ def check_inputs(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_inde
     if attention_weights_BQHLP.shape != loc.shape[:-1]:
         raise ValueError(f"attention_weights_BQHLP must be {tuple(loc.shape[:-1])} (sampling_locations_BQHLP2 "
                          f"without its last dimension), got {tuple(attention_weights_BQHLP.shape)}")
-    if value_BSHD.device.type == "cpu" and not _traced():
+    if spatial_shapes_list is not None:
+        sizes = list(spatial_shapes_list)
+        pair = lambda hw: (isinstance(hw, (tuple, list)) and len(hw) == 2  # noqa: E731
+                           and all(isinstance(n, (int, torch.SymInt)) and n > 0 for n in hw))
+        if len(sizes) != L or not all(pair(hw) for hw in sizes):
+            raise ValueError(f"spatial_shapes_list must be {L} (height, width) pairs of positive ints (one per level "
+                             f"of spatial_shapes_L2), got {sizes}")
+        if sum(h * w for h, w in sizes) != S:
+            raise ValueError(f"spatial_shapes_list {sizes} covers {sum(h * w for h, w in sizes)} tokens, "
+                             f"value_BSHD has S={S}")
+    elif value_BSHD.device.type == "cpu" and not _traced():
         sizes = spatial_shapes_L2.tolist()
         if any(h <= 0 or w <= 0 for h, w in sizes):
             raise ValueError(f"spatial_shapes_L2 must hold positive (height, width) per level, got {sizes}")
@@ -285,16 +309,17 @@ def _kernel_name(impl: str, device_type: str, dtype: torch.dtype, backward: bool
 def multi_scale_deformable_attention(value_BSHD: Tensor, spatial_shapes_L2: Tensor, level_start_index_L: Tensor,
                                      sampling_locations_BQHLP2: Tensor, attention_weights_BQHLP: Tensor, *,
                                      impl: str = "auto", points_per_level: list[int] | None = None,
-                                     method: str = "default") -> Tensor:
+                                     method: str = "default", spatial_shapes_list=None) -> Tensor:
     """Multi-scale deformable attention -> out [B, Q, heads * D] (shapes and meaning: the module
     docstring). ``impl``: "reference" | "cpu" | "triton" | "auto". ``points_per_level``: each level's
-    number of points, the points flattened (RT-DETRv2, D-FINE); ``method``: "default" | "discrete"."""
+    number of points, the points flattened (RT-DETRv2, D-FINE); ``method``: "default" | "discrete";
+    ``spatial_shapes_list``: the level sizes on the host (no host read), as the module docstring says."""
     args = (value_BSHD, spatial_shapes_L2, level_start_index_L, sampling_locations_BQHLP2, attention_weights_BQHLP)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)} (transformers' decoder_method), got {method!r}")
     if points_per_level is not None:
         points_per_level = list(points_per_level)
-    check_inputs(*args, points_per_level)
+    check_inputs(*args, points_per_level, spatial_shapes_list)
     if method == "discrete" and impl not in ("auto", "reference"):
         raise BackendUnavailableError(f"multi-scale deformable attention impl={impl!r} samples bilinearly only; "
                                       "method='discrete' (RT-DETRv2's nearest pixel) runs on impl='reference'")
@@ -303,13 +328,14 @@ def multi_scale_deformable_attention(value_BSHD: Tensor, spatial_shapes_L2: Tens
                         backward)
     with kernel_range(RANGE_KIND, SEAM, f"{impl}->{name}" if impl == "auto" else impl):
         if name == "reference" and points_per_level is None and method == "default":
-            return reference(*args)
+            return reference(*args, spatial_shapes_list)
         B, Q, heads = sampling_locations_BQHLP2.shape[:3]
         if points_per_level is None:  # Deformable DETR's [.., L, P, ..]: every level P points, flattened
             points_per_level = [sampling_locations_BQHLP2.shape[4]] * spatial_shapes_L2.shape[0]
         loc_BQHK2 = sampling_locations_BQHLP2.reshape(B, Q, heads, -1, 2)
         weights_BQHK = attention_weights_BQHLP.reshape(B, Q, heads, -1)
         if name == "reference":
-            return reference_v2(value_BSHD, spatial_shapes_L2, loc_BQHK2, weights_BQHK, points_per_level, method)
+            return reference_v2(value_BSHD, spatial_shapes_L2, loc_BQHK2, weights_BQHK, points_per_level, method,
+                                spatial_shapes_list)
         points_L = torch.tensor(points_per_level, dtype=torch.int64, device=value_BSHD.device)
         return _FUNCTIONS[name](value_BSHD, spatial_shapes_L2, level_start_index_L, points_L, loc_BQHK2, weights_BQHK)

@@ -9,7 +9,14 @@ recipe``; in bf16 autocast it and the original on SDPA, its users' kernel, set t
 per backend under the recipe (the fused GIoU kernel in the padded set loss, one host read per
 step; ``varlen`` / ``nested`` run the encoder on each image's real tokens only). The optimizer is
 transformers ``Trainer``'s default (fused AdamW), the same for every case. Parity: the loss and
-every parameter gradient against the original in fp32 in the group's memory format.
+every parameter gradient against the original in fp32 in the group's memory format, the bound widened
+by the original's own fp32 rounding: the worse of its eager run's and its users' kernels' (transformers'
+SDPA: on drawn weights DETR's SDPA run is 5.5e-3 of a decoder gradient's scale from its eager run, at
+the tour's size) distance, parameter by parameter; for a family
+whose spec says ``fp64_reference`` (Deformable DETR: bilinear sampling's gradient jumps at its cell edges,
+so two fp32 runs differ as much as a wrong port could), the fp32 groups also run the original in fp64,
+and each fp32 case is compared with that run: within 3x the original fp32's own error from it, worst
+over every gradient (flash-attn's rule one precision up, ``Group.exact``).
 """
 from __future__ import annotations
 
@@ -99,6 +106,7 @@ class _Workload:
         torch.manual_seed(seed)
         self.original = draw_(entry.spec.original.build(cfg), seed=seed).to(device).train()
         self.description = entry.spec.original.description
+        self.fp64_reference = entry.spec.bench is not None and entry.spec.bench.fp64_reference
         self.x, self.mask, self.labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
 
     def original_model(self, recipe: Recipe, *, users: bool = False):
@@ -128,10 +136,20 @@ class _Workload:
         return s
 
     @cache
-    def reference(self, channels_last: bool) -> dict:
-        """The original's fp32 outputs in the memory format (channels_last sums convolutions in another order)."""
+    def reference(self, channels_last: bool, dtype: torch.dtype = torch.float32, users: bool = False) -> dict:
+        """The original's outputs in the memory format (channels_last sums convolutions in another order),
+        in fp32 or fp64 (the model, images and boxes cast, and the default dtype for what its loss creates
+        per call: transformers' DETR builds its class weights then); ``users``: on its users' kernels."""
         recipe = Recipe(channels_last=channels_last)
-        return self.step(self.original_model(recipe), recipe, counted=False).outputs()
+        model = self.original_model(recipe, users=users).to(dtype)
+        x = self.x.to(dtype).contiguous(memory_format=torch.channels_last) if channels_last else self.x.to(dtype)
+        labels = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()} for t in self.labels]
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return train_step(model, x, self.mask, labels, self.images, recipe).outputs()
+        finally:
+            torch.set_default_dtype(before)
 
 
 def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=((160, 224), (128, 192)),
@@ -148,19 +166,21 @@ def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, s
     for recipe in recipes:
         baseline, low = recipe == BASELINE, recipe.dtype != torch.float32
         peer = f"{w.description}, fp32"
-        cases = [Case(peer, lambda: w.step(w.original_model(BASELINE), BASELINE, gate=baseline), peer=True,
+        cases = [Case(peer, lambda b=baseline: w.step(w.original_model(BASELINE), BASELINE, gate=b), peer=True,
                       reference=baseline, original=baseline, dtype=torch.float32)]
         if not baseline:
             cases.append(Case(f"{w.description}, {recipe.name}", lambda r=recipe: w.step(w.original_model(r), r),
                               reference=True, original=True))
         if low:  # the rule's peer is the worse of the original's runs on its reference kernels and on its users'
-            cases.append(Case(f"transformers DetrForObjectDetection (sdpa), {recipe.name}",
+            cases.append(Case(f"{w.description.split(' (')[0]} (sdpa), {recipe.name}",
                               lambda r=recipe: w.step(w.original_model(r, users=True), r), reference=True, original=True))
         for b in backends:
             cases.append(Case(f"fastzoo {b}, {recipe.name}", lambda b=b, r=recipe: w.step(w.fastzoo(b, r), r)))
+        exact = (lambda cl=recipe.channels_last: w.reference(cl, torch.float64)) if w.fp64_reference and not low else None
+        kernels = None if low else (lambda cl=recipe.channels_last: w.reference(cl, users=True))
         groups.append(Group(f"{name} training step, {images} images of sizes {list(sizes)} | {recipe.name}", cases,
                             unit="images/s", reference=lambda cl=recipe.channels_last: w.reference(cl),
-                            dtype=recipe.dtype if low else None))
+                            dtype=recipe.dtype if low else None, exact=exact, kernels=kernels))
     reads = {"original": host_reads(w.step(w.original_model(BASELINE), BASELINE, counted=False).run),
              "fastzoo sdpa": host_reads(w.step(w.fastzoo("sdpa", BASELINE), BASELINE, counted=False).run)}
     config_out = {"model": f"{name} with {config}", "batch": f"{images} images, sizes {list(sizes)}, padded + pixel_mask",

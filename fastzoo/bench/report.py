@@ -4,6 +4,7 @@ that fills them is :mod:`fastzoo.bench.harness`.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -138,7 +139,8 @@ class Report:
                                  squeeze=False)
         for ax, g in zip(axes[:, 0], groups):
             rows = [r for r in self.rows if r.group == g]
-            labels = [r.label + (" (compiled)" if r.compiled else "") for r in rows]
+            # long labels (an original's description, its recipe) on two lines: the bars keep their width
+            labels = [textwrap.fill(r.label + (" (compiled)" if r.compiled else ""), 56) for r in rows]
             values = [r.throughput or 0.0 for r in rows]
             colors = ["tab:gray" if r.peer else ("silver" if r.floor else "tab:blue") for r in rows]
             bars = ax.barh(labels, values, color=colors)

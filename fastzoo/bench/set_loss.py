@@ -1,7 +1,9 @@
 """DETR's set loss per training step (matcher + every term, all decoder layers, forward + backward):
 transformers' ``ForObjectDetectionLoss`` (the peer) vs fastzoo's
 :func:`~fastzoo.losses.set_prediction.set_prediction_loss` in each ``giou_impl``, on the same logits and
-boxes of 6 decoder layers (auxiliary loss), 100 queries, 91 classes, 1-50 boxes per image; and RT-DETR's
+boxes of 6 decoder layers (auxiliary loss), 100 queries, 91 classes, 1-50 boxes per image; Deformable DETR's
+(``DEFORMABLE_SETTING``: sigmoid classes, the focal term and cost, 300 queries) against transformers'
+``DeformableDetrForObjectDetectionLoss``; and RT-DETR's
 (:func:`rt_detr_suite`): transformers' ``RTDetrForObjectDetectionLoss`` vs
 :func:`~fastzoo.losses.set_prediction.rt_detr_loss` on 6 decoder layers of 300 queries with the denoising
 queries of a training step (transformers' own group builder, 100 denoising queries), the encoder's 300
@@ -33,14 +35,17 @@ class SetLossSetting:
     max_boxes: int = 50
     layers: int = 6
     num_classes: int = 91  # COCO's label ids, as DETR
+    focal_alpha: float | None = None  # Deformable DETR's sigmoid classes, focal term and cost; None: DETR's softmax
 
     def describe(self) -> str:
         return (f"{self.images} images x {self.queries} queries, 1-{self.max_boxes} boxes per image, "
-                f"{self.layers} decoder layers (auxiliary loss), {self.num_classes} classes")
+                f"{self.layers} decoder layers (auxiliary loss), {self.num_classes} classes"
+                + ("" if self.focal_alpha is None else f", sigmoid focal term (alpha {self.focal_alpha})"))
 
 
 TARGET_SETTING = SetLossSetting("8 images", 8)
 LARGE_SETTING = SetLossSetting("32 images", 32)
+DEFORMABLE_SETTING = SetLossSetting("8 images", 8, queries=300, focal_alpha=0.25)  # DeformableDetrConfig's defaults
 BATCH_FIELD = "images"  # the setting's field --batch-size sets
 GIOU_IMPLS = ("kernel", "padded", "concat", "per_sample")  # the order of the table
 
@@ -101,22 +106,25 @@ def make_inputs(s: SetLossSetting, device, seed: int = 0):
     """Raw (pre-sigmoid) box outputs and logits ``[L, B, Q, ...]`` and transformers' labels."""
     g = torch.Generator().manual_seed(seed)
     labels, counts = make_labels(s.images, s.max_boxes, s.num_classes, g, device)
-    logits = torch.randn(s.layers, s.images, s.queries, s.num_classes + 1, generator=g).to(device)
+    classes = s.num_classes + (s.focal_alpha is None)  # softmax: a last "no object" class
+    logits = torch.randn(s.layers, s.images, s.queries, classes, generator=g).to(device)
     raw = (torch.randn(s.layers, s.images, s.queries, 4, generator=g) * 1.5).to(device)
     return logits, raw, labels, counts
 
 
 def hf_config(s: SetLossSetting):
-    """The loss's fields of transformers' DetrConfig (its defaults), auxiliary loss on."""
+    """The loss's fields of transformers' DetrConfig / DeformableDetrConfig (their defaults), auxiliary loss on."""
     return SimpleNamespace(num_labels=s.num_classes, class_cost=1, bbox_cost=5, giou_cost=2, bbox_loss_coefficient=5,
-                           giou_loss_coefficient=2, eos_coefficient=0.1, auxiliary_loss=True, decoder_layers=s.layers)
+                           giou_loss_coefficient=2, eos_coefficient=0.1, auxiliary_loss=True, decoder_layers=s.layers,
+                           focal_alpha=s.focal_alpha)
 
 
 def hf_loss(logits, boxes, labels, cfg):
+    from transformers.loss.loss_deformable_detr import DeformableDetrForObjectDetectionLoss
     from transformers.loss.loss_for_object_detection import ForObjectDetectionLoss
 
-    loss, _, _ = ForObjectDetectionLoss(logits[-1], labels, logits.device, boxes[-1], cfg, outputs_class=logits,
-                                        outputs_coord=boxes)
+    loss_fn = ForObjectDetectionLoss if cfg.focal_alpha is None else DeformableDetrForObjectDetectionLoss
+    loss, _, _ = loss_fn(logits[-1], labels, logits.device, boxes[-1], cfg, outputs_class=logits, outputs_coord=boxes)
     return loss
 
 
@@ -124,7 +132,8 @@ def fastzoo_loss(giou_impl: str):
     from fastzoo.losses.set_prediction import set_prediction_loss
 
     def loss_of(logits, boxes, labels, cfg):
-        return set_prediction_loss(logits, boxes, labels, num_classes=cfg.num_labels, giou_impl=giou_impl)[0]
+        return set_prediction_loss(logits, boxes, labels, num_classes=cfg.num_labels, giou_impl=giou_impl,
+                                   focal_alpha=cfg.focal_alpha)[0]
 
     return loss_of
 
@@ -150,17 +159,19 @@ def set_loss_suite(setting: SetLossSetting = TARGET_SETTING, *, device="cpu", dt
     device, s = torch.device(device), setting
     logits, raw, labels, counts = make_inputs(s, device, seed)
     cfg = hf_config(s)
-    losses = {"transformers ForObjectDetectionLoss ([B*Q, N] cost per layer, N x N GIoU)": hf_loss,
+    peer = "ForObjectDetectionLoss" if s.focal_alpha is None else "DeformableDetrForObjectDetectionLoss"
+    losses = {f"transformers {peer} ([B*Q, N] cost per layer, N x N GIoU)": hf_loss,
               **{f"fastzoo set_prediction_loss, GIoU {m}": fastzoo_loss(m) for m in giou_impls}}
     reads = {short: host_reads(loss_step(loss_of, logits, raw, labels, cfg, s.images).run)
              for short, loss_of in zip(["transformers", *(f"fastzoo {m}" for m in giou_impls)], losses.values())}
     cases = [Case(label, lambda f=loss_of: loss_step(f, logits, raw, labels, cfg, s.images), peer=i == 0,
                   reference=i == 0) for i, (label, loss_of) in enumerate(losses.items())]
-    group = Group(f"{s.name} | set loss, {s.layers} layers, forward + backward", cases, unit="images/s",
+    what = "set loss" if s.focal_alpha is None else "Deformable DETR set loss (focal)"
+    group = Group(f"{s.name} | {what}, {s.layers} layers, forward + backward", cases, unit="images/s",
                   reference=lambda: loss_step(hf_loss, logits, raw, labels, cfg, s.images).outputs())
     config = {"batch": s.describe(), "real boxes": sum(counts),
               "host reads per step": reads}
-    return Suite("set_loss", [group], config=config, device=device)
+    return Suite("set_loss" if s.focal_alpha is None else "deformable_detr_loss", [group], config=config, device=device)
 
 
 @dataclass(frozen=True)

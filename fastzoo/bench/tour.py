@@ -10,7 +10,8 @@ channels_last where the family's spec says so; ``torch.compile`` with ``--compil
 1. parity: every fastzoo path against the original on identical weights and inputs (max |diff|
    of the logits / loss, and the worst parameter's relative gradient error; the rule of
    ``fastzoo check``: fp32 within 1e-4, a low precision within 3x the original's own error in
-   it); a path that fails is reported and not timed;
+   it; a family whose spec says ``fp64_reference``: fp32 against the original's fp64 run, within 3x
+   the original fp32's own error from it); a path that fails is reported and not timed;
 2. speed: each fastzoo path that passed, timed in the same run (interleaved rounds on a CPU) as
    the original as its users run it (fp32, eager, the library's default attention) and as the
    original under the same recipe; beside each figure its limit: the share of the same-run

@@ -287,18 +287,24 @@ def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | N
 
 
 def compare_cases(ref: dict, got: dict, peer: dict | Sequence[dict] | None = None, *,
-                  same_names: bool = True) -> list[Comparison]:
+                  same_names: bool = True, exact: dict | None = None, kernels: dict | None = None) -> list[Comparison]:
     """The benchmarks' gate: tensors a case computed, ``{"output": t, "grad:<param>": t, ...}``,
     against the fp32 reference's. Outputs, then gradients when the case has them.
 
     ``peer``: the reference model's outputs in the same low precision (None in fp32), or its runs on
     each of its kernels (the module docstring: the worst one's error counts).
+    ``exact``: the reference model's fp64 run (fp32 cases): outputs and gradients judged with the
+    original's own fp32 error (:func:`compare_outputs` / :func:`compare_grads`' ``exact``).
+    ``kernels``: the reference model's fp32 run on the kernels its users get (fp32 cases): its gradients'
+    disagreement with ``ref`` is the original's own rounding too (:func:`compare_grads`' ``kernels``).
     ``same_names=False``: a peer library naming its own parameters; gradients are compared on
     the names and shapes both sides share (none shared: outputs only).
     """
     peers = None if peer is None else _runs(peer)
+    exact = None if peers else exact
     comps = [compare_outputs("output", got["output"].float(), ref["output"].float(),
-                             peers and [p["output"].float() for p in peers])]
+                             peers and [p["output"].float() for p in peers],
+                             exact=None if exact is None else exact["output"])]
     g, g_ref = _case_grads(got), _case_grads(ref)
     if not g or not g_ref:
         return comps
@@ -309,7 +315,9 @@ def compare_cases(ref: dict, got: dict, peer: dict | Sequence[dict] | None = Non
             return comps
         g, g_ref = {k: g[k] for k in shared}, {k: g_ref[k] for k in shared}
         g_peer = [{k: p[k] for k in shared} for p in g_peer] if g_peer is not None else None
-    comps.append(compare_grads("grads", g, g_ref, g_peer))
+    g_exact = None if exact is None else {k: v for k, v in _case_grads(exact).items() if k in g_ref}
+    g_kernels = None if kernels is None or peers else {k: v for k, v in _case_grads(kernels).items() if k in g_ref}
+    comps.append(compare_grads("grads", g, g_ref, g_peer, kernels=g_kernels, exact=g_exact))
     return comps
 
 

@@ -67,6 +67,9 @@ class BenchSettings:
     channels_last: bool = False  # NHWC is worth trying (convolutions)
     compile: bool = True  # torch.compile is worth trying (the tour tries it with --compile)
     deterministic: Mapping = field(default_factory=dict)  # config fields that make a training step deterministic (dropout 0)
+    # the fp32 parity gate compares with the original's fp64 run, within 3x the original fp32's own error from it:
+    # for a function whose fp32 gradient jumps at rounding's scale (bilinear sampling's cell edges)
+    fp64_reference: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class DeformableDetrMultiscaleDeformableAttention(nn.Module):
         else:  # around a box: offsets in units of half its size over the points
             loc = ref_BQLC[:, :, None, :, None, :2] + off_BQHLP2 / P * ref_BQLC[:, :, None, :, None, 2:] * 0.5
         out_BQD = multi_scale_deformable_attention(v_BSHD, levels.shapes_L2, levels.start_L, loc, w_BQHLP,
-                                                   impl=self.impl)
+                                                   impl=self.impl, spatial_shapes_list=levels.shapes)
         return self.output_proj(out_BQD)
 
 

@@ -34,7 +34,8 @@ from torch import nn
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.detr.backbone import DetrConvEncoder, resize_mask
-from fastzoo.models.detr.model import DetrMLPPredictionHead, _check_pixels, init_outside_backbone, sine_position_embedding
+from fastzoo.models.detr.model import (DetrMLPPredictionHead, TransformersDetector, _check_pixels, init_outside_backbone,
+                                       sine_position_embedding)
 
 
 def inverse_sigmoid(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -228,14 +229,17 @@ def proposal_pos_embed(coord_BQ4: torch.Tensor, d_model: int) -> torch.Tensor:
     return pos.to(coord_BQ4.dtype)
 
 
-class DeformableDetrForObjectDetection(FastzooModel):
-    """Deformable DETR with transformers' call convention."""
+class DeformableDetrForObjectDetection(TransformersDetector, FastzooModel):
+    """Deformable DETR with transformers' call convention (and its Trainer's asks: gradient checkpointing,
+    ``num_parameters``)."""
 
     family = "deformable_detr"
     config_class = DeformableDetrConfig
     main_input_name = "pixel_values"
     sigmoid_classes = True  # one sigmoid per class, no "no object" logit (focal loss)
     eval_after_pretrained = True  # like transformers' from_pretrained
+    # transformers' declaration of the heads one module serves (tie_word_embeddings): the layers after the first
+    _tied_weights_keys = {r"bbox_embed.(?![0])\d+": "bbox_embed.0", r"class_embed.(?![0])\d+": "class_embed.0"}
 
     def __init__(self, cfg: DeformableDetrConfig):
         super().__init__()
@@ -248,11 +252,16 @@ class DeformableDetrForObjectDetection(FastzooModel):
         box = [DetrMLPPredictionHead(cfg.d_model, 4) for _ in range(1 if cfg.shares_box_head() else n)]
         self.class_embed = nn.ModuleList(cls * n if len(cls) == 1 else cls)  # one module n times: shared
         self.bbox_embed = nn.ModuleList(box * n if len(box) == 1 else box)
+        self._tied_weights_keys = dict(self._tied_weights_keys)
         if cfg.with_box_refine:
             self.model.decoder.bbox_embed = self.bbox_embed
+            self._tied_weights_keys["bbox_embed"] = "model.decoder.bbox_embed"
         if cfg.two_stage:
             self.model.decoder.class_embed = self.class_embed
+            self._tied_weights_keys["class_embed"] = "model.decoder.class_embed"
         self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     def _init_weights(self):
         """transformers' init (a fresh model; never the compared state: tests draw every parameter)."""
@@ -274,9 +283,9 @@ class DeformableDetrForObjectDetection(FastzooModel):
                 nn.init.xavier_uniform_(self.model.reference_points.weight)
             nn.init.normal_(self.model.level_embed)
 
-    @classmethod
-    def can_generate(cls) -> bool:
-        return False
+    def encoder_inputs(self) -> list[nn.Module]:
+        """The modules whose outputs the encoder reads: each feature level's input projection."""
+        return list(self.model.input_proj)
 
     def attention_needs(self) -> dict:
         """The decoder's self-attention over the queries: no mask (the encoder's attention is deformable)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.deformable_detr.convert import HF
 from fastzoo.models.deformable_detr.model import DeformableDetrForObjectDetection
-from fastzoo.models.spec import ModelSpec, Original, Variant
+from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.tasks import DETECTION
 
 
@@ -28,6 +28,8 @@ TINY = dict(use_timm_backbone=False, embedding_size=8, hidden_sizes=(8, 16, 24, 
             encoder_layers=2, decoder_layers=2, num_queries=8, two_stage_num_proposals=8, num_labels=5,
             encoder_n_points=2, decoder_n_points=2)
 R50 = {}  # backbone None: timm's resnet50, as transformers' DeformableDetrConfig()
+# the tour's Deformable DETR: timm's ResNet-18 under the full-size transformer (4 levels, 6+6 layers, 300 queries)
+R18 = dict(backbone="resnet18")
 PEER = "transformers DeformableDetrForObjectDetection"
 SPEC = ModelSpec(
     family="deformable_detr",
@@ -49,7 +51,16 @@ SPEC = ModelSpec(
     ),
     converters=(HF,),
     tiny=TINY,
-    original=Original(build_original, f"{PEER} (eager attention, grid_sample deformable attention)",
+    original=Original(build_original, f"{PEER} (eager attention, grid_sample)",
                       attn_dropout_field="attention_dropout"),
+    bench=BenchSettings(  # the tour: a training step against transformers' model on mixed-size padded images
+        variant="deformable_detr", library="transformers", compile=False, channels_last=True,
+        # bilinear sampling's gradient jumps at its cell edges: transformers' own fp32 gradient is 3e-2 of its
+        # scale from its fp64 one at the bench's size (benchmarks/results/cpu-2core/README.md), as far as
+        # another fp32 run's: fp32 is judged with transformers' own fp32 error from its fp64 run
+        fp64_reference=True,
+        sizes={"tour": Workload("Deformable DETR, ResNet-18 backbone, 4 levels, 6+6 layers, 300 queries, 2 images of "
+                                "160x160 / 80x160", R18, batch=2, img_size=160),
+               "quick": Workload("tiny Deformable DETR, 2 images of 128x128 / 64x128", TINY, batch=2, img_size=128)}),
 )
 SPECS = (SPEC,)

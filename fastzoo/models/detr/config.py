@@ -43,6 +43,8 @@ class DetrConfig(ModelConfig):
     position_embedding_type: str = changes_function("sine", "position embedding of the feature map (sine, as DETR)",
                                                     choices=("sine",))
     dropout: float = free(0.1, "dropout after attention and MLP blocks", ge=0, le=1)
+    init_std: float = free(0.02, "std of transformers' normal init of a fresh model's linear and convolution weights "
+                           "outside the backbone (no effect on loaded weights)", ge=0)
     attention_dropout: float = free(0.0, "dropout on the attention probabilities", ge=0, le=1)
     activation_dropout: float = free(0.0, "dropout after the MLP activation", ge=0, le=1)
     auxiliary_loss: bool = changes_function(False, "decoder output of every layer through the shared LayerNorm and "

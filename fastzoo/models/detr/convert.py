@@ -185,7 +185,8 @@ def _stem_channels(bb: dict | None) -> dict:
 HF_FIELDS = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
              "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
              "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
-             "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient", "num_labels")
+             "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient", "num_labels",
+             "init_std")
 
 
 def hf_config(cfg: DetrConfig, config_class: str = "DetrConfig", names: tuple[str, ...] = HF_FIELDS,

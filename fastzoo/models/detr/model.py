@@ -153,32 +153,15 @@ class DetrMLPPredictionHead(nn.Module):
         return x
 
 
-class DetrForObjectDetection(FastzooModel):
-    """DETR with transformers' call convention."""
+class TransformersDetector:
+    """What transformers' ``Trainer`` and its tests ask of every detector of the family, written once for
+    DETR and Deformable DETR (``self.model.encoder.layers`` / ``self.model.decoder.layers`` are
+    ``GradientCheckpointingLayer`` s): gradient checkpointing, ``num_parameters``, ``can_generate``, no input embeddings."""
 
-    family = "detr"
-    config_class = DetrConfig
-    main_input_name = "pixel_values"
-    sigmoid_classes = False  # a softmax over the classes and "no object"
     supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 
-    def __init__(self, cfg: DetrConfig):
-        super().__init__()
-        import transformers.modeling_outputs  # noqa: F401  (registers HF output classes as pytree nodes, see the decoders)
-
-        self.config = cfg
-        self.model = DetrModel(cfg)
-        self.class_labels_classifier = nn.Linear(cfg.d_model, cfg.num_labels + 1)
-        self.bbox_predictor = DetrMLPPredictionHead(cfg.d_model, 4)
-        self._init_weights()
-        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
-            self.gradient_checkpointing_enable()
-
-    def _init_weights(self):
-        init_outside_backbone(self)
-
     @classmethod
-    def can_generate(cls) -> bool:  # transformers' question of every model: DETR does not generate
+    def can_generate(cls) -> bool:  # transformers' question of every model: a detector does not generate
         return False
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
@@ -194,7 +177,8 @@ class DetrForObjectDetection(FastzooModel):
         from torch.utils.checkpoint import checkpoint
 
         if offload:
-            raise ValueError("offload=True: fastzoo's DETR does not offload checkpointed activations; leave it False")
+            raise ValueError(f"offload=True: fastzoo's {type(self).__name__} does not offload checkpointed "
+                             f"activations; leave it False")
         if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
             raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
         kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
@@ -219,25 +203,53 @@ class DetrForObjectDetection(FastzooModel):
                    for stack in (self.model.encoder.layers, self.model.decoder.layers) for layer in stack)
 
     def enable_input_require_grads(self):
-        """transformers' (PEFT calls it with gradient checkpointing): the input projection's output
-        requires grad, so that with every weight below a layer frozen (adapters only), the reentrant
-        checkpoint still sees an input that needs a gradient and passes the layer's gradients on."""
+        """transformers' (PEFT calls it with gradient checkpointing): the outputs of the input projections
+        (``encoder_inputs``) require grad, so that with every weight below a layer frozen (adapters only),
+        the reentrant checkpoint still sees an input that needs a gradient and passes the layer's gradients on."""
         self.disable_input_require_grads()
-        self.__dict__["_require_grads_hook"] = self.model.input_projection.register_forward_hook(_output_requires_grad)
+        self.__dict__["_require_grads_hooks"] = [m.register_forward_hook(_output_requires_grad)
+                                                 for m in self.encoder_inputs()]
 
     def disable_input_require_grads(self):
-        hook = self.__dict__.pop("_require_grads_hook", None)
-        if hook is not None:
+        for hook in self.__dict__.pop("_require_grads_hooks", []):
             hook.remove()
 
     def get_input_embeddings(self):
-        """transformers' answer for DETR: it has no input embeddings (its input is ``pixel_values``)."""
-        raise NotImplementedError("DETR has no input embeddings: its input is pixel_values")
+        """transformers' answer for a detector: it has no input embeddings (its input is ``pixel_values``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no input embeddings: its input is pixel_values")
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' ``num_parameters`` (``Trainer`` counts FLOPs with it)."""
         skip = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
         return sum(p.numel() for p in self.parameters() if (p.requires_grad or not only_trainable) and id(p) not in skip)
+
+
+class DetrForObjectDetection(TransformersDetector, FastzooModel):
+    """DETR with transformers' call convention."""
+
+    family = "detr"
+    config_class = DetrConfig
+    main_input_name = "pixel_values"
+    sigmoid_classes = False  # a softmax over the classes and "no object"
+
+    def __init__(self, cfg: DetrConfig):
+        super().__init__()
+        import transformers.modeling_outputs  # noqa: F401  (registers HF output classes as pytree nodes, see the decoders)
+
+        self.config = cfg
+        self.model = DetrModel(cfg)
+        self.class_labels_classifier = nn.Linear(cfg.d_model, cfg.num_labels + 1)
+        self.bbox_predictor = DetrMLPPredictionHead(cfg.d_model, 4)
+        self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
+
+    def _init_weights(self):
+        init_outside_backbone(self)
+
+    def encoder_inputs(self) -> list[nn.Module]:
+        """The module whose output the encoder reads: the backbone's projection to d_model."""
+        return [self.model.input_projection]
 
     def attention_needs(self) -> dict:
         return {"head_dim": self.config.d_model // self.config.encoder_attention_heads, "causal": False,
@@ -339,14 +351,15 @@ def _check_pixels(pixel_values, pixel_mask, channels: int, weight: torch.Tensor)
 
 
 def init_outside_backbone(model: nn.Module) -> None:
-    """transformers' init of a DETR-family detector outside its backbone: normal(0, 0.02)
+    """transformers' init of a DETR-family detector outside its backbone: normal(0, ``init_std``)
     Linear / Conv / Embedding weights and zero biases (a fresh model; never the compared state)."""
+    std = model.config.init_std
     for name, m in model.named_modules():
         if name.startswith("model.backbone"):
             continue
         if isinstance(m, (nn.Linear, nn.Conv2d)):
-            nn.init.normal_(m.weight, std=0.02)
+            nn.init.normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, std=0.02)
+            nn.init.normal_(m.weight, std=std)
