@@ -229,6 +229,9 @@ def test_a_bare_state_dict_gives_its_architecture(name):
     (dict(encode_proj_layers=(3,)), "encode_proj_layers"),
     (dict(decoder_attention_heads=3), "decoder_attention_heads"),
     (dict(decoder_method="nearest"), "decoder_method"),
+    (dict(embedding_size=4), "downsample_in_first_stage"),
+    (dict(layer_type="bottleneck", hidden_sizes=(2, 16, 24, 32)), "hidden_sizes"),
+    (dict(hidden_expansion=0.01), "hidden_expansion"),
 ])
 def test_bad_configs_are_refused_by_name(bad, field):
     with pytest.raises(ConfigError, match=field):
@@ -264,6 +267,7 @@ def test_unknown_forward_keywords_are_refused_by_name():
 def test_images_whose_maps_do_not_halve_are_refused_naming_the_size():
     """transformers fails inside its FPN on a size mismatch; 80 px gives maps of 10, 5 and 3."""
     ours = fastzoo.create("rtdetr_r50vd", **TINY).eval()
+    assert ours.image_side_multiple == 32
     with pytest.raises(ValueError, match=r"pixel_values: \(64, 80\) images .* \[10, 5, 3\].* multiples of 32"):
         ours(pixel_values=torch.randn(1, 3, 64, 80))
     assert ours(pixel_values=torch.randn(1, 3, 64, 96)).logits.isfinite().all()

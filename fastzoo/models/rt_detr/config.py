@@ -109,6 +109,17 @@ class RTDetrConfig(ModelConfig):
         if len(self.hidden_sizes) != n:
             raise ConfigError(f"hidden_sizes={self.hidden_sizes} needs one width per stage of depths={self.depths}",
                               fields=("hidden_sizes", "depths"))
+        if self.layer_type == "basic" and self.embedding_size != self.hidden_sizes[0] and not self.downsample_in_first_stage:
+            raise ConfigError(f"basic blocks: embedding_size={self.embedding_size} -> hidden_sizes[0]={self.hidden_sizes[0]} "
+                              f"pools the first stage's shortcut (2x2) while its convolutions keep the size (transformers "
+                              f"fails on it): make them equal or set downsample_in_first_stage=True",
+                              fields=("embedding_size", "hidden_sizes", "downsample_in_first_stage"))
+        if self.layer_type == "bottleneck" and min(self.hidden_sizes) < 4:
+            raise ConfigError(f"bottleneck blocks: hidden_sizes={self.hidden_sizes} must be at least 4 (a block's inner "
+                              f"width is a quarter)", fields=("hidden_sizes", "layer_type"))
+        if int(self.encoder_hidden_dim * self.hidden_expansion) < 1:
+            raise ConfigError(f"hidden_expansion={self.hidden_expansion}: the CSP / RepVGG width int(encoder_hidden_dim * "
+                              f"hidden_expansion) must be at least 1", fields=("hidden_expansion", "encoder_hidden_dim"))
         outs = tuple(self.backbone_out_indices)
         if list(outs) != sorted(set(outs)) or outs[-1] > n:
             raise ConfigError(f"backbone_out_indices={outs}: increasing stage numbers in 1..{n}",

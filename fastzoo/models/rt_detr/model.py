@@ -135,17 +135,23 @@ class RTDetrModel(nn.Module):
                     enc_outputs_coord_logits=enc_coord, dn=dn)
 
 
+def map_strides(cfg: RTDetrConfig) -> list[int]:
+    """The strides of the backbone maps the encoder reads: stage ``i`` (1 = the first) at ``2^(i + 1)``, one
+    more halving with ``downsample_in_first_stage``."""
+    return [2 ** (i + 1 + cfg.downsample_in_first_stage) for i in cfg.backbone_out_indices]
+
+
 def _check_side(pixel_values, cfg: RTDetrConfig) -> None:
     """ValueError naming ``pixel_values`` where the backbone's maps do not halve exactly from one encoder level
     to the next (the FPN upsamples each 2x onto the finer one; transformers fails there on a size mismatch).
-    Stage ``i``'s map has side ``ceil(side / 2^(i + 1))``."""
-    outs = cfg.backbone_out_indices
+    Every convolution and pool rounds up, so a map of stride ``s`` has side ``ceil(side / s)``."""
+    strides = map_strides(cfg)
     for side in pixel_values.shape[-2:]:
-        sizes = [-(-side // 2 ** (i + 1)) for i in outs]
+        sizes = [-(-side // s) for s in strides]
         if any(fine != 2 * coarse for fine, coarse in zip(sizes, sizes[1:])):
             raise ValueError(f"pixel_values: {tuple(pixel_values.shape[-2:])} images give feature maps of sides {sizes}, "
                              f"which do not halve exactly from level to level as RT-DETR's encoder needs: use sides "
-                             f"that are multiples of {2 ** (outs[-1] + 1)}")
+                             f"that are multiples of {strides[-1]} (image_side_multiple)")
 
 
 class RTDetrForObjectDetection(FastzooModel):
@@ -205,6 +211,12 @@ class RTDetrForObjectDetection(FastzooModel):
         cfg = self.config
         head_dim = max(cfg.encoder_hidden_dim // cfg.encoder_attention_heads, cfg.d_model // cfg.decoder_attention_heads)
         return {"head_dim": head_dim, "causal": False, "grid_2d": False, "padding_mask": False}
+
+    @property
+    def image_side_multiple(self) -> int:
+        """Image sides that are multiples of this (the coarsest backbone map's stride) halve exactly from
+        map to map, as the encoder needs (others are refused, naming them)."""
+        return map_strides(self.config)[-1]
 
     def set_deformable_attention(self, impl: str = "auto") -> "RTDetrForObjectDetection":
         """The decoder's multi-scale deformable attention kernel (``fastzoo.attention.deformable``:
