@@ -179,3 +179,11 @@ def test_a_dropped_mlp_bias_is_caught_forward_only_on_drawn_weights(drawn):
         assert not logits.passed and logits.err > 100 * logits.bound, f"missed: {logits.err:.2e} <= {logits.bound:.2e}"
     else:  # transformers' init: zero biases, the bug changes nothing
         assert logits.passed, f"at init the bias is zero and the logits agree: {logits.err:.2e}"
+
+
+def test_an_empty_tensor_is_left_as_it_is_and_the_rest_drawn():
+    """A layer of width 0 (a fuzzed config's) has nothing to draw: it must not stop the others' draw."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 0), torch.nn.Linear(4, 3))
+    before = net[1].weight.clone()
+    draw_(net, seed=1)
+    assert net[0].weight.shape == (0, 4) and not torch.equal(net[1].weight, before)

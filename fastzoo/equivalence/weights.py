@@ -74,8 +74,8 @@ def draw_(module: nn.Module, *, seed: int = 0) -> nn.Module:
         for prefix, m in module.named_modules():
             offset = _gain_offset(m)
             for name, t in _learned(m):
-                if id(t) in seen or t.is_meta or not t.is_floating_point():
-                    continue
+                if id(t) in seen or t.is_meta or not t.is_floating_point() or t.numel() == 0:
+                    continue  # an empty tensor (a layer of width 0) has nothing to draw
                 seen.add(id(t))
                 g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{prefix}.{name}".encode()))
                 t.copy_(_value(m, name, t, offset, g, tied=id(t) in projections))
