@@ -9,19 +9,16 @@ The backbone's reading (timm's ResNet by name, transformers' ``ResNetConfig``) i
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS
-from fastzoo.models.detr.convert import HF as DETR_HF, HF_FIELDS, _backbone_from_config, _backbone_from_keys
+from fastzoo.models.detr.convert import HF as DETR_HF, HF_FIELDS, _backbone_from_config, _backbone_from_keys, layer_indices
 from fastzoo.models.detr.convert import hf_config as detr_hf_config
 
 FIELDS = ("num_feature_levels", "encoder_n_points", "decoder_n_points", "two_stage", "two_stage_num_proposals",
           "with_box_refine", "focal_alpha", "tie_word_embeddings")
-_LAYER = re.compile(r"^model\.(encoder|decoder)\.layers\.(\d+)\.")
 
 
 class HfDeformableDetrConverter:
@@ -46,11 +43,7 @@ class HfDeformableDetrConverter:
         if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
             return HfDeformableDetrConverter.config_from_json(module.config.to_dict())
         s = HfDeformableDetrConverter.to_fastzoo(state)
-        layers = {"encoder": set(), "decoder": set()}
-        for k in s:
-            m = _LAYER.match(k)
-            if m:
-                layers[m[1]].add(int(m[2]))
+        layers = layer_indices(s)
         levels, d = s["model.level_embed"].shape
         # the tensors show heads x points per level, not each: with transformers' default heads where they divide
         heads = DeformableDetrConfig.encoder_attention_heads

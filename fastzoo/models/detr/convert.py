@@ -24,6 +24,16 @@ _DETR_PARTS = ("class_labels_classifier.", "bbox_predictor.", "model.query_posit
 _LAYER = re.compile(r"^model\.(encoder|decoder)\.layers\.(\d+)\.")
 
 
+def layer_indices(state: dict) -> dict[str, set[int]]:
+    """The encoder's and the decoder's layer indices a transformers detector's state dict holds."""
+    layers = {"encoder": set(), "decoder": set()}
+    for k in state:
+        m = _LAYER.match(k)
+        if m:
+            layers[m[1]].add(int(m[2]))
+    return layers
+
+
 class HfDetrConverter:
     """``DetrForObjectDetection`` state dicts (transformers 5.x names and the older ones)."""
 
@@ -55,11 +65,7 @@ class HfDetrConverter:
         if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
             return HfDetrConverter.config_from_json(module.config.to_dict())
         s = HfDetrConverter.to_fastzoo(state)
-        layers = {"encoder": set(), "decoder": set()}
-        for k in s:
-            m = _LAYER.match(k)
-            if m:
-                layers[m[1]].add(int(m[2]))
+        layers = layer_indices(s)
         return {
             "num_labels": s["class_labels_classifier.weight"].shape[0] - 1,
             "num_queries": s["model.query_position_embeddings.weight"].shape[0],
