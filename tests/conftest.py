@@ -139,3 +139,15 @@ def fast_switching():
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture(autouse=True)
+def _attention_registry_restored():
+    """A backend a test registers is gone after that test: the registry decides what every other test
+    iterates (``backends()``), so one test's toy backend must not become another's case."""
+    from fastzoo.attention import _REGISTRY
+
+    before = dict(_REGISTRY)
+    yield
+    _REGISTRY.clear()
+    _REGISTRY.update(before)
