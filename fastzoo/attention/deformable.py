@@ -40,6 +40,8 @@ import importlib
 import os
 from dataclasses import dataclass
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -339,3 +341,12 @@ def multi_scale_deformable_attention(value_BSHD: Tensor, spatial_shapes_L2: Tens
                                 spatial_shapes_list)
         points_L = torch.tensor(points_per_level, dtype=torch.int64, device=value_BSHD.device)
         return _FUNCTIONS[name](value_BSHD, spatial_shapes_L2, level_start_index_L, points_L, loc_BQHK2, weights_BQHK)
+
+
+def initial_offsets(heads: int, levels: int, points: int) -> torch.Tensor:
+    """transformers' initial sampling offsets (the ``sampling_offsets`` bias, flattened ``[heads, levels,
+    points, 2]``): head ``h`` looks along the angle ``2 pi h / heads``, point ``p`` at ``p + 1`` cells."""
+    thetas = torch.arange(heads, dtype=torch.float32) * (2.0 * math.pi / heads)
+    grid = torch.stack([thetas.cos(), thetas.sin()], -1)
+    grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(heads, 1, 1, 2).repeat(1, levels, points, 1)
+    return (grid * torch.arange(1, points + 1, dtype=torch.float32).view(1, 1, -1, 1)).view(-1)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastzoo.attention.deformable import initial_offsets
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.detr.backbone import DetrConvEncoder, resize_mask
@@ -270,11 +271,7 @@ class DeformableDetrForObjectDetection(TransformersDetector, FastzooModel):
         with torch.no_grad():
             for m in self.deformable_attentions():
                 nn.init.zeros_(m.sampling_offsets.weight)
-                thetas = torch.arange(m.heads, dtype=torch.float32) * (2.0 * math.pi / m.heads)
-                grid = torch.stack([thetas.cos(), thetas.sin()], -1)
-                grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(m.heads, 1, 1, 2).repeat(1, m.levels, m.points, 1)
-                grid *= torch.arange(1, m.points + 1, dtype=torch.float32).view(1, 1, -1, 1)
-                m.sampling_offsets.bias.copy_(grid.view(-1))
+                m.sampling_offsets.bias.copy_(initial_offsets(m.heads, m.levels, m.points))
                 nn.init.zeros_(m.attention_weights.weight)
                 nn.init.zeros_(m.attention_weights.bias)
                 nn.init.xavier_uniform_(m.value_proj.weight)

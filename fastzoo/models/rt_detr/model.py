@@ -26,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from fastzoo.attention.deformable import initial_offsets
 from fastzoo.attention.base import AttnContext
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.detr.model import _check_pixels
@@ -189,11 +190,7 @@ class RTDetrForObjectDetection(FastzooModel):
                 nn.init.zeros_(head.layers[-1].bias)
             for m in self.deformable_attentions():
                 nn.init.zeros_(m.sampling_offsets.weight)
-                thetas = torch.arange(m.heads, dtype=torch.float32) * (2.0 * math.pi / m.heads)
-                grid = torch.stack([thetas.cos(), thetas.sin()], -1)
-                grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(m.heads, 1, 1, 2).repeat(1, m.levels, m.points, 1)
-                grid *= torch.arange(1, m.points + 1, dtype=torch.float32).view(1, 1, -1, 1)
-                m.sampling_offsets.bias.copy_(grid.view(-1))
+                m.sampling_offsets.bias.copy_(initial_offsets(m.heads, m.levels, m.points))
                 for lin in (m.attention_weights, m.value_proj, m.output_proj):
                     nn.init.zeros_(lin.bias)
                 nn.init.zeros_(m.attention_weights.weight)
