@@ -225,6 +225,16 @@ def configs(draw, spec, base: dict | None = None, fixed: dict | None = None, sma
     assume(False)
 
 
+def image_sides(model, lo: int = 32) -> st.SearchStrategy:
+    """(height, width) a detector takes alone in train mode: each in [lo, 2 lo] with ``lo`` raised to the
+    model's ``min_image_side`` (every feature level keeps two positions), rounded up to its
+    ``image_side_multiple`` (RT-DETR: maps that halve exactly)."""
+    lo = max(lo, getattr(model, "min_image_side", 0))
+    m = getattr(model, "image_side_multiple", None) or 1
+    side = st.integers(lo, 2 * lo).map(lambda n: -(-n // m) * m)
+    return st.tuples(side, side)
+
+
 def just_outside(spec) -> list[tuple[str, object]]:
     """``(field, value)``: for every declared bound and choice of ``spec``'s config, the nearest
     value that breaks it (a wrong type too), each to be refused naming the field."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import SPECS, backends
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
-from fuzzing import configs, count, examples, fail, just_outside
+from fuzzing import configs, count, examples, fail, image_sides, just_outside
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -174,8 +174,8 @@ def _detection_bad(model, draw):
         "one class id too few": lambda: with_(class_labels=labels[i]["class_labels"][1:]),
     }
     masks = {
-        "mask of another height": torch.ones(B, 63, 64, dtype=torch.long),
-        "mask of another batch": torch.ones(B + 1, 64, 64, dtype=torch.long),
+        "mask of another height": torch.ones(B, side - 1, side, dtype=torch.long),
+        "mask of another batch": torch.ones(B + 1, side, side, dtype=torch.long),
         "mask of rank 4": mask[:, None],
     }
     kind = draw(st.sampled_from(sorted(kinds) + sorted(masks)), label="bad input")
@@ -242,7 +242,7 @@ def test_a_non_finite_image_spoils_its_own_logits_only(family, data):
             model.set_attention(name, **options)
         except BackendUnavailableError:
             assume(False)
-    side = (data.draw(st.integers(32, 48)), data.draw(st.integers(32, 48))) if detector else (
+    side = data.draw(image_sides(model), label="height, width") if detector else (
         getattr(model.config, "img_size", None) or (32, 32))
     B = data.draw(st.integers(2, 3), label="batch")
     x = torch.randn(B, getattr(model.config, "in_chans", None) or model.config.num_channels, *side,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import SPECS, backends, sdpa_flags
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
-from fuzzing import configs, count, examples, fail
+from fuzzing import configs, count, examples, fail, image_sides
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,9 +33,8 @@ def _input(model, family, draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16), label="input seed"))
     cfg = model.config
     if SPECS[family].task.name == "detection":  # padded images: the packed backends get each image's real tokens
-        lo = max(32, getattr(model, "min_image_side", 0))  # a multi-scale detector: two positions at every level
         B = draw(st.integers(1, 2))
-        H, W = draw(st.integers(lo, 2 * lo), label="height"), draw(st.integers(lo, 2 * lo), label="width")
+        H, W = draw(image_sides(model), label="height, width")
         mask = torch.zeros(B, H, W, dtype=torch.long)
         for i in range(B):
             mask[i, :draw(st.integers(H // 2, H)), :draw(st.integers(W // 2, W))] = 1

@@ -273,6 +273,39 @@ def test_images_whose_maps_do_not_halve_are_refused_naming_the_size():
     assert ours(pixel_values=torch.randn(1, 3, 64, 96)).logits.isfinite().all()
 
 
+def test_a_lone_image_too_small_for_train_mode_batchnorm_is_refused_naming_it():
+    """One 32 px image leaves the coarsest map (stride 32) one position, which BatchNorm cannot normalise in
+    train mode (torch raises a bare 'Expected more than 1 value per channel'); two images, or eval, run."""
+    ours = fastzoo.create("rtdetr_r50vd", **TINY).train()
+    assert ours.min_image_side == 64
+    with pytest.raises(ValueError, match=r"pixel_values: one \(32, 32\) image .* at least 64 px"):
+        ours(pixel_values=torch.randn(1, 3, 32, 32))
+    assert ours(pixel_values=torch.randn(2, 3, 32, 32)).logits.isfinite().all()
+    assert ours.eval()(pixel_values=torch.randn(1, 3, 32, 32)).logits.isfinite().all()
+
+
+def test_backbone_maps_that_skip_a_stage_are_refused_at_config():
+    with pytest.raises(ConfigError, match="consecutive") as e:
+        fastzoo.create("rtdetr_r50vd", device="meta", **{**TINY, "backbone_out_indices": (1, 3, 4)})
+    assert "backbone_out_indices" in e.value.fields
+
+
+@pytest.mark.parametrize("bad", ["class id", "NaN box", "box past 1"])
+def test_bad_label_values_are_refused_before_any_work(bad):
+    """The denoising queries embed the class ids (an id past num_labels was a bare IndexError) and train-mode
+    BatchNorm moves its statistics: bad values are refused by name first, and no running statistic changes."""
+    ours = fastzoo.create("rtdetr_r50vd", **TINY).train()
+    x, labels = batch()
+    if bad == "class id":
+        labels[2]["class_labels"][1] = ours.config.num_labels
+    else:
+        labels[2]["boxes"][1, 0] = float("nan") if bad == "NaN box" else 1.5
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(ValueError, match=r"labels\[2\]\['(class_labels|boxes)'\]\[1\]"):
+        ours(pixel_values=x, labels=labels)
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+
+
 def compare_loss_path(hf, ours, x, labels, seed=0):
     """The detectors' forward with ``labels`` in train mode (denoising queries from ``seed``): logits and boxes
     (denoising queries included, as transformers'), the auxiliary outputs, the loss and every loss_dict term

@@ -49,12 +49,13 @@ from fastzoo.losses.set_matching import (
     by_index,
     center_to_corners,
     check_labels,
+    check_target_values,
     hungarian,
     pad_targets,
     paired_iou,
 )
 
-__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "rt_detr_loss", "set_prediction_loss"]
+__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "check_target_values", "rt_detr_loss", "set_prediction_loss"]
 
 # how the GIoU term runs: ``giou_impl=`` of the loss, DETR's config field of that name, the bench's cases
 GIOU_IMPLS = {"per_sample": "GIoU term in a loop over images", "concat": "GIoU term on the gathered pairs",

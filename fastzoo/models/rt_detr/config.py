@@ -121,9 +121,9 @@ class RTDetrConfig(ModelConfig):
             raise ConfigError(f"hidden_expansion={self.hidden_expansion}: the CSP / RepVGG width int(encoder_hidden_dim * "
                               f"hidden_expansion) must be at least 1", fields=("hidden_expansion", "encoder_hidden_dim"))
         outs = tuple(self.backbone_out_indices)
-        if list(outs) != sorted(set(outs)) or outs[-1] > n:
-            raise ConfigError(f"backbone_out_indices={outs}: increasing stage numbers in 1..{n}",
-                              fields=("backbone_out_indices", "depths"))
+        if list(outs) != list(range(outs[0], outs[0] + len(outs))) or outs[0] < 1 or outs[-1] > n:
+            raise ConfigError(f"backbone_out_indices={outs}: consecutive stage numbers in 1..{n} (the encoder's FPN "
+                              f"upsamples each map 2x onto the next finer one)", fields=("backbone_out_indices", "depths"))
         if len(self.encoder_in_channels) != len(outs):
             raise ConfigError(f"encoder_in_channels={self.encoder_in_channels}: one per backbone feature map "
                               f"(backbone_out_indices={outs})", fields=("encoder_in_channels", "backbone_out_indices"))

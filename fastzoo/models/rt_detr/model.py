@@ -142,7 +142,13 @@ def map_strides(cfg: RTDetrConfig) -> list[int]:
     return [2 ** (i + 1 + cfg.downsample_in_first_stage) for i in cfg.backbone_out_indices]
 
 
-def _check_side(pixel_values, cfg: RTDetrConfig) -> None:
+def min_image_side(cfg: RTDetrConfig) -> int:
+    """Twice the stride of the coarsest level (each decoder level past the encoder's maps 2x more): the
+    smallest side at which one image alone passes every BatchNorm in train mode."""
+    return 2 * map_strides(cfg)[-1] * 2 ** (cfg.num_feature_levels - len(cfg.backbone_out_indices))
+
+
+def _check_side(pixel_values, cfg: RTDetrConfig, training: bool) -> None:
     """ValueError naming ``pixel_values`` where the backbone's maps do not halve exactly from one encoder level
     to the next (the FPN upsamples each 2x onto the finer one; transformers fails there on a size mismatch).
     Every convolution and pool rounds up, so a map of stride ``s`` has side ``ceil(side / s)``."""
@@ -153,6 +159,11 @@ def _check_side(pixel_values, cfg: RTDetrConfig) -> None:
             raise ValueError(f"pixel_values: {tuple(pixel_values.shape[-2:])} images give feature maps of sides {sizes}, "
                              f"which do not halve exactly from level to level as RT-DETR's encoder needs: use sides "
                              f"that are multiples of {strides[-1]} (image_side_multiple)")
+    coarsest = min_image_side(cfg) // 2
+    if training and pixel_values.shape[0] == 1 and all(side <= coarsest for side in pixel_values.shape[-2:]):
+        raise ValueError(f"pixel_values: one {tuple(pixel_values.shape[-2:])} image leaves the coarsest feature level a "
+                         f"single position, which BatchNorm cannot normalise in train mode: use images of at least "
+                         f"{min_image_side(cfg)} px (min_image_side), batches of 2 or eval mode")
 
 
 class RTDetrForObjectDetection(FastzooModel):
@@ -215,6 +226,12 @@ class RTDetrForObjectDetection(FastzooModel):
         map to map, as the encoder needs (others are refused, naming them)."""
         return map_strides(self.config)[-1]
 
+    @property
+    def min_image_side(self) -> int:
+        """The smallest image side (pixels) whose every feature level keeps two positions, so that one image
+        alone passes each BatchNorm in train mode (a multiple of ``image_side_multiple``)."""
+        return min_image_side(self.config)
+
     def set_deformable_attention(self, impl: str = "auto") -> "RTDetrForObjectDetection":
         """The decoder's multi-scale deformable attention kernel (``fastzoo.attention.deformable``:
         reference | cpu | triton | auto), checked against this model's device and dtype now: an unknown or
@@ -238,7 +255,7 @@ class RTDetrForObjectDetection(FastzooModel):
         """transformers' ``RTDetrForObjectDetection.forward``: ``pixel_values [B, 3, H, W]``, ``pixel_mask``
         (unused, as transformers), ``labels`` as DETR's. Returns transformers' output class;
         ``return_dict=False`` gives its tuple."""
-        from fastzoo.losses.set_prediction import check_labels
+        from fastzoo.losses.set_prediction import check_target_values
 
         unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if unknown:
@@ -246,9 +263,9 @@ class RTDetrForObjectDetection(FastzooModel):
                              f"return_dict (no per-layer attentions or hidden states, no precomputed embeddings)")
         pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
                                                  self.model.enc_score_head.weight)
-        _check_side(pixel_values, self.config)
-        if labels is not None:
-            check_labels(labels, pixel_values.shape[0])
+        _check_side(pixel_values, self.config, self.training)
+        if labels is not None:  # the denoising queries embed the labels and BatchNorm moves: refused before any work
+            check_target_values(labels, pixel_values.shape[0], self.config.num_labels, pixel_values.device)
         out = self.model(pixel_values, labels)
         logits_BLQC, boxes_BLQ4, dn = out["logits"], out["boxes"], out["dn"]
         meta = dn.meta if dn is not None and self.training else None
