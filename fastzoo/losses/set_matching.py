@@ -88,6 +88,12 @@ def center_to_corners(b: Tensor) -> Tensor:
     return torch.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h], dim=-1)
 
 
+def corners_to_center(b: Tensor) -> Tensor:
+    """(x1, y1, x2, y2) -> (cx, cy, w, h), transformers' ``corners_to_center_format``."""
+    x0, y0, x1, y1 = b.unbind(-1)
+    return torch.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], dim=-1)
+
+
 def pairwise_giou(a: Tensor, b: Tensor) -> Tensor:
     """GIoU ``[..., Q, M]`` between xyxy boxes ``a [..., Q, 4]`` and ``b [..., M, 4]``, transformers'
     (DETR's) formula: no epsilon, intersection and enclosure clamped at 0. Each coordinate apart: every

@@ -143,7 +143,9 @@ def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=
 
 
 def rt_detr_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config, *, enc_topk_logits: Tensor | None = None,
-                 enc_topk_bboxes: Tensor | None = None, denoising_meta_values: dict | None = None) -> tuple[Tensor, dict]:
+                 enc_topk_bboxes: Tensor | None = None, denoising_meta_values: dict | None = None,
+                 predicted_corners: Tensor | None = None, initial_reference_points: Tensor | None = None
+                 ) -> tuple[Tensor, dict]:
     """RT-DETR's ``(loss, loss_dict)``, transformers' ``RTDetrForObjectDetectionLoss``: the L decoder layers'
     ``logits_LBQC [L, B, DN+Q, C]`` (per-class sigmoids) and ``boxes_LBQ4 [L, B, DN+Q, 4]`` (cxcywh;
     transformers' ``intermediate_logits`` / ``intermediate_reference_points`` with the layers first), the
@@ -157,7 +159,17 @@ def rt_detr_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config, *, enc
     queries: with denoising, transformers 5.17 matches the denoising queries there too); with
     ``auxiliary_loss``, each earlier layer's normal queries (``_aux_0`` ...), the encoder's proposals
     (``_aux_{L-1}``) and each layer's denoising groups matched by index (``_dn_0`` ..., normalised by the box
-    count times the groups)."""
+    count times the groups).
+
+    D-FINE's part (transformers' ``DFineForObjectDetectionLoss``), declared by ``predicted_corners [Lk, B, DN+Q,
+    4 (max_num_bins + 1)]`` (each layer's box-edge distributions) with ``initial_reference_points [Lk, B, DN+Q, 4]``
+    (each layer's initial boxes) and the config's ``max_num_bins``, ``reg_scale``, ``up``, ``weight_loss_fgl``,
+    ``weight_loss_ddf``: every box (the encoder's too) clamped to [0, 1]; the auxiliary layers are the first
+    ``min(L, Lk) - 1`` (transformers pairs layer ``i``'s logits with layer ``i``'s distributions, the logits
+    starting one earlier) and the denoising layers the first ``min(L, Lk)``; each of those adds ``loss_fgl`` (the
+    matched edges' distributions against the target edge's two nearest bins, weighted by the IoU) and
+    ``loss_ddf`` (every query's distributions distilled from the last layer's, weighted by the IoU where matched
+    and the last layer's top score elsewhere; 0 for the last layer itself)."""
     fields = ("num_labels", "matcher_class_cost", "matcher_bbox_cost", "matcher_giou_cost", "use_focal_loss",
               "matcher_alpha", "matcher_gamma", "focal_loss_alpha", "focal_loss_gamma", "weight_loss_vfl",
               "weight_loss_bbox", "weight_loss_giou", "auxiliary_loss")
@@ -170,14 +182,54 @@ def rt_detr_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config, *, enc
         raise ValueError("matcher_class_cost, matcher_bbox_cost and matcher_giou_cost are all 0: the matcher needs one")
     giou_impl = getattr(config, "giou_impl", "kernel")
     _check_giou_impl(giou_impl)
+    fdr = None
+    if predicted_corners is not None:
+        fdr = _check_distributions(predicted_corners, initial_reference_points, logits_LBQC, config)
+        boxes_LBQ4 = boxes_LBQ4.clamp(min=0, max=1)
+        if enc_topk_bboxes is not None:
+            enc_topk_bboxes = enc_topk_bboxes.clamp(min=0, max=1)
     with kernel_range("loss", "rt_detr_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
         return _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_topk_logits,
-                             enc_topk_bboxes, denoising_meta_values)
+                             enc_topk_bboxes, denoising_meta_values, fdr)
 
 
-def _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_logits_BQC, enc_boxes_BQ4, dn_meta):
+@dataclass
+class _Distributions:
+    """D-FINE's part of the loss: each layer's edge distributions ``corners_LBQK`` and initial boxes
+    ``refs_LBQ4``, and the weighting function's constants."""
+
+    corners_LBQK: Tensor
+    refs_LBQ4: Tensor
+    bins: int
+    reg_scale: float
+    up: float
+    weight_fgl: float
+    weight_ddf: float
+
+
+def _check_distributions(corners, refs, logits_LBQC, config) -> _Distributions:
+    missing = [f for f in ("max_num_bins", "reg_scale", "up", "weight_loss_fgl", "weight_loss_ddf") if not hasattr(config, f)]
+    if missing:
+        raise ValueError(f"predicted_corners: config lacks D-FINE's loss fields {', '.join(missing)} (transformers' "
+                         f"DFineConfig names)")
+    K = 4 * (config.max_num_bins + 1)
+    shape = tuple(getattr(corners, "shape", ()))
+    if not isinstance(corners, Tensor) or corners.ndim != 4 or shape[1:] != (*logits_LBQC.shape[1:3], K):
+        raise ValueError(f"predicted_corners must be [layers, {logits_LBQC.shape[1]}, {logits_LBQC.shape[2]}, {K}] "
+                         f"(4 x (max_num_bins + 1) per query), got {shape}")
+    if not isinstance(refs, Tensor) or tuple(refs.shape) != (*shape[:3], 4):
+        raise ValueError(f"initial_reference_points must be [{', '.join(map(str, shape[:3]))}, 4] with predicted_corners, "
+                         f"got {tuple(getattr(refs, 'shape', ())) or refs!r}")
+    return _Distributions(corners, refs, config.max_num_bins, config.reg_scale, config.up, config.weight_loss_fgl,
+                          config.weight_loss_ddf)
+
+
+def _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_logits_BQC, enc_boxes_BQ4, dn_meta,
+                  fdr: _Distributions | None):
     _check_predictions(logits_LBQC, boxes_LBQ4)
     L, B, QQ, C = logits_LBQC.shape
+    Lk = fdr.corners_LBQK.shape[0] if fdr is not None else L + 1
+    n_aux, n_dn = min(L, Lk) - 1, min(L, Lk)  # RT-DETR: every earlier layer, every layer
     if C != config.num_labels:
         raise ValueError(f"logits have {C} classes; num_labels={config.num_labels} (sigmoid classes, no 'no object')")
     t = pad_targets(labels, B, logits_LBQC.device)
@@ -185,27 +237,28 @@ def _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_
     aux = bool(config.auxiliary_loss)
     if aux:
         _check_encoder(enc_logits_BQC, enc_boxes_BQ4, (B, QQ - DN, C))
-    # Hungarian stacks: the last layer (all its queries), and with auxiliary_loss the earlier layers' normal
+    # Hungarian stacks: the last layer (all its queries), and with auxiliary_loss the auxiliary layers' normal
     # queries with the encoder's proposals as one more layer; one stack when they share the query count
     suffixes = [""]
     if not aux:
         stacks = [(logits_LBQC[-1:], boxes_LBQ4[-1:])]
     elif DN == 0:
-        stacks = [(torch.cat([logits_LBQC, enc_logits_BQC[None]]), torch.cat([boxes_LBQ4, enc_boxes_BQ4[None]]))]
-        suffixes = [*(f"_aux_{i}" for i in range(L - 1)), "", f"_aux_{L - 1}"]
+        stacks = [(torch.cat([logits_LBQC[:n_aux], logits_LBQC[-1:], enc_logits_BQC[None]]),
+                   torch.cat([boxes_LBQ4[:n_aux], boxes_LBQ4[-1:], enc_boxes_BQ4[None]]))]
+        suffixes = [*(f"_aux_{i}" for i in range(n_aux)), "", f"_aux_{n_aux}"]
     else:
         stacks = [(logits_LBQC[-1:], boxes_LBQ4[-1:]),
-                  (torch.cat([logits_LBQC[:-1, :, DN:], enc_logits_BQC[None]]),
-                   torch.cat([boxes_LBQ4[:-1, :, DN:], enc_boxes_BQ4[None]]))]
-        suffixes = ["", *(f"_aux_{i}" for i in range(L))]
+                  (torch.cat([logits_LBQC[:n_aux, :, DN:], enc_logits_BQC[None]]),
+                   torch.cat([boxes_LBQ4[:n_aux, :, DN:], enc_boxes_BQ4[None]]))]
+        suffixes = ["", *(f"_aux_{i}" for i in range(n_aux + 1))]
     starts = [0, *accumulate(lg.shape[0] for lg, _ in stacks)]
     names = [[_layer_name(sfx, L) for sfx in suffixes[a:b]] for a, b in zip(starts, starts[1:])]
     queries = hungarian(stacks, t, cost, C, names)
     n = max(t.num_boxes, 1)
     matched = [_Stack(lg, bx, q, t.boxes_BM4, t.labels_BM, n) for (lg, bx), q in zip(stacks, queries)]
     if aux and DN:
-        suffixes += [f"_dn_{i}" for i in range(L)]
-        matched.append(_Stack(logits_LBQC[:, :, :DN], boxes_LBQ4[:, :, :DN], by_index(t, G, L),
+        suffixes += [f"_dn_{i}" for i in range(n_dn)]
+        matched.append(_Stack(logits_LBQC[:n_dn, :, :DN], boxes_LBQ4[:n_dn, :, :DN], by_index(t, G, n_dn),
                               t.boxes_BM4.repeat(1, G, 1), t.labels_BM.repeat(1, G), n * G))
     term = ClassTerm("varifocal", alpha=config.focal_loss_alpha, gamma=config.focal_loss_gamma)
     pairs = [_pairs(s) for s in matched]
@@ -214,12 +267,107 @@ def _rt_detr_loss(logits_LBQC, boxes_LBQ4, labels, config, cost, giou_impl, enc_
     loss_dict = {}
     order = sorted(range(len(suffixes)), key=lambda i: (suffixes[i] != "", i))  # the last layer's terms first
     per_layer = [(c[i], b[i], g[i] / s.n) for (c, b), g, s in zip(class_l1, gious, matched) for i in range(len(c))]
+    local = _local_terms(fdr, matched, pairs, suffixes, n_aux, DN, logits_LBQC[-1]) if fdr is not None and aux else {}
     for i in order:
         vfl, bbox, giou = per_layer[i]
         sfx = suffixes[i]
         loss_dict.update({f"loss_vfl{sfx}": config.weight_loss_vfl * vfl, f"loss_bbox{sfx}": config.weight_loss_bbox * bbox,
                           f"loss_giou{sfx}": config.weight_loss_giou * giou})
+        if sfx in local:
+            fgl, ddf = local[sfx]
+            loss_dict.update({f"loss_fgl{sfx}": fdr.weight_fgl * fgl, f"loss_ddf{sfx}": fdr.weight_ddf * ddf})
     return torch.stack(list(loss_dict.values())).sum(), loss_dict
+
+
+def weighting_function(max_num_bins: int, up: Tensor, reg_scale) -> Tensor:
+    """D-FINE's W(n) ``[max_num_bins + 1]``: 0 in the middle, ``+-(step^i - 1)`` growing to ``+-up x reg_scale`` beside
+    the ends, ``+-2 up x reg_scale`` at the ends (``step = (up x reg_scale + 1)^(2 / (max_num_bins - 2))``);
+    transformers' list of the same operations (``up`` a 1-element tensor, ``reg_scale`` one or a number)."""
+    bound = abs(up[0]) * abs(reg_scale)
+    step = (bound + 1) ** (2 / (max_num_bins - 2))
+    left = [-(step ** i) + 1 for i in range(max_num_bins // 2 - 1, 0, -1)]
+    right = [step ** i - 1 for i in range(1, max_num_bins // 2)]
+    values = [-abs(up[0]) * abs(reg_scale) * 2, *left, torch.zeros_like(up[0]), *right, abs(up[0]) * abs(reg_scale) * 2]
+    return torch.cat([v.reshape(1) for v in values])
+
+
+def _edge_bins(refs_4: Tensor, target_4: Tensor, fdr: _Distributions) -> tuple[Tensor, Tensor, Tensor]:
+    """The target's edges (xyxy) as distances from the initial boxes (cxcywh) in the weighting function's units,
+    and their two nearest bins with interpolation weights: ``(left bin, weight right, weight left)``, transformers'
+    ``bbox2distance`` (an edge beyond the ends: all weight on the end bin)."""
+    reg = abs(fdr.reg_scale)
+    cx, cy, w, h = refs_4.unbind(-1)
+    x0, y0, x1, y1 = target_4.unbind(-1)
+    gt = torch.stack([(cx - x0) / (w / reg + 1e-16) - 0.5 * reg, (cy - y0) / (h / reg + 1e-16) - 0.5 * reg,
+                      (x1 - cx) / (w / reg + 1e-16) - 0.5 * reg, (y1 - cy) / (h / reg + 1e-16) - 0.5 * reg], -1)
+    values = weighting_function(fdr.bins, torch.tensor([fdr.up], device=gt.device), fdr.reg_scale)
+    idx = (values <= gt[..., None]).sum(-1) - 1
+    valid, below = (idx >= 0) & (idx < fdr.bins), idx < 0
+    at = idx.clamp(0, fdr.bins - 1)
+    left_d, right_d = (gt - values[at]).abs(), (values[at + 1] - gt).abs()
+    ratio = left_d / (left_d + right_d)
+    weight_right = torch.where(valid, ratio, torch.where(below, 0.0, 1.0))
+    weight_left = torch.where(valid, 1.0 - ratio, torch.where(below, 1.0, 0.0))
+    bin_ = torch.where(valid, idx.to(gt.dtype), torch.where(below, 0.0, fdr.bins - 0.1)).clamp(0, fdr.bins - 0.1)
+    return bin_.long(), weight_right, weight_left
+
+
+def _local_terms(fdr: _Distributions, matched: list[_Stack], pairs, suffixes, n_aux: int, DN: int, teacher_logits_BQC
+                 ) -> dict[str, tuple[Tensor, Tensor]]:
+    """D-FINE's ``(loss_fgl, loss_ddf)`` by loss_dict suffix, for the auxiliary layers ``_aux_i`` (i < n_aux: the
+    normal queries) and the denoising layers ``_dn_i`` (the denoising queries); both unweighted."""
+    out, start, Lk = {}, 0, fdr.corners_LBQK.shape[0]
+    for s, (matched_LBS, pred_LBS4, tgt_LBS4) in zip(matched, pairs):
+        names = suffixes[start:start + s.query_LBS.shape[0]]
+        start += len(names)
+        for layer, sfx in enumerate(names):
+            if sfx.startswith("_aux_") and int(sfx[5:]) < n_aux:
+                queries = slice(DN, None)
+            elif sfx.startswith("_dn_"):
+                queries = slice(None, DN)
+            else:
+                continue
+            k = int(sfx.rsplit("_", 1)[1])
+            out[sfx] = _fgl_ddf(fdr, k, Lk, queries, s.query_LBS[layer], matched_LBS[layer], pred_LBS4[layer],
+                                tgt_LBS4[layer], teacher_logits_BQC[:, queries], s.n)
+    return out
+
+
+def _fgl_ddf(fdr: _Distributions, k: int, Lk: int, queries: slice, query_BS, matched_BS, pred_BS4, tgt_BS4,
+             teacher_logits_BQC, n, T: float = 5.0) -> tuple[Tensor, Tensor]:
+    """One layer's FGL (the matched queries' edge distributions: cross-entropy to the target edge's two nearest
+    bins by their weights, times the pair's IoU, over the box count) and DDF (every query's distributions against
+    the last layer's at temperature T: KL x T^2, weighted by the IoU where matched and the last layer's top score
+    elsewhere; the matched and the other queries' means mixed by the square roots of their counts per image)."""
+    corners_BQK = fdr.corners_LBQK[k, :, queries]
+    B, Q, K4 = corners_BQK.shape
+    bins = K4 // 4
+    q_BS = query_BS.clamp(min=0)
+    with torch.no_grad():
+        iou_BS = paired_iou(center_to_corners(pred_BS4), center_to_corners(tgt_BS4))
+        refs_BS4 = fdr.refs_LBQ4[k, :, queries].gather(1, q_BS[..., None].expand(*q_BS.shape, 4))
+        left, weight_right, weight_left = _edge_bins(refs_BS4, center_to_corners(tgt_BS4), fdr)
+    logp_BS4K = F.log_softmax(corners_BQK.gather(1, q_BS[..., None].expand(*q_BS.shape, K4)).reshape(B, -1, 4, bins), -1)
+    ce = -(logp_BS4K.gather(-1, left[..., None])[..., 0] * weight_left
+           + logp_BS4K.gather(-1, left[..., None] + 1)[..., 0] * weight_right)
+    fgl = torch.where(matched_BS[..., None], ce * iou_BS[..., None], 0.0).sum() / n
+    if k == Lk - 1:  # the teacher itself: transformers' zero that keeps the graph
+        return fgl, corners_BQK.sum() * 0
+    with torch.no_grad():
+        slot_BS = torch.where(matched_BS, query_BS, Q)  # unmatched slots write to a dropped column Q
+        weight_BQ = teacher_logits_BQC.sigmoid().max(-1).values
+        weight_BQ = torch.cat([weight_BQ, weight_BQ[:, :1]], 1).scatter(1, slot_BS, iou_BS.to(weight_BQ.dtype))[:, :Q]
+        mask_BQ = torch.zeros(B, Q + 1, dtype=torch.bool, device=corners_BQK.device).scatter(1, slot_BS, True)[:, :Q]
+        teacher = F.softmax(fdr.corners_LBQK[-1, :, queries].reshape(B, Q, 4, bins) / T, -1)
+    kl_BQ4 = F.kl_div(F.log_softmax(corners_BQK.reshape(B, Q, 4, bins) / T, -1), teacher, reduction="none").sum(-1)
+    loss_BQ4 = weight_BQ[..., None] * T ** 2 * kl_BQ4
+    mask_BQ4 = mask_BQ[..., None].expand(B, Q, 4)
+    count_pos = mask_BQ4.sum()
+    count_neg = mask_BQ4.numel() - count_pos
+    mean_pos = torch.where(mask_BQ4, loss_BQ4, 0.0).sum() / count_pos.clamp(min=1)
+    mean_neg = torch.where(mask_BQ4, 0.0, loss_BQ4).sum() / count_neg.clamp(min=1)
+    num_pos, num_neg = (count_pos / B) ** 0.5, (count_neg / B) ** 0.5
+    return fgl, (mean_pos * num_pos + mean_neg * num_neg) / (num_pos + num_neg)
 
 
 def _layer_name(suffix: str, L: int) -> str:

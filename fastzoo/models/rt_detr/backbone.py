@@ -131,7 +131,8 @@ class RTDetrResNetEncoder(nn.Module):
 
 class RTDetrResNetBackbone(nn.Module):
     """transformers' ``RTDetrResNetBackbone``: the stem and stages; the feature maps of the stages
-    ``backbone_out_indices`` (1 = the first stage)."""
+    ``backbone_out_indices`` (1 = the first stage). Another family's backbone with the same parts
+    (``embedder``, ``encoder.stages``, ``out_indices``) keeps this forward."""
 
     def __init__(self, cfg: RTDetrConfig):
         super().__init__()
@@ -151,12 +152,12 @@ class RTDetrResNetBackbone(nn.Module):
 
 
 class RTDetrConvEncoder(nn.Module):
-    """transformers' ``RTDetrConvEncoder``: the backbone (``model``), BatchNorms frozen unless
-    ``freeze_backbone_batch_norms`` is False."""
+    """transformers' ``RTDetrConvEncoder`` (D-FINE's ``DFineConvEncoder``): the ``backbone`` (``model``),
+    BatchNorms frozen unless ``freeze_backbone_batch_norms`` is False."""
 
-    def __init__(self, cfg: RTDetrConfig):
+    def __init__(self, cfg, backbone: type[nn.Module] = RTDetrResNetBackbone):
         super().__init__()
-        self.model = RTDetrResNetBackbone(cfg)
+        self.model = backbone(cfg)
         if cfg.freeze_backbone_batch_norms:
             freeze_batch_norm(self.model)
 

@@ -1,6 +1,6 @@
 """RT-DETR's config: transformers' ``RTDetrConfig`` / ``RTDetrV2Config`` field names and defaults
 (``PekingU/rtdetr_r50vd``), the ResNet-vd backbone's sizes under ``RTDetrResNetConfig``'s names, and the
-set loss's settings. RT-DETRv2 is a declared difference (``model_type="rt_detr_v2"``): its decoder's
+set loss's settings; the fields D-FINE shares with it are :class:`HybridDetrConfig`'s. RT-DETRv2 is a declared difference (``model_type="rt_detr_v2"``): its decoder's
 deformable attention reads ``decoder_n_levels`` levels with ``decoder_offset_scale`` and
 ``decoder_method`` ("default": bilinear, "discrete": the nearest pixel)."""
 from __future__ import annotations
@@ -16,25 +16,15 @@ MODEL_TYPES = ("rt_detr", "rt_detr_v2")
 
 
 @dataclass
-class RTDetrConfig(ModelConfig):
-    """transformers' names; each field's kind, meaning and constraint is declared with it."""
+class HybridDetrConfig(ModelConfig):
+    """The fields RT-DETR and D-FINE share, transformers' names (each field's kind, meaning and constraint
+    declared with it): the backbone's outputs, the hybrid encoder, the decoder, the denoising queries and the
+    set loss. A family adds its backbone's fields and its differences."""
 
-    model_type: str = changes_function("rt_detr", "which transformers model: 'rt_detr' (RTDetrForObjectDetection) or "
-                                       "'rt_detr_v2' (RTDetrV2ForObjectDetection: decoder_n_levels, "
-                                       "decoder_offset_scale, decoder_method)", choices=MODEL_TYPES)
     num_labels: int = weights_decide(80, "object classes (sigmoid per class, no 'no object' logit)", ge=1)
     id2label: dict | None = free(None, "class id -> name, as transformers' config; save_pretrained carries it")
-    # -- the backbone: ResNet-vd (transformers' RTDetrResNetConfig names) ---------------------------
-    layer_type: str = weights_decide("bottleneck", "'basic' (ResNet-18/34) or 'bottleneck' blocks",
-                                     choices=("basic", "bottleneck"))
-    depths: tuple[int, ...] = weights_decide((3, 4, 6, 3), "blocks per stage", ge=1, le=MAX_BLOCKS)
-    hidden_sizes: tuple[int, ...] = weights_decide((256, 512, 1024, 2048), "each stage's output channels", ge=1)
-    embedding_size: int = weights_decide(64, "the deep stem's channels (three 3x3 convolutions)", ge=2)
     num_channels: int = weights_decide(3, "image channels", ge=1)
     hidden_act: str = changes_function("relu", "the backbone's activation", choices=ACTIVATIONS)
-    downsample_in_first_stage: bool = changes_function(False, "the first stage strides by 2")
-    downsample_in_bottleneck: bool = changes_function(False, "a bottleneck strides in its first 1x1 convolution "
-                                                      "(False: in its 3x3, ResNet-vd's)")
     backbone_out_indices: tuple[int, ...] = weights_decide((2, 3, 4), "the backbone stages whose feature maps feed "
                                                            "the encoder (transformers' out_indices; 2, 3, 4 = C3..C5)", ge=1)
     freeze_backbone_batch_norms: bool = changes_function(True, "the backbone's BatchNorms frozen (statistics and "
@@ -76,10 +66,9 @@ class RTDetrConfig(ModelConfig):
     dropout: float = free(0.0, "dropout after attention and MLP blocks", ge=0, le=1)
     attention_dropout: float = free(0.0, "dropout on the decoder's attention probabilities", ge=0, le=1)
     activation_dropout: float = free(0.0, "dropout after the MLP activation", ge=0, le=1)
-    # -- RT-DETRv2's decoder -------------------------------------------------------------------------
-    decoder_n_levels: int = weights_decide(3, "rt_detr_v2: levels the cross-attention samples", ge=1)
-    decoder_offset_scale: float = changes_function(0.5, "rt_detr_v2: scale of the sampling offsets around a box", gt=0)
-    decoder_method: str = changes_function("default", "rt_detr_v2: 'default' (bilinear sampling) or 'discrete' "
+    # -- RT-DETRv2's and D-FINE's cross-attention ---------------------------------------------------
+    decoder_offset_scale: float = changes_function(0.5, "rt_detr_v2, d_fine: scale of the sampling offsets around a box", gt=0)
+    decoder_method: str = changes_function("default", "rt_detr_v2, d_fine: 'default' (bilinear sampling) or 'discrete' "
                                            "(the nearest pixel)", choices=("default", "discrete"))
     # -- training: denoising queries and the set loss (transformers' names and defaults) -------------
     num_denoising: int = weights_decide(100, "denoising queries in training (0: none, and no denoising_class_embed)",
@@ -104,26 +93,22 @@ class RTDetrConfig(ModelConfig):
     giou_impl: str = free("kernel", "how the set loss's GIoU term runs: " + "; ".join(f"{k}: {v}" for k, v in GIOU_IMPLS.items()),
                           choices=tuple(GIOU_IMPLS))
 
+    @property
+    def backbone_stages(self) -> int:
+        """How many stages the family's backbone has (``backbone_out_indices`` count them from 1)."""
+        raise NotImplementedError
+
+    @property
+    def map_strides(self) -> list[int]:
+        """The strides of the backbone maps the encoder reads (one per ``backbone_out_indices``)."""
+        raise NotImplementedError
+
     def validate(self):
-        n = len(self.depths)
-        if len(self.hidden_sizes) != n:
-            raise ConfigError(f"hidden_sizes={self.hidden_sizes} needs one width per stage of depths={self.depths}",
-                              fields=("hidden_sizes", "depths"))
-        if self.layer_type == "basic" and self.embedding_size != self.hidden_sizes[0] and not self.downsample_in_first_stage:
-            raise ConfigError(f"basic blocks: embedding_size={self.embedding_size} -> hidden_sizes[0]={self.hidden_sizes[0]} "
-                              f"pools the first stage's shortcut (2x2) while its convolutions keep the size (transformers "
-                              f"fails on it): make them equal or set downsample_in_first_stage=True",
-                              fields=("embedding_size", "hidden_sizes", "downsample_in_first_stage"))
-        if self.layer_type == "bottleneck" and min(self.hidden_sizes) < 4:
-            raise ConfigError(f"bottleneck blocks: hidden_sizes={self.hidden_sizes} must be at least 4 (a block's inner "
-                              f"width is a quarter)", fields=("hidden_sizes", "layer_type"))
-        if int(self.encoder_hidden_dim * self.hidden_expansion) < 1:
-            raise ConfigError(f"hidden_expansion={self.hidden_expansion}: the CSP / RepVGG width int(encoder_hidden_dim * "
-                              f"hidden_expansion) must be at least 1", fields=("hidden_expansion", "encoder_hidden_dim"))
+        n = self.backbone_stages
         outs = tuple(self.backbone_out_indices)
         if list(outs) != list(range(outs[0], outs[0] + len(outs))) or outs[0] < 1 or outs[-1] > n:
             raise ConfigError(f"backbone_out_indices={outs}: consecutive stage numbers in 1..{n} (the encoder's FPN "
-                              f"upsamples each map 2x onto the next finer one)", fields=("backbone_out_indices", "depths"))
+                              f"upsamples each map 2x onto the next finer one)", fields=("backbone_out_indices",))
         if len(self.encoder_in_channels) != len(outs):
             raise ConfigError(f"encoder_in_channels={self.encoder_in_channels}: one per backbone feature map "
                               f"(backbone_out_indices={outs})", fields=("encoder_in_channels", "backbone_out_indices"))
@@ -146,19 +131,65 @@ class RTDetrConfig(ModelConfig):
             raise ConfigError(f"encoder_hidden_dim={self.encoder_hidden_dim}: AIFI's 2-D sine embedding needs a "
                               f"multiple of 4", fields=("encoder_hidden_dim",))
         if self.learn_initial_query:
-            raise ConfigError("learn_initial_query=True: transformers 5.17's RTDetrModel calls .tile on its "
-                              "nn.Embedding and fails; fastzoo reproduces transformers, so it is refused",
-                              fields=("learn_initial_query",))
-        if self.model_type == "rt_detr_v2" and self.decoder_n_levels != self.num_feature_levels:
-            raise ConfigError(f"rt_detr_v2: decoder_n_levels={self.decoder_n_levels} must equal num_feature_levels="
-                              f"{self.num_feature_levels} (the levels the decoder is given)",
-                              fields=("decoder_n_levels", "num_feature_levels"))
+            raise ConfigError("learn_initial_query=True: transformers 5.17's model calls .tile on its nn.Embedding and "
+                              "fails; fastzoo reproduces transformers, so it is refused", fields=("learn_initial_query",))
         if self.anchor_image_size is not None and len(self.anchor_image_size) != 2:
             raise ConfigError(f"anchor_image_size={self.anchor_image_size}: (height, width)", fields=("anchor_image_size",))
         if self.anchor_image_size is not None and len(self.feat_strides) != self.num_feature_levels:
             raise ConfigError(f"anchor_image_size: feat_strides={self.feat_strides} needs one stride per decoder level "
                               f"(num_feature_levels={self.num_feature_levels})", fields=("feat_strides", "anchor_image_size"))
 
+
+@dataclass
+class RTDetrConfig(HybridDetrConfig):
+    """RT-DETR's and RT-DETRv2's: the shared fields, the ResNet-vd backbone and v2's levels."""
+
+    model_type: str = changes_function("rt_detr", "which transformers model: 'rt_detr' (RTDetrForObjectDetection) or "
+                                       "'rt_detr_v2' (RTDetrV2ForObjectDetection: decoder_n_levels, "
+                                       "decoder_offset_scale, decoder_method)", choices=MODEL_TYPES)
+    # -- the backbone: ResNet-vd (transformers' RTDetrResNetConfig names) ---------------------------
+    layer_type: str = weights_decide("bottleneck", "'basic' (ResNet-18/34) or 'bottleneck' blocks",
+                                     choices=("basic", "bottleneck"))
+    depths: tuple[int, ...] = weights_decide((3, 4, 6, 3), "blocks per stage", ge=1, le=MAX_BLOCKS)
+    hidden_sizes: tuple[int, ...] = weights_decide((256, 512, 1024, 2048), "each stage's output channels", ge=1)
+    embedding_size: int = weights_decide(64, "the deep stem's channels (three 3x3 convolutions)", ge=2)
+    downsample_in_first_stage: bool = changes_function(False, "the first stage strides by 2")
+    downsample_in_bottleneck: bool = changes_function(False, "a bottleneck strides in its first 1x1 convolution "
+                                                      "(False: in its 3x3, ResNet-vd's)")
+    # -- RT-DETRv2's decoder -------------------------------------------------------------------------
+    decoder_n_levels: int = weights_decide(3, "rt_detr_v2: levels the cross-attention samples", ge=1)
+
+    @property
+    def backbone_stages(self) -> int:
+        return len(self.depths)
+
+    def validate(self):
+        if len(self.hidden_sizes) != len(self.depths):
+            raise ConfigError(f"hidden_sizes={self.hidden_sizes} needs one width per stage of depths={self.depths}",
+                              fields=("hidden_sizes", "depths"))
+        if self.layer_type == "basic" and self.embedding_size != self.hidden_sizes[0] and not self.downsample_in_first_stage:
+            raise ConfigError(f"basic blocks: embedding_size={self.embedding_size} -> hidden_sizes[0]={self.hidden_sizes[0]} "
+                              f"pools the first stage's shortcut (2x2) while its convolutions keep the size (transformers "
+                              f"fails on it): make them equal or set downsample_in_first_stage=True",
+                              fields=("embedding_size", "hidden_sizes", "downsample_in_first_stage"))
+        if self.layer_type == "bottleneck" and min(self.hidden_sizes) < 4:
+            raise ConfigError(f"bottleneck blocks: hidden_sizes={self.hidden_sizes} must be at least 4 (a block's inner "
+                              f"width is a quarter)", fields=("hidden_sizes", "layer_type"))
+        if int(self.encoder_hidden_dim * self.hidden_expansion) < 1:
+            raise ConfigError(f"hidden_expansion={self.hidden_expansion}: the CSP / RepVGG width int(encoder_hidden_dim * "
+                              f"hidden_expansion) must be at least 1", fields=("hidden_expansion", "encoder_hidden_dim"))
+        super().validate()
+        if self.model_type == "rt_detr_v2" and self.decoder_n_levels != self.num_feature_levels:
+            raise ConfigError(f"rt_detr_v2: decoder_n_levels={self.decoder_n_levels} must equal num_feature_levels="
+                              f"{self.num_feature_levels} (the levels the decoder is given)",
+                              fields=("decoder_n_levels", "num_feature_levels"))
+
     @property
     def v2(self) -> bool:
         return self.model_type == "rt_detr_v2"
+
+    @property
+    def map_strides(self) -> list[int]:
+        """The strides of the backbone maps the encoder reads: stage ``i`` (1 = the first) at ``2^(i + 1)``, one
+        more halving with ``downsample_in_first_stage``."""
+        return [2 ** (i + 1 + self.downsample_in_first_stage) for i in self.backbone_out_indices]

@@ -34,7 +34,9 @@ class HfRTDetrConverter:
     @staticmethod
     def matches(state: dict) -> bool:
         # two keys every state and every gradient dict has (the encoder's scores reach no loss through top-k)
-        return "model.encoder_input_proj.0.0.weight" in state and "model.decoder.query_pos_head.layers.0.weight" in state
+        # (D-FINE's have them too, and its initial box head: its own converter's)
+        return ("model.encoder_input_proj.0.0.weight" in state and "model.decoder.query_pos_head.layers.0.weight" in state
+                and "model.decoder.pre_bbox_head.layers.0.weight" not in state)
 
     @staticmethod
     def to_fastzoo(state: dict) -> dict:

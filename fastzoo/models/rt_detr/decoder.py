@@ -125,8 +125,8 @@ class RTDetrDecoder(nn.Module):
         self.class_embed = nn.ModuleList(nn.Linear(cfg.d_model, cfg.num_labels) for _ in range(n))
         self.bbox_embed = nn.ModuleList(RTDetrMLPPredictionHead(cfg.d_model, cfg.d_model, 4, 3) for _ in range(n))
 
-    def forward(self, x_BQD, ref_logit_BQ4, mem_BSD, shapes_L2, start_L, ctx, dn: DenoisingGroups | None):
-        """Per layer: hidden states, class logits, boxes ``[B, L, Q, ...]`` each (transformers' stacking)."""
+    def forward(self, x_BQD, ref_logit_BQ4, mem_BSD, shapes_L2, start_L, ctx, dn: DenoisingGroups | None) -> dict:
+        """Per layer: hidden states ``hs``, class ``logits``, ``boxes`` ``[B, L, Q, ...]`` each (transformers' stacking)."""
         ref = ref_logit_BQ4.sigmoid()
         hs, logits, boxes = [], [], []
         for i, layer in enumerate(self.layers):
@@ -136,4 +136,4 @@ class RTDetrDecoder(nn.Module):
             hs.append(x_BQD)
             boxes.append(new)
             logits.append(self.class_embed[i](x_BQD))
-        return torch.stack(hs, 1), torch.stack(logits, 1), torch.stack(boxes, 1)
+        return dict(hs=torch.stack(hs, 1), logits=torch.stack(logits, 1), boxes=torch.stack(boxes, 1))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fastzoo.losses.set_prediction import center_to_corners
+from fastzoo.losses.set_matching import center_to_corners, corners_to_center
 
 
 @dataclass
@@ -31,11 +31,6 @@ class DenoisingGroups:
     @property
     def queries(self) -> int:
         return self.size * self.groups
-
-
-def _corners_to_center(b: Tensor) -> Tensor:
-    x0, y0, x1, y1 = b.unbind(-1)
-    return torch.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], dim=-1)
 
 
 def _inverse_sigmoid(x: Tensor, eps: float = 1e-5) -> Tensor:
@@ -86,7 +81,7 @@ def denoising_queries(labels: list[dict], num_classes: int, num_queries: int, cl
         part *= sign
         corners += part * half
         corners.clip_(min=0.0, max=1.0)
-        box_BN4 = _inverse_sigmoid(_corners_to_center(corners))
+        box_BN4 = _inverse_sigmoid(corners_to_center(corners))
     meta = {"dn_positive_idx": positive_idx, "dn_num_group": groups, "dn_num_split": [n_queries, num_queries]}
     return class_embed(cls_BN), box_BN4, DenoisingGroups(2 * most, groups, meta)
 

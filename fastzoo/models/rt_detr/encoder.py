@@ -11,7 +11,7 @@ from torch import nn
 
 from fastzoo.attention.base import AttnContext
 from fastzoo.models.detr.transformer import ACTIVATIONS, DetrAttention
-from fastzoo.models.rt_detr.config import RTDetrConfig
+from fastzoo.models.rt_detr.config import HybridDetrConfig, RTDetrConfig
 
 
 class RTDetrMLP(nn.Module):
@@ -29,13 +29,13 @@ class RTDetrMLP(nn.Module):
 
 
 class RTDetrConvNormLayer(nn.Module):
-    """conv (no bias) -> BatchNorm (``batch_norm_eps``) -> activation (or none)."""
+    """conv (no bias; ``groups``) -> BatchNorm (``batch_norm_eps``) -> activation (or none)."""
 
-    def __init__(self, cfg: RTDetrConfig, cin: int, cout: int, kernel_size: int, stride: int, padding: int | None = None,
-                 activation: str | None = None):
+    def __init__(self, cfg: HybridDetrConfig, cin: int, cout: int, kernel_size: int, stride: int,
+                 padding: int | None = None, activation: str | None = None, groups: int = 1):
         super().__init__()
         padding = (kernel_size - 1) // 2 if padding is None else padding
-        self.conv = nn.Conv2d(cin, cout, kernel_size, stride, padding=padding, bias=False)
+        self.conv = nn.Conv2d(cin, cout, kernel_size, stride, padding=padding, groups=groups, bias=False)
         self.norm = nn.BatchNorm2d(cout, cfg.batch_norm_eps)
         self.act = None if activation is None else ACTIVATIONS[activation]
 
@@ -47,9 +47,8 @@ class RTDetrConvNormLayer(nn.Module):
 class RTDetrRepVggBlock(nn.Module):
     """RepVGG (Ding et al. 2021): a 3x3 and a 1x1 conv-norm summed, then the activation."""
 
-    def __init__(self, cfg: RTDetrConfig):
+    def __init__(self, cfg: HybridDetrConfig, c: int):
         super().__init__()
-        c = int(cfg.encoder_hidden_dim * cfg.hidden_expansion)
         self.conv1 = RTDetrConvNormLayer(cfg, c, c, 3, 1, padding=1)
         self.conv2 = RTDetrConvNormLayer(cfg, c, c, 1, 1, padding=0)
         self.act = ACTIVATIONS[cfg.activation_function]
@@ -59,16 +58,19 @@ class RTDetrRepVggBlock(nn.Module):
 
 
 class RTDetrCSPRepLayer(nn.Module):
-    """Cross Stage Partial: two 1x1 branches of the concatenated maps, one through three RepVGG blocks,
-    summed (and a 1x1 back to the width when ``hidden_expansion`` changed it)."""
+    """Cross Stage Partial: two 1x1 branches of the input, one through ``blocks`` RepVGG blocks, summed (and a
+    1x1 to ``cout`` when ``hidden`` differs). RT-DETR's: the concatenated maps (2 x ``encoder_hidden_dim``) to
+    ``encoder_hidden_dim``, three blocks of width ``int(encoder_hidden_dim * hidden_expansion)``."""
 
-    def __init__(self, cfg: RTDetrConfig):
+    def __init__(self, cfg: HybridDetrConfig, cin: int | None = None, cout: int | None = None, hidden: int | None = None,
+                 blocks: int = 3):
         super().__init__()
-        cin, cout, act = 2 * cfg.encoder_hidden_dim, cfg.encoder_hidden_dim, cfg.activation_function
-        hidden = int(cout * cfg.hidden_expansion)
+        d, act = cfg.encoder_hidden_dim, cfg.activation_function
+        cin, cout = 2 * d if cin is None else cin, d if cout is None else cout
+        hidden = int(d * cfg.hidden_expansion) if hidden is None else hidden
         self.conv1 = RTDetrConvNormLayer(cfg, cin, hidden, 1, 1, activation=act)
         self.conv2 = RTDetrConvNormLayer(cfg, cin, hidden, 1, 1, activation=act)
-        self.bottlenecks = nn.Sequential(*[RTDetrRepVggBlock(cfg) for _ in range(3)])
+        self.bottlenecks = nn.Sequential(*[RTDetrRepVggBlock(cfg, hidden) for _ in range(blocks)])
         self.conv3 = RTDetrConvNormLayer(cfg, hidden, cout, 1, 1, activation=act) if hidden != cout else nn.Identity()
 
     def forward(self, x):
@@ -118,12 +120,13 @@ def sine_embedding_2d(h: int, w: int, dim: int, temperature: float, device, dtyp
 
 
 class RTDetrAIFILayer(nn.Module):
-    """Attention-based intra-scale feature interaction: the map's tokens through the encoder layers."""
+    """Attention-based intra-scale feature interaction: the map's tokens through the encoder layers
+    (``layer``: the family's encoder layer class)."""
 
-    def __init__(self, cfg: RTDetrConfig):
+    def __init__(self, cfg: HybridDetrConfig, layer: type[nn.Module] = RTDetrEncoderLayer):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(RTDetrEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.encoder_layers))
 
     def forward(self, x_BCHW):
         cfg = self.config

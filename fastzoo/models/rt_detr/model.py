@@ -30,7 +30,7 @@ from fastzoo.attention.deformable import initial_offsets
 from fastzoo.attention.base import AttnContext
 from fastzoo.models.base import FastzooModel, write_pretrained
 from fastzoo.models.detr.model import _check_pixels
-from fastzoo.models.rt_detr.config import RTDetrConfig
+from fastzoo.models.rt_detr.config import HybridDetrConfig, RTDetrConfig
 from fastzoo.models.rt_detr.denoising import denoising_queries
 
 
@@ -130,29 +130,23 @@ class RTDetrModel(nn.Module):
         if dn is not None:
             dn_class, dn_box, dn = dn
             ref_logit, target = torch.concat([dn_box, ref_logit], 1), torch.concat([dn_class, target], 1)
-        hs, logits, boxes = self.decoder(target, ref_logit.detach(), mem_BSD, shapes_L2, start_L, AttnContext(), dn)
-        return dict(hs=hs, logits=logits, boxes=boxes, enc_maps=enc_maps, init_ref=ref_logit.detach(),
+        out = self.decoder(target, ref_logit.detach(), mem_BSD, shapes_L2, start_L, AttnContext(), dn)
+        return dict(**out, enc_maps=enc_maps, init_ref=ref_logit.detach(),
                     enc_topk_logits=enc_topk_logits, enc_topk_bboxes=enc_topk_boxes, enc_outputs_class=enc_class,
                     enc_outputs_coord_logits=enc_coord, dn=dn)
 
 
-def map_strides(cfg: RTDetrConfig) -> list[int]:
-    """The strides of the backbone maps the encoder reads: stage ``i`` (1 = the first) at ``2^(i + 1)``, one
-    more halving with ``downsample_in_first_stage``."""
-    return [2 ** (i + 1 + cfg.downsample_in_first_stage) for i in cfg.backbone_out_indices]
-
-
-def min_image_side(cfg: RTDetrConfig) -> int:
+def min_image_side(cfg: HybridDetrConfig) -> int:
     """Twice the stride of the coarsest level (each decoder level past the encoder's maps 2x more): the
     smallest side at which one image alone passes every BatchNorm in train mode."""
-    return 2 * map_strides(cfg)[-1] * 2 ** (cfg.num_feature_levels - len(cfg.backbone_out_indices))
+    return 2 * cfg.map_strides[-1] * 2 ** (cfg.num_feature_levels - len(cfg.backbone_out_indices))
 
 
-def _check_side(pixel_values, cfg: RTDetrConfig, training: bool) -> None:
+def _check_side(pixel_values, cfg: HybridDetrConfig, training: bool) -> None:
     """ValueError naming ``pixel_values`` where the backbone's maps do not halve exactly from one encoder level
     to the next (the FPN upsamples each 2x onto the finer one; transformers fails there on a size mismatch).
     Every convolution and pool rounds up, so a map of stride ``s`` has side ``ceil(side / s)``."""
-    strides = map_strides(cfg)
+    strides = cfg.map_strides
     for side in pixel_values.shape[-2:]:
         sizes = [-(-side // s) for s in strides]
         if any(fine != 2 * coarse for fine, coarse in zip(sizes, sizes[1:])):
@@ -224,7 +218,7 @@ class RTDetrForObjectDetection(FastzooModel):
     def image_side_multiple(self) -> int:
         """Image sides that are multiples of this (the coarsest backbone map's stride) halve exactly from
         map to map, as the encoder needs (others are refused, naming them)."""
-        return map_strides(self.config)[-1]
+        return self.config.map_strides[-1]
 
     @property
     def min_image_side(self) -> int:
@@ -267,21 +261,27 @@ class RTDetrForObjectDetection(FastzooModel):
         if labels is not None:  # the denoising queries embed the labels and BatchNorm moves: refused before any work
             check_target_values(labels, pixel_values.shape[0], self.config.num_labels, pixel_values.device)
         out = self.model(pixel_values, labels)
-        logits_BLQC, boxes_BLQ4, dn = out["logits"], out["boxes"], out["dn"]
-        meta = dn.meta if dn is not None and self.training else None
+        meta = out["dn"].meta if out["dn"] is not None and self.training else None
         loss = loss_dict = aux = None
         if labels is not None:
-            from fastzoo.losses.set_prediction import rt_detr_loss
-
-            loss, loss_dict = rt_detr_loss(logits_BLQC.transpose(0, 1), boxes_BLQ4.transpose(0, 1), labels, self.config,
-                                           enc_topk_logits=out["enc_topk_logits"], enc_topk_bboxes=out["enc_topk_bboxes"],
-                                           denoising_meta_values=meta)
-            if self.config.auxiliary_loss:
-                n = meta["dn_num_split"][0] if meta is not None else 0
-                aux = [{"logits": logits_BLQC[:, i, n:], "pred_boxes": boxes_BLQ4[:, i, n:]}
-                       for i in range(logits_BLQC.shape[1] - 1)]
-                aux.append({"logits": out["enc_topk_logits"], "pred_boxes": out["enc_topk_bboxes"]})
+            loss, loss_dict, aux = self._loss(out, labels, meta)
         return self._output(loss, loss_dict, aux, out, return_dict)
+
+    def _loss(self, out: dict, labels, meta):
+        """``(loss, loss_dict, auxiliary_outputs)``: the set loss's RT-DETR part and transformers' auxiliary list."""
+        from fastzoo.losses.set_prediction import rt_detr_loss
+
+        logits_BLQC, boxes_BLQ4 = out["logits"], out["boxes"]
+        loss, loss_dict = rt_detr_loss(logits_BLQC.transpose(0, 1), boxes_BLQ4.transpose(0, 1), labels, self.config,
+                                       enc_topk_logits=out["enc_topk_logits"], enc_topk_bboxes=out["enc_topk_bboxes"],
+                                       denoising_meta_values=meta)
+        aux = None
+        if self.config.auxiliary_loss:
+            n = meta["dn_num_split"][0] if meta is not None else 0
+            aux = [{"logits": logits_BLQC[:, i, n:], "pred_boxes": boxes_BLQ4[:, i, n:]}
+                   for i in range(logits_BLQC.shape[1] - 1)]
+            aux.append({"logits": out["enc_topk_logits"], "pred_boxes": out["enc_topk_bboxes"]})
+        return loss, loss_dict, aux
 
     def _output(self, loss, loss_dict, aux, out, return_dict):
         if self.config.v2:
