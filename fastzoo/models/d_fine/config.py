@@ -79,7 +79,15 @@ class DFineConfig(HybridDetrConfig):
         if tuple(self.stage_in_channels) != ins:
             raise ConfigError(f"stage_in_channels={self.stage_in_channels}: each stage reads the previous one's output "
                               f"(the stem's first): {ins}", fields=("stage_in_channels", "stage_out_channels"))
+        if any(k % 2 == 0 for k in self.stage_kernel_size):
+            raise ConfigError(f"stage_kernel_size={self.stage_kernel_size}: odd sizes (an even kernel's padding shrinks the "
+                              f"map, and a block's concatenation fails in transformers)", fields=("stage_kernel_size",))
         super().validate()
+        unhalved = [i for i in self.backbone_out_indices[1:] if not self.stage_downsample[i - 1]]
+        if unhalved:
+            raise ConfigError(f"stage_downsample={self.stage_downsample}: the stages {unhalved} of backbone_out_indices="
+                              f"{self.backbone_out_indices} keep their input's size, while the encoder's FPN needs each map "
+                              f"half the previous one", fields=("stage_downsample", "backbone_out_indices"))
         widths = tuple(self.stage_out_channels[i - 1] for i in self.backbone_out_indices)
         if tuple(self.encoder_in_channels) != widths:
             raise ConfigError(f"encoder_in_channels={self.encoder_in_channels}: the backbone maps' channels {widths}",

@@ -115,7 +115,13 @@ class RTDetrModel(nn.Module):
             anchor_1S4, valid_1S1 = anchors(shapes, device, dtype)
         else:
             h, w = cfg.anchor_image_size
-            anchor_1S4, valid_1S1 = anchors(tuple((int(h / s), int(w / s)) for s in cfg.feat_strides), device, dtype)
+            fixed = tuple((int(h / s), int(w / s)) for s in cfg.feat_strides)
+            if fixed != shapes:
+                raise ValueError(f"pixel_values: {tuple(pixel_values.shape[-2:])} images give feature maps of sides "
+                                 f"{list(shapes)}; eval mode's anchors are anchor_image_size={cfg.anchor_image_size} / "
+                                 f"feat_strides={cfg.feat_strides}: {list(fixed)} (give images of that size, or "
+                                 f"anchor_image_size=None)")
+            anchor_1S4, valid_1S1 = anchors(fixed, device, dtype)
         out_mem = self.enc_output(valid_1S1.to(dtype) * mem_BSD)
         enc_class = self.enc_score_head(out_mem)
         enc_coord = self.enc_bbox_head(out_mem) + anchor_1S4
