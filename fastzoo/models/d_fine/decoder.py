@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastzoo.attention.deformable import multi_scale_deformable_attention
 from fastzoo.losses.set_matching import corners_to_center
@@ -110,7 +111,7 @@ class DFineMultiscaleDeformableAttention(nn.Module):
                                                 points_per_level=self.points, method=self.method)
 
 
-class DFineDecoderLayer(nn.Module):
+class DFineDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, cfg: DFineConfig):
         super().__init__()
         d = cfg.d_model

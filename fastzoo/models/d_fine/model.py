@@ -59,7 +59,7 @@ class DFineForObjectDetection(RTDetrForObjectDetection):
     def __init__(self, cfg: DFineConfig):
         from fastzoo.models.d_fine.encoder import DFineMLP
 
-        nn.Module.__init__(self)
+        super(RTDetrForObjectDetection, self).__init__()  # RT-DETR's parents; its parts are D-FINE's here
         import transformers.modeling_outputs  # noqa: F401  (registers HF output classes as pytree nodes, see the decoders)
 
         self.config = cfg
@@ -69,7 +69,10 @@ class DFineForObjectDetection(RTDetrForObjectDetection):
         self.bbox_embed = nn.ModuleList(DFineMLP(d, d, 4 * (cfg.max_num_bins + 1), 3) for _ in range(L))
         self.model.decoder.class_embed = self.class_embed  # the same modules under both names, as transformers
         self.model.decoder.bbox_embed = self.bbox_embed
+        self._tied_weights_keys = {"class_embed": "model.decoder.class_embed", "bbox_embed": "model.decoder.bbox_embed"}
         self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     def _init_weights(self):
         """transformers' init of the heads, the gates, the quality estimates and the deformable attention (a fresh
