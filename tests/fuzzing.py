@@ -235,6 +235,13 @@ def image_sides(model, lo: int = 32) -> st.SearchStrategy:
     return st.tuples(side, side)
 
 
+def eval_anchors_free(cfg: dict) -> dict:
+    """``cfg`` with RT-DETR's fixed eval anchors off: with ``anchor_image_size`` eval mode takes images of that
+    size alone (others are refused by name, tests/test_rt_detr.py), which an eval property's drawn sizes
+    cannot meet."""
+    return {**cfg, "anchor_image_size": None} if "anchor_image_size" in cfg else cfg
+
+
 def just_outside(spec) -> list[tuple[str, object]]:
     """``(field, value)``: for every declared bound and choice of ``spec``'s config, the nearest
     value that breaks it (a wrong type too), each to be refused naming the field."""

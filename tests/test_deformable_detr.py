@@ -136,6 +136,25 @@ def test_more_boxes_than_queries_and_all_images_empty_equal_transformers():
     compare(hf, ours, *batch(seed=4, counts=(0, 0, 0)))
 
 
+@pytest.mark.parametrize("counts", [(0, 0, 0), (0, 3, 0)], ids=["no_boxes", "an_image_without_boxes"])
+def test_two_stage_gradients_without_boxes_are_transformers(counts):
+    """Two-stage with box refinement, images without boxes: the same parameters have a gradient as in
+    transformers, with its values. The proposal heads (``class_embed.{L}``, ``bbox_embed.{L}``) and
+    ``enc_output`` have none in either (no loss term reads the proposals: their boxes are detached, their
+    scores only rank); without any box the box heads' gradients are zeros on both sides, not None."""
+    hf = original(**CASES["two_stage"])
+    ours = fastzoo.create("deformable_detr", pretrained=hf).train()
+    compare(hf, ours, *batch(seed=5, counts=counts))
+    L = TINY["decoder_layers"]
+    proposals = (f"model.decoder.class_embed.{L}.weight", f"model.decoder.bbox_embed.{L}.layers.0.weight",
+                 "model.enc_output.weight")
+    for model in (hf, ours):
+        params = dict(model.named_parameters())
+        assert all(params[n].requires_grad and params[n].grad is None for n in proposals)
+        box = params["model.decoder.bbox_embed.0.layers.0.weight"].grad
+        assert box is not None and (not counts[1]) == (not box.any())
+
+
 def test_timm_backbone_path_equal_to_transformers():
     """The hub checkpoints' backbone: timm's ResNet-18 under transformers' timm path (C3..C5)."""
     hf = original(use_timm_backbone=True, backbone="resnet18", embedding_size=None, hidden_sizes=None, depths=None,

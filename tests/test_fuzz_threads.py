@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import SPECS, backends, sdpa_flags
 from fuzzing import fuzz_results  # noqa: F401 -- the results file's fixture
-from fuzzing import configs, count, examples, fail, image_sides
+from fuzzing import configs, count, eval_anchors_free, examples, fail, image_sides
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -53,6 +53,7 @@ def _input(model, family, draw):
 def test_threads_and_switches_give_the_serial_result(family, data, fast_switching):
     spec = SPECS[family]
     cfg = data.draw(configs(spec, small=True), label="config")
+    cfg = eval_anchors_free(cfg)
     model = fastzoo.create(spec.variants[0].name, attn="eager", **cfg).eval()
     if not any(isinstance(m, UsesAttention) for m in model.modules()):
         pytest.skip(f"{family} has no attention layers: set_attention has nothing to switch")

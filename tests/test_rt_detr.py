@@ -184,6 +184,19 @@ def test_eval_size_and_anchor_image_size_equal_transformers(over):
     compare_eval(hf, ours, batch(seed=6)[0])
 
 
+def test_images_off_the_anchor_image_size_are_refused_in_eval_mode_naming_them():
+    """Eval mode's anchors are anchor_image_size's: another token count fails inside transformers (a size
+    mismatch); fastzoo names it. Train mode takes each batch's own maps; an anchor size below the coarsest
+    stride (maps of no position) is refused at config."""
+    ours = fastzoo.create("rtdetr_r50vd", **{**TINY, "anchor_image_size": (64, 96)}).eval()
+    with pytest.raises(ValueError, match=r"pixel_values: .*anchor_image_size=\(64, 96\)"):
+        ours(pixel_values=torch.randn(1, 3, 64, 64))
+    assert ours.train()(pixel_values=torch.randn(2, 3, 64, 64)).logits.isfinite().all()
+    with pytest.raises(ConfigError, match="anchor_image_size") as e:
+        fastzoo.create("rtdetr_r50vd", device="meta", **{**TINY, "anchor_image_size": (16, 96)})
+    assert "anchor_image_size" in e.value.fields
+
+
 @pytest.mark.parametrize("name", ["v1", "v2_discrete_4_levels"])
 def test_save_pretrained_round_trips_with_transformers(tmp_path, name):
     """Written by fastzoo, read by transformers (and back by fastzoo), in eval mode as transformers loads."""

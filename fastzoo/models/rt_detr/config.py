@@ -155,6 +155,9 @@ class RTDetrConfig(ModelConfig):
                               fields=("decoder_n_levels", "num_feature_levels"))
         if self.anchor_image_size is not None and len(self.anchor_image_size) != 2:
             raise ConfigError(f"anchor_image_size={self.anchor_image_size}: (height, width)", fields=("anchor_image_size",))
+        if self.anchor_image_size is not None and min(self.anchor_image_size) < max(self.feat_strides):
+            raise ConfigError(f"anchor_image_size={self.anchor_image_size}: smaller than the coarsest of feat_strides="
+                              f"{self.feat_strides} (a map of no position)", fields=("anchor_image_size", "feat_strides"))
         if self.anchor_image_size is not None and len(self.feat_strides) != self.num_feature_levels:
             raise ConfigError(f"anchor_image_size: feat_strides={self.feat_strides} needs one stride per decoder level "
                               f"(num_feature_levels={self.num_feature_levels})", fields=("feat_strides", "anchor_image_size"))

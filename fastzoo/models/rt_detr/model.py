@@ -58,6 +58,19 @@ def anchors(shapes, device, dtype, grid_size: float = 0.05) -> tuple[torch.Tenso
     return torch.where(valid, a, torch.full((), torch.finfo(dtype).max, dtype=dtype, device=device)), valid
 
 
+def fixed_anchor_shapes(cfg: RTDetrConfig, shapes) -> tuple[tuple[int, int], ...]:
+    """Eval mode's anchors with ``anchor_image_size``: the maps of that size at ``feat_strides`` (transformers'
+    cache), refused naming ``pixel_values`` where the images give another number of tokens (transformers fails on
+    a size mismatch)."""
+    h, w = cfg.anchor_image_size
+    fixed = tuple((int(h / s), int(w / s)) for s in cfg.feat_strides)
+    if sum(a * b for a, b in fixed) != sum(a * b for a, b in shapes):
+        raise ValueError(f"pixel_values: in eval mode the anchors are those of anchor_image_size={tuple(cfg.anchor_image_size)} "
+                         f"(maps {list(fixed)}), and these images give maps {list(shapes)}: use images of that size, "
+                         f"train mode, or anchor_image_size=None (anchors from each batch's own maps)")
+    return fixed
+
+
 class RTDetrModel(nn.Module):
     """transformers' ``RTDetrModel``: backbone, projections, hybrid encoder, query selection, decoder."""
 
@@ -114,8 +127,7 @@ class RTDetrModel(nn.Module):
         if self.training or cfg.anchor_image_size is None:
             anchor_1S4, valid_1S1 = anchors(shapes, device, dtype)
         else:
-            h, w = cfg.anchor_image_size
-            anchor_1S4, valid_1S1 = anchors(tuple((int(h / s), int(w / s)) for s in cfg.feat_strides), device, dtype)
+            anchor_1S4, valid_1S1 = anchors(fixed_anchor_shapes(cfg, shapes), device, dtype)
         out_mem = self.enc_output(valid_1S1.to(dtype) * mem_BSD)
         enc_class = self.enc_score_head(out_mem)
         enc_coord = self.enc_bbox_head(out_mem) + anchor_1S4
