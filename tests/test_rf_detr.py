@@ -266,6 +266,7 @@ def test_transformers_state_dict_loads_all_or_nothing():
     (dict(attention_bias=False), "attention_bias"),
     (dict(hidden_expansion=0.01), "hidden_expansion"),
     (dict(image_size=30), "image_size"),
+    (dict(d_model=34, decoder_self_attention_heads=1, decoder_cross_attention_heads=1), "d_model"),
 ])
 def test_bad_configs_are_refused_by_name(bad, field):
     with pytest.raises(ConfigError, match=field):

@@ -83,8 +83,9 @@ class RfDetrConfig(ModelConfig):
                             (self.decoder_cross_attention_heads, "decoder_cross_attention_heads")):
             if self.d_model % heads:
                 raise ConfigError(f"{name}={heads}: d_model={self.d_model} is not divisible by it", fields=(name,))
-        if self.d_model % 2:
-            raise ConfigError(f"d_model={self.d_model}: the queries' sine embedding needs an even width", fields=("d_model",))
+        if self.d_model % 4:
+            raise ConfigError(f"d_model={self.d_model}: the boxes' sine embedding interleaves sin and cos over d_model / 2 "
+                              f"features per coordinate, so it needs a multiple of 4", fields=("d_model",))
         if not self.attention_bias:
             raise ConfigError("attention_bias=False: fastzoo's RF-DETR builds the decoder self-attention with biases "
                               "(as every RF-DETR checkpoint)", fields=("attention_bias",))
