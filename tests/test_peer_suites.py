@@ -22,6 +22,8 @@ import swap_hf_vision  # noqa: E402
 import swap_hf_llama  # noqa: E402
 from fastzoo.models.decoder.convert import LLAMA_LAYOUTS  # noqa: E402
 import swap_timm  # noqa: E402
+import swap_hf_rt_detr  # noqa: E402
+from fastzoo.equivalence.weights import draw_  # noqa: E402
 
 
 def test_help_runs_and_a_missing_checkout_is_one_line_exit_2(tmp_path):
@@ -114,6 +116,59 @@ def test_timm_swap_builds_fastzoo_with_timms_keywords():
         swap_timm.fastzoo_create_model("resnet50", pretrained=True)
     with pytest.raises(swap_timm.NotProvidedByFastzoo, match="no convnext"):
         swap_timm.fastzoo_create_model("convnext_tiny")
+
+
+@pytest.mark.parametrize("version", ["rt_detr", "rt_detr_v2"])
+def test_hf_rt_detr_swap_builds_fastzoo_rt_detr_of_the_configs_version(version):
+    """The swapped ``RTDetr[V2]ForObjectDetection(config)`` on transformers' test config (its ResNet-vd of
+    widths 10..40, three maps) is fastzoo's RT-DETR of that version, computing transformers' function on the
+    same drawn weights; a backbone fastzoo does not build (transformers' plain ResNet) is refused by name."""
+    v2 = version == "rt_detr_v2"
+    backbone = transformers.RTDetrResNetConfig(embeddings_size=10, hidden_sizes=[10, 20, 30, 40], depths=[1, 1, 2, 1],
+                                               out_features=["stage2", "stage3", "stage4"], out_indices=[2, 3, 4])
+    config_class = transformers.RTDetrV2Config if v2 else transformers.RTDetrConfig
+    cfg = config_class(backbone_config=backbone, encoder_hidden_dim=32, encoder_in_channels=[20, 30, 40],
+                       encoder_ffn_dim=64, encoder_attention_heads=2, d_model=32, num_queries=30, decoder_ffn_dim=64,
+                       decoder_in_channels=[32, 32, 32], decoder_layers=2, decoder_attention_heads=2, num_denoising=0,
+                       num_labels=10, disable_custom_kernels=True)
+    torch.manual_seed(0)
+    hf = draw_((transformers.RTDetrV2ForObjectDetection if v2 else transformers.RTDetrForObjectDetection)(cfg)).eval()
+    cls = swap_hf_rt_detr.STAND_INS["RTDetrV2" if v2 else "RTDetr"]
+    m = cls(cfg)
+    assert isinstance(m, fastzoo.models.rt_detr.RTDetrForObjectDetection) and m.config.model_type == version
+    assert cls.__name__ == type(hf).__name__ and not cls.can_generate()  # class look-ups are fastzoo's class's
+    m.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert (m.eval()(pixel_values=x).logits - hf(pixel_values=x).logits).abs().max() <= 1e-4  # the fp32 rule
+    plain_resnet = config_class(backbone_config=transformers.ResNetConfig(out_features=["stage2", "stage3", "stage4"]))
+    with pytest.raises(swap_hf_rt_detr.NotProvidedByFastzoo, match="model_type='resnet'.*ResNet-vd"):
+        cls(plain_resnet)
+
+
+def test_recorded_peer_suites_are_the_verdict_tables_and_the_detectors_leave_no_gap():
+    """Each recorded run (``<suite>.json`` beside run.py's default ``--out``) classified again by run.py's
+    rules and tables gives its recorded verdicts, reasons reworded or not (``--reclassify`` keeps them in step;
+    a baseline failure whose original run was not kept stays "fails on the original too"), and the detection
+    family's suites (DETR, Deformable DETR, RT-DETR, RT-DETRv2) leave no real gap and nothing unclassified."""
+    import json
+
+    recorded = {key: run.DEFAULT_OUT / f"{key}.json" for key in run.SUITES}
+    recorded = {key: f for key, f in recorded.items() if f.is_file()}
+    detectors = ("hf-detr", "hf-deformable-detr", "hf-rt-detr", "hf-rt-detr-v2")
+    assert set(detectors) <= set(recorded)
+    for key, f in recorded.items():
+        tests = json.loads(f.read_text())["tests"]
+        kept = run.DEFAULT_OUT / f"{key}-original.json"
+        baseline = json.loads(kept.read_text())["tests"] if kept.is_file() else None
+        for nodeid, t in tests.items():
+            got = run.classify(nodeid, t, baseline, run.SUITES[key]["verdicts"])
+            if baseline is None and t.get("verdict") == run.ORIGINAL_TOO:
+                continue
+            assert (got and got[0]) == t.get("verdict"), (key, nodeid)
+        if key in detectors:
+            open_gaps = {n: t["verdict"] for n, t in tests.items() if t.get("verdict") in (run.REAL_GAP, run.UNCLASSIFIED)}
+            assert not open_gaps, (key, open_gaps)
 
 
 # -- a peer's own training script (train_script.py) ---------------------------------------------

@@ -5,7 +5,9 @@ groups, their boxes and the RNG left as transformers leaves it), every per-layer
 and the loss (every loss_dict term, in every GIoU mode) with its gradients; for every CPU attention backend of
 the self-attentions and every deformable attention kernel serving the CPU; v1 and v2 (bilinear and discrete
 sampling, more decoder levels than encoder maps), bottleneck and basic ResNet-vd, pre-norm AIFI; checkpoints
-both ways; config errors by name."""
+both ways; gradient checkpointing and what transformers' Trainer reads; config errors by name."""
+import re
+
 import pytest
 import torch
 from conftest import SPECS, backends, cuda_only
@@ -251,6 +253,19 @@ def test_bad_configs_are_refused_by_name(bad, field):
         fastzoo.create("rtdetr_r50vd", **{**TINY, **bad})
 
 
+@pytest.mark.parametrize("version", ["rt_detr", "rt_detr_v2"])
+def test_a_config_naming_a_backbone_to_load_is_refused_naming_it(version):
+    """transformers' ``backbone="microsoft/resnet-18"`` without a ``backbone_config`` loads that backbone by
+    name; fastzoo builds the ResNet-vd of ``backbone_config`` and refuses the name rather than build another."""
+    from fastzoo.errors import CheckpointError
+    from fastzoo.models.rt_detr.convert import HF
+
+    named = {"model_type": version, "backbone": "microsoft/resnet-18", "backbone_config": None,
+             "use_pretrained_backbone": True}
+    with pytest.raises(CheckpointError, match="backbone='microsoft/resnet-18'"):
+        HF.config_from_json(named)
+
+
 def test_names_give_their_versions_and_sizes():
     from fastzoo.registry import get_entry
 
@@ -395,3 +410,80 @@ def test_on_cuda_with_the_triton_kernel_equal_to_transformers(name):
     x, labels = x.cuda(), [{k: v.cuda() for k, v in t.items()} for t in labels]
     compare_train(hf, ours, x, labels)
     compare_loss_path(hf, ours, x, labels)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
+    """transformers' switch (its Trainer's ``gradient_checkpointing=True``, the config's legacy field): AIFI's
+    and the decoder's layers recompute their activations in the backward; with the denoising queries, the loss and every gradient equal
+    the run that kept them (the same ops from the same inputs: up to the backward's summation order, 1e-6 of
+    the largest gradient, as DETR's tests/test_detr_checkpointing.py)."""
+    hf = original(**CASES["v2"])
+    plain = fastzoo.create(pretrained=hf).train()
+    ckpt = fastzoo.create(pretrained=hf, gradient_checkpointing=True).train()
+    assert ckpt.is_gradient_checkpointing
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert type(ckpt).supports_gradient_checkpointing and ckpt.is_gradient_checkpointing
+    x, labels = batch()
+    runs = []
+    for m in (plain, ckpt):
+        torch.manual_seed(0)  # the same denoising groups
+        loss = m(pixel_values=x, labels=labels).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_ref, ref), (loss, got) = runs
+    top = max(g.abs().max().item() for g in ref.values())
+    assert torch.equal(loss, loss_ref) and set(got) == set(ref) and len(ref) > 80
+    assert max((got[n] - ref[n]).abs().max().item() for n in ref) <= 1e-6 * top
+    ckpt.gradient_checkpointing_disable()
+    assert not ckpt.is_gradient_checkpointing
+    # PEFT's idiom: every weight frozen, the input projections' outputs marked as needing a gradient
+    ckpt.requires_grad_(False)
+    ckpt.enable_input_require_grads()
+    assert ckpt(pixel_values=x).logits.requires_grad
+    ckpt.disable_input_require_grads()
+    assert not ckpt(pixel_values=x).logits.requires_grad
+
+
+def test_transformers_model_api_answers_as_its_class():
+    """What transformers' Trainer and tests read: the parameter count, the heads v2 holds under two names
+    (``_tied_weights_keys``, each pattern naming parameters that share storage), no input embeddings, no generation."""
+    from transformers.modeling_utils import _get_tied_weight_keys
+
+    hf = original(**CASES["v2"])
+    ours = fastzoo.create(pretrained=hf)
+    shared = {n for names in _shared_names(ours) for n in names}
+    tied = _get_tied_weight_keys(ours)
+    assert tied and shared and all(any(re.search(k, n) for k in tied) for n in shared)
+    assert all(any(re.search(k, n) for n in shared) for k in tied)
+    assert not _get_tied_weight_keys(fastzoo.create(pretrained=original()))  # v1 holds its heads once
+    assert ours.num_parameters() == hf.num_parameters() == sum(p.numel() for p in ours.parameters())
+    ours.model.backbone.requires_grad_(False)
+    assert ours.num_parameters(only_trainable=True) == sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert not ours.can_generate()
+    with pytest.raises(NotImplementedError, match="pixel_values"):
+        ours.get_input_embeddings()
+
+
+def test_more_decoder_inputs_than_encoder_maps_project_the_coarsest_again_as_transformers():
+    """``decoder_in_channels`` longer than the encoder's maps (transformers' tests build it): the extra 1x1
+    projections read the coarsest map again; equal to transformers in eval and train mode, and a bare state
+    dict gives that architecture back (the 1x1 projections are decoder_in_channels, the 3x3 ones the levels beyond)."""
+    over = dict(decoder_in_channels=(32, 32, 32, 32), num_feature_levels=5)
+    hf = original(**over)
+    ours = fastzoo.create(pretrained=hf)
+    compare_eval(hf, ours, batch()[0])
+    x, labels = batch(seed=3)
+    compare_train(hf, ours.train(), x, labels, seed=3)
+    given = {k: TINY[k] for k in ("encoder_attention_heads", "decoder_attention_heads", "decoder_n_points",
+                                  "num_queries", "num_denoising")}
+    bare = fastzoo.create("rtdetr_r50vd", pretrained=hf.state_dict(), **given).config
+    assert bare.decoder_in_channels == over["decoder_in_channels"] and bare.num_feature_levels == 5
+
+
+def _shared_names(model) -> list[list[str]]:
+    """The state-dict names that share one storage, per storage."""
+    by_storage: dict = {}
+    for name, t in model.state_dict().items():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    return [names for names in by_storage.values() if len(names) > 1]

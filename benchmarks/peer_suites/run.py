@@ -170,6 +170,18 @@ HF_DEFORMABLE_DETR_VERDICTS: dict[str, tuple[str, str]] = {
                                                    "DeformableDetrForObjectDetection"),
 }
 
+_RT_DETR_ATTENTIONS = (REFUSED, _DEFORMABLE_ATTENTIONS[1].replace("Deformable DETR", "RT-DETR")
+                       .replace("deformable_detr/model.py", "rt_detr/model.py"))
+_RT_DETR_INTERNALS = (NOT_APPLICABLE, _DETR_INTERNALS[1].replace("fastzoo's DETR", "fastzoo's RT-DETR")
+                      .replace("tests/test_detr.py", "tests/test_rt_detr.py"))
+HF_RT_DETR_VERDICTS: dict[str, tuple[str, str]] = {
+    **{k: v for k, v in HF_DEFORMABLE_DETR_VERDICTS.items() if v not in (_DEFORMABLE_ATTENTIONS, _DEFORMABLE_INTERNALS)
+       and k != "test_deformable_detr_model"},
+    **{k: _RT_DETR_ATTENTIONS for k, v in HF_DEFORMABLE_DETR_VERDICTS.items() if v == _DEFORMABLE_ATTENTIONS},
+    **{k: _RT_DETR_INTERNALS for k, v in HF_DEFORMABLE_DETR_VERDICTS.items() if v == _DEFORMABLE_INTERNALS},
+    "test_correct_missing_keys": _RT_DETR_INTERNALS,  # base_model_prefix (RT-DETRv2's file switches the test off)
+}
+
 # soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
 SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
@@ -280,6 +292,13 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_DEFORMABLE_DETR_VERDICTS,
     },
+    **{f"hf-{key}": {
+        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {what}",
+        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
+        "plugin": "swap_hf_rt_detr",
+        "pytest_args": ["--noconftest"],
+        "verdicts": HF_RT_DETR_VERDICTS,
+    } for key, folder, what in (("rt-detr", "rt_detr", "RT-DETR"), ("rt-detr-v2", "rt_detr_v2", "RT-DETRv2"))},
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
         "target": "tests/test_models.py",

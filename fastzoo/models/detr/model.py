@@ -155,8 +155,8 @@ class DetrMLPPredictionHead(nn.Module):
 
 class TransformersDetector:
     """What transformers' ``Trainer`` and its tests ask of every detector of the family, written once for
-    DETR and Deformable DETR (``self.model.encoder.layers`` / ``self.model.decoder.layers`` are
-    ``GradientCheckpointingLayer`` s): gradient checkpointing, ``num_parameters``, ``can_generate``, no input embeddings."""
+    DETR, Deformable DETR and RT-DETR (``checkpoint_stacks`` are ``GradientCheckpointingLayer`` s): gradient
+    checkpointing, ``num_parameters``, ``can_generate``, no input embeddings."""
 
     supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 
@@ -164,10 +164,14 @@ class TransformersDetector:
     def can_generate(cls) -> bool:  # transformers' question of every model: a detector does not generate
         return False
 
+    def checkpoint_stacks(self) -> list[nn.ModuleList]:
+        """The layer stacks gradient checkpointing recomputes: the encoder's and the decoder's."""
+        return [self.model.encoder.layers, self.model.decoder.layers]
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
                                       offload: bool = False):
         """transformers' switch (its ``Trainer`` calls it with ``gradient_checkpointing=True``): the
-        encoder and decoder layers (every one, or every ``every_n_layers``-th of each) recompute their
+        layers of ``checkpoint_stacks`` (every one, or every ``every_n_layers``-th of each) recompute their
         activations in the backward through ``torch.utils.checkpoint`` (non-reentrant unless
         ``gradient_checkpointing_kwargs`` says otherwise; RNG state kept, so dropout and the gradients
         are unchanged). The backbone keeps its activations, as in transformers. ``offload=True``
@@ -184,13 +188,13 @@ class TransformersDetector:
         kwargs = {"use_reentrant": False, **(gradient_checkpointing_kwargs or {})}
         self.check_checkpointing(non_reentrant=not kwargs["use_reentrant"])
         func = partial(checkpoint, **kwargs)
-        for stack in (self.model.encoder.layers, self.model.decoder.layers):
+        for stack in self.checkpoint_stacks():
             for i, layer in enumerate(stack):
                 layer._gradient_checkpointing_func = func
                 layer.gradient_checkpointing = i % every_n_layers == 0
 
     def gradient_checkpointing_disable(self):
-        for stack in (self.model.encoder.layers, self.model.decoder.layers):
+        for stack in self.checkpoint_stacks():
             for layer in stack:
                 layer.gradient_checkpointing = False
 
@@ -200,7 +204,7 @@ class TransformersDetector:
 
     def attention_checkpointed(self) -> bool:
         return any(layer.gradient_checkpointing and not layer._gradient_checkpointing_func.keywords["use_reentrant"]
-                   for stack in (self.model.encoder.layers, self.model.decoder.layers) for layer in stack)
+                   for stack in self.checkpoint_stacks() for layer in stack)
 
     def enable_input_require_grads(self):
         """transformers' (PEFT calls it with gradient checkpointing): the outputs of the input projections

@@ -60,11 +60,12 @@ class RTDetrConfig(ModelConfig):
     # -- the decoder -----------------------------------------------------------------------------
     d_model: int = weights_decide(256, "the decoder's width", ge=1)
     num_queries: int = changes_function(300, "queries: the top-scoring encoder tokens", ge=1)
-    decoder_in_channels: tuple[int, ...] = weights_decide((256, 256, 256), "the encoder's output channels per level",
-                                                          ge=1)
+    decoder_in_channels: tuple[int, ...] = weights_decide((256, 256, 256), "the encoder's output channels per level "
+                                                          "(a 1x1 projection each; entries beyond the encoder's outputs "
+                                                          "project its coarsest map again, as transformers)", ge=1)
     decoder_ffn_dim: int = weights_decide(1024, "decoder MLP width", ge=1)
-    num_feature_levels: int = weights_decide(3, "levels the decoder reads (more than the encoder's: 3x3 stride-2 "
-                                             "convolutions of the coarsest)", ge=1)
+    num_feature_levels: int = weights_decide(3, "levels the decoder reads (more than decoder_in_channels: 3x3 "
+                                             "stride-2 convolutions of the coarsest map)", ge=1)
     decoder_n_points: int = weights_decide(4, "sampling points per head and level in the cross-attention", ge=1)
     decoder_layers: int = weights_decide(6, "decoder layers", ge=1, le=MAX_BLOCKS)
     decoder_attention_heads: int = changes_function(8, "decoder attention heads", ge=1)
@@ -103,6 +104,8 @@ class RTDetrConfig(ModelConfig):
     eos_coefficient: float = free(1e-4, "transformers' eos_coefficient (unused by its RT-DETR loss)", gt=0)
     giou_impl: str = free("kernel", "how the set loss's GIoU term runs: " + "; ".join(f"{k}: {v}" for k, v in GIOU_IMPLS.items()),
                           choices=tuple(GIOU_IMPLS))
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                        "checkpointing on (as gradient_checkpointing_enable())")
 
     def validate(self):
         n = len(self.depths)
@@ -130,10 +133,10 @@ class RTDetrConfig(ModelConfig):
         if any(i >= len(outs) for i in self.encode_proj_layers):
             raise ConfigError(f"encode_proj_layers={self.encode_proj_layers}: indices of the {len(outs)} backbone maps",
                               fields=("encode_proj_layers", "backbone_out_indices"))
-        if len(self.decoder_in_channels) != len(outs) or any(c != self.encoder_hidden_dim for c in self.decoder_in_channels):
-            raise ConfigError(f"decoder_in_channels={self.decoder_in_channels}: the encoder's {len(outs)} outputs, "
-                              f"each encoder_hidden_dim={self.encoder_hidden_dim} wide",
-                              fields=("decoder_in_channels", "encoder_hidden_dim"))
+        if len(self.decoder_in_channels) < len(outs) or any(c != self.encoder_hidden_dim for c in self.decoder_in_channels):
+            raise ConfigError(f"decoder_in_channels={self.decoder_in_channels}: one per encoder output ({len(outs)}; more "
+                              f"project the coarsest again, as transformers), each encoder_hidden_dim="
+                              f"{self.encoder_hidden_dim} wide", fields=("decoder_in_channels", "encoder_hidden_dim"))
         if self.num_feature_levels < len(outs):
             raise ConfigError(f"num_feature_levels={self.num_feature_levels}: at least the encoder's {len(outs)} maps",
                               fields=("num_feature_levels", "backbone_out_indices"))

@@ -18,6 +18,7 @@ BACKBONE = {"layer_type": "layer_type", "depths": "depths", "hidden_sizes": "hid
             "downsample_in_first_stage": "downsample_in_first_stage", "downsample_in_bottleneck": "downsample_in_bottleneck"}
 V2_ONLY = ("decoder_n_levels", "decoder_offset_scale", "decoder_method")
 FASTZOO_ONLY = ("model_type", "id2label", "backbone_out_indices", "giou_impl", *BACKBONE)
+READ_ONLY = ("gradient_checkpointing",)  # transformers' legacy field: read, never written
 _HEADS = re.compile(r"^(model\.decoder\.)?(class_embed|bbox_embed)\.")
 
 
@@ -77,7 +78,9 @@ class HfRTDetrConverter:
             "embedding_size": s[f"{bb}embedder.embedder.2.convolution.weight"].shape[0],
             "num_channels": s[f"{bb}embedder.embedder.0.convolution.weight"].shape[1],
             "backbone_out_indices": tuple(hidden.index(w) + 1 for w in widths), "encoder_in_channels": tuple(widths),
-            "encoder_hidden_dim": enc_d, "decoder_in_channels": (enc_d,) * len(widths), "d_model": d,
+            "encoder_hidden_dim": enc_d, "d_model": d,
+            "decoder_in_channels": tuple(s[f"model.decoder_input_proj.{i}.0.weight"].shape[1] for i in range(levels)
+                                         if s[f"model.decoder_input_proj.{i}.0.weight"].shape[-1] == 1),  # the 1x1 ones
             "encoder_layers": count(r"model\.encoder\.aifi\.0\.layers\.(\d+)\."),
             "encode_proj_layers": tuple(range(len(widths) - count(r"model\.encoder\.aifi\.(\d+)\."), len(widths))),
             "hidden_expansion": s["model.encoder.fpn_blocks.0.conv1.conv.weight"].shape[0] / enc_d,
@@ -107,6 +110,10 @@ class HfRTDetrConverter:
             raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's RT-DETR reads 'rt_detr' and "
                                   f"'rt_detr_v2'")
         bb = cfg.get("backbone_config") or {}
+        if cfg.get("backbone") and not bb:
+            raise CheckpointError(f"config.json: backbone={cfg['backbone']!r} without a backbone_config (a backbone "
+                                  f"transformers loads by name); fastzoo's RT-DETR builds transformers' ResNet-vd from "
+                                  f"backbone_config ('rt_detr_resnet')")
         if bb.get("model_type", "rt_detr_resnet") != "rt_detr_resnet" or cfg.get("use_timm_backbone"):
             raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's RT-DETR "
                                   f"builds transformers' ResNet-vd ('rt_detr_resnet')")
@@ -131,7 +138,7 @@ def hf_config(cfg: RTDetrConfig):
     backbone = {"model_type": "rt_detr_resnet", **{theirs: getattr(cfg, ours) for ours, theirs in BACKBONE.items()},
                 "out_indices": list(cfg.backbone_out_indices)}
     backbone["depths"], backbone["hidden_sizes"] = list(cfg.depths), list(cfg.hidden_sizes)
-    fields = {k: getattr(cfg, k) for k in _fields(cfg.v2)}
+    fields = {k: getattr(cfg, k) for k in _fields(cfg.v2) if k not in READ_ONLY}
     fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
     labels = {"id2label": {int(k): v for k, v in cfg.id2label.items()}} if cfg.id2label else {"num_labels": cfg.num_labels}
     fields.pop("num_labels")

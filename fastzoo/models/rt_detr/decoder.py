@@ -2,7 +2,8 @@
 their module names: post-norm layers of self-attention over the queries (fastzoo's backends; the
 denoising groups as ``denoising.grouped_attention``), multi-scale deformable cross-attention around each
 query's box (``fastzoo.attention.deformable``'s seam), MLP; the queries' position embedding is an MLP of
-their boxes, and every layer's box head refines the boxes the next layer reads (detached).
+their boxes, and every layer's box head refines the boxes the next layer reads (detached). The layers are
+``GradientCheckpointingLayer`` s, as DETR's (``models/detr/transformer.py`` says how).
 
 RT-DETRv2's cross-attention (``model_type="rt_detr_v2"``): the offsets of each level's points scaled by
 1 / points and ``decoder_offset_scale`` around the box, sampled bilinearly or at the nearest pixel
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastzoo.attention.deformable import multi_scale_deformable_attention
 from fastzoo.models.detr.transformer import DetrAttention
@@ -93,7 +95,7 @@ class RTDetrMultiscaleDeformableAttention(nn.Module):
         return self.output_proj(out)
 
 
-class RTDetrDecoderLayer(nn.Module):
+class RTDetrDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, cfg: RTDetrConfig):
         super().__init__()
         d, eps = cfg.d_model, cfg.layer_norm_eps

@@ -1,13 +1,15 @@
 """RT-DETR's hybrid encoder (Zhao et al. 2024, "DETRs Beat YOLOs on Real-time Object Detection"), as
 transformers' ``RTDetrHybridEncoder`` computes it, under its module names: AIFI (a transformer encoder on
 the coarsest map only, with a 2-D sine position embedding, attention through fastzoo's backends) and CCFM
-(a top-down FPN then a bottom-up PAN of CSP layers made of RepVGG blocks).
+(a top-down FPN then a bottom-up PAN of CSP layers made of RepVGG blocks). AIFI's layers are
+``GradientCheckpointingLayer`` s, as DETR's (``models/detr/transformer.py`` says how).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastzoo.attention.base import AttnContext
 from fastzoo.models.detr.transformer import ACTIVATIONS, DetrAttention
@@ -75,7 +77,7 @@ class RTDetrCSPRepLayer(nn.Module):
         return self.conv3(self.bottlenecks(self.conv1(x)) + self.conv2(x))
 
 
-class RTDetrEncoderLayer(nn.Module):
+class RTDetrEncoderLayer(GradientCheckpointingLayer):
     """AIFI's transformer layer: self-attention (position embedding on queries and keys; its
     probabilities' dropout is ``dropout``, as transformers'), MLP; post-norm (``normalize_before``: pre-norm,
     transformers' variant of it)."""

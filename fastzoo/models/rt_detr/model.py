@@ -8,7 +8,8 @@ The pieces: the ResNet-vd backbone (``backbone.py``), the hybrid encoder (``enco
 (``decoder.py``) and the denoising queries (``denoising.py``). Here, as transformers 5.17 computes it:
 
 - the backbone's maps through 1x1 conv + BatchNorm projections, the hybrid encoder, then the decoder's
-  projections (``num_feature_levels`` beyond the encoder's: 3x3 stride-2 convs of the coarsest map);
+  projections (one per ``decoder_in_channels``, those beyond the encoder's maps of the coarsest again;
+  ``num_feature_levels`` beyond them: 3x3 stride-2 convs of the coarsest map);
 - query selection: every token of every level gets an anchor box (its cell, side 0.05 x 2^level; invalid
   near the border) and, through ``enc_output``, a class score and a box refining its anchor; the
   ``num_queries`` best tokens are the decoder's queries (detached) and initial boxes;
@@ -29,7 +30,7 @@ from torch import nn
 from fastzoo.attention.deformable import initial_offsets
 from fastzoo.attention.base import AttnContext
 from fastzoo.models.base import FastzooModel, write_pretrained
-from fastzoo.models.detr.model import _check_pixels
+from fastzoo.models.detr.model import TransformersDetector, _check_pixels
 from fastzoo.models.rt_detr.config import RTDetrConfig
 from fastzoo.models.rt_detr.denoising import denoising_queries
 
@@ -178,8 +179,9 @@ def _check_side(pixel_values, cfg: RTDetrConfig, training: bool) -> None:
                          f"{min_image_side(cfg)} px (min_image_side), batches of 2 or eval mode")
 
 
-class RTDetrForObjectDetection(FastzooModel):
-    """RT-DETR (``model_type="rt_detr"``) or RT-DETRv2 (``"rt_detr_v2"``) with transformers' call convention."""
+class RTDetrForObjectDetection(TransformersDetector, FastzooModel):
+    """RT-DETR (``model_type="rt_detr"``) or RT-DETRv2 (``"rt_detr_v2"``) with transformers' call convention
+    (and its Trainer's asks: gradient checkpointing of AIFI's and the decoder's layers, ``num_parameters``)."""
 
     family = "rt_detr"
     config_class = RTDetrConfig
@@ -193,10 +195,13 @@ class RTDetrForObjectDetection(FastzooModel):
 
         self.config = cfg
         self.model = RTDetrModel(cfg)
-        if cfg.v2:  # transformers' V2 holds the decoder's heads at the top too (the same modules)
+        if cfg.v2:  # transformers' V2 holds the decoder's heads at the top too (the same modules), and declares it
             self.class_embed = self.model.decoder.class_embed
             self.bbox_embed = self.model.decoder.bbox_embed
+            self._tied_weights_keys = {"class_embed": "model.decoder.class_embed", "bbox_embed": "model.decoder.bbox_embed"}
         self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     def _init_weights(self):
         """transformers' init of the heads and the deformable attention (a fresh model; never the compared
@@ -222,9 +227,14 @@ class RTDetrForObjectDetection(FastzooModel):
             if cfg.num_denoising > 0:
                 nn.init.xavier_uniform_(self.model.denoising_class_embed.weight)
 
-    @classmethod
-    def can_generate(cls) -> bool:
-        return False
+    def checkpoint_stacks(self) -> list[nn.ModuleList]:
+        """AIFI's layers (per encoded map) and the decoder's: the hybrid encoder's convolutions keep their
+        activations, as the backbone's (BatchNorm in train mode would count a recomputed batch twice)."""
+        return [*(aifi.layers for aifi in self.model.encoder.aifi), self.model.decoder.layers]
+
+    def encoder_inputs(self) -> list[nn.Module]:
+        """The modules whose outputs the hybrid encoder reads: each backbone map's input projection."""
+        return list(self.model.encoder_input_proj)
 
     def attention_needs(self) -> dict:
         """AIFI's and the decoder's self-attention: unmasked (the denoising groups run as unmasked calls)."""
