@@ -188,6 +188,16 @@ class RfDetrForObjectDetection(FastzooModel):
         """Image sides that are multiples of this split into the backbone's windows (others are refused)."""
         return self.config.patch_size * self.config.num_windows
 
+    @property
+    def min_image_side(self) -> int:
+        """The smallest square image side (a multiple of ``image_side_multiple``) whose map has ``num_queries``
+        tokens to pick from."""
+        m, cfg = self.image_side_multiple, self.config
+        side = m
+        while (side // cfg.patch_size) ** 2 < cfg.num_queries:
+            side += m
+        return side
+
     def set_deformable_attention(self, impl: str = "auto") -> "RfDetrForObjectDetection":
         """The decoder's multi-scale deformable attention kernel (``fastzoo.attention.deformable``: reference |
         cpu | triton | auto), checked against this model's device and dtype now: an unknown or unavailable kernel
@@ -220,9 +230,9 @@ class RfDetrForObjectDetection(FastzooModel):
         unserved = {k: kwargs.pop(k, None) for k in ("output_attentions", "output_hidden_states")}
         refuse_inputs("RF-DETR", unserved, kwargs, why="it returns no per-layer attentions or hidden states")
         pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels, self.class_embed.weight)
-        check_side(pixel_values, self.config)
         if labels is not None:
             check_labels(labels, pixel_values.shape[0])
+        check_side(pixel_values, self.config)
         if pixel_mask is None:
             pixel_mask = torch.ones(pixel_values.shape[0], *pixel_values.shape[-2:], dtype=torch.long,
                                     device=pixel_values.device)
