@@ -5,13 +5,15 @@ step (ResNet-18 timm backbone, 6+6 layers at width 256, 100 queries, two image s
 forward with labels, loss, backward, fused AdamW step) vs transformers' DetrForObjectDetection
 in fp32 on the same weights, in fp32 and in bf16 autocast with channels_last (where the device
 computes bf16), per attention backend; the same step of Deformable DETR (ResNet-18 timm backbone, 4
-levels, 6+6 layers at width 256, 300 queries) vs transformers' DeformableDetrForObjectDetection; and
+levels, 6+6 layers at width 256, 300 queries) vs transformers' DeformableDetrForObjectDetection; the same step of
+RT-DETR (ResNet-18-vd, hybrid encoder, 3 decoder layers, 300 queries, 100 denoising queries drawn from the same seed
+for every case compared; NCHW: it has no channels_last layout) vs transformers' RTDetrForObjectDetection; and
 the set loss per training step of Deformable DETR (8 images x 300 queries, focal term) and of RT-DETR (8 images x
 300 queries, 6 decoder layers, the encoder's proposals, 100 denoising queries; forward + backward) vs transformers'
 DeformableDetrForObjectDetectionLoss and RTDetrForObjectDetectionLoss.
 
     python benchmarks/set_loss.py --threads 1 [--part set_loss] [--part detr_step] [--part deformable_detr_step]
-        [--part deformable_detr_loss] [--part rt_detr_loss]
+        [--part rt_detr_step] [--part deformable_detr_loss] [--part rt_detr_loss]
 """
 from _common import parser, save, setup, timing
 from fastzoo.bench import limits, run_suite
@@ -20,12 +22,15 @@ from fastzoo.bench.recipes import BASELINE, Recipe, native_bf16
 from fastzoo.bench.set_loss import DEFORMABLE_SETTING, LARGE_SETTING, TARGET_SETTING, rt_detr_suite, set_loss_suite
 
 DETR_STEP = dict(backbone="resnet18")
-PARTS = ("set_loss", "detr_step", "deformable_detr_step", "deformable_detr_loss", "rt_detr_loss")
+PARTS = ("set_loss", "detr_step", "deformable_detr_step", "rt_detr_step", "deformable_detr_loss", "rt_detr_loss")
+# each step part: the model the suite builds, its config changes, whether it has a channels_last layout
+STEPS = {"detr": ("detr", DETR_STEP, True), "deformable_detr": ("deformable_detr", DETR_STEP, True),
+         "rt_detr": ("rtdetr_r18vd", {}, False)}
 
 
 def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS):
     """The reports by the name of the files they were saved to (set_loss, set_loss_b32, detr_step,
-    deformable_detr_step, deformable_detr_loss, rt_detr_loss)."""
+    deformable_detr_step, rt_detr_step, deformable_detr_loss, rt_detr_loss)."""
     reports = {}
     if "set_loss" in parts:
         for setting, stem in ((TARGET_SETTING, "set_loss"), (LARGE_SETTING, "set_loss_b32")):
@@ -40,13 +45,13 @@ def run(device, out, *, quick, compile=None, note="", progress=True, parts=PARTS
         suite.limits = limits.measure(device, quick=quick)
         reports[stem] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note, interleave=True),
                              out, stem)
-    for name in ("detr", "deformable_detr"):
+    for name, (model, config, channels_last) in STEPS.items():
         if f"{name}_step" not in parts:
             continue
         # fp32, and the fastest low-precision recipe the tour finds for it here (bf16 autocast with
         # channels_last: its fp32 channels_last and bf16 NCHW rows are slower); `fastzoo tour` tries every one
-        tried = [BASELINE] + [Recipe("bf16 autocast", channels_last=True)] * native_bf16(device)
-        suite = detection_step_suite(name, config=DETR_STEP, device=device, recipes=tried)
+        tried = [BASELINE] + [Recipe("bf16 autocast", channels_last=channels_last)] * native_bf16(device)
+        suite = detection_step_suite(model, config=config, device=device, recipes=tried)
         suite.limits = limits.measure(device, quick=quick)
         reports[f"{name}_step"] = save(run_suite(suite, **timing(quick, device), progress=progress, note=note,
                                                  interleave=True), out, f"{name}_step")

@@ -198,7 +198,10 @@ def _check_detection(family: str, data) -> None:
         except (ValueError, FastzooError):
             pass
         assume(False)
-    rounding = original_rounding(ref, images, mask, labels)
+    names = spec.converters[0].to_fastzoo  # the original's gradients under fastzoo's names (RF-DETR's DINOv2 is fastzoo's ViT)
+    want = want[0], names(want[1])
+    users_grads, exact_grads, exact_out = original_rounding(ref, images, mask, labels)
+    rounding = names(users_grads), names(exact_grads), exact_out
     start = modes.index(cfg["giou_impl"])
     failures, compared, refused = [], 0, 0
     for i, (name, options) in enumerate(CPU_BACKENDS):  # backend i in GIoU mode start + i: each mode on some

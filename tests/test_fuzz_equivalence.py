@@ -303,7 +303,7 @@ def _check_equivalence(family: str, data) -> None:
 
         peers = [copy.deepcopy(ref), spec.as_users_run_it(copy.deepcopy(ref))]
     # a model without attention runs on one backend: more inputs per built pair (cases cost less than builds)
-    cases = (image_case(ours, (1, 3) if with_attention else (3, 10)) if spec.task.name == "image-classification"
+    cases = (image_case(ours, (1, 3) if with_attention else (2, 4)) if spec.task.name == "image-classification"
              else token_case(ours, train))
     failures, compared, refused, spread = [], 0, 0, 0
     for form, call, ref_call, needs in data.draw(cases, label="inputs"):

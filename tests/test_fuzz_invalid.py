@@ -137,7 +137,8 @@ def _detection_bad(model, draw):
     cfg = model.config
     B, C = draw(st.integers(1, 3), label="batch"), cfg.num_channels
     # big enough for a multi-scale detector's every level to keep two positions (GroupNorm cannot normalise one)
-    side = max(64, getattr(model, "min_image_side", 0))
+    m = getattr(model, "image_side_multiple", None) or 1  # a side the model takes (RF-DETR: its windows split it)
+    side = -(-max(64, getattr(model, "min_image_side", 0)) // m) * m
     x, mask = torch.randn(B, C, side, side), torch.ones(B, side, side, dtype=torch.long)
     n = draw(st.integers(1, 4), label="boxes")
     i, j = draw(st.integers(0, B - 1), label="image"), draw(st.integers(0, n - 1), label="box")

@@ -87,6 +87,7 @@ def train_step(model, x, mask, labels, items: int, recipe: Recipe = BASELINE, fl
         return loss
 
     def outputs():
+        torch.manual_seed(0)  # what a step draws (RT-DETR's denoising queries) the same for every case compared
         loss = forward_backward()
         return {"output": loss.detach().float()[None], **{f"grad:{n}": p.grad.clone() for n, p in zip(names, params)}}
 
@@ -107,7 +108,7 @@ class _Workload:
         self.original = draw_(entry.spec.original.build(cfg), seed=seed).to(device).train()
         self.description = entry.spec.original.description
         self.fp64_reference = entry.spec.bench is not None and entry.spec.bench.fp64_reference
-        self.x, self.mask, self.labels = image_batch(images, sizes, cfg.get("num_labels", 91), device, seed)
+        self.x, self.mask, self.labels = image_batch(images, sizes, self.original.config.num_labels, device, seed)
 
     def original_model(self, recipe: Recipe, *, users: bool = False):
         """A copy of the original in the recipe's memory format; ``users``: on transformers' default
@@ -121,8 +122,9 @@ class _Workload:
     def fastzoo(self, attn: str, recipe: Recipe):
         import fastzoo
 
+        layout = {"channels_last": True} if recipe.channels_last else {}  # a field of the families that offer it
         return fastzoo.create(self.name, pretrained=self.original, attn=attn, giou_impl="kernel",
-                              channels_last=recipe.channels_last).to(self.device).train()
+                              **layout).to(self.device).train()
 
     def step(self, model, recipe: Recipe, *, counted: bool = True, gate: bool = True) -> Step:
         """The timed step; ``counted``: with its own FLOPs (the packed encoder skips the padding's

@@ -12,13 +12,19 @@ that detector (``ImageLoss``, ``DeformableDetrImageLoss``, ``RTDetrLoss``):
   matched class, summed over queries and classes, divided by the box count; ``varifocal`` (RT-DETR,
   Zhang et al. 2021) binary cross-entropy against the IoU-aware target ``IoU(matched pair) x one-hot``
   (the IoU of the detached prediction), weighted ``alpha p^gamma`` on the negatives and the target on
-  the positive, normalised as ``focal``.
+  the positive, normalised as ``focal``; ``iou_aware`` (LW-DETR, RF-DETR) BCE of every query and class,
+  the matched class's target ``p^alpha IoU^(1-alpha)`` (at least 0.01, no gradient) weighting ``-log p`` and
+  one minus it ``-log(1-p)``, every other ``p^2`` (with its gradient) weighting ``-log(1-p)``; summed, over
+  the box count.
 
 :func:`set_prediction_loss` is DETR's and Deformable DETR's (``loss_ce`` ..., ``cardinality_error``,
 auxiliary layers suffixed ``_0`` ... ``_{L-2}``, ``loss`` = sum of the layers' ``loss_ce +
 bbox_loss_coefficient x loss_bbox + giou_loss_coefficient x loss_giou``); :func:`rt_detr_loss` is
 RT-DETR's (``loss_vfl``, ``loss_bbox``, ``loss_giou`` already weighted; ``_aux_{i}`` for the decoder
-layers and the encoder's proposals, ``_dn_{i}`` for the denoising groups; ``loss`` = their sum).
+layers and the encoder's proposals, ``_dn_{i}`` for the denoising groups; ``loss`` = their sum);
+:func:`lw_detr_loss` is LW-DETR's and RF-DETR's (``loss_ce``, ``loss_bbox``, ``loss_giou``,
+``cardinality_error``; ``_{i}`` for the earlier decoder layers, ``_enc`` for the encoder's proposals; the
+queries matched per Group-DETR group, the box count times the groups).
 
 How it runs. transformers computes one ``[B*Q, N]`` cost for the whole batch per layer (every
 query against every image's boxes), the GIoU loss as the diagonal of an ``N x N`` matrix, and
@@ -55,7 +61,8 @@ from fastzoo.losses.set_matching import (
     paired_iou,
 )
 
-__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "check_target_values", "rt_detr_loss", "set_prediction_loss"]
+__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "check_target_values", "lw_detr_loss", "rt_detr_loss",
+           "set_prediction_loss"]
 
 # how the GIoU term runs: ``giou_impl=`` of the loss, DETR's config field of that name, the bench's cases
 GIOU_IMPLS = {"per_sample": "GIoU term in a loop over images", "concat": "GIoU term on the gathered pairs",
@@ -63,13 +70,15 @@ GIOU_IMPLS = {"per_sample": "GIoU term in a loop over images", "concat": "GIoU t
               "kernel": "GIoU term through the fused padded op (no gather, no host sync)"}
 CLASS_TERMS = {"ce": "softmax cross-entropy with a 'no object' class (DETR)",
                "focal": "sigmoid focal loss (Deformable DETR)",
-               "varifocal": "sigmoid varifocal loss, IoU-aware targets (RT-DETR)"}
+               "varifocal": "sigmoid varifocal loss, IoU-aware targets (RT-DETR)",
+               "iou_aware": "sigmoid BCE with IoU-aware positive targets (LW-DETR, RF-DETR)"}
 
 
 @dataclass(frozen=True)
 class ClassTerm:
     """The classification term (one of :data:`CLASS_TERMS`) and its constants: ``eos_coefficient``
-    (``ce``), ``alpha`` (``focal``: the positives' weight; ``varifocal``: the negatives'), ``gamma``."""
+    (``ce``), ``alpha`` (``focal``: the positives' weight; ``varifocal``: the negatives'; ``iou_aware``: the
+    probability's exponent in the target), ``gamma``."""
 
     kind: str = "ce"
     eos_coefficient: float = 0.1
@@ -126,12 +135,7 @@ def set_prediction_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config=
         pairs = [_pairs(stack)]
         ((loss_ce, loss_bbox),), (loss_giou,) = _class_and_l1([stack], pairs, term, C), _giou_sums(giou_impl, pairs)
 
-        with torch.no_grad():
-            if focal_alpha is None:  # predicted non-empty: "no object" is not the top class / some sigmoid above 0.5
-                card_LB = (logits_LBQC.argmax(-1) != C).sum(-1).float()
-            else:
-                card_LB = (logits_LBQC.sigmoid().max(-1).values > 0.5).sum(-1).float()
-            card = (card_LB - torch.tensor(t.counts, dtype=torch.float32, device=logits_LBQC.device)).abs().mean(-1)
+        card = _cardinality_error(logits_LBQC, t, None if focal_alpha is None else C)
         loss_giou = loss_giou / n
         loss_dict = {}
         for layer in [L - 1, *range(L - 1)]:
@@ -370,6 +374,101 @@ def _fgl_ddf(fdr: _Distributions, k: int, Lk: int, queries: slice, query_BS, mat
     return fgl, (mean_pos * num_pos + mean_neg * num_neg) / (num_pos + num_neg)
 
 
+def lw_detr_loss(logits_LBQC: Tensor, boxes_LBQ4: Tensor, labels, config, *, enc_logits_BQC: Tensor,
+                 enc_boxes_BQ4: Tensor) -> tuple[Tensor, dict]:
+    """LW-DETR's and RF-DETR's ``(loss, loss_dict)``, transformers' ``LwDetrForObjectDetectionLoss``: the L decoder
+    layers' ``logits_LBQC [L, B, Q, C]`` (per-class sigmoids; the last is the final output, the others auxiliary)
+    and boxes ``boxes_LBQ4`` (cxcywh), the encoder's proposals ``enc_logits_BQC [B, Qe, C]``, ``enc_boxes_BQ4``.
+    ``config``: transformers' ``RfDetrConfig`` names (``class_cost`` ..., ``*_loss_coefficient``, ``focal_alpha``,
+    ``group_detr``) and fastzoo's ``giou_impl``.
+
+    Each stack's queries are ``group_detr`` groups of ``Q // group_detr`` (the rest unmatched), each matched
+    apart (the focal cost, alpha 0.25 and gamma 2) to every box: transformers' loss uses the groups in eval
+    mode too. Terms: the IoU-aware class term, L1, GIoU, each over the box count times the groups, and the
+    cardinality error (logged, no gradient); ``loss`` = the sum of the class, L1 and GIoU terms weighted by
+    their ``*_loss_coefficient``."""
+    fields = ("num_labels", "class_cost", "bbox_cost", "giou_cost", "class_loss_coefficient", "bbox_loss_coefficient",
+              "giou_loss_coefficient", "focal_alpha", "group_detr")
+    missing = [f for f in fields if not hasattr(config, f)]
+    if missing:
+        raise ValueError(f"config lacks LW-DETR's loss fields {', '.join(missing)} (transformers' RfDetrConfig names)")
+    giou_impl = getattr(config, "giou_impl", "kernel")
+    _check_giou_impl(giou_impl)
+    with kernel_range("loss", "lw_detr_loss", giou_impl):  # for fastzoo.explain; a no-op otherwise
+        _check_predictions(logits_LBQC, boxes_LBQ4)
+        L, B, Q, C = logits_LBQC.shape
+        if C != config.num_labels:
+            raise ValueError(f"logits have {C} classes; num_labels={config.num_labels} (sigmoid classes, no 'no object')")
+        if (not isinstance(enc_logits_BQC, Tensor) or not isinstance(enc_boxes_BQ4, Tensor) or enc_logits_BQC.ndim != 3
+                or enc_logits_BQC.shape[::2] != (B, C) or enc_boxes_BQ4.shape != (*enc_logits_BQC.shape[:2], 4)):
+            raise ValueError(f"enc_logits_BQC and enc_boxes_BQ4 must be [{B}, Qe, {C}] and [{B}, Qe, 4] (the encoder's "
+                             f"proposals), got {tuple(getattr(enc_logits_BQC, 'shape', ()))} and "
+                             f"{tuple(getattr(enc_boxes_BQ4, 'shape', ()))}")
+        G = config.group_detr
+        stacks = [(logits_LBQC, boxes_LBQ4), (enc_logits_BQC[None], enc_boxes_BQ4[None])]
+        if min(lg.shape[2] for lg, _ in stacks) < G:
+            raise ValueError(f"group_detr={G}: more groups than the {min(lg.shape[2] for lg, _ in stacks)} queries "
+                             f"predicted")
+        t = pad_targets(labels, B, logits_LBQC.device)
+        cost = MatchCost(config.class_cost, config.bbox_cost, config.giou_cost, (0.25, 2.0))
+        names = [[*(f"auxiliary decoder layer {i}" for i in range(L - 1)), "the last decoder layer"],
+                 ["the encoder's proposals (enc_outputs_class, enc_outputs_coord_logits)"]]
+        names = [[name for name in layers for _ in range(G)] for layers in names]  # _grouped's order
+        queries = [_ungroup(q, G, lg.shape[2] // G) for q, (lg, _) in
+                   zip(hungarian([_grouped(lg, bx, G) for lg, bx in stacks], t, cost, C, names), stacks)]
+        n = max(t.num_boxes * G, 1)
+        matched = [_Stack(lg, bx, q, t.boxes_BM4.repeat(1, G, 1), t.labels_BM.repeat(1, G), n)
+                   for (lg, bx), q in zip(stacks, queries)]
+        pairs = [_pairs(s) for s in matched]
+        class_l1 = _class_and_l1(matched, pairs, ClassTerm("iou_aware", alpha=config.focal_alpha), C)
+        gious = _giou_sums(giou_impl, pairs)
+        cards = [_cardinality_error(s.logits_LBQC, t, C) for s in matched]
+        per_layer = [(c[i], b[i], g[i] / n, card[i]) for (c, b), g, card in zip(class_l1, gious, cards) for i in range(len(c))]
+        suffixes = [*(f"_{i}" for i in range(L - 1)), "", "_enc"]
+        order = sorted(range(len(suffixes)), key=lambda i: (suffixes[i] != "", i))  # the last layer's terms first
+        loss_dict = {}
+        for i in order:
+            loss_dict.update({f"{k}{suffixes[i]}": v for k, v in
+                              zip(("loss_ce", "loss_bbox", "loss_giou", "cardinality_error"), per_layer[i])})
+        weights = {"loss_ce": config.class_loss_coefficient, "loss_bbox": config.bbox_loss_coefficient,
+                   "loss_giou": config.giou_loss_coefficient}
+        loss = sum(loss_dict[k + suffixes[i]] * w for i in order for k, w in weights.items())
+        return loss, loss_dict
+
+
+def _grouped(logits_LBQC: Tensor, boxes_LBQ4: Tensor, G: int) -> tuple[Tensor, Tensor]:
+    """``[L, B, Q, ...]`` as ``G`` groups of ``q = Q // G`` queries, each group one more layer ``[L * G, B, q, ...]``
+    (queries past ``G q`` dropped)."""
+    L, B, Q, _ = logits_LBQC.shape
+    q = Q // G
+
+    def split(x):
+        return x[:, :, : G * q].reshape(L, B, G, q, -1).transpose(1, 2).reshape(L * G, B, q, -1)
+
+    return split(logits_LBQC), split(boxes_LBQ4)
+
+
+def _ungroup(query_KBM: Tensor, G: int, q: int) -> Tensor:
+    """The groups' matches ``[L * G, B, M]`` as one ``[L, B, G * M]``: group ``g``'s slots after the earlier
+    groups', its queries offset by ``g q``."""
+    K, B, M = query_KBM.shape
+    offset = (torch.arange(G, device=query_KBM.device) * q).view(1, G, 1, 1)
+    query_LGBM = query_KBM.view(K // G, G, B, M)
+    query_LGBM = torch.where(query_LGBM >= 0, query_LGBM + offset, -1)
+    return query_LGBM.transpose(1, 2).reshape(K // G, B, G * M)
+
+
+def _cardinality_error(logits_LBQC: Tensor, t: PaddedTargets, sigmoid_classes: int | None) -> Tensor:
+    """Per layer ``[L]``: the mean over images of |predicted non-empty - boxes|; a query is non-empty where
+    "no object" is not its top class (softmax, ``sigmoid_classes`` None), or some sigmoid is above 0.5."""
+    with torch.no_grad():
+        if sigmoid_classes is None:
+            card_LB = (logits_LBQC.argmax(-1) != logits_LBQC.shape[-1] - 1).sum(-1).float()
+        else:
+            card_LB = (logits_LBQC.sigmoid().max(-1).values > 0.5).sum(-1).float()
+        return (card_LB - torch.tensor(t.counts, dtype=torch.float32, device=logits_LBQC.device)).abs().mean(-1)
+
+
 def _layer_name(suffix: str, L: int) -> str:
     """How a matching error names an RT-DETR layer, from its loss_dict suffix."""
     if suffix == "":
@@ -446,7 +545,8 @@ def _class_and_l1(stacks: list[_Stack], pairs, term: ClassTerm, C: int) -> list[
                 iou_LBS = paired_iou(center_to_corners(pred_LBS4), center_to_corners(tgt_LBS4))
                 score_LBQ = torch.zeros(L, B, Q + 1, dtype=s.logits_LBQC.dtype, device=s.logits_LBQC.device)
                 score_LBQ = score_LBQ.scatter(2, slot_LBS, torch.where(matched_LBS, iou_LBS, 0.0).to(score_LBQ.dtype))
-            loss_class = _varifocal_class_loss(s.logits_LBQC, target_LBQ, score_LBQ[..., :Q], C, term, s.n)
+            loss_of = _varifocal_class_loss if term.kind == "varifocal" else _iou_aware_class_loss
+            loss_class = loss_of(s.logits_LBQC, target_LBQ, score_LBQ[..., :Q], C, term, s.n)
         out.append((loss_class, loss_bbox))
     return out
 
@@ -491,6 +591,19 @@ def _varifocal_class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, score_LBQ: Te
     return loss.mean(2).sum((1, 2)) * Q / n
 
 
+def _iou_aware_class_loss(logits_LBQC: Tensor, target_LBQ: Tensor, score_LBQ: Tensor, C: int, term: ClassTerm,
+                          n) -> Tensor:
+    """LW-DETR's per layer ``[L]`` (transformers' ``LwDetrImageLoss.loss_labels``), op for op: ``-w+ log p -
+    w- log(1 - p)``, at the matched class ``w+ = max(p^alpha IoU^(1-alpha), 0.01)`` and ``w- = 1 - w+`` (no
+    gradient), elsewhere ``w+ = 0`` and ``w- = p^2``; summed over queries and classes, over the box count."""
+    onehot_LBQC = F.one_hot(target_LBQ, C + 1)[..., :C].bool()
+    prob = logits_LBQC.sigmoid()
+    quality = (prob.detach().pow(term.alpha) * score_LBQ[..., None].pow(1 - term.alpha)).clamp(min=0.01)
+    pos = torch.where(onehot_LBQC, quality, 0.0)
+    neg = torch.where(onehot_LBQC, 1 - quality, prob.pow(2))
+    return (-pos * prob.log() - neg * (1 - prob).log()).sum((1, 2, 3)) / n
+
+
 def _giou_sums(giou_impl: str, stack_pairs) -> list[Tensor]:
     """Per stack ``[L]``: the sum of 1 - GIoU over its matched pairs, every stack's pairs in one call
     (``padded`` / ``kernel``) or per layer (``concat``) or per layer and image (``per_sample``)."""
@@ -521,9 +634,9 @@ def _giou_sums(giou_impl: str, stack_pairs) -> list[Tensor]:
 
 SET_PREDICTION = Loss(
     name="set_prediction",
-    description="the DETR family's set loss (Hungarian and denoising matches; CE / focal / varifocal class term + L1 + "
-                "GIoU, auxiliary and encoder layers), transformers' terms",
-    functions=("set_prediction_loss", "rt_detr_loss"),
+    description="the DETR family's set loss (Hungarian, grouped and denoising matches; CE / focal / varifocal / "
+                "IoU-aware class term + L1 + GIoU, auxiliary and encoder layers), transformers' terms",
+    functions=("set_prediction_loss", "rt_detr_loss", "lw_detr_loss"),
     impls=GIOU_IMPLS,
     kernel_ops=r"^fastzoo::giou",
     fused_op=r"^fastzoo::giou",

@@ -1,0 +1,128 @@
+"""transformers' RF-DETR checkpoints, both ways. Outside the DINOv2 fastzoo's model has transformers' module names
+(a key for key copy); the DINOv2 (``model.backbone.backbone.``) is fastzoo's ViT, whose keys the ViT family's
+transformers converter renames (``encoder.layer.N.attention.attention.query`` ... joined into ``blocks.N.attn.qkv``).
+The config: from a ``config.json`` / a live model's config (``RfDetrConfig`` with an ``rf_detr_dinov2`` backbone),
+or from the keys of a bare state dict (heads, windows and the output blocks keep transformers' defaults unless
+given: the tensors cannot show them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from fastzoo.errors import CheckpointError
+from fastzoo.models.rf_detr.config import RfDetrConfig
+from fastzoo.models.vit import hf as vit_hf
+
+BACKBONE = "model.backbone.backbone."
+# fastzoo's field -> the backbone config's (RfDetrDinov2Config)
+BACKBONE_FIELDS = {"hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
+                   "num_attention_heads": "num_attention_heads", "mlp_ratio": "mlp_ratio", "hidden_act": "hidden_act",
+                   "image_size": "image_size", "patch_size": "patch_size", "num_channels": "num_channels",
+                   "qkv_bias": "qkv_bias", "layerscale_value": "layerscale_value", "use_mask_token": "use_mask_token",
+                   "num_windows": "num_windows", "backbone_layer_norm_eps": "layer_norm_eps",
+                   "apply_layernorm": "apply_layernorm"}
+FASTZOO_ONLY = ("id2label", "backbone_out_indices", "giou_impl", *BACKBONE_FIELDS)
+
+
+def _top_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(RfDetrConfig) if f.name not in FASTZOO_ONLY)
+
+
+def _split(state: dict) -> tuple[dict, dict]:
+    """The DINOv2's keys (prefix stripped) and the rest."""
+    inner = {k[len(BACKBONE):]: v for k, v in state.items() if k.startswith(BACKBONE)}
+    return inner, {k: v for k, v in state.items() if not k.startswith(BACKBONE)}
+
+
+class HfRfDetrConverter:
+    """``RfDetrForObjectDetection`` state dicts."""
+
+    format = "hf"
+
+    @staticmethod
+    def matches(state: dict) -> bool:
+        # two keys every state and every gradient dict has
+        return ("model.backbone.projector.projector_layer.conv1.conv.weight" in state
+                and "model.decoder.ref_point_head.layers.0.weight" in state)
+
+    @staticmethod
+    def to_fastzoo(state: dict) -> dict:
+        inner, rest = _split(state)
+        return {**rest, **{BACKBONE + k: v for k, v in vit_hf.to_fastzoo(inner).items()}}
+
+    @staticmethod
+    def from_fastzoo(state: dict, config) -> dict:
+        from fastzoo.models.rf_detr.backbone import vit_config
+
+        inner, rest = _split(state)
+        return {**rest, **{BACKBONE + k: v for k, v in vit_hf.from_fastzoo(inner, vit_config(config)).items()}}
+
+    @staticmethod
+    def infer_config(state: dict, module=None) -> dict:
+        if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
+            return HfRfDetrConverter.config_from_json(module.config.to_dict())
+        s = HfRfDetrConverter.to_fastzoo(state)
+
+        def count(pattern):
+            return len({m[1] for k in s for m in [re.match(pattern, k)] if m})
+
+        D, C, P, _ = s[BACKBONE + "patch_embed.proj.weight"].shape
+        side = int(round((s[BACKBONE + "pos_embed"].shape[1] - 1) ** 0.5))
+        groups = count(r"model\.enc_output\.(\d+)\.")
+        d = s["model.query_feat.weight"].shape[1]
+        conv1 = s["model.backbone.projector.projector_layer.conv1.conv.weight"]
+        out = {
+            "num_labels": s["class_embed.weight"].shape[0], "hidden_size": D, "num_channels": C, "patch_size": P,
+            "image_size": side * P, "num_hidden_layers": count(re.escape(BACKBONE) + r"blocks\.(\d+)\."),
+            "mlp_ratio": s[BACKBONE + "blocks.0.mlp.fc1.weight"].shape[0] // D,
+            "qkv_bias": BACKBONE + "blocks.0.attn.qkv.bias" in s, "use_mask_token": BACKBONE + "mask_token" in s,
+            "hidden_expansion": conv1.shape[0] / 2 / d, "c2f_num_blocks": count(r"model\.backbone\.projector\."
+                                                                              r"projector_layer\.bottlenecks\.(\d+)\."),
+            "d_model": d, "group_detr": groups, "num_queries": s["model.query_feat.weight"].shape[0] // groups,
+            "decoder_layers": count(r"model\.decoder\.layers\.(\d+)\."),
+            "decoder_ffn_dim": s["model.decoder.layers.0.mlp.fc1.weight"].shape[0],
+        }
+        # heads x points is one product in the tensors: points from transformers' default heads where they divide
+        rows = s["model.decoder.layers.0.cross_attn.attention_weights.weight"].shape[0]
+        if rows % RfDetrConfig.decoder_cross_attention_heads == 0:
+            out["decoder_n_points"] = rows // RfDetrConfig.decoder_cross_attention_heads
+        return out
+
+    @staticmethod
+    def config_from_json(cfg: dict) -> dict:
+        """fastzoo's fields from a transformers ``RfDetrConfig`` dict."""
+        if cfg.get("model_type", "rf_detr") != "rf_detr":
+            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's RF-DETR reads 'rf_detr'")
+        bb = cfg.get("backbone_config") or {}
+        if bb.get("model_type", "rf_detr_dinov2") != "rf_detr_dinov2":
+            raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's RF-DETR "
+                                  f"builds transformers' windowed DINOv2 ('rf_detr_dinov2')")
+        for key, ok in (("use_swiglu_ffn", False), ("reshape_hidden_states", True)):
+            if bb.get(key, ok) != ok:
+                raise CheckpointError(f"config.json: backbone_config {key}={bb[key]!r}: fastzoo's RF-DETR builds {key}={ok} "
+                                      f"(as every RF-DETR checkpoint)")
+        out = {k: cfg[k] for k in _top_fields() if k in cfg}
+        labels = cfg.get("id2label")
+        out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)
+        if labels:
+            out["id2label"] = {int(k): v for k, v in labels.items()}
+        out.update({ours: bb[theirs] for ours, theirs in BACKBONE_FIELDS.items() if theirs in bb})
+        outs = bb.get("out_indices") or [int(f[len("stage"):]) for f in bb.get("out_features") or []]
+        if outs:
+            out["backbone_out_indices"] = tuple(outs)
+        return out
+
+
+def hf_config(cfg: RfDetrConfig):
+    """``cfg`` as a ``transformers.RfDetrConfig`` (which builds the same network)."""
+    import transformers
+
+    backbone = {"model_type": "rf_detr_dinov2", **{theirs: getattr(cfg, ours) for ours, theirs in BACKBONE_FIELDS.items()},
+                "out_indices": list(cfg.backbone_out_indices)}
+    fields = {k: getattr(cfg, k) for k in _top_fields() if k != "num_labels"}
+    labels = {"id2label": {int(k): v for k, v in cfg.id2label.items()}} if cfg.id2label else {"num_labels": cfg.num_labels}
+    return transformers.RfDetrConfig(backbone_config=backbone, **fields, **labels)
+
+
+HF = HfRfDetrConverter()
