@@ -264,6 +264,9 @@ class LlamaConfig(ModelConfig):
         if kind not in ROPE_TYPES:
             raise ConfigError(f"rope_parameters: rope_type={kind!r} is not one fastzoo computes ({', '.join(ROPE_TYPES)})",
                               fields=("rope_parameters",))
+        if self.model_type == "phi3" and kind not in ("default", "longrope"):  # transformers' Phi3Config refuses the rest
+            raise ConfigError(f"rope_parameters: rope_type={kind!r}: the phi3 layout takes 'default' or 'longrope'",
+                              fields=("rope_parameters",))
         filled = self._filled(rope)
         missing = [k for k in REQUIRED[kind] if k not in filled]
         if missing:
