@@ -151,11 +151,4 @@ class DFineForObjectDetection(RTDetrForObjectDetection):
 
         return hf_config(self.config)
 
-    def save_pretrained(self, path, **_hf_options):
-        """A directory transformers' ``from_pretrained`` and fastzoo both read (transformers' ``config.json`` and
-        ``model.safetensors`` in its keys, which are this model's), written atomically. transformers' own options
-        are accepted and ignored."""
-        from fastzoo.models.base import write_pretrained
-
-        cfg = {**self.hf_config().to_dict(), "architectures": ["DFineForObjectDetection"]}
-        return write_pretrained(path, cfg, self.state_dict(), weights_format="pt")
+    architecture = "DFineForObjectDetection"

@@ -320,6 +320,11 @@ class RTDetrForObjectDetection(TransformersDetector, FastzooModel):
                    denoising_meta_values=out["dn"].meta if out["dn"] is not None else None)
         return o if return_dict is not False else o.to_tuple()
 
+    @property
+    def architecture(self) -> str:
+        """transformers' class name, as ``config.json``'s ``architectures`` gives it."""
+        return "RTDetrV2ForObjectDetection" if self.config.v2 else "RTDetrForObjectDetection"
+
     def hf_config(self):
         """This architecture as a ``transformers.RTDetrConfig`` / ``RTDetrV2Config``."""
         from fastzoo.models.rt_detr.convert import hf_config
@@ -330,6 +335,5 @@ class RTDetrForObjectDetection(TransformersDetector, FastzooModel):
         """A directory transformers' ``from_pretrained`` and fastzoo both read (transformers' ``config.json`` and
         ``model.safetensors`` in its keys, which are this model's), written atomically. transformers' own
         options are accepted and ignored."""
-        arch = "RTDetrV2ForObjectDetection" if self.config.v2 else "RTDetrForObjectDetection"
-        cfg = {**self.hf_config().to_dict(), "architectures": [arch]}
+        cfg = {**self.hf_config().to_dict(), "architectures": [self.architecture]}
         return write_pretrained(path, cfg, self.state_dict(), weights_format="pt")
