@@ -92,12 +92,13 @@ def detector_step(model, images, mask, labels, *, grads: bool, keep_dtype: bool 
     return {k: v.detach() if keep_dtype else v.detach().float() for k, v in t.items()}, g
 
 
-def original_rounding(ref, images, mask, labels) -> tuple[dict, dict, dict]:
-    """The original's gradients on its users' kernels (transformers' SDPA) and in fp64, and its fp64
-    outputs: what its own fp32 rounding measurably is (the rule's ``kernels`` and ``exact``)."""
+def original_rounding(ref, images, mask, labels) -> tuple[dict, dict, dict, dict]:
+    """The original's gradients on its users' kernels (transformers' SDPA) and in fp64, its fp64
+    outputs and its outputs on its users' kernels: what its own fp32 rounding measurably is (the
+    rule's ``kernels`` and ``exact``)."""
     users = copy.deepcopy(ref)
     users.config._attn_implementation = "sdpa"  # the DETR attention reads it per call (its ResNet backbone has none)
-    users_grads = detector_step(users, images, mask, labels, grads=True)[1]
+    users_out, users_grads = detector_step(users, images, mask, labels, grads=True)
     exact = copy.deepcopy(ref).double()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # the loss makes its class weights in the default dtype
@@ -107,7 +108,7 @@ def original_rounding(ref, images, mask, labels) -> tuple[dict, dict, dict]:
         exact_out, exact_grads = {}, {}
     finally:
         torch.set_default_dtype(default)
-    return users_grads, exact_grads, exact_out
+    return users_grads, exact_grads, exact_out, users_out
 
 
 def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], trained: set,
@@ -118,9 +119,9 @@ def _compare(label: str, got: tuple[dict, dict], want: tuple[dict, dict], traine
     if list(out) != list(ref):
         return [f"{label}: outputs {sorted(set(out) ^ set(ref))} on one side only"]
     for k, v in ref.items():  # within the fixed tolerance, or the original's own fp32 error (its fp64 run)
-        c = equivalence.compare_outputs_where_finite(k, out[k], v, exact=rounding[2].get(k))
+        c = equivalence.compare_outputs_where_finite(k, out[k], v, exact=rounding[2].get(k), kernels=rounding[3].get(k))
         if not c.passed:
-            problems.append(f"{label}: {k} err {c.err:.3g} > {c.bound:.3g}")
+            problems.append(f"{label}: {k} err {c.err:.3g} > {c.bound:.3g} (the original's own rounding: {c.peer_err or 0:.3g})")
     if r_grads:  # a non-finite reference gradient is compared where it is finite, and its NaN / inf places
         expected = {k for k in trained if k in r_grads}  # a head no loss reached (RT-DETR's without aux terms) has none
         if set(g) != expected:
@@ -200,8 +201,8 @@ def _check_detection(family: str, data) -> None:
         assume(False)
     names = spec.converters[0].to_fastzoo  # the original's gradients under fastzoo's names (RF-DETR's DINOv2 is fastzoo's ViT)
     want = want[0], names(want[1])
-    users_grads, exact_grads, exact_out = original_rounding(ref, images, mask, labels)
-    rounding = names(users_grads), names(exact_grads), exact_out
+    users_grads, exact_grads, exact_out, users_out = original_rounding(ref, images, mask, labels)
+    rounding = names(users_grads), names(exact_grads), exact_out, users_out
     start = modes.index(cfg["giou_impl"])
     failures, compared, refused = [], 0, 0
     for i, (name, options) in enumerate(CPU_BACKENDS):  # backend i in GIoU mode start + i: each mode on some
