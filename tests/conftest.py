@@ -1,6 +1,7 @@
 """Fixtures built from the family specs (``fastzoo/models/<family>/spec.py``): each family's
 tiny config, the original library's model on the same config; weights are drawn by
 ``fastzoo.equivalence.draw_``."""
+import os
 import sys
 
 import pytest
@@ -25,6 +26,14 @@ def model_kwargs(config: dict, *fields: str) -> list[str]:
     """``fields`` of ``config`` (a tiny config) as command-line ``KEY=VALUE`` words (the scripts'
     ``--model-kwargs``, ``fastzoo convert --set``)."""
     return [f"{k}={config[k]}" for k in fields]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's ``-n auto``) each worker is a process of its own: the cores are
+    shared out among them, so workers do not oversubscribe them with torch's intra-op threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)
