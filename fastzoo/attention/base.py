@@ -115,6 +115,9 @@ class AttnContext:
     dropout_p: float = 0.0
     window: int | None = None  # sliding window: query i sees keys j with i - j < window (causal); None: all
     softcap: float | None = None  # scaled scores become softcap * tanh(score / softcap); None: not capped
+    # where the scale goes in a kernel that writes the scores out (eager): on the product q k^T (transformers'
+    # eager_attention_forward) or, False, on q before it (timm's Attention); the same function, rounded otherwise
+    scale_scores: bool = False
     grid_size: tuple[int, int] | None = None  # ViT patch grid (rows, cols), for 2-D masks
     num_prefix_tokens: int = 0  # class/register tokens before the patch tokens
     _cache: dict = field(default_factory=dict, repr=False, compare=False)  # see cached()

@@ -1,4 +1,5 @@
-"""``eager``: softmax(q k^T * scale + mask) v written out with matmuls — the reference.
+"""``eager``: softmax(q k^T * scale + mask) v written out with matmuls — the reference (the scale on q or on
+q k^T as the model's original rounds it: ``AttnContext.scale_scores``).
 
 It serves every feature of the contract (causal, padding, packed sequences, windows,
 soft-capping, score_mod, mask_mod) by materialising the [B, H, S, S] scores, so every faster backend is compared
@@ -47,7 +48,10 @@ class EagerBackend(AttentionBackend):
         B, H, Sq, D = q_BHSD.shape
         Sk = k_BHSD.shape[-2]
         scale = ctx.scale if ctx.scale is not None else D**-0.5
-        scores_BHSS = (q_BHSD * scale) @ k_BHSD.transpose(-2, -1)
+        if ctx.scale_scores:  # the original's order of rounding (AttnContext.scale_scores)
+            scores_BHSS = (q_BHSD @ k_BHSD.transpose(-2, -1)) * scale
+        else:
+            scores_BHSS = (q_BHSD * scale) @ k_BHSD.transpose(-2, -1)
         if ctx.softcap is not None:  # the model's own capping, before any score_mod of the user's
             scores_BHSS = masks.cap_scores(scores_BHSS, ctx.softcap)
         score_mod = masks.resolve_score_mod(self.opts["score_mod"], softcap_value=self.opts["softcap"])

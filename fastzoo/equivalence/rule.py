@@ -73,12 +73,16 @@ def _own_rounding(ref: torch.Tensor, exact: torch.Tensor | None) -> float:
 
 
 def _runs(peer) -> list:
+    """The original's runs ``peer``: one run or a sequence of runs (none: None)."""
+    if peer is None:
+        return []
     return list(peer) if isinstance(peer, Sequence) else [peer]
 
 
 def compare_outputs(name: str, out: torch.Tensor, ref: torch.Tensor,
                     peer: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
-                    exact: torch.Tensor | None = None, kernels: torch.Tensor | None = None) -> Comparison:
+                    exact: torch.Tensor | None = None,
+                    kernels: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Comparison:
     """``out`` against the fp32 ``ref``; ``peer``: the original in the same low precision (None in
     fp32), or its runs on each of its kernels (the module docstring): the worst one's error counts.
 
@@ -87,15 +91,15 @@ def compare_outputs(name: str, out: torch.Tensor, ref: torch.Tensor,
     of: ``ref``'s distance from ``exact``, the original's fp64 run on the same weights and inputs
     (what fp32 rounding does to this function: an ill-conditioned one, e.g. a LayerNorm over one
     feature, whose output is rounding noise), and from ``kernels``, its fp32 run on the kernels its
-    users get (transformers' SDPA where ``ref`` ran eager): a set loss whose matcher meets a near tie
-    settles it by rounding, and transformers' SDPA and eager runs then differ by 5.7e-4 on a drawn
-    D-FINE's ``loss_giou``. Or, as in :func:`compare_grads`, flash-attn's rule one precision up:
+    users get (transformers' SDPA where ``ref`` ran eager; a sequence: its run on each of those kernels,
+    the worst counts): a set loss whose matcher meets a near tie settles it by rounding, and
+    transformers' SDPA and eager runs then differ by 5.7e-4 on a drawn D-FINE's ``loss_giou``. Or, as in :func:`compare_grads`, flash-attn's rule one precision up:
     ``out`` within ``LOW_FACTOR`` times the fp64 error of the fp64 run itself."""
     err = _max_abs(out, ref)
     if peer is None:
         top = ref.float().abs().max().item() if ref.numel() else 0.0
         fixed = max(FP32_OUT_ATOL, FP32_OUT_ULPS * torch.finfo(torch.float32).eps * top)
-        own = max(_own_rounding(ref, exact), _own_rounding(ref, kernels))
+        own = max([_own_rounding(ref, exact)] + [_own_rounding(ref, k) for k in _runs(kernels)])
         measured = exact is not None or kernels is not None
         c = Comparison(name, err, max(fixed, LOW_FACTOR * own), own if measured else None)
         own64 = _own_rounding(ref, exact)
@@ -153,7 +157,8 @@ def _finite_part(t: torch.Tensor, ref: torch.Tensor, peer=None) -> torch.Tensor:
 
 def compare_outputs_where_finite(name: str, out: torch.Tensor, ref: torch.Tensor,
                                  peer: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
-                                 exact: torch.Tensor | None = None, kernels: torch.Tensor | None = None) -> Comparison:
+                                 exact: torch.Tensor | None = None,
+                                 kernels: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Comparison:
     """:func:`compare_outputs` where the reference itself is not finite everywhere (a loss over no
     target, an original that overflows): ``out`` must be non-finite at the same places with the same
     kind (:func:`nonfinite_difference`, the original's low-precision runs' kinds where they differ from
@@ -164,11 +169,11 @@ def compare_outputs_where_finite(name: str, out: torch.Tensor, ref: torch.Tensor
     return compare_outputs(name, _finite_part(out, ref, peer), _finite_part(ref, ref, peer),
                            None if peer is None else [_finite_part(p, ref, peer) for p in _runs(peer)],
                            exact=None if exact is None else _finite_part(exact, ref),
-                           kernels=None if kernels is None else _finite_part(kernels, ref))
+                           kernels=None if kernels is None else [_finite_part(k, ref) for k in _runs(kernels)])
 
 
 def compare_grads_where_finite(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | None = None, *,
-                               kernels: dict | None = None, exact: dict | None = None) -> Comparison:
+                               kernels: dict | Sequence[dict] | None = None, exact: dict | None = None) -> Comparison:
     """:func:`compare_grads` where some reference gradients are not finite: each such parameter's
     gradient must be non-finite at the same places with the same kind (as in
     :func:`compare_outputs_where_finite`), and every finite value of every parameter is compared (one
@@ -185,7 +190,8 @@ def compare_grads_where_finite(name: str, g: dict, ref: dict, peer: dict | Seque
     finite = (lambda d: {n: _finite_part(t, ref[n], peer_of(n)) if n in ref and t.shape == ref[n].shape else t
                          for n, t in d.items()})
     return compare_grads(name, finite(g), finite(ref), None if peers is None else [finite(p) for p in peers],
-                         kernels=None if kernels is None else finite(kernels), exact=None if exact is None else finite(exact))
+                         kernels=None if kernels is None else [finite(k) for k in _runs(kernels)],
+                         exact=None if exact is None else finite(exact))
 
 
 def compare_loss(name: str, loss: torch.Tensor, ref: torch.Tensor, peer: Sequence[torch.Tensor] | None = None, *,
@@ -246,15 +252,15 @@ def _grad_error(g: dict, ref: dict) -> tuple[float, str]:
 
 
 def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | None = None, *,
-                  kernels: dict | None = None, exact: dict | None = None) -> Comparison:
+                  kernels: dict | Sequence[dict] | None = None, exact: dict | None = None) -> Comparison:
     """Parameter gradients ``g`` against ``ref`` (same names), by the relative rule above; ``peer`` as
     in :func:`compare_outputs`.
 
     fp32: within 1e-4 of the scale, or within ``LOW_FACTOR`` times the original's own fp32 rounding
     where that is larger (never looser). The original's rounding is what it measurably gives: its
     disagreement with itself on the kernels its users get (``kernels``: transformers' SDPA, where
-    ``ref`` ran its reference kernels) and its error against its own fp64 run (``exact``), the worse
-    of the two, parameter by parameter; one that cannot be measured (a name missing, a value not
+    ``ref`` ran its reference kernels; a sequence: its run on each, e.g. SDPA's CPU flash and math
+    kernels) and its error against its own fp64 run (``exact``), the worst, parameter by parameter; one that cannot be measured (a name missing, a value not
     finite) widens nothing.
     A gradient near the rule's floor (1% of the largest) can be ill-conditioned: on a DETR whose
     input projection's gradient cancels, transformers' own fp32 gradient is 5.2e-5 of its scale
@@ -274,7 +280,7 @@ def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | N
         if not math.isfinite(err) or not ref:
             return Comparison(name, err, FP32_GRAD_RTOL, worst=worst)
         errs = _grad_errors(g, ref)
-        own = [_grad_errors(kernels, ref)] if kernels is not None else []
+        own = [_grad_errors(k, ref) for k in _runs(kernels)]
         own += [_grad_errors(ref, exact)] if exact is not None else []  # its fp32 run against its fp64 one
         # per parameter: its own rounding, where measured (finite), widens its own bound only
         rounding = {n: _finite_max(o.get(n) for o in own) for n in errs}
@@ -282,7 +288,7 @@ def compare_grads(name: str, g: dict, ref: dict, peer: dict | Sequence[dict] | N
         forms = {n: (errs[n], bounds[n], rounding[n]) for n in errs}
         if exact is not None:  # flash-attn's form against the fp64 run (the docstring), where it is the kinder one
             errs64 = _grad_errors(g, exact)
-            own64 = [_grad_errors(r, exact) for r in (ref, kernels) if r is not None]
+            own64 = [_grad_errors(r, exact) for r in (ref, *_runs(kernels))]
             for n in errs:
                 r64 = _finite_max(o.get(n) for o in own64)
                 if r64 and math.isfinite(errs64[n]) and errs64[n] / (LOW_FACTOR * r64) < errs[n] / bounds[n]:

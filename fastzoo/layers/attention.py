@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastzoo.attention.base import AttentionBackend, AttnContext
@@ -70,6 +71,7 @@ class UsesAttention(nn.Module):
     slot: AttentionSlot | None = None
     sliding_window: int | None = None  # a layer attending through a window sets it (Mistral's / Qwen2's sliding_window)
     softcap: float | None = None  # a layer soft-capping its scores sets it (Gemma 2's attn_logit_softcapping)
+    scale_scores: bool = False  # a layer whose original scales q k^T rather than q sets it (AttnContext.scale_scores)
     attn_dropout_module: ClassVar[str] = "attn_dropout"
     attn_dropout_field: ClassVar[str] = "attention dropout"
 
@@ -95,8 +97,9 @@ class UsesAttention(nn.Module):
         """
         dropout_p = self.attn_dropout_p if self.training else 0.0
         if (scale != ctx.scale or dropout_p != ctx.dropout_p or self.sliding_window != ctx.window
-                or self.softcap != ctx.softcap):
-            ctx = ctx.replace(scale=scale, dropout_p=dropout_p, window=self.sliding_window, softcap=self.softcap)
+                or self.softcap != ctx.softcap or self.scale_scores != ctx.scale_scores):
+            ctx = ctx.replace(scale=scale, dropout_p=dropout_p, window=self.sliding_window, softcap=self.softcap,
+                              scale_scores=self.scale_scores)
         return self.backend(q_BHSD, k_BHSD, v_BHSD, ctx)
 
 
@@ -105,6 +108,9 @@ class Attention(UsesAttention):
 
     attn_dropout_module = "attn_drop"  # timm's name
     attn_dropout_field = "attn_drop_rate"  # timm's VisionTransformer argument
+    # q, k and v as three products with their thirds of ``qkv`` (transformers' DINOv2: query, key, value), where
+    # the original rounds so; False: timm's one product. The same function: the input's gradient sums otherwise
+    split_qkv: bool = False
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_drop: float = 0.0, proj_drop: float = 0.0):
         super().__init__()
@@ -119,8 +125,13 @@ class Attention(UsesAttention):
 
     def forward(self, x_BSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, S, D = x_BSD.shape
-        qkv_3BHSD = self.qkv(x_BSD).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q_BHSD, k_BHSD, v_BHSD = qkv_3BHSD.unbind(0)
+        if self.split_qkv:
+            biases = self.qkv.bias.chunk(3) if self.qkv.bias is not None else (None,) * 3
+            q_BHSD, k_BHSD, v_BHSD = (F.linear(x_BSD, w, b).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+                                      for w, b in zip(self.qkv.weight.chunk(3), biases))
+        else:
+            qkv_3BHSD = self.qkv(x_BSD).reshape(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q_BHSD, k_BHSD, v_BHSD = qkv_3BHSD.unbind(0)
         o_BHSD = self.attend(q_BHSD, k_BHSD, v_BHSD, ctx)
         x_BSD = o_BHSD.transpose(1, 2).reshape(B, S, D)
         return self.proj_drop(self.proj(x_BSD))

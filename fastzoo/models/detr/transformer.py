@@ -26,6 +26,8 @@ class DetrAttention(UsesAttention):
     """transformers' ``DetrSelfAttention`` / ``DetrCrossAttention``: position embeddings are added to
     the queries' and the keys' inputs, never to the values'."""
 
+    scale_scores = True  # transformers' eager attention scales q k^T
+
     def __init__(self, d_model: int, heads: int, dropout: float):
         super().__init__()
         self.heads, self.head_dim = heads, d_model // heads

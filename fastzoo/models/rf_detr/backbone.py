@@ -45,6 +45,8 @@ class WindowedDinov2(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.use_mask_token else None
         self.pos_embed = nn.Parameter(torch.randn(1, self.patch_embed.num_patches + 1, D) * 0.02)
         self.blocks = nn.ModuleList(Block(vit, 0.0) for _ in range(cfg.num_hidden_layers))
+        for block in self.blocks:  # rounded as transformers' DINOv2: q, k, v projected apart, the scale on q k^T
+            block.attn.split_qkv = block.attn.scale_scores = True
         self.norm = nn.LayerNorm(D, eps=cfg.backbone_layer_norm_eps)
 
     def _pos_embed(self, gh: int, gw: int) -> torch.Tensor:
