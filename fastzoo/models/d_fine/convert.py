@@ -11,9 +11,9 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.d_fine.config import DFineConfig
-from fastzoo.models.detr.hf_detector import HfDetectorConverter, count, rows
-from fastzoo.models.rt_detr.convert import (heads_under_both_names, hybrid_fields_from_json, hybrid_fields_from_keys,
-                                            hybrid_hf_config)
+from fastzoo.models.detr.hf_detector import HfDetectorConverter, check_model_type, count, rows
+from fastzoo.models.rt_detr.convert import (heads_under_both_names, hybrid_backbone_config, hybrid_fields_from_json,
+                                            hybrid_fields_from_keys, hybrid_hf_config)
 
 BACKBONE = ("num_channels", "hidden_act", "stem_channels", "stage_in_channels", "stage_mid_channels", "stage_out_channels",
             "stage_num_blocks", "stage_downsample", "stage_light_block", "stage_kernel_size", "stage_numb_of_layers",
@@ -85,12 +85,8 @@ class HfDFineConverter(HfDetectorConverter):
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``DFineConfig`` dict."""
-        if cfg.get("model_type", "d_fine") != "d_fine":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's D-FINE reads 'd_fine'")
-        bb = cfg.get("backbone_config") or {}
-        if bb.get("model_type", "hgnet_v2") != "hgnet_v2" or cfg.get("use_timm_backbone"):
-            raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's D-FINE "
-                                  f"builds transformers' HGNetV2 ('hgnet_v2')")
+        check_model_type(cfg, "D-FINE", "d_fine")
+        bb = hybrid_backbone_config(cfg, "D-FINE", "hgnet_v2", "HGNetV2")
         for key, default in FIXED_STRIDES.items():
             if key in bb and list(bb[key]) != default:
                 raise CheckpointError(f"config.json: backbone_config {key}={bb[key]}; fastzoo's HGNetV2 builds {default}")

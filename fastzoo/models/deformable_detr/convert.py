@@ -17,7 +17,7 @@ from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS
 from fastzoo.models.detr.convert import (HF as DETR_HF, HF_FIELDS, _backbone_from_config, _backbone_from_keys,
                                          fields_from_json, layer_counts)
 from fastzoo.models.detr.convert import hf_config as detr_hf_config
-from fastzoo.models.detr.hf_detector import HfDetectorConverter, out_indices, sampling_points
+from fastzoo.models.detr.hf_detector import HfDetectorConverter, check_model_type, out_indices, sampling_points
 
 FIELDS = ("num_feature_levels", "encoder_n_points", "decoder_n_points", "two_stage", "two_stage_num_proposals",
           "with_box_refine", "focal_alpha", "tie_word_embeddings")
@@ -67,9 +67,7 @@ class HfDeformableDetrConverter(HfDetectorConverter):
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``DeformableDetrConfig`` dict (``config.json``, ``config.to_dict()``)."""
-        if cfg.get("model_type", "deformable_detr") != "deformable_detr":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's Deformable DETR "
-                                  f"reads 'deformable_detr'")
+        check_model_type(cfg, "Deformable DETR", "deformable_detr")
         if cfg.get("position_embedding_type", "sine") != "sine":
             raise CheckpointError(f"config.json: position_embedding_type={cfg['position_embedding_type']!r}; fastzoo's "
                                   f"Deformable DETR builds the sine embedding")

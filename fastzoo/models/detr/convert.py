@@ -15,7 +15,7 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS, DetrConfig
-from fastzoo.models.detr.hf_detector import HfDetectorConverter, count, labels_from_json
+from fastzoo.models.detr.hf_detector import HfDetectorConverter, check_model_type, count, labels_from_json
 
 # transformers 5.x's renames of DETR's older keys (conversion_mapping.py, "DetrModel")
 _RENAMES = ((re.compile(r"backbone\.conv_encoder\."), "backbone."),
@@ -65,8 +65,7 @@ class HfDetrConverter(HfDetectorConverter):
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``DetrConfig`` dict (``config.json``, ``config.to_dict()``)."""
-        if cfg.get("model_type", "detr") != "detr":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's DETR reads 'detr'")
+        check_model_type(cfg, "DETR", "detr")
         names = tuple(n for n in HF_FIELDS if n not in ("num_labels", "init_std")) + ("gradient_checkpointing",)
         return {**fields_from_json(cfg, names), **_backbone_from_config(cfg)}
 

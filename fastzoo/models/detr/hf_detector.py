@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import re
 
+from fastzoo.errors import CheckpointError
+from fastzoo.models.spec import SameKeys
 
-class HfDetectorConverter:
+
+class HfDetectorConverter(SameKeys):
     """The frame of a transformers detector's converter: a family gives ``matches``, ``config_from_json`` and
     ``config_from_keys`` (the fields a bare state dict, already under fastzoo's names, decides) and, where its
     names differ from transformers', ``to_fastzoo`` / ``from_fastzoo``."""
 
     format = "hf"
-
-    @staticmethod
-    def to_fastzoo(state: dict) -> dict:
-        return dict(state)
-
-    @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        return dict(state)
 
     def infer_config(self, state: dict, module=None) -> dict:
         """A live transformers model states its whole architecture, as its config.json does; a bare state dict
@@ -30,6 +25,16 @@ class HfDetectorConverter:
         if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
             return self.config_from_json(module.config.to_dict())
         return self.config_from_keys(self.to_fastzoo(state))
+
+
+def check_model_type(cfg: dict, name: str, *model_types: str) -> str:
+    """A config dict's ``model_type`` (the first of ``model_types`` where it states none), refused unless it is
+    one of ``model_types``, the ones fastzoo's ``name`` reads."""
+    model_type = cfg.get("model_type", model_types[0])
+    if model_type not in model_types:
+        raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's {name} reads "
+                              + " and ".join(repr(t) for t in model_types))
+    return model_type
 
 
 def labels_from_json(cfg: dict, default: int) -> dict:

@@ -11,8 +11,8 @@ import dataclasses
 import re
 
 from fastzoo.errors import CheckpointError
-from fastzoo.models.detr.hf_detector import (HfDetectorConverter, count, labels_from_json, labels_to_hf, out_indices,
-                                             sampling_points)
+from fastzoo.models.detr.hf_detector import (HfDetectorConverter, check_model_type, count, labels_from_json, labels_to_hf,
+                                             out_indices, sampling_points)
 from fastzoo.models.rf_detr.config import RfDetrConfig
 from fastzoo.models.vit import hf as vit_hf
 
@@ -85,8 +85,7 @@ class HfRfDetrConverter(HfDetectorConverter):
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``RfDetrConfig`` dict."""
-        if cfg.get("model_type", "rf_detr") != "rf_detr":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's RF-DETR reads 'rf_detr'")
+        check_model_type(cfg, "RF-DETR", "rf_detr")
         bb = cfg.get("backbone_config") or {}
         if bb.get("model_type", "rf_detr_dinov2") != "rf_detr_dinov2":
             raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's RF-DETR "

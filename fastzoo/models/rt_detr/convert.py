@@ -11,8 +11,8 @@ import dataclasses
 import re
 
 from fastzoo.errors import CheckpointError
-from fastzoo.models.detr.hf_detector import (HfDetectorConverter, count, labels_from_json, labels_to_hf, out_indices, rows,
-                                             sampling_points)
+from fastzoo.models.detr.hf_detector import (HfDetectorConverter, check_model_type, count, labels_from_json, labels_to_hf,
+                                             out_indices, rows, sampling_points)
 from fastzoo.models.rt_detr.config import RTDetrConfig
 
 BACKBONE = ("layer_type", "depths", "hidden_sizes", "embedding_size", "num_channels", "hidden_act",
@@ -54,6 +54,16 @@ def hybrid_fields_from_keys(s: dict, stage_widths: tuple[int, ...]) -> dict:
         "decoder_layers": count(s, r"model\.decoder\.layers\.(\d+)\."),
         "num_denoising": 100 if "model.denoising_class_embed.weight" in s else 0,
     }
+
+
+def hybrid_backbone_config(cfg: dict, name: str, model_type: str, builds: str) -> dict:
+    """A hybrid detector's ``backbone_config`` dict, refused unless of ``model_type`` (the one backbone fastzoo's
+    ``name`` ``builds``), as is a timm backbone."""
+    bb = cfg.get("backbone_config") or {}
+    if bb.get("model_type", model_type) != model_type or cfg.get("use_timm_backbone"):
+        raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's {name} "
+                              f"builds transformers' {builds} ({model_type!r})")
+    return bb
 
 
 def hybrid_fields_from_json(cfg: dict, names: tuple[str, ...], backbone: tuple[str, ...], stages: int) -> dict:
@@ -130,18 +140,12 @@ class HfRTDetrConverter(HfDetectorConverter):
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``RTDetrConfig`` / ``RTDetrV2Config`` dict."""
-        model_type = cfg.get("model_type", "rt_detr")
-        if model_type not in ("rt_detr", "rt_detr_v2"):
-            raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's RT-DETR reads 'rt_detr' and "
-                                  f"'rt_detr_v2'")
-        bb = cfg.get("backbone_config") or {}
-        if cfg.get("backbone") and not bb:
+        model_type = check_model_type(cfg, "RT-DETR", "rt_detr", "rt_detr_v2")
+        if cfg.get("backbone") and not cfg.get("backbone_config"):
             raise CheckpointError(f"config.json: backbone={cfg['backbone']!r} without a backbone_config (a backbone "
                                   f"transformers loads by name); fastzoo's RT-DETR builds transformers' ResNet-vd from "
                                   f"backbone_config ('rt_detr_resnet')")
-        if bb.get("model_type", "rt_detr_resnet") != "rt_detr_resnet" or cfg.get("use_timm_backbone"):
-            raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's RT-DETR "
-                                  f"builds transformers' ResNet-vd ('rt_detr_resnet')")
+        bb = hybrid_backbone_config(cfg, "RT-DETR", "rt_detr_resnet", "ResNet-vd")
         stages = len(bb.get("depths", RTDetrConfig.depths))
         return {**hybrid_fields_from_json(cfg, _fields(model_type == "rt_detr_v2"), BACKBONE, stages),
                 "model_type": model_type}
