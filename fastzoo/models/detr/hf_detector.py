@@ -1,8 +1,9 @@
 """What the converters of transformers' detectors share (DETR, Deformable DETR, RT-DETR v1 / v2, D-FINE,
 RF-DETR; each family's ``convert.py`` imports it from here, the family's lowest folder): the converter's frame
 (a live model's config read as its ``config.json``, else the architecture from a bare state dict's keys;
-fastzoo's state dict written key for key), the labels both ways, the backbone stages a ``backbone_config``
-hands on, and what a state dict's keys and shapes show (layer counts, sampling points, widths).
+fastzoo's state dict written key for key), the ``model_type`` refusal, the labels both ways, the backbone
+stages a ``backbone_config`` hands on, and what a state dict's keys and shapes show (layer counts, sampling
+points, widths).
 """
 from __future__ import annotations
 
