@@ -11,6 +11,7 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.d_fine.config import DFineConfig
+from fastzoo.models.rt_detr.convert import refuse_named_backbone
 
 BACKBONE = ("num_channels", "hidden_act", "stem_channels", "stage_in_channels", "stage_mid_channels", "stage_out_channels",
             "stage_num_blocks", "stage_downsample", "stage_light_block", "stage_kernel_size", "stage_numb_of_layers",
@@ -112,6 +113,7 @@ class HfDFineConverter:
         if cfg.get("model_type", "d_fine") != "d_fine":
             raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's D-FINE reads 'd_fine'")
         bb = cfg.get("backbone_config") or {}
+        refuse_named_backbone(cfg, "D-FINE builds transformers' HGNetV2 from backbone_config ('hgnet_v2')")
         if bb.get("model_type", "hgnet_v2") != "hgnet_v2" or cfg.get("use_timm_backbone"):
             raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's D-FINE "
                                   f"builds transformers' HGNetV2 ('hgnet_v2')")

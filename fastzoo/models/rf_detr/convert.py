@@ -12,6 +12,7 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.rf_detr.config import RfDetrConfig
+from fastzoo.models.rt_detr.convert import READ_ONLY
 from fastzoo.models.vit import hf as vit_hf
 
 BACKBONE = "model.backbone.backbone."
@@ -120,7 +121,7 @@ def hf_config(cfg: RfDetrConfig):
 
     backbone = {"model_type": "rf_detr_dinov2", **{theirs: getattr(cfg, ours) for ours, theirs in BACKBONE_FIELDS.items()},
                 "out_indices": list(cfg.backbone_out_indices)}
-    fields = {k: getattr(cfg, k) for k in _top_fields() if k != "num_labels"}
+    fields = {k: getattr(cfg, k) for k in _top_fields() if k != "num_labels" and k not in READ_ONLY}
     labels = {"id2label": {int(k): v for k, v in cfg.id2label.items()}} if cfg.id2label else {"num_labels": cfg.num_labels}
     return transformers.RfDetrConfig(backbone_config=backbone, **fields, **labels)
 

@@ -27,6 +27,14 @@ def _fields(v2: bool) -> tuple[str, ...]:
     return tuple(n for n in names if v2 or n not in V2_ONLY)
 
 
+def refuse_named_backbone(cfg: dict, builds: str) -> None:
+    """A transformers detector config naming a backbone to load (``backbone='microsoft/resnet-18'``, no
+    ``backbone_config``) is refused by name: fastzoo builds its family's own backbone (``builds`` says which)."""
+    if cfg.get("backbone") and not cfg.get("backbone_config"):
+        raise CheckpointError(f"config.json: backbone={cfg['backbone']!r} without a backbone_config (a backbone "
+                              f"transformers loads by name); fastzoo's {builds}")
+
+
 class HfRTDetrConverter:
     """``RTDetrForObjectDetection`` / ``RTDetrV2ForObjectDetection`` state dicts."""
 
@@ -112,10 +120,7 @@ class HfRTDetrConverter:
             raise CheckpointError(f"config.json has model_type={model_type!r}; fastzoo's RT-DETR reads 'rt_detr' and "
                                   f"'rt_detr_v2'")
         bb = cfg.get("backbone_config") or {}
-        if cfg.get("backbone") and not bb:
-            raise CheckpointError(f"config.json: backbone={cfg['backbone']!r} without a backbone_config (a backbone "
-                                  f"transformers loads by name); fastzoo's RT-DETR builds transformers' ResNet-vd from "
-                                  f"backbone_config ('rt_detr_resnet')")
+        refuse_named_backbone(cfg, "RT-DETR builds transformers' ResNet-vd from backbone_config ('rt_detr_resnet')")
         if bb.get("model_type", "rt_detr_resnet") != "rt_detr_resnet" or cfg.get("use_timm_backbone"):
             raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's RT-DETR "
                                   f"builds transformers' ResNet-vd ('rt_detr_resnet')")
