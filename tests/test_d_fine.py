@@ -11,6 +11,9 @@ import copy
 import pytest
 import torch
 from conftest import SPECS, backends
+from detection_checks import backward, boxes_labels, failures, grads, labels_in, read_back
+from detection_checks import compare_eval as check_eval
+from detection_checks import compare_loss_path as check_loss_path
 
 import fastzoo
 from fastzoo.attention.deformable import available
@@ -30,31 +33,15 @@ def original(**overrides):
 def batch(seed=0, counts=(2, 3)):
     """2 images of 64 x 64 (a multiple of the coarsest stride, 32) and their boxes."""
     g = torch.Generator().manual_seed(seed)
-    labels = []
-    for n in counts:
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        labels.append({"class_labels": torch.randint(0, TINY["num_labels"], (n,), generator=g),
-                       "boxes": torch.cat([c, wh], 1)})
+    labels = boxes_labels(counts, TINY["num_labels"], g)
     return torch.randn(len(counts), 3, 64, 64, generator=g), labels
 
 
-def _failed(checks):
-    return [(c.name, c.err, c.bound, getattr(c, "worst", None)) for c in checks if not c.passed]
-
-
 def compare_eval(hf, ours, x):
-    """fastzoo.equivalence's fp32 rule (1e-4 absolute, or 8 ulps of the scale) on every output."""
-    with torch.no_grad():
-        o1, o2 = hf.eval()(pixel_values=x), ours.eval()(pixel_values=x)
-    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k))
-              for k in ("logits", "pred_boxes", "intermediate_logits", "intermediate_predicted_corners",
-                        "initial_reference_points", "intermediate_hidden_states", "enc_topk_logits", "enc_topk_bboxes",
-                        "enc_outputs_class", "enc_outputs_coord_logits")]
-    checks += [compare_outputs(f"encoder map {i}", b, a)
-               for i, (a, b) in enumerate(zip(o1.encoder_last_hidden_state, o2.encoder_last_hidden_state, strict=True))]
-    assert not _failed(checks), _failed(checks)
-    hf.train()
-    ours.train()
+    """Every output, the distributions' too."""
+    check_eval(hf, ours, x, ("logits", "pred_boxes", "intermediate_logits", "intermediate_predicted_corners",
+                             "initial_reference_points", "intermediate_hidden_states", "enc_topk_logits",
+                             "enc_topk_bboxes", "enc_outputs_class", "enc_outputs_coord_logits"))
 
 
 def run_inner(model, x, labels, seed):
@@ -80,10 +67,6 @@ def synthetic_loss(out: dict, seed=0) -> torch.Tensor:
     return sum((t * torch.randn(t.shape, generator=g)).sum() for _, t in sorted(out.items()))
 
 
-def grads(model) -> dict:
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
 def compare_train(hf, ours, x, labels, seed=0):
     """Outputs by the fp32 rule (1e-4 absolute or 8 ulps of the scale, or 3x the original's own fp32 rounding
     against its fp64 run where larger: the edge distributions add up over the layers); gradients 1e-4 of their
@@ -93,17 +76,13 @@ def compare_train(hf, ours, x, labels, seed=0):
     assert torch.equal(next1, next2)
     assert m1["dn_num_group"] == m2["dn_num_group"] and m1["dn_num_split"] == m2["dn_num_split"]
     other = copy.deepcopy(hf).double()
-    o64, _, _ = run_inner(other, x.double(), [{**t, "boxes": t["boxes"].double()} for t in labels], seed)
+    o64, _, _ = run_inner(other, x.double(), labels_in(labels, torch.float64), seed)
     checks = [compare_outputs(k, o2[k], o1[k], exact=o64[k].detach().float()) for k in o1]
-    hf.zero_grad()
-    ours.zero_grad()
-    synthetic_loss(o1).backward()
-    synthetic_loss(o2).backward()
+    g1, g2 = backward(hf, ours, synthetic_loss(o1), synthetic_loss(o2))
     synthetic_loss(o64).backward()
-    g1, g2 = grads(hf), grads(ours)
     assert len(g1) > 300 and set(g1) == set(g2)
     checks.append(compare_grads("grads", g2, g1, exact={n: g.float() for n, g in grads(other).items()}))
-    assert not _failed(checks), _failed(checks)
+    assert not failures(checks), failures(checks)
 
 
 @pytest.fixture(scope="module")
@@ -130,35 +109,18 @@ def test_equal_to_transformers_for_every_deformable_kernel(hf, impl):
     compare_train(hf, ours, *batch(seed=2))
 
 
-def compare_loss_path(hf, ours, x, labels, seed=0):
-    """The detectors' forward with ``labels`` (denoising queries from ``seed`` in train mode): logits, boxes, the
-    loss and every loss_dict term in transformers' order, the auxiliary outputs (by the fp32 rule); every
-    gradient of the loss (1e-4 of the scale, or 3x the original's own fp32 rounding where larger: its run on its
-    users' SDPA kernel against its eager run)."""
-
-    def run(m, x, labels):
-        torch.manual_seed(seed)
-        return m(pixel_values=x, labels=labels)
-
-    o1, o2 = run(hf, x, labels), run(ours, x, labels)
-    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k)) for k in ("logits", "pred_boxes", "loss")]
-    assert list(o2.loss_dict) == list(o1.loss_dict)
-    checks += [compare_outputs(k, o2.loss_dict[k], o1.loss_dict[k]) for k in o1.loss_dict]
-    for i, (a, b) in enumerate(zip(o1.auxiliary_outputs or [], o2.auxiliary_outputs or [], strict=True)):
-        assert set(a) == set(b)
-        checks += [compare_outputs(f"aux {i} {k}", b[k], a[k]) for k in a]
-    hf.zero_grad()
-    ours.zero_grad()
-    o1.loss.backward()
-    o2.loss.backward()
-    g1, g2 = grads(hf), grads(ours)
-    assert len(g1) > 300 and set(g1) == set(g2)
-    other = copy.deepcopy(hf)  # transformers' D-FINE loss fails in fp64 (its bin weights are made fp32)
+def sdpa_rounding(run, hf, x, labels) -> dict:
+    """The original's own fp32 rounding of the loss's gradients: its run on its users' SDPA kernel against its eager
+    run (transformers' D-FINE loss fails in fp64: its bin weights are made fp32)."""
+    other = copy.deepcopy(hf)
     other.config._attn_implementation = "sdpa"  # its users' kernel (HGNetV2 refuses set_attn_implementation)
     run(other, x, labels).loss.backward()
-    checks.append(compare_grads("grads", g2, g1, kernels=grads(other)))
-    assert not _failed(checks), _failed(checks)
-    return o2
+    return {"kernels": grads(other)}
+
+
+def compare_loss_path(hf, ours, x, labels, seed=0):
+    """``detection_checks.compare_loss_path``: every gradient against the original's SDPA run."""
+    return check_loss_path(hf, ours, x, labels, seed=seed, min_grads=300, own_rounding=sdpa_rounding)
 
 
 def test_loss_with_denoising_equal_to_transformers(hf):
@@ -190,16 +152,8 @@ def test_save_pretrained_round_trips_with_transformers(tmp_path, hf):
     """Written by fastzoo, read by transformers (and back by fastzoo), in eval mode as transformers loads."""
     import transformers
 
-    ours = fastzoo.create(pretrained=hf)
-    ours.save_pretrained(tmp_path)
-    back = transformers.DFineForObjectDetection.from_pretrained(tmp_path)
-    again = fastzoo.create(pretrained=str(tmp_path))
-    x = batch(seed=7)[0]
-    with torch.no_grad():
-        ref = hf.eval()(pixel_values=x).logits
-        for m in (back, again):
-            assert not m.training
-            assert (m(pixel_values=x).logits - ref).abs().max() <= 1e-4  # the fp32 rule
+    read_back(hf, fastzoo.create(pretrained=hf), tmp_path, transformers.DFineForObjectDetection,
+              pixel_values=batch(seed=7)[0])
     hf.train()
 
 

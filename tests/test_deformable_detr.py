@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from conftest import SPECS, backends
+from detection_checks import backward, boxes_labels, failures, grads, labels_in, read_back
 
 import fastzoo
 from fastzoo.attention.deformable import available
@@ -34,15 +35,6 @@ def original(**overrides):
     return draw_(SPECS["deformable_detr"].original.build({**TINY, "dropout": 0.0, **overrides})).train()
 
 
-def boxes_labels(counts, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in counts:
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        out.append({"class_labels": torch.randint(0, TINY["num_labels"], (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
-    return out
-
-
 def batch(seed=0, counts=(2, 0, 5)):
     """3 images of different sizes padded to 64 x 80 (pixel_mask)."""
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +42,7 @@ def batch(seed=0, counts=(2, 0, 5)):
     mask = torch.ones(3, 64, 80, dtype=torch.long)
     mask[1, :, 48:] = 0
     mask[2, 40:, :] = 0
-    return x, mask, boxes_labels(counts, seed=seed)
+    return x, mask, boxes_labels(counts, TINY["num_labels"], torch.Generator().manual_seed(seed))
 
 
 CANCELLED = re.compile(r"model\.input_proj\.\d+\.0\.bias")  # a conv's bias right before a GroupNorm
@@ -61,9 +53,8 @@ def own_grads(hf, x, mask, labels, dtype=torch.float32, attn="eager") -> dict:
     rule lets widen the bound of an ill-conditioned gradient."""
     other = copy.deepcopy(hf).to(dtype)
     other.config._attn_implementation = attn
-    labels = [{"class_labels": t["class_labels"], "boxes": t["boxes"].to(dtype)} for t in labels]
-    other(pixel_values=x.to(dtype), pixel_mask=mask, labels=labels).loss.backward()
-    return {n: p.grad.float() for n, p in other.named_parameters() if p.grad is not None}
+    other(pixel_values=x.to(dtype), pixel_mask=mask, labels=labels_in(labels, dtype)).loss.backward()
+    return {n: g.float() for n, g in grads(other).items()}
 
 
 def compare(hf, ours, x, mask, labels):
@@ -79,12 +70,7 @@ def compare(hf, ours, x, mask, labels):
         checks += [compare_outputs("aux logits", b["logits"], a["logits"]), compare_outputs("aux boxes", b["pred_boxes"], a["pred_boxes"])]
     if o1.enc_outputs_class is not None:
         checks.append(compare_outputs("enc_outputs_class", o2.enc_outputs_class, o1.enc_outputs_class))
-    hf.zero_grad()
-    ours.zero_grad()
-    o1.loss.backward()
-    o2.loss.backward()
-    g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    g1, g2 = backward(hf, ours, o1.loss, o2.loss)
     assert len(g1) > 50 and set(g1) == set(g2)
     # a convolution's bias under GroupNorm: the group's mean takes it away, its true gradient is 0 (the fp64
     # run's is ~1e-17) and both fp32 gradients are rounding noise: each within FP32_GRAD_RTOL of the largest
@@ -97,8 +83,7 @@ def compare(hf, ours, x, mask, labels):
         for n in cancelled:
             own.pop(n)
     checks.append(compare_grads("grads", g2, g1, kernels=kernels, exact=exact))
-    failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
-    assert not failed, failed
+    assert not failures(checks), failures(checks)
     return o2
 
 
@@ -172,15 +157,8 @@ def test_save_pretrained_round_trips_with_transformers(tmp_path, name):
     hf = original(**CASES[name])
     ours = fastzoo.create("deformable_detr", pretrained=hf)
     assert not ours.training
-    ours.save_pretrained(tmp_path)
-    back = transformers.DeformableDetrForObjectDetection.from_pretrained(tmp_path)
-    again = fastzoo.create(pretrained=str(tmp_path))
     x, mask, _ = batch(seed=6)
-    with torch.no_grad():
-        ref = hf.eval()(pixel_values=x, pixel_mask=mask).logits
-        for m in (back, again):
-            assert not m.training
-            assert (m(pixel_values=x, pixel_mask=mask).logits - ref).abs().max() <= 1e-4  # the fp32 rule
+    read_back(hf, ours, tmp_path, transformers.DeformableDetrForObjectDetection, pixel_values=x, pixel_mask=mask)
 
 
 @pytest.mark.parametrize("name", ["two_stage", "untied_heads", "single_scale"])
@@ -269,7 +247,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for m in (plain, ckpt):
         loss = m(pixel_values=x, pixel_mask=mask, labels=labels).loss
         loss.backward()
-        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        runs.append((loss.detach(), grads(m)))
     (loss_ref, ref), (loss, got) = runs
     top = max(g.abs().max().item() for g in ref.values())
     assert torch.equal(loss, loss_ref) and set(got) == set(ref)

@@ -5,6 +5,8 @@ every GIoU mode; checkpoints both ways (the older key names too); transformers' 
 import pytest
 import torch
 from conftest import SPECS, backends
+from detection_checks import backward
+from detection_checks import boxes_labels as draw_labels
 
 import fastzoo
 from fastzoo.equivalence import draw_
@@ -28,13 +30,8 @@ def hf_detr(**overrides):
     return hf.train()
 
 
-def boxes_labels(counts, num_labels=TINY["num_labels"], seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in counts:
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        out.append({"class_labels": torch.randint(0, num_labels, (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
-    return out
+def boxes_labels(counts, seed=0):
+    return draw_labels(counts, TINY["num_labels"], torch.Generator().manual_seed(seed))
 
 
 def batch(seed=0):
@@ -58,12 +55,7 @@ def compare(hf, ours, x, mask, labels):
     assert abs(float(o1.loss) - float(o2.loss)) <= OUT_TOL
     for a, b in zip(o1.auxiliary_outputs or [], o2.auxiliary_outputs or []):
         assert (a["logits"] - b["logits"]).abs().max() <= OUT_TOL
-    hf.zero_grad()
-    ours.zero_grad()
-    o1.loss.backward()
-    o2.loss.backward()
-    g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    g1, g2 = backward(hf, ours, o1.loss, o2.loss)
     assert set(g1) == set(g2) and len(g1) > 20
     worst = max(g1, key=lambda n: (g1[n] - g2[n]).abs().max())
     assert (g1[worst] - g2[worst]).abs().max() <= GRAD_TOL, worst

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from conftest import SPECS
+from detection_checks import boxes_labels, grads
 
 import fastzoo
 
@@ -26,11 +27,7 @@ def _batch():
     mask = torch.ones(3, 48, 64, dtype=torch.long)
     mask[1, :, 40:] = 0
     mask[2, 32:, :] = 0
-    labels = []
-    for n in (2, 0, 5):
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        labels.append({"class_labels": torch.randint(0, TINY["num_labels"], (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
-    return x, mask, labels
+    return x, mask, boxes_labels((2, 0, 5), TINY["num_labels"], g)
 
 
 def _grads(model, seed=0):
@@ -39,7 +36,7 @@ def _grads(model, seed=0):
     torch.manual_seed(seed)  # dropout's masks
     out = model(pixel_values=x, pixel_mask=mask, labels=labels)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads(model)
 
 
 def _model(attn="sdpa"):

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from conftest import SPECS, backends
+from detection_checks import boxes_labels, failures, grads, labels_in, read_back
 
 import fastzoo
 from fastzoo.attention.deformable import available
@@ -50,11 +51,7 @@ def original(**overrides):
 def batch(seed=0, counts=(2, 0, 5), size=(32, 48)):
     """3 images (sides multiples of patch 4 x 2 windows), their boxes and class ids."""
     g = torch.Generator().manual_seed(seed)
-    labels = []
-    for n in counts:
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        labels.append({"class_labels": torch.randint(0, TINY["num_labels"], (n,), generator=g),
-                       "boxes": torch.cat([c, wh], 1)})
+    labels = boxes_labels(counts, TINY["num_labels"], g)
     return torch.randn(len(counts), 3, *size, generator=g), labels
 
 
@@ -71,9 +68,8 @@ def run(model, x, mask=None, labels=None):
 
 
 def fp64(hf, x, mask=None, labels=None):
-    labels = None if labels is None else [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]
     other = copy.deepcopy(hf).double()
-    return other, run(other, x.double(), mask, labels)
+    return other, run(other, x.double(), mask, None if labels is None else labels_in(labels, torch.float64))
 
 
 def compare_eval(hf, ours, x, mask=None):
@@ -82,9 +78,8 @@ def compare_eval(hf, ours, x, mask=None):
     with torch.no_grad():
         o1, o2 = run(hf, x, mask), run(ours, x, mask)
         _, o64 = fp64(hf, x, mask)
-    failed = [(c.name, c.err, c.bound) for k in OUTPUTS
-              for c in [compare_outputs(k, getattr(o2, k), getattr(o1, k), exact=getattr(o64, k))] if not c.passed]
-    assert not failed, failed
+    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k), exact=getattr(o64, k)) for k in OUTPUTS]
+    assert not failures(checks), failures(checks)
 
 
 def synthetic_loss(out, seed=0) -> torch.Tensor:
@@ -92,11 +87,6 @@ def synthetic_loss(out, seed=0) -> torch.Tensor:
     proposals), so each parameter's gradient is compared."""
     g = torch.Generator().manual_seed(seed)
     return sum((getattr(out, k) * torch.randn(getattr(out, k).shape, generator=g)).sum() for k in OUTPUTS)
-
-
-def grads(model, hf_keys: bool) -> dict:
-    g = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return HF.to_fastzoo(g) if hf_keys else g
 
 
 def compare_train(hf, ours, x, mask=None, labels=None):
@@ -123,12 +113,11 @@ def compare_train(hf, ours, x, mask=None, labels=None):
         losses = [o1.loss, o2.loss, o64.loss]
     for loss in losses:
         loss.backward()
-    g1, g2 = grads(hf, True), grads(ours, False)
-    exact = {k: v.float() for k, v in grads(other, True).items()}
+    g1, g2 = HF.to_fastzoo(grads(hf)), grads(ours)
+    exact = {k: v.float() for k, v in HF.to_fastzoo(grads(other)).items()}
     assert len(g1) > 100 and set(g1) == set(g2), set(g1) ^ set(g2)
     checks.append(compare_grads("grads", g2, g1, exact=exact))
-    failed = [(c.name, c.err, c.bound, getattr(c, "worst", None)) for c in checks if not c.passed]
-    assert not failed, failed
+    assert not failures(checks), failures(checks)
     return o2
 
 
@@ -223,16 +212,9 @@ def test_save_pretrained_round_trips_with_transformers(tmp_path):
 
     hf = original(**CASES["one_window_relu_more_outputs"])
     ours = fastzoo.create(pretrained=hf)
-    ours.save_pretrained(tmp_path)
-    back = transformers.RfDetrForObjectDetection.from_pretrained(tmp_path)
-    again = fastzoo.create(pretrained=str(tmp_path))
+    # the fp32 rule: transformers loads with SDPA
+    back, again = read_back(hf, ours, tmp_path, transformers.RfDetrForObjectDetection, pixel_values=batch(seed=11)[0])
     assert again.config == ours.config
-    x = batch(seed=11)[0]
-    with torch.no_grad():
-        ref = hf.eval()(pixel_values=x).logits
-        for m in (back, again):
-            assert not m.training
-            assert (m(pixel_values=x).logits - ref).abs().max() <= 1e-4  # the fp32 rule (transformers loads with SDPA)
     assert set(back.state_dict()) == set(hf.state_dict())
     assert all(torch.equal(v, hf.state_dict()[k]) for k, v in back.state_dict().items())
 

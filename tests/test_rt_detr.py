@@ -6,11 +6,15 @@ and the loss (every loss_dict term, in every GIoU mode) with its gradients; for 
 the self-attentions and every deformable attention kernel serving the CPU; v1 and v2 (bilinear and discrete
 sampling, more decoder levels than encoder maps), bottleneck and basic ResNet-vd, pre-norm AIFI; checkpoints
 both ways; gradient checkpointing and what transformers' Trainer reads; config errors by name."""
+import copy
 import re
 
 import pytest
 import torch
 from conftest import SPECS, backends, cuda_only
+from detection_checks import backward, boxes_labels, failures, grads, labels_in, read_back
+from detection_checks import compare_eval as check_eval
+from detection_checks import compare_loss_path as check_loss_path
 
 import fastzoo
 from fastzoo.attention.deformable import available
@@ -37,19 +41,10 @@ def original(**overrides):
     return draw_(SPECS["rt_detr"].original.build({**TINY, **overrides})).train()
 
 
-def boxes_labels(counts, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in counts:
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        out.append({"class_labels": torch.randint(0, TINY["num_labels"], (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
-    return out
-
-
 def batch(seed=0, counts=(2, 0, 5)):
     """3 images of 64 x 96 (RT-DETR's maps halve exactly: sides a multiple of the coarsest stride, 32)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(3, 3, 64, 96, generator=g), boxes_labels(counts, seed=seed)
+    return torch.randn(3, 3, 64, 96, generator=g), boxes_labels(counts, TINY["num_labels"], torch.Generator().manual_seed(seed))
 
 
 def run_inner(model, x, labels, seed):
@@ -88,41 +83,24 @@ def compare_train(hf, ours, x, labels, seed=0):
         assert m1["dn_num_group"] == m2["dn_num_group"] and m1["dn_num_split"] == m2["dn_num_split"]
         assert all(torch.equal(a, b) for a, b in zip(m1["dn_positive_idx"], m2["dn_positive_idx"], strict=True))
     checks = [compare_outputs(k, o2[k], o1[k]) for k in o1]
-    hf.zero_grad()
-    ours.zero_grad()
-    synthetic_loss(o1).backward()
-    synthetic_loss(o2).backward()
-    g1 = {n: p.grad for n, p in hf.model.named_parameters() if p.grad is not None}
-    g2 = {n: p.grad for n, p in ours.model.named_parameters() if p.grad is not None}
+    backward(hf, ours, synthetic_loss(o1), synthetic_loss(o2))
+    g1, g2 = grads(hf.model), grads(ours.model)
     assert len(g1) > 80 and set(g1) == set(g2)
     exact = _fp64_grads(hf, x, labels, seed)
     checks.append(compare_grads("grads", g2, g1, exact=exact))
-    failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
-    assert not failed, failed
+    assert not failures(checks), failures(checks)
 
 
 def _fp64_grads(hf, x, labels, seed) -> dict:
-    import copy
-
     other = copy.deepcopy(hf).double()
-    labels = [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]
-    out, _, _ = run_inner(other, x.double(), labels, seed)
+    out, _, _ = run_inner(other, x.double(), labels_in(labels, torch.float64), seed)
     synthetic_loss(out).backward()
-    return {n: p.grad.float() for n, p in other.model.named_parameters() if p.grad is not None}
+    return {n: g.float() for n, g in grads(other.model).items()}
 
 
 def compare_eval(hf, ours, x):
-    with torch.no_grad():
-        o1, o2 = hf.eval()(pixel_values=x), ours.eval()(pixel_values=x)
-    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k))
-              for k in ("logits", "pred_boxes", "enc_topk_logits", "enc_topk_bboxes", "enc_outputs_class",
-                        "enc_outputs_coord_logits", "intermediate_hidden_states")]
-    checks += [compare_outputs(f"encoder map {i}", b, a)
-               for i, (a, b) in enumerate(zip(o1.encoder_last_hidden_state, o2.encoder_last_hidden_state, strict=True))]
-    failed = [(c.name, c.err, c.bound) for c in checks if not c.passed]
-    assert not failed, failed
-    hf.train()
-    ours.train()
+    check_eval(hf, ours, x, ("logits", "pred_boxes", "enc_topk_logits", "enc_topk_bboxes", "enc_outputs_class",
+                             "enc_outputs_coord_logits", "intermediate_hidden_states"))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -205,18 +183,9 @@ def test_save_pretrained_round_trips_with_transformers(tmp_path, name):
     import transformers
 
     hf = original(**CASES[name])
-    ours = fastzoo.create(pretrained=hf)
-    ours.save_pretrained(tmp_path)
     cls = transformers.RTDetrV2ForObjectDetection if name.startswith("v2") else transformers.RTDetrForObjectDetection
-    back = cls.from_pretrained(tmp_path)
-    again = fastzoo.create(pretrained=str(tmp_path))
+    _, again = read_back(hf, fastzoo.create(pretrained=hf), tmp_path, cls, pixel_values=batch(seed=7)[0])
     assert again.config.model_type == hf.config.model_type
-    x = batch(seed=7)[0]
-    with torch.no_grad():
-        ref = hf.eval()(pixel_values=x).logits
-        for m in (back, again):
-            assert not m.training
-            assert (m(pixel_values=x).logits - ref).abs().max() <= 1e-4  # the fp32 rule
 
 
 @pytest.mark.parametrize("name", ["v1_bottleneck_prenorm", "v2_discrete_4_levels"])
@@ -334,37 +303,17 @@ def test_bad_label_values_are_refused_before_any_work(bad):
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
 
 
-def compare_loss_path(hf, ours, x, labels, seed=0):
-    """The detectors' forward with ``labels`` in train mode (denoising queries from ``seed``): logits and boxes
-    (denoising queries included, as transformers'), the auxiliary outputs, the loss and every loss_dict term
-    (1e-4 absolute, or 8 ulps of their scale), every gradient of the loss (1e-4 of the scale, or 3x the
-    original's own fp32 rounding against its fp64 run where larger)."""
-    import copy
-
-    def run(m, x, labels):
-        torch.manual_seed(seed)
-        return m(pixel_values=x, labels=labels)
-
-    o1, o2 = run(hf, x, labels), run(ours, x, labels)
-    checks = [compare_outputs(k, getattr(o2, k), getattr(o1, k)) for k in ("logits", "pred_boxes", "loss")]
-    assert list(o2.loss_dict) == list(o1.loss_dict)
-    checks += [compare_outputs(k, o2.loss_dict[k], o1.loss_dict[k]) for k in o1.loss_dict]
-    for i, (a, b) in enumerate(zip(o1.auxiliary_outputs or [], o2.auxiliary_outputs or [], strict=True)):
-        checks += [compare_outputs(f"aux {i} {k}", b[k], a[k]) for k in ("logits", "pred_boxes")]
-    hf.zero_grad()
-    ours.zero_grad()
-    o1.loss.backward()
-    o2.loss.backward()
-    g1 = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    g2 = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
-    assert len(g1) > 80 and set(g1) == set(g2)
+def fp64_rounding(run, hf, x, labels) -> dict:
+    """The original's own fp32 rounding of the loss's gradients: against its fp64 run."""
     other = copy.deepcopy(hf).double()
-    run(other, x.double(), [{"class_labels": t["class_labels"], "boxes": t["boxes"].double()} for t in labels]).loss.backward()
-    exact = {n: p.grad.float() for n, p in other.named_parameters() if p.grad is not None}
-    checks.append(compare_grads("grads", g2, g1, exact=exact))
-    failed = [(c.name, c.err, c.bound, c.worst) for c in checks if not c.passed]
-    assert not failed, failed
-    return o2
+    run(other, x.double(), labels_in(labels, torch.float64)).loss.backward()
+    return {"exact": {n: g.float() for n, g in grads(other).items()}}
+
+
+def compare_loss_path(hf, ours, x, labels, seed=0):
+    """``detection_checks.compare_loss_path``: logits and boxes with the denoising queries (as transformers'),
+    every gradient against the original's fp64 run."""
+    return check_loss_path(hf, ours, x, labels, seed=seed, min_grads=80, own_rounding=fp64_rounding)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -430,7 +379,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
         torch.manual_seed(0)  # the same denoising groups
         loss = m(pixel_values=x, labels=labels).loss
         loss.backward()
-        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        runs.append((loss.detach(), grads(m)))
     (loss_ref, ref), (loss, got) = runs
     top = max(g.abs().max().item() for g in ref.values())
     assert torch.equal(loss, loss_ref) and set(got) == set(ref) and len(ref) > 80

@@ -5,6 +5,7 @@ the gradients with respect to every logit and box, in fp32, for each ``giou_impl
 input refused by name."""
 import pytest
 import torch
+from detection_checks import boxes_labels
 from transformers import RTDetrConfig
 from transformers.loss.loss_rt_detr import RTDetrForObjectDetectionLoss
 from transformers.models.rt_detr.modeling_rt_detr import get_contrastive_denoising_training_group
@@ -16,19 +17,10 @@ LOSS_TOL = 2e-5  # fp32: every term and the total are sums of O(100) products of
 GRAD_TOL = 1e-6  # fp32: gradients are O(1e-3 .. 1e-1) (each term divided by the box count)
 
 
-def labels_of(counts, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in counts:
-        c, wh = torch.rand(n, 2, generator=g) * 0.6 + 0.2, torch.rand(n, 2, generator=g) * 0.3 + 0.05
-        out.append({"class_labels": torch.randint(0, C, (n,), generator=g), "boxes": torch.cat([c, wh], 1)})
-    return out
-
-
 def draw(counts, denoising: bool, seed=0):
     """Predictions as RT-DETR's decoder gives them (with the denoising queries first when training) and the
     denoising metadata of transformers' own group builder on these labels (its RNG seeded)."""
-    labels = labels_of(counts, seed)
+    labels = boxes_labels(counts, C, torch.Generator().manual_seed(seed))
     meta = None
     if denoising:
         torch.manual_seed(seed)

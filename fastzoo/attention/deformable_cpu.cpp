@@ -214,25 +214,37 @@ FZ_SIMD_CLONES void backward_rows(const Call<scalar_t>& c, const at::opmath_type
 
 constexpr int kCommonD = 32;  // d_model 256 over 8 heads: Deformable DETR, RT-DETR, D-FINE
 
-void check(const at::Tensor& value, const at::Tensor& loc, const at::Tensor& w) {
+// The forward's and the backward's inputs, checked and made contiguous once.
+struct Inputs {
+  at::Tensor value, loc, w;
+  std::vector<Level> levels;
+  int64_t B, S, H, D, Q, K;
+
+  template <typename scalar_t>
+  Call<scalar_t> call() const {
+    return {value.data_ptr<scalar_t>(), loc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), &levels, B, S, H, D, Q, K};
+  }
+};
+
+Inputs read_inputs(const at::Tensor& value, const at::Tensor& shapes, const at::Tensor& start, const at::Tensor& points,
+                   const at::Tensor& loc, const at::Tensor& w) {
   TORCH_CHECK(value.dim() == 4 && loc.dim() == 5 && w.dim() == 4, "msda: value [B,S,H,D], loc [B,Q,H,K,2], w [B,Q,H,K]");
   TORCH_CHECK(value.scalar_type() == loc.scalar_type() && value.scalar_type() == w.scalar_type(),
               "msda: value, sampling_locations and attention_weights must share one dtype");
+  Inputs in{value.contiguous(), loc.contiguous(), w.contiguous(), read_levels(shapes, start, points),
+            value.size(0), value.size(1), value.size(2), value.size(3), loc.size(1), loc.size(3)};
+  TORCH_CHECK(in.levels.empty() || in.levels.back().first_point + in.levels.back().points == in.K,
+              "msda: points_per_level does not sum to sampling_locations' ", in.K, " points");
+  return in;
 }
 
 at::Tensor msda_forward(const at::Tensor& value_in, const at::Tensor& shapes, const at::Tensor& start,
                         const at::Tensor& points, const at::Tensor& loc_in, const at::Tensor& w_in) {
-  check(value_in, loc_in, w_in);
-  const auto value = value_in.contiguous(), loc = loc_in.contiguous(), w = w_in.contiguous();
-  const auto levels = read_levels(shapes, start, points);
-  const int64_t B = value.size(0), S = value.size(1), H = value.size(2), D = value.size(3);
-  const int64_t Q = loc.size(1), K = loc.size(3);
-  TORCH_CHECK(levels.empty() || levels.back().first_point + levels.back().points == K,
-              "msda: points_per_level does not sum to sampling_locations' ", K, " points");
-  auto out = at::empty({B, Q, H * D}, value.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, value.scalar_type(), "msda_forward", [&] {
-    const Call<scalar_t> c{value.data_ptr<scalar_t>(), loc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), &levels,
-                           B, S, H, D, Q, K};
+  const Inputs in = read_inputs(value_in, shapes, start, points, loc_in, w_in);
+  const int64_t B = in.B, H = in.H, D = in.D, Q = in.Q;
+  auto out = at::empty({B, Q, H * D}, in.value.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.value.scalar_type(), "msda_forward", [&] {
+    const Call<scalar_t> c = in.call<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, B * Q, 1, [&](int64_t begin, int64_t end) {
       if (D == kCommonD) forward_rows<kCommonD>(c, op, begin, end);
@@ -246,22 +258,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msda_backward(const at::Tensor& g
                                                              const at::Tensor& shapes, const at::Tensor& start,
                                                              const at::Tensor& points, const at::Tensor& loc_in,
                                                              const at::Tensor& w_in) {
-  check(value_in, loc_in, w_in);
-  const auto value = value_in.contiguous(), loc = loc_in.contiguous(), w = w_in.contiguous();
-  const auto levels = read_levels(shapes, start, points);
-  const int64_t B = value.size(0), S = value.size(1), H = value.size(2), D = value.size(3);
-  const int64_t Q = loc.size(1), K = loc.size(3);
-  TORCH_CHECK(levels.empty() || levels.back().first_point + levels.back().points == K,
-              "msda: points_per_level does not sum to sampling_locations' ", K, " points");
-  const auto acc_type = at::toOpMathType(value.scalar_type());
+  const Inputs in = read_inputs(value_in, shapes, start, points, loc_in, w_in);
+  const int64_t B = in.B, H = in.H, D = in.D;
+  const auto acc_type = at::toOpMathType(in.value.scalar_type());
   const auto grad = grad_in.to(acc_type).contiguous();  // [B, Q, H * D]
-  auto grad_value = at::zeros({B, S, H, D}, value.options().dtype(acc_type));
-  auto grad_loc = at::empty(loc.sizes(), loc.options());
-  auto grad_w = at::empty(w.sizes(), w.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, value.scalar_type(), "msda_backward", [&] {
+  auto grad_value = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
+  auto grad_loc = at::empty(in.loc.sizes(), in.loc.options());
+  auto grad_w = at::empty(in.w.sizes(), in.w.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.value.scalar_type(), "msda_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const Call<scalar_t> c{value.data_ptr<scalar_t>(), loc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), &levels,
-                           B, S, H, D, Q, K};
+    const Call<scalar_t> c = in.call<scalar_t>();
     const acc_t* gp = grad.data_ptr<acc_t>();
     acc_t* gvp = grad_value.data_ptr<acc_t>();
     scalar_t* glp = grad_loc.data_ptr<scalar_t>();
@@ -271,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msda_backward(const at::Tensor& g
       else backward_rows<0>(c, gp, gvp, glp, gwp, begin, end);
     });
   });
-  return {grad_value.to(value.scalar_type()), grad_loc, grad_w};
+  return {grad_value.to(in.value.scalar_type()), grad_loc, grad_w};
 }
 
 }  // namespace

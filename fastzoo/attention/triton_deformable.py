@@ -37,8 +37,16 @@ except ImportError as e:  # impl="triton" on a machine without Triton
 
 
 @triton.jit
+def _program(H, Q):
+    """This program's (batch, query, head) as one index, ``(b * Q + q) * H + h``, its head and its batch."""
+    pid = tl.program_id(0).to(tl.int64)
+    return pid, pid % H, pid // H // Q
+
+
+@triton.jit
 def _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP: tl.constexpr):
-    """This program's points: mask, level height / width / first token, pixel coordinates, weight."""
+    """This program's points: mask, level height / width / first token, pixel coordinates and their floors,
+    weight."""
     k = tl.arange(0, BLOCK_LP)
     km = k < LP
     lvl = tl.load(level_of + k, mask=km, other=0)
@@ -51,7 +59,18 @@ def _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP: tl.constexpr):
     a = tl.load(w + i, mask=km, other=0.0).to(tl.float32)
     ix = ((2.0 * x - 1.0 + 1.0) * wl.to(tl.float32) - 1.0) * 0.5  # grid_sample's unnormalisation
     iy = ((2.0 * y - 1.0 + 1.0) * hl.to(tl.float32) - 1.0) * 0.5
-    return k, km, i, hl, wl, st, ix, iy, a
+    return k, km, i, hl, wl, st, ix, iy, tl.floor(ix), tl.floor(iy), a
+
+
+@triton.jit
+def _neighbour(corner: tl.constexpr, ix, iy, fx, fy):
+    """Neighbour ``corner`` (x then y: 0 .. 3) of every point: its pixel and its bilinear weights,
+    (1 - |ix - cx|) and (1 - |iy - cy|) as grid_sample's four products."""
+    dx: tl.constexpr = corner % 2
+    dy: tl.constexpr = corner // 2
+    wx = (ix - fx) if dx == 1 else (fx + 1.0 - ix)
+    wy = (iy - fy) if dy == 1 else (fy + 1.0 - iy)
+    return fx + dx, fy + dy, wx, wy
 
 
 @triton.jit
@@ -68,23 +87,13 @@ def _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm):
 @triton.jit
 def _forward_kernel(value, shapes, starts, level_of, loc, w, out, S, H, D, Q, LP,
                     BLOCK_LP: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)  # (b * Q + q) * H + h
-    h = pid % H
-    b = pid // H // Q
-    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP)
-    fx = tl.floor(ix)
-    fy = tl.floor(iy)
+    pid, h, b = _program(H, Q)
+    k, km, i, hl, wl, st, ix, iy, fx, fy, a = _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for corner in tl.static_range(4):
-        dx = corner % 2
-        dy = corner // 2
-        cx = fx + dx
-        cy = fy + dy
-        # bilinear weight of this neighbour: (1 - |ix - cx|) (1 - |iy - cy|), as grid_sample's four products
-        wx = (ix - fx) if dx == 1 else (fx + 1.0 - ix)
-        wy = (iy - fy) if dy == 1 else (fy + 1.0 - iy)
+        cx, cy, wx, wy = _neighbour(corner, ix, iy, fx, fy)
         off, m = _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm)
         v = tl.load(value + off, mask=m, other=0.0).to(tl.float32)
         acc += tl.sum(v * (a * wx * wy)[:, None], axis=0)
@@ -94,12 +103,8 @@ def _forward_kernel(value, shapes, starts, level_of, loc, w, out, S, H, D, Q, LP
 @triton.jit
 def _backward_kernel(grad, value, shapes, starts, level_of, loc, w, grad_value, grad_loc, grad_w, S, H, D, Q, LP,
                      BLOCK_LP: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    h = pid % H
-    b = pid // H // Q
-    k, km, i, hl, wl, st, ix, iy, a = _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP)
-    fx = tl.floor(ix)
-    fy = tl.floor(iy)
+    pid, h, b = _program(H, Q)
+    k, km, i, hl, wl, st, ix, iy, fx, fy, a = _points(shapes, starts, level_of, loc, w, pid, LP, BLOCK_LP)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     g = tl.load(grad + pid * D + d, mask=dm, other=0.0).to(tl.float32)
@@ -107,14 +112,9 @@ def _backward_kernel(grad, value, shapes, starts, level_of, loc, w, grad_value, 
     gix = tl.zeros([BLOCK_LP], dtype=tl.float32)
     giy = tl.zeros([BLOCK_LP], dtype=tl.float32)
     for corner in tl.static_range(4):
-        dx = corner % 2
-        dy = corner // 2
-        cx = fx + dx
-        cy = fy + dy
-        wx = (ix - fx) if dx == 1 else (fx + 1.0 - ix)
-        wy = (iy - fy) if dy == 1 else (fy + 1.0 - iy)
-        sx = 1.0 if dx == 1 else -1.0  # d wx / d ix
-        sy = 1.0 if dy == 1 else -1.0
+        cx, cy, wx, wy = _neighbour(corner, ix, iy, fx, fy)
+        sx = 1.0 if corner % 2 == 1 else -1.0  # d wx / d ix
+        sy = 1.0 if corner // 2 == 1 else -1.0
         off, m = _corner(b, h, S, H, D, km, hl, wl, st, cx, cy, d, dm)
         v = tl.load(value + off, mask=m, other=0.0).to(tl.float32)
         gv = tl.sum(v * g[None, :], axis=1)  # g . value row, per point

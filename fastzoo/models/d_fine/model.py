@@ -29,20 +29,11 @@ class DFineModel(RTDetrModel):
         from fastzoo.models.d_fine.decoder import DFineDecoder
         from fastzoo.models.d_fine.encoder import DFineHybridEncoder
         from fastzoo.models.rt_detr.backbone import RTDetrConvEncoder
-        from fastzoo.models.rt_detr.decoder import RTDetrMLPPredictionHead
 
         nn.Module.__init__(self)
         self.config = cfg
         d, eps = cfg.d_model, cfg.batch_norm_eps
-        self.backbone = RTDetrConvEncoder(cfg, HGNetV2Backbone)
-        channels = [cfg.stage_out_channels[i - 1] for i in cfg.backbone_out_indices]
-        self.encoder_input_proj = nn.ModuleList(_projection(c, cfg.encoder_hidden_dim, 1e-5) for c in channels)
-        self.encoder = DFineHybridEncoder(cfg)
-        if cfg.num_denoising > 0:
-            self.denoising_class_embed = nn.Embedding(cfg.num_labels + 1, d, padding_idx=cfg.num_labels)
-        self.enc_output = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d, eps=cfg.layer_norm_eps))
-        self.enc_score_head = nn.Linear(d, cfg.num_labels)
-        self.enc_bbox_head = RTDetrMLPPredictionHead(d, d, 4, num_layers=3)
+        self.encode_and_select(cfg, RTDetrConvEncoder(cfg, HGNetV2Backbone), cfg.stage_out_channels, DFineHybridEncoder)
         cin, n = cfg.decoder_in_channels[-1], len(cfg.decoder_in_channels)
         self.decoder_input_proj = nn.ModuleList(
             nn.Identity() if d == cin else _projection(cin, d, eps, kernel_size=1 if level < n else 3, stride=1 if level < n else 2)

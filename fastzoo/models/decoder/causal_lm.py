@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fastzoo.layers.sequence import IGNORE_INDEX, read_sequences
 from fastzoo.losses.linear_ce import linear_cross_entropy, softcap_logits
-from fastzoo.models.base import FastzooModel, refuse_inputs
+from fastzoo.models.base import FastzooModel, refuse_inputs, write_pretrained
 from fastzoo.models.decoder.generation import CausalLMConventions, layer_cache
 from fastzoo.tracing import tracing
 
@@ -34,10 +35,12 @@ from fastzoo.tracing import tracing
 class CausalLM(CausalLMConventions, FastzooModel):
     """Base of fastzoo's decoders (see the module docstring). A subclass sets ``body_name``
     (the attribute holding its layers: ``transformer`` / ``model``), ``output_class`` (the name
-    of its transformers output class) and ``n_positions`` (its longest position, None: no limit)."""
+    of its transformers output class), ``hf_class`` and ``n_positions`` (its longest position, None:
+    no limit)."""
 
     body_name: str = "model"
     output_class: str = "CausalLMOutputWithPast"
+    hf_class: str  # the transformers class whose from_pretrained reads save_pretrained's directory
     logits_divisor: float = 1.0  # logits are lm_head(h) / logits_divisor (Granite's logits_scaling)
     logits_softcap: float | None = None  # then cap * tanh(logits / cap) (Gemma's final_logit_softcapping)
     cross_attention_keywords: bool = False  # transformers' forward has encoder_hidden_states / _mask (GPT-2)
@@ -213,6 +216,21 @@ class CausalLM(CausalLMConventions, FastzooModel):
         return {"scale": first.scale, "dropout_p": first.attn_dropout_p if self.training else 0.0}
 
     # -- conventions ------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict:
+        """The weights under transformers' keys and layouts (the tied head stored once, as HF's files)."""
+        return self.state_dict()
+
+    def save_pretrained(self, path, **_hf_options) -> Path:
+        """Write a directory that transformers' ``from_pretrained`` (of :attr:`hf_class`) and fastzoo both
+        read: transformers' ``config.json``, ``generation_config.json`` and ``model.safetensors`` with
+        transformers' keys and layouts (:meth:`hf_state_dict`). Written atomically
+        (:func:`~fastzoo.models.base.write_pretrained`); transformers' own options (``safe_serialization``,
+        ``max_shard_size`` ...) are accepted and ignored: the weights are always one safetensors file."""
+        cfg = {**self.hf_config().to_dict(), "architectures": [self.hf_class]}
+        path = write_pretrained(path, cfg, self.hf_state_dict(), weights_format="pt")
+        self.generation_config.save_pretrained(path)
+        return path
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1,
                                       offload: bool = False):
         super().gradient_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers, offload)

@@ -21,6 +21,7 @@ import torch
 from fastzoo.errors import CheckpointError
 from fastzoo.models.decoder.config import GPT2Config, LlamaConfig
 from fastzoo.models.decoder.layouts import LAYOUTS as LAYOUT_TABLE
+from fastzoo.models.spec import SameKeys
 
 _CONV1D = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 _BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -103,7 +104,7 @@ class _HfGPT2:
         return {f.name: cfg.get(f.name, f.default) for f in dataclasses.fields(GPT2Config)}
 
 
-class _FastzooGPT2:
+class _FastzooGPT2(SameKeys):
     """fastzoo's own GPT-2 keys (``nn.Linear`` orientation), e.g. ``model.state_dict()``."""
 
     format = "fastzoo"
@@ -112,14 +113,6 @@ class _FastzooGPT2:
     def matches(state: dict) -> bool:
         w = state.get("transformer.h.0.attn.c_attn.weight")
         return w is not None and w.ndim == 2 and w.shape[0] == 3 * w.shape[1]
-
-    @staticmethod
-    def to_fastzoo(state: dict) -> dict:
-        return dict(state)
-
-    @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        return dict(state)
 
     @staticmethod
     def infer_config(state: dict, module=None) -> dict:
@@ -190,7 +183,7 @@ def _llama_infer(state: dict) -> dict:
     return out
 
 
-class _HfLlama:
+class _HfLlama(SameKeys):
     """transformers' causal LMs of the Llama-style layouts (``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
     ``Gemma2ForCausalLM`` ...): fastzoo's module names are theirs, so conversion is the identity but
     for the tied head (stored once) and the rotary frequencies older checkpoints carry (recomputed,
@@ -206,11 +199,6 @@ class _HfLlama:
     @staticmethod
     def to_fastzoo(state: dict) -> dict:
         return {k: v for k, v in state.items() if not _ROTARY_BUFFERS.search(k)}
-
-    @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        """A state dict that transformers' ``*ForCausalLM.load_state_dict`` takes."""
-        return dict(state)
 
     @staticmethod
     def infer_config(state: dict, module=None) -> dict:

@@ -13,7 +13,6 @@ input forms, the KV cache, the fused loss and ``generate`` are the decoder famil
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +21,6 @@ from torch.utils.checkpoint import checkpoint
 from fastzoo.attention.base import AttnContext
 from fastzoo.layers.activations import ACTIVATIONS
 from fastzoo.layers.attention import UsesAttention
-from fastzoo.models.base import write_pretrained
 from fastzoo.models.decoder.config import GPT2Config
 from fastzoo.models.decoder.causal_lm import CausalLM
 
@@ -123,6 +121,7 @@ class GPT2LMHeadModel(CausalLM):
     body_name = "transformer"
     embedding_path = "transformer.wte"
     output_class = "CausalLMOutputWithCrossAttentions"
+    hf_class = "GPT2LMHeadModel"
     cross_attention_keywords = True
 
     def __init__(self, cfg: GPT2Config):
@@ -197,17 +196,8 @@ class GPT2LMHeadModel(CausalLM):
 
         return transformers.GPT2Config(**self.config.to_dict())
 
-    def save_pretrained(self, path, **_hf_options) -> Path:
-        """Write a directory that ``transformers.GPT2LMHeadModel.from_pretrained`` and fastzoo
-        both read: HF's ``config.json``, ``generation_config.json`` and ``model.safetensors``
-        with HF's keys and layout (``Conv1D`` weights ``[in, out]``; the tied head stored once,
-        as HF does). Written atomically (:func:`~fastzoo.models.base.write_pretrained`).
-        transformers' own options (``safe_serialization``, ``max_shard_size`` ...) are accepted
-        and ignored: the weights are always one safetensors file."""
+    def hf_state_dict(self) -> dict:
+        """HF's keys and layout: ``Conv1D`` weights ``[in, out]``, the tied head stored once."""
         from fastzoo.models.decoder.convert import GPT2 as HF
 
-        cfg = {**self.hf_config().to_dict(), "architectures": ["GPT2LMHeadModel"]}
-        state = {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}
-        path = write_pretrained(path, cfg, HF.from_fastzoo(state, self.config), weights_format="pt")
-        self.generation_config.save_pretrained(path)
-        return path
+        return HF.from_fastzoo(self.state_dict(), self.config)

@@ -18,7 +18,6 @@ The forward, the KV cache, packing, the fused loss and ``generate`` are the deco
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,7 +29,6 @@ from fastzoo.layers.attention import UsesAttention
 from fastzoo.layers.mlp import FusedGatedMlp, GatedMlp
 from fastzoo.layers.norm import RMSNorm
 from fastzoo.layers.rotary import RotaryEmbedding, apply_rotary
-from fastzoo.models.base import write_pretrained
 from fastzoo.models.decoder.causal_lm import CausalLM
 from fastzoo.models.decoder.config import LlamaConfig
 from fastzoo.models.decoder.convert import hf_config
@@ -284,13 +282,6 @@ class LlamaForCausalLM(CausalLM):
         """This architecture as transformers' config of its layout (``LlamaConfig`` ...)."""
         return hf_config(self.config)
 
-    def save_pretrained(self, path, **_hf_options) -> Path:
-        """Write a directory that ``transformers.AutoModelForCausalLM.from_pretrained`` and
-        fastzoo both read: transformers' ``config.json`` of the layout, ``generation_config.json``
-        and ``model.safetensors`` with transformers' keys (a tied head stored once, as HF does).
-        Written atomically (:func:`~fastzoo.models.base.write_pretrained`); transformers' own
-        options (``safe_serialization``, ``max_shard_size`` ...) are accepted and ignored."""
-        cfg = {**self.hf_config().to_dict(), "architectures": [self.config.layout.hf_class]}
-        path = write_pretrained(path, cfg, self.state_dict(), weights_format="pt")
-        self.generation_config.save_pretrained(path)
-        return path
+    @property
+    def hf_class(self) -> str:
+        return self.config.layout.hf_class

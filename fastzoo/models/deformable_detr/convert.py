@@ -14,17 +14,17 @@ import torch
 from fastzoo.errors import CheckpointError
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS
-from fastzoo.models.detr.convert import HF as DETR_HF, HF_FIELDS, _backbone_from_config, _backbone_from_keys, layer_indices
+from fastzoo.models.detr.convert import (HF as DETR_HF, HF_FIELDS, _backbone_from_config, _backbone_from_keys,
+                                         fields_from_json, layer_counts)
 from fastzoo.models.detr.convert import hf_config as detr_hf_config
+from fastzoo.models.detr.hf_detector import HfDetectorConverter, check_model_type, out_indices, sampling_points
 
 FIELDS = ("num_feature_levels", "encoder_n_points", "decoder_n_points", "two_stage", "two_stage_num_proposals",
           "with_box_refine", "focal_alpha", "tie_word_embeddings")
 
 
-class HfDeformableDetrConverter:
+class HfDeformableDetrConverter(HfDetectorConverter):
     """``DeformableDetrForObjectDetection`` state dicts (transformers 5.x names and the older ones)."""
-
-    format = "hf"
 
     @staticmethod
     def matches(state: dict) -> bool:
@@ -35,23 +35,16 @@ class HfDeformableDetrConverter:
         return DETR_HF.to_fastzoo(state)
 
     @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        return dict(state)
-
-    @staticmethod
-    def infer_config(state: dict, module=None) -> dict:
-        if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
-            return HfDeformableDetrConverter.config_from_json(module.config.to_dict())
-        s = HfDeformableDetrConverter.to_fastzoo(state)
-        layers = layer_indices(s)
+    def config_from_keys(s: dict) -> dict:
+        layers = layer_counts(s)
         levels, d = s["model.level_embed"].shape
         # the tensors show heads x points per level, not each: with transformers' default heads where they divide
         heads = DeformableDetrConfig.encoder_attention_heads
-        rows = {w: s[f"model.{w}.layers.0.{a}.attention_weights.weight"].shape[0]
-                for w, a in (("encoder", "self_attn"), ("decoder", "encoder_attn"))}
-        points = {f"{w}_n_points": n // (heads * levels) for w, n in rows.items() if n % (heads * levels) == 0}
+        weights = {w: s[f"model.{w}.layers.0.{a}.attention_weights.weight"].shape[0]
+                   for w, a in (("encoder", "self_attn"), ("decoder", "encoder_attn"))}
+        points = {f"{w}_n_points": p for w, n in weights.items() if (p := sampling_points(n, heads, levels)) is not None}
         two_stage = "model.enc_output.weight" in s
-        n_pred = len(layers["decoder"]) + two_stage
+        n_pred = layers["decoder_layers"] + two_stage
         backbone = _backbone_from_keys(s)
         # the backbone stages feeding the encoder: the 1x1 input projections' input widths
         widths = [s[f"model.input_proj.{i}.0.weight"].shape[1] for i in range(levels)
@@ -61,8 +54,7 @@ class HfDeformableDetrConverter:
         num_queries = s["model.query_position_embeddings.weight"].shape[0] if not two_stage else 300
         return {
             "num_labels": s["class_embed.0.weight"].shape[0], "d_model": d, "num_queries": num_queries,
-            "two_stage_num_proposals": num_queries,
-            "encoder_layers": len(layers["encoder"]), "decoder_layers": len(layers["decoder"]),
+            "two_stage_num_proposals": num_queries, **layers,
             "encoder_ffn_dim": s["model.encoder.layers.0.mlp.fc1.weight"].shape[0],
             "decoder_ffn_dim": s["model.decoder.layers.0.mlp.fc1.weight"].shape[0],
             "num_feature_levels": levels, "backbone_out_indices": backbone_out_indices,
@@ -75,24 +67,18 @@ class HfDeformableDetrConverter:
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``DeformableDetrConfig`` dict (``config.json``, ``config.to_dict()``)."""
-        if cfg.get("model_type", "deformable_detr") != "deformable_detr":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's Deformable DETR "
-                                  f"reads 'deformable_detr'")
+        check_model_type(cfg, "Deformable DETR", "deformable_detr")
         if cfg.get("position_embedding_type", "sine") != "sine":
             raise CheckpointError(f"config.json: position_embedding_type={cfg['position_embedding_type']!r}; fastzoo's "
                                   f"Deformable DETR builds the sine embedding")
         names = tuple(n for n in HF_FIELDS if n != "num_labels") + FIELDS + ("gradient_checkpointing",)
-        out = {k: cfg[k] for k in names if k in cfg}
-        labels = cfg.get("id2label")
-        out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)
-        if labels:
-            out["id2label"] = {int(k): v for k, v in labels.items()}
+        out = fields_from_json(cfg, names)
         if cfg.get("two_stage"):
             out["num_queries"] = cfg.get("two_stage_num_proposals", 300)
         bb = cfg.get("backbone_config") or {}
         levels = cfg.get("num_feature_levels", 4)
         if bb.get("model_type") == "resnet":
-            outs = bb.get("out_indices") or [int(f[len("stage"):]) for f in bb.get("out_features") or ["stage4"]]
+            outs = out_indices(bb) or [4]
             fixed = {**bb, "out_features": [f"stage{len(bb.get('depths', (3, 4, 6, 3)))}"]}  # DETR's reading: the sizes
             backbone = _backbone_from_config({**cfg, "backbone_config": fixed})
         else:

@@ -15,29 +15,22 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.detr.config import TIMM_RESNETS, TIMM_WIDTHS, DetrConfig
+from fastzoo.models.detr.hf_detector import HfDetectorConverter, check_model_type, count, labels_from_json
 
 # transformers 5.x's renames of DETR's older keys (conversion_mapping.py, "DetrModel")
 _RENAMES = ((re.compile(r"backbone\.conv_encoder\."), "backbone."),
             (re.compile(r"\.out_proj\."), ".o_proj."),
             (re.compile(r"layers\.(\d+)\.fc([12])\."), r"layers.\1.mlp.fc\2."))
 _DETR_PARTS = ("class_labels_classifier.", "bbox_predictor.", "model.query_position_embeddings.", "model.input_projection.")
-_LAYER = re.compile(r"^model\.(encoder|decoder)\.layers\.(\d+)\.")
 
 
-def layer_indices(state: dict) -> dict[str, set[int]]:
-    """The encoder's and the decoder's layer indices a transformers detector's state dict holds."""
-    layers = {"encoder": set(), "decoder": set()}
-    for k in state:
-        m = _LAYER.match(k)
-        if m:
-            layers[m[1]].add(int(m[2]))
-    return layers
+def layer_counts(state: dict) -> dict:
+    """The encoder's and the decoder's layer counts a transformers detector's state dict holds."""
+    return {f"{part}_layers": count(state, rf"model\.{part}\.layers\.(\d+)\.") for part in ("encoder", "decoder")}
 
 
-class HfDetrConverter:
+class HfDetrConverter(HfDetectorConverter):
     """``DetrForObjectDetection`` state dicts (transformers 5.x names and the older ones)."""
-
-    format = "hf"
 
     @staticmethod
     def matches(state: dict) -> bool:
@@ -57,20 +50,12 @@ class HfDetrConverter:
         return out
 
     @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        return dict(state)
-
-    @staticmethod
-    def infer_config(state: dict, module=None) -> dict:
-        if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
-            return HfDetrConverter.config_from_json(module.config.to_dict())
-        s = HfDetrConverter.to_fastzoo(state)
-        layers = layer_indices(s)
+    def config_from_keys(s: dict) -> dict:
         return {
             "num_labels": s["class_labels_classifier.weight"].shape[0] - 1,
             "num_queries": s["model.query_position_embeddings.weight"].shape[0],
             "d_model": s["model.query_position_embeddings.weight"].shape[1],
-            "encoder_layers": len(layers["encoder"]), "decoder_layers": len(layers["decoder"]),
+            **layer_counts(s),
             "encoder_ffn_dim": s["model.encoder.layers.0.mlp.fc1.weight"].shape[0],
             "decoder_ffn_dim": s["model.decoder.layers.0.mlp.fc1.weight"].shape[0],
             "num_channels": _stem(s).shape[1],
@@ -80,19 +65,14 @@ class HfDetrConverter:
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``DetrConfig`` dict (``config.json``, ``config.to_dict()``)."""
-        if cfg.get("model_type", "detr") != "detr":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's DETR reads 'detr'")
-        names = ("num_queries", "d_model", "encoder_layers", "decoder_layers", "encoder_ffn_dim", "decoder_ffn_dim",
-                 "encoder_attention_heads", "decoder_attention_heads", "activation_function", "position_embedding_type",
-                 "dropout", "attention_dropout", "activation_dropout", "auxiliary_loss", "num_channels", "class_cost",
-                 "bbox_cost", "giou_cost", "bbox_loss_coefficient", "giou_loss_coefficient", "eos_coefficient",
-                 "gradient_checkpointing")
-        out = {k: cfg[k] for k in names if k in cfg}
-        labels = cfg.get("id2label")
-        out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)
-        if labels:
-            out["id2label"] = {int(k): v for k, v in labels.items()}
-        return {**out, **_backbone_from_config(cfg)}
+        check_model_type(cfg, "DETR", "detr")
+        names = tuple(n for n in HF_FIELDS if n not in ("num_labels", "init_std")) + ("gradient_checkpointing",)
+        return {**fields_from_json(cfg, names), **_backbone_from_config(cfg)}
+
+
+def fields_from_json(cfg: dict, names: tuple[str, ...]) -> dict:
+    """The ``names`` a DETR-like config dict gives, and its labels (transformers' default: COCO's 91)."""
+    return {**{k: cfg[k] for k in names if k in cfg}, **labels_from_json(cfg, 91)}
 
 
 def _stem(s: dict):

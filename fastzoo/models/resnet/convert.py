@@ -23,6 +23,7 @@ from torch import nn
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.resnet.config import EXPANSION, stage_geometry
+from fastzoo.models.spec import SameKeys
 
 _BLOCK = re.compile(r"^layer(\d+)\.(\d+)\.conv1\.weight$")
 _CONV = re.compile(r"^(layer\d+\.\d+)\.(conv1|conv2|conv3|downsample\.0)$")
@@ -137,7 +138,7 @@ def check_resnet_module(module: nn.Module) -> dict:
     return {"frozen_bn": frozen == {True}, "output_stride": output_stride}
 
 
-class ResNetConverter:
+class ResNetConverter(SameKeys):
     """ResNet state dicts (basic or bottleneck blocks): torchvision's and timm's are the same keys."""
 
     def __init__(self, format: str):
@@ -155,10 +156,6 @@ class ResNetConverter:
             if k.endswith(".running_var"):
                 out.setdefault(k[: -len("running_var")] + "num_batches_tracked", torch.tensor(0, dtype=torch.long))
         return out
-
-    @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        return dict(state)
 
     @staticmethod
     def check_module(module) -> None:

@@ -11,6 +11,8 @@ import dataclasses
 import re
 
 from fastzoo.errors import CheckpointError
+from fastzoo.models.detr.hf_detector import (HfDetectorConverter, check_model_type, count, labels_from_json, labels_to_hf,
+                                             out_indices, sampling_points)
 from fastzoo.models.rf_detr.config import RfDetrConfig
 from fastzoo.models.rt_detr.convert import READ_ONLY
 from fastzoo.models.vit import hf as vit_hf
@@ -36,10 +38,8 @@ def _split(state: dict) -> tuple[dict, dict]:
     return inner, {k: v for k, v in state.items() if not k.startswith(BACKBONE)}
 
 
-class HfRfDetrConverter:
+class HfRfDetrConverter(HfDetectorConverter):
     """``RfDetrForObjectDetection`` state dicts."""
-
-    format = "hf"
 
     @staticmethod
     def matches(state: dict) -> bool:
@@ -60,41 +60,33 @@ class HfRfDetrConverter:
         return {**rest, **{BACKBONE + k: v for k, v in vit_hf.from_fastzoo(inner, vit_config(config)).items()}}
 
     @staticmethod
-    def infer_config(state: dict, module=None) -> dict:
-        if module is not None and hasattr(module, "config") and hasattr(module.config, "to_dict"):
-            return HfRfDetrConverter.config_from_json(module.config.to_dict())
-        s = HfRfDetrConverter.to_fastzoo(state)
-
-        def count(pattern):
-            return len({m[1] for k in s for m in [re.match(pattern, k)] if m})
-
+    def config_from_keys(s: dict) -> dict:
         D, C, P, _ = s[BACKBONE + "patch_embed.proj.weight"].shape
         side = int(round((s[BACKBONE + "pos_embed"].shape[1] - 1) ** 0.5))
-        groups = count(r"model\.enc_output\.(\d+)\.")
+        groups = count(s, r"model\.enc_output\.(\d+)\.")
         d = s["model.query_feat.weight"].shape[1]
         conv1 = s["model.backbone.projector.projector_layer.conv1.conv.weight"]
         out = {
             "num_labels": s["class_embed.weight"].shape[0], "hidden_size": D, "num_channels": C, "patch_size": P,
-            "image_size": side * P, "num_hidden_layers": count(re.escape(BACKBONE) + r"blocks\.(\d+)\."),
+            "image_size": side * P, "num_hidden_layers": count(s, re.escape(BACKBONE) + r"blocks\.(\d+)\."),
             "mlp_ratio": s[BACKBONE + "blocks.0.mlp.fc1.weight"].shape[0] // D,
             "qkv_bias": BACKBONE + "blocks.0.attn.qkv.bias" in s, "use_mask_token": BACKBONE + "mask_token" in s,
-            "hidden_expansion": conv1.shape[0] / 2 / d, "c2f_num_blocks": count(r"model\.backbone\.projector\."
+            "hidden_expansion": conv1.shape[0] / 2 / d, "c2f_num_blocks": count(s, r"model\.backbone\.projector\."
                                                                               r"projector_layer\.bottlenecks\.(\d+)\."),
             "d_model": d, "group_detr": groups, "num_queries": s["model.query_feat.weight"].shape[0] // groups,
-            "decoder_layers": count(r"model\.decoder\.layers\.(\d+)\."),
+            "decoder_layers": count(s, r"model\.decoder\.layers\.(\d+)\."),
             "decoder_ffn_dim": s["model.decoder.layers.0.mlp.fc1.weight"].shape[0],
         }
-        # heads x points is one product in the tensors: points from transformers' default heads where they divide
-        rows = s["model.decoder.layers.0.cross_attn.attention_weights.weight"].shape[0]
-        if rows % RfDetrConfig.decoder_cross_attention_heads == 0:
-            out["decoder_n_points"] = rows // RfDetrConfig.decoder_cross_attention_heads
+        points = sampling_points(s["model.decoder.layers.0.cross_attn.attention_weights.weight"].shape[0],
+                                 RfDetrConfig.decoder_cross_attention_heads)
+        if points is not None:
+            out["decoder_n_points"] = points
         return out
 
     @staticmethod
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``RfDetrConfig`` dict."""
-        if cfg.get("model_type", "rf_detr") != "rf_detr":
-            raise CheckpointError(f"config.json has model_type={cfg.get('model_type')!r}; fastzoo's RF-DETR reads 'rf_detr'")
+        check_model_type(cfg, "RF-DETR", "rf_detr")
         bb = cfg.get("backbone_config") or {}
         if bb.get("model_type", "rf_detr_dinov2") != "rf_detr_dinov2":
             raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's RF-DETR "
@@ -104,12 +96,9 @@ class HfRfDetrConverter:
                 raise CheckpointError(f"config.json: backbone_config {key}={bb[key]!r}: fastzoo's RF-DETR builds {key}={ok} "
                                       f"(as every RF-DETR checkpoint)")
         out = {k: cfg[k] for k in _top_fields() if k in cfg}
-        labels = cfg.get("id2label")
-        out["num_labels"] = len(labels) if labels else cfg.get("num_labels", 91)
-        if labels:
-            out["id2label"] = {int(k): v for k, v in labels.items()}
+        out.update(labels_from_json(cfg, 91))
         out.update({ours: bb[theirs] for ours, theirs in BACKBONE_FIELDS.items() if theirs in bb})
-        outs = bb.get("out_indices") or [int(f[len("stage"):]) for f in bb.get("out_features") or []]
+        outs = out_indices(bb)
         if outs:
             out["backbone_out_indices"] = tuple(outs)
         return out
@@ -122,8 +111,7 @@ def hf_config(cfg: RfDetrConfig):
     backbone = {"model_type": "rf_detr_dinov2", **{theirs: getattr(cfg, ours) for ours, theirs in BACKBONE_FIELDS.items()},
                 "out_indices": list(cfg.backbone_out_indices)}
     fields = {k: getattr(cfg, k) for k in _top_fields() if k != "num_labels" and k not in READ_ONLY}
-    labels = {"id2label": {int(k): v for k, v in cfg.id2label.items()}} if cfg.id2label else {"num_labels": cfg.num_labels}
-    return transformers.RfDetrConfig(backbone_config=backbone, **fields, **labels)
+    return transformers.RfDetrConfig(backbone_config=backbone, **fields, **labels_to_hf(cfg))
 
 
 HF = HfRfDetrConverter()

@@ -79,22 +79,13 @@ class RTDetrModel(nn.Module):
         # the layers are imported when a model is built, as transformers is then (its import pulls in
         # torchvision, whose registration of fastzoo's models would meet this module half-initialised)
         from fastzoo.models.rt_detr.backbone import RTDetrConvEncoder
-        from fastzoo.models.rt_detr.decoder import RTDetrDecoder, RTDetrMLPPredictionHead
+        from fastzoo.models.rt_detr.decoder import RTDetrDecoder
         from fastzoo.models.rt_detr.encoder import RTDetrHybridEncoder
 
         super().__init__()
         self.config = cfg
         d, eps = cfg.d_model, cfg.batch_norm_eps
-        self.backbone = RTDetrConvEncoder(cfg)
-        channels = [cfg.hidden_sizes[i - 1] for i in cfg.backbone_out_indices]
-        # transformers' encoder input projections keep BatchNorm's default epsilon
-        self.encoder_input_proj = nn.ModuleList(_projection(c, cfg.encoder_hidden_dim, 1e-5) for c in channels)
-        self.encoder = RTDetrHybridEncoder(cfg)
-        if cfg.num_denoising > 0:
-            self.denoising_class_embed = nn.Embedding(cfg.num_labels + 1, d, padding_idx=cfg.num_labels)
-        self.enc_output = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d, eps=cfg.layer_norm_eps))
-        self.enc_score_head = nn.Linear(d, cfg.num_labels)
-        self.enc_bbox_head = RTDetrMLPPredictionHead(d, d, 4, num_layers=3)
+        self.encode_and_select(cfg, RTDetrConvEncoder(cfg), cfg.hidden_sizes, RTDetrHybridEncoder)
         proj = [_projection(c, d, eps) for c in cfg.decoder_in_channels]
         cin = cfg.decoder_in_channels[-1]
         for _ in range(cfg.num_feature_levels - len(proj)):
@@ -102,6 +93,23 @@ class RTDetrModel(nn.Module):
             cin = d
         self.decoder_input_proj = nn.ModuleList(proj)
         self.decoder = RTDetrDecoder(cfg)
+
+    def encode_and_select(self, cfg, backbone: nn.Module, stage_widths, encoder_class) -> None:
+        """The parts before the decoder's (D-FINE's too): the backbone, the encoder's input projections, the
+        hybrid encoder, and the query selection's denoising embedding and heads."""
+        from fastzoo.models.rt_detr.decoder import RTDetrMLPPredictionHead
+
+        d = cfg.d_model
+        self.backbone = backbone
+        channels = [stage_widths[i - 1] for i in cfg.backbone_out_indices]
+        # transformers' encoder input projections keep BatchNorm's default epsilon
+        self.encoder_input_proj = nn.ModuleList(_projection(c, cfg.encoder_hidden_dim, 1e-5) for c in channels)
+        self.encoder = encoder_class(cfg)
+        if cfg.num_denoising > 0:
+            self.denoising_class_embed = nn.Embedding(cfg.num_labels + 1, d, padding_idx=cfg.num_labels)
+        self.enc_output = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d, eps=cfg.layer_norm_eps))
+        self.enc_score_head = nn.Linear(d, cfg.num_labels)
+        self.enc_bbox_head = RTDetrMLPPredictionHead(d, d, 4, num_layers=3)
 
     def sources(self, pixel_values):
         """The encoder's maps and the decoder's tokens ``[B, S, d_model]`` with their levels' shapes."""

@@ -8,22 +8,15 @@ import math
 from torch import nn
 
 from fastzoo.errors import CheckpointError
+from fastzoo.models.spec import SameKeys
 
 
-class _TimmViT:
+class _TimmViT(SameKeys):
     format = "timm"
 
     @staticmethod
     def matches(state: dict) -> bool:
         return "patch_embed.proj.weight" in state and "blocks.0.attn.qkv.weight" in state
-
-    @staticmethod
-    def to_fastzoo(state: dict) -> dict:
-        return dict(state)
-
-    @staticmethod
-    def from_fastzoo(state: dict, config) -> dict:
-        return {k: v for k, v in state.items()}
 
     @staticmethod
     def infer_config(state: dict, module=None) -> dict:
