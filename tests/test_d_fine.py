@@ -195,6 +195,23 @@ def test_bad_configs_are_refused_by_name(bad, field):
         fastzoo.create("dfine_small_coco", **{**TINY, **bad})
 
 
+def test_a_config_naming_a_backbone_to_load_is_refused_naming_it():
+    """transformers' ``backbone="microsoft/resnet-18"`` without a ``backbone_config`` loads that backbone by name;
+    fastzoo builds the HGNetV2 of ``backbone_config`` and refuses the name rather than build another."""
+    from fastzoo.models.d_fine.convert import HF
+
+    named = {"model_type": "d_fine", "backbone": "microsoft/resnet-18", "backbone_config": None,
+             "use_pretrained_backbone": True}
+    with pytest.raises(CheckpointError, match="backbone='microsoft/resnet-18'.*HGNetV2"):
+        HF.config_from_json(named)
+
+
+def test_unknown_forward_keywords_are_refused_naming_the_model():
+    ours = fastzoo.create("dfine_small_coco", **TINY)
+    with pytest.raises(ValueError, match="output_attentions: fastzoo's DFineForObjectDetection takes"):
+        ours(pixel_values=batch()[0], output_attentions=True)
+
+
 def test_names_give_their_sizes():
     cfg = fastzoo.create("ustc-community/dfine-xlarge-coco", device="meta").config
     assert (cfg.encoder_hidden_dim, cfg.decoder_n_points, cfg.reg_scale, cfg.stage_num_blocks) == (384, (3, 6, 3), 8.0,

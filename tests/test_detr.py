@@ -258,6 +258,31 @@ def test_detection_step_suite_checks_loss_and_gradients():
     assert all(r.max_err <= r.out_bound and r.grad_err <= r.grad_bound for r in bf16[1:])
 
 
+@pytest.mark.parametrize("part", ["rt_detr", "d_fine", "rf_detr"])
+def test_set_loss_benchmarks_detector_step_parts_pass_their_gate_at_tiny_size(part):
+    """benchmarks/set_loss.py's step part of each detector (its model, at the family's tiny config, 2 images of
+    64x64 / 32x64, fastzoo's SDPA): the fp32 gate compares the loss and every gradient with the original's
+    (RF-DETR's under fastzoo's names), and fastzoo's step reads the host fewer times than the original's."""
+    import sys
+    from pathlib import Path
+
+    from fastzoo.bench import run_suite
+    from fastzoo.bench.detection import detection_step_suite
+    from fastzoo.registry import get_entry
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import set_loss
+
+    model, config, _, _ = set_loss.STEPS[part]
+    tiny = {**config, **get_entry(model).spec.tiny}
+    suite = detection_step_suite(model, config=tiny, images=2, sizes=((64, 64), (32, 64)), backends=("sdpa",))
+    reads = suite.config["host reads per step"]
+    assert reads["fastzoo sdpa"] < reads["original"], reads
+    report = run_suite(suite, warmup=0, iters=1, progress=False)
+    assert [r.status for r in report.rows] == ["ok", "ok"], [(r.label, r.status, r.max_err, r.grad_err) for r in report.rows]
+    assert report.rows[1].grad_err is not None and report.rows[1].grad_err <= report.rows[1].grad_bound
+
+
 def test_readme_detr_block_runs_as_written(tmp_path, monkeypatch):
     import transformers
     from test_docs import python_block

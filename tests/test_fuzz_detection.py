@@ -4,7 +4,9 @@ accepts the request and in every GIoU mode: class logits, boxes, every decoder l
 outputs, the loss, each ``loss_dict`` term and every parameter gradient, by the fp32 rule
 (``fastzoo.equivalence``: outputs and losses within 1e-4, gradients within 1e-4 of their scale or
 3x the original's own fp32 rounding, measured on its SDPA (as PyTorch picks it and on the math kernel) and
-against its fp64 run).
+against its fp64 run). Where fp32 rounding decides the original's own Hungarian matching (a near tie:
+``matching_undecided``), the loss and gradients are a step function of rounding, and the outputs alone are
+compared (counted as ``matching_ties``).
 
 Configs come from the spec's declarations (:mod:`fuzzing`; dropout fields fixed at 0 so a training
 step is deterministic), at the spec's tiny sizes and below. Inputs: 1 to 3 images of one size
@@ -37,6 +39,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.loss import (loss_deformable_detr, loss_for_object_detection, loss_lw_detr, loss_rf_detr,
+                               loss_rt_detr)
 
 import fastzoo
 from fastzoo import equivalence
@@ -117,6 +121,58 @@ def drawn_in_fp32():
     finally:
         for n, draw in saved.items():
             setattr(torch, n, draw)
+
+
+MATCHERS = [loss_for_object_detection.HungarianMatcher, loss_deformable_detr.DeformableDetrHungarianMatcher,
+            loss_rt_detr.RTDetrHungarianMatcher, loss_rf_detr.RfDetrHungarianMatcher, loss_lw_detr.LwDetrHungarianMatcher]
+
+
+@contextlib.contextmanager
+def recorded_matchings():
+    """Every Hungarian matching the original's loss makes inside the block: (matcher, its forward,
+    outputs, targets, the matching)."""
+    calls, originals = [], {cls: cls.__dict__["forward"] for cls in MATCHERS if "forward" in cls.__dict__}
+    recording = [True]
+
+    def wrap(forward):
+        def recorded(self, outputs, targets):
+            got = forward(self, outputs, targets)
+            if recording[0]:
+                calls.append((self, forward, dict(outputs), targets, got))
+            return got
+        return recorded
+
+    for cls, forward in originals.items():
+        cls.forward = wrap(forward)
+    try:
+        yield calls
+    finally:
+        recording[0] = False
+        for cls, forward in originals.items():
+            cls.forward = forward
+
+
+def matching_undecided(calls, nudges: int = 3) -> bool:
+    """Whether fp32 rounding decides one of the original's matchings: its matcher, re-run on its own
+    outputs moved by the rule's fp32 resolution (``FP32_OUT_ULPS`` units of the largest value), picks
+    another assignment. The set loss of such a near tie is a step function of rounding: on CI's drawn
+    D-FINE, two assignments' costs differ by 4.2e-8 in fp64 (an L1 cost that cannot tell two queries
+    apart, a GIoU cost that barely does) and transformers' own eager and SDPA runs picked different ones
+    at 2 threads (``loss_giou`` 2.5527 vs 2.5533). There the loss and gradients are not a function of
+    the compared outputs, and only the outputs are compared."""
+    gen = torch.Generator().manual_seed(0)
+    step = equivalence.FP32_OUT_ULPS * torch.finfo(torch.float32).eps
+    for matcher, forward, outputs, targets, got in calls:
+        for _ in range(nudges):
+            moved = dict(outputs)
+            for k in ("logits", "pred_boxes"):
+                v = outputs[k].detach()
+                noise = (torch.rand(v.shape, generator=gen, dtype=v.dtype) * 2 - 1) * step * v.abs().max()
+                moved[k] = (v + noise).clamp_min(0) if k == "pred_boxes" else v + noise
+            again = forward(matcher, moved, targets)
+            if any(not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])) for a, b in zip(got, again)):
+                return True
+    return False
 
 
 def original_rounding(ref, images, mask, labels) -> tuple[list, dict, dict, list]:
@@ -227,7 +283,8 @@ def _check_detection(family: str, data) -> None:
     if cfg.get("channels_last"):
         images = images.contiguous(memory_format=torch.channels_last)
     try:
-        want = detector_step(ref, images, mask, labels, grads=True)
+        with recorded_matchings() as matchings:
+            want = detector_step(ref, images, mask, labels, grads=True)
     except Exception:  # noqa: BLE001 -- the original cannot run it: fastzoo runs it or refuses it by name
         count(f"equivalence/{family}", original_refused=1)
         try:
@@ -237,6 +294,10 @@ def _check_detection(family: str, data) -> None:
         assume(False)
     names = spec.converters[0].to_fastzoo  # the original's gradients under fastzoo's names (RF-DETR's DINOv2 is fastzoo's ViT)
     want = want[0], names(want[1])
+    settled = not matching_undecided(matchings)
+    if not settled:  # a near tie in the matching (see matching_undecided): the outputs only
+        count(f"equivalence/{family}", matching_ties=1)
+        want = {k: v for k, v in want[0].items() if not k.startswith("loss")}, {}
     users_grads, exact_grads, exact_out, users_out = original_rounding(ref, images, mask, labels)
     rounding = [names(g) for g in users_grads], names(exact_grads), exact_out, users_out
     start = modes.index(cfg["giou_impl"])
@@ -260,6 +321,8 @@ def _check_detection(family: str, data) -> None:
             except BackendUnavailableError:
                 pass
         got = detector_step(model, images, mask, labels, grads=grads)
+        if not settled:
+            got = {k: v for k, v in got[0].items() if k in want[0]}, {}
         failures += _compare(label, got, (want[0], want[1] if grads else {}), trained, rounding)
         compared += 1
     count(f"equivalence/{family}", examples=1, cases=compared, refused=refused, mismatches=len(failures))
@@ -267,9 +330,6 @@ def _check_detection(family: str, data) -> None:
         failures)
 
 
-# RF-DETR's drawn box deltas pass through three exp() in a row: its auxiliary boxes' fp32 rounding is amplified
-# past the rule's bound on CI's drawn examples (0.135 vs 0.0924; open, benchmarks/results/cpu-2core/README.md);
-# tests/test_rf_detr.py checks every output and gradient against transformers on weights it scales
 @pytest.mark.parametrize("family", FAMILIES)
 @examples(ci=3, long=280)
 @given(data=st.data())

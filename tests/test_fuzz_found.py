@@ -451,3 +451,14 @@ def test_a_hub_classifier_with_other_labels_is_written_with_its_own(name, sizes,
         assert (back(pixel_values=x).logits - model(pixel_values=x).logits).abs().max() <= 1e-4  # fp32 rule
 
 
+
+
+def test_a_state_of_no_transformers_vit_layout_is_refused_by_the_vit_converter_naming_its_keys():
+    """Found (the damaged-checkpoint property on RF-DETR, its draws moved by a new config field): a flipped byte in a
+    fastzoo-format RF-DETR safetensors file read as transformers' format, whose backbone keys, fastzoo's ViT names,
+    reached transformers' ViT converter: a bare ``KeyError: None``. Now a CheckpointError naming the keys."""
+    from fastzoo.errors import CheckpointError
+    from fastzoo.models.vit import hf
+
+    with pytest.raises(CheckpointError, match=r"none of its keys names a layout fastzoo reads \(blocks\.0\.norm1\.weight"):
+        hf.to_fastzoo({"blocks.0.norm1.weight": torch.ones(2), "cls_token": torch.zeros(1, 1, 2)})

@@ -2,6 +2,7 @@
 checkout of the peer (not available in CI); here its pieces are checked without one: the
 command line, the verdict rules, and that each swap builds the fastzoo model a user would get
 from the same arguments (values compared with the peer's model on the same weights)."""
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import TINY
+from conftest import SPECS, TINY
 
 import fastzoo
 
@@ -23,6 +24,8 @@ import swap_hf_llama  # noqa: E402
 from fastzoo.models.decoder.convert import LLAMA_LAYOUTS  # noqa: E402
 import swap_timm  # noqa: E402
 import swap_hf_rt_detr  # noqa: E402
+import swap_hf_detectors  # noqa: E402
+from fastzoo.equivalence.rule import compare_outputs  # noqa: E402
 from fastzoo.equivalence.weights import draw_  # noqa: E402
 
 
@@ -146,16 +149,45 @@ def test_hf_rt_detr_swap_builds_fastzoo_rt_detr_of_the_configs_version(version):
         cls(plain_resnet)
 
 
+@pytest.mark.parametrize("module", sorted(swap_hf_detectors.FAMILIES))
+def test_hf_detector_swap_builds_fastzoo_detector_from_the_transformers_config(module):
+    """The swapped ``DFineForObjectDetection(config)`` / ``RfDetrForObjectDetection(config)`` on a transformers config
+    (the family's tiny one) is fastzoo's detector computing transformers' function on the same drawn weights (eval
+    logits, the fp32 rule with transformers' own fp32 error from its fp64 run: RF-DETR's drawn box deltas amplify
+    rounding, tests/test_rf_detr.py); a backbone fastzoo does not build is refused by name."""
+    family = swap_hf_detectors.FAMILIES[module]
+    spec = SPECS[family.package]
+    torch.manual_seed(0)
+    hf = draw_(spec.original.build(dict(spec.tiny))).eval()
+    cls = swap_hf_detectors.STAND_INS[family.prefix]
+    m = cls(hf.config)
+    assert isinstance(m, swap_hf_detectors.detector_class(family)) and cls.__name__ == type(hf).__name__
+    fastzoo.load_pretrained(m, hf)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        got, want = m.eval()(pixel_values=x).logits, hf(pixel_values=x).logits
+        exact = copy.deepcopy(hf).double()(pixel_values=x.double()).logits
+    c = compare_outputs("logits", got, want, exact=exact)
+    assert c.passed, (c.err, c.bound)
+    unbuilt, named = {"d_fine": ({"model_type": "resnet"}, "model_type='resnet'"),
+                      "rf_detr": ({"use_swiglu_ffn": True}, "use_swiglu_ffn=True")}[family.package]
+    bad = hf.config.to_dict()
+    bad["backbone_config"] = {**bad["backbone_config"], **unbuilt}
+    with pytest.raises(swap_hf_detectors.NotProvidedByFastzoo, match=named):
+        cls(type(hf.config).from_dict(bad))
+
+
 def test_recorded_peer_suites_are_the_verdict_tables_and_the_detectors_leave_no_gap():
     """Each recorded run (``<suite>.json`` beside run.py's default ``--out``) classified again by run.py's
     rules and tables gives its recorded verdicts, reasons reworded or not (``--reclassify`` keeps them in step;
     a baseline failure whose original run was not kept stays "fails on the original too"), and the detection
-    family's suites (DETR, Deformable DETR, RT-DETR, RT-DETRv2) leave no real gap and nothing unclassified."""
+    family's suites (DETR, Deformable DETR, RT-DETR, RT-DETRv2, D-FINE, RF-DETR) leave no real gap and nothing
+    unclassified."""
     import json
 
     recorded = {key: run.DEFAULT_OUT / f"{key}.json" for key in run.SUITES}
     recorded = {key: f for key, f in recorded.items() if f.is_file()}
-    detectors = ("hf-detr", "hf-deformable-detr", "hf-rt-detr", "hf-rt-detr-v2")
+    detectors = ("hf-detr", "hf-deformable-detr", "hf-rt-detr", "hf-rt-detr-v2", "hf-d-fine", "hf-rf-detr")
     assert set(detectors) <= set(recorded)
     for key, f in recorded.items():
         tests = json.loads(f.read_text())["tests"]

@@ -274,3 +274,40 @@ def test_names_give_their_sizes():
     assert get_entry("Roboflow/rf-detr-base").config["decoder_n_points"] == 2
     nano = get_entry("Roboflow/rf-detr-nano").config
     assert (nano["patch_size"], nano["num_windows"], nano["decoder_layers"], nano["image_size"]) == (16, 2, 2, 384)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
+    """transformers' switch (its Trainer's ``gradient_checkpointing=True``): the DINOv2's blocks and the decoder's
+    layers recompute their activations in the backward, and the loss and every gradient equal the run that kept
+    them (the same ops from the same inputs: up to the backward's summation order, 1e-6 of the largest gradient, as
+    DETR's tests/test_detr_checkpointing.py); what the Trainer also reads: ``num_parameters``, input grads for PEFT."""
+    hf = original()
+    plain = fastzoo.create(pretrained=hf).train()
+    assert type(plain).supports_gradient_checkpointing and not plain.is_gradient_checkpointing
+    ckpt = fastzoo.create(pretrained=hf, gradient_checkpointing=True).train()  # the config's legacy field
+    assert ckpt.is_gradient_checkpointing
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert ckpt.is_gradient_checkpointing
+    calls = []
+    for layer in [*ckpt.model.backbone.backbone.blocks, *ckpt.model.decoder.layers]:
+        layer.register_forward_pre_hook(lambda m, a: calls.append(m))
+    x, labels = batch(seed=9)
+    runs = []
+    for m in (plain, ckpt):
+        loss = run(m, x, padded_mask(x), labels).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_ref, ref), (loss, got) = runs
+    assert len(calls) == 2 * (TINY["num_hidden_layers"] + TINY["decoder_layers"])  # each ran again in the backward
+    top = max(g.abs().max().item() for g in ref.values())
+    assert torch.equal(loss, loss_ref) and set(got) == set(ref) and any("backbone.backbone.blocks" in n for n in ref)
+    assert max((got[n] - ref[n]).abs().max().item() for n in ref) <= 1e-6 * top
+    ckpt.gradient_checkpointing_disable()
+    assert not ckpt.is_gradient_checkpointing
+    assert ckpt.num_parameters() == hf.num_parameters() == sum(p.numel() for p in ckpt.parameters())
+    ckpt.requires_grad_(False)  # PEFT's idiom: every weight frozen, the patch embedding's output needing a gradient
+    ckpt.enable_input_require_grads()
+    assert run(ckpt, x).logits.requires_grad
+    ckpt.disable_input_require_grads()
+    assert not run(ckpt, x).logits.requires_grad

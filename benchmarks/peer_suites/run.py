@@ -182,6 +182,29 @@ HF_RT_DETR_VERDICTS: dict[str, tuple[str, str]] = {
     "test_correct_missing_keys": _RT_DETR_INTERNALS,  # base_model_prefix (RT-DETRv2's file switches the test off)
 }
 
+_D_FINE_ATTENTIONS = (REFUSED, _RT_DETR_ATTENTIONS[1].replace("RT-DETR", "D-FINE").replace("rt_detr/model.py", "d_fine/model.py"))
+_D_FINE_INTERNALS = (NOT_APPLICABLE, _RT_DETR_INTERNALS[1].replace("RT-DETR", "D-FINE").replace("test_rt_detr.py", "test_d_fine.py"))
+HF_D_FINE_VERDICTS: dict[str, tuple[str, str]] = {
+    **{k: v for k, v in HF_RT_DETR_VERDICTS.items() if v not in (_RT_DETR_ATTENTIONS, _RT_DETR_INTERNALS)},
+    **{k: _D_FINE_ATTENTIONS for k, v in HF_RT_DETR_VERDICTS.items() if v == _RT_DETR_ATTENTIONS},
+    **{k: _D_FINE_INTERNALS for k, v in HF_RT_DETR_VERDICTS.items() if v == _RT_DETR_INTERNALS},
+}
+_RF_DETR_ATTENTIONS = (REFUSED, _RT_DETR_ATTENTIONS[1].replace("RT-DETR", "RF-DETR").replace("rt_detr/model.py", "rf_detr/model.py"))
+_RF_DETR_INTERNALS = (NOT_APPLICABLE, _RT_DETR_INTERNALS[1].replace("RT-DETR", "RF-DETR").replace("test_rt_detr.py", "test_rf_detr.py"))
+HF_RF_DETR_VERDICTS: dict[str, tuple[str, str]] = {
+    **{k: v for k, v in HF_RT_DETR_VERDICTS.items() if v not in (_RT_DETR_ATTENTIONS, _RT_DETR_INTERNALS)},
+    **{k: _RF_DETR_ATTENTIONS for k, v in HF_RT_DETR_VERDICTS.items() if v == _RT_DETR_ATTENTIONS},
+    **{k: _RF_DETR_INTERNALS for k, v in HF_RT_DETR_VERDICTS.items() if v == _RT_DETR_INTERNALS},
+    **dict.fromkeys(("test_training_gradient_checkpointing", "test_training_gradient_checkpointing_use_reentrant_false",
+                     "test_training_gradient_checkpointing_use_reentrant_true"), (
+        ORIGINAL_TOO, "transformers' RfDetrForObjectDetection declares supports_gradient_checkpointing=False, so on it "
+                      "the test returns before its checks; fastzoo's checkpointing recomputes the same gradients "
+                      "(tests/test_rf_detr.py), and the last check, every parameter has a gradient, fails on what "
+                      "detection never reads: the DINOv2's mask_token and its block after the last output block, "
+                      "which transformers' model leaves without gradients too (the same 15 parameters, measured "
+                      "on this test's config)")),
+}
+
 # soft-capping layouts (Gemma 2 / 3): fastzoo's sdpa has no soft-capping and refuses to drop it
 SOFTCAP_VERDICTS: dict[str, tuple[str, str]] = {
     **dict.fromkeys(("test_generate_with_static_cache", "test_generate_from_inputs_embeds_with_static_cache"), (
@@ -299,6 +322,14 @@ SUITES = {
         "pytest_args": ["--noconftest"],
         "verdicts": HF_RT_DETR_VERDICTS,
     } for key, folder, what in (("rt-detr", "rt_detr", "RT-DETR"), ("rt-detr-v2", "rt_detr_v2", "RT-DETRv2"))},
+    **{f"hf-{key}": {
+        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {what}",
+        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
+        "plugin": "swap_hf_detectors",
+        "pytest_args": ["--noconftest"],
+        "verdicts": verdicts,
+    } for key, folder, what, verdicts in (("d-fine", "d_fine", "D-FINE", HF_D_FINE_VERDICTS),
+                                          ("rf-detr", "rf_detr", "RF-DETR", HF_RF_DETR_VERDICTS))},
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",
         "target": "tests/test_models.py",

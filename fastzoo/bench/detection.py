@@ -27,11 +27,14 @@ import torch
 
 from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe
+from fastzoo.bench.steps import compared_as
 from fastzoo.equivalence.weights import draw_
 
 # eager: on a CPU in bf16, torch's fused attention kernels train slower than matmul-softmax-matmul at
 # DETR's lengths (100 queries, 10^2-10^3 keys, head dim 32); so every backend is timed
 BACKENDS = ("sdpa", "eager", "varlen")
+# the step's image sizes (h, w), cycled over the batch and padded to the largest
+SIZES = ((160, 224), (128, 192))
 
 
 def image_batch(images: int, sizes, num_labels: int, device, seed: int = 0):
@@ -89,7 +92,8 @@ def train_step(model, x, mask, labels, items: int, recipe: Recipe = BASELINE, fl
     def outputs():
         torch.manual_seed(0)  # what a step draws (RT-DETR's denoising queries) the same for every case compared
         loss = forward_backward()
-        return {"output": loss.detach().float()[None], **{f"grad:{n}": p.grad.clone() for n, p in zip(names, params)}}
+        return {"output": loss.detach().float()[None],
+                **{f"grad:{n}": p.grad.clone() for n, p in zip(names, params) if p.grad is not None}}
 
     return Step(run=run, items=items, outputs=outputs, flops=flops)
 
@@ -103,12 +107,14 @@ class _Workload:
 
         self.name, self.images, self.device = name, images, device
         entry = get_entry(name)
+        self.spec = entry.spec
         cfg = {**entry.config, **config, "dropout": 0.0}
         torch.manual_seed(seed)
         self.original = draw_(entry.spec.original.build(cfg), seed=seed).to(device).train()
         self.description = entry.spec.original.description
         self.fp64_reference = entry.spec.bench is not None and entry.spec.bench.fp64_reference
         self.x, self.mask, self.labels = image_batch(images, sizes, self.original.config.num_labels, device, seed)
+        self.names = {n for n, _ in self.fastzoo("eager", BASELINE).named_parameters()}
 
     def original_model(self, recipe: Recipe, *, users: bool = False):
         """A copy of the original in the recipe's memory format; ``users``: on transformers' default
@@ -126,16 +132,15 @@ class _Workload:
         return fastzoo.create(self.name, pretrained=self.original, attn=attn, giou_impl="kernel",
                               **layout).to(self.device).train()
 
-    def step(self, model, recipe: Recipe, *, counted: bool = True, gate: bool = True) -> Step:
+    def step(self, model, recipe: Recipe, *, counted: bool = True, gate: bool = True, original: bool = False) -> Step:
         """The timed step; ``counted``: with its own FLOPs (the packed encoder skips the padding's
-        work); ``gate=False``: not parity-checked (the fp32 peer in another recipe's group)."""
+        work); ``gate=False``: not parity-checked (the fp32 peer in another recipe's group); ``original``: the
+        original's, its gradients compared under fastzoo's parameter names (RF-DETR's backbone is fastzoo's ViT)."""
         x = self.x.contiguous(memory_format=torch.channels_last) if recipe.channels_last else self.x
         s = train_step(model, x, self.mask, self.labels, self.images, recipe)
         if counted:
             s.flops = step_flops(train_step(copy.deepcopy(model), x, self.mask, self.labels, self.images, recipe).run)
-        if not gate:
-            s.outputs = None
-        return s
+        return compared_as(s, spec=self.spec, names=self.names, original=original, gate=gate)
 
     @cache
     def reference(self, channels_last: bool, dtype: torch.dtype = torch.float32, users: bool = False) -> dict:
@@ -149,12 +154,14 @@ class _Workload:
         before = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            return train_step(model, x, self.mask, labels, self.images, recipe).outputs()
+            step = compared_as(train_step(model, x, self.mask, labels, self.images, recipe), spec=self.spec,
+                               names=self.names, original=True)
+            return step.outputs()
         finally:
             torch.set_default_dtype(before)
 
 
-def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=((160, 224), (128, 192)),
+def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=SIZES,
                          device="cpu", seed: int = 0, recipes=(BASELINE,), backends=BACKENDS) -> Suite:
     """``name``'s training step at ``config`` (its original's field names) vs its original, per recipe and backend."""
     from fastzoo.bench.set_loss import host_reads
@@ -168,14 +175,15 @@ def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, s
     for recipe in recipes:
         baseline, low = recipe == BASELINE, recipe.dtype != torch.float32
         peer = f"{w.description}, fp32"
-        cases = [Case(peer, lambda b=baseline: w.step(w.original_model(BASELINE), BASELINE, gate=b), peer=True,
-                      reference=baseline, original=baseline, dtype=torch.float32)]
+        cases = [Case(peer, lambda b=baseline: w.step(w.original_model(BASELINE), BASELINE, gate=b, original=True),
+                      peer=True, reference=baseline, original=baseline, dtype=torch.float32)]
         if not baseline:
-            cases.append(Case(f"{w.description}, {recipe.name}", lambda r=recipe: w.step(w.original_model(r), r),
-                              reference=True, original=True))
+            cases.append(Case(f"{w.description}, {recipe.name}",
+                              lambda r=recipe: w.step(w.original_model(r), r, original=True), reference=True, original=True))
         if low:  # the rule's peer is the worse of the original's runs on its reference kernels and on its users'
             cases.append(Case(f"{w.description.split(' (')[0]} (sdpa), {recipe.name}",
-                              lambda r=recipe: w.step(w.original_model(r, users=True), r), reference=True, original=True))
+                              lambda r=recipe: w.step(w.original_model(r, users=True), r, original=True), reference=True,
+                              original=True))
         for b in backends:
             cases.append(Case(f"fastzoo {b}, {recipe.name}", lambda b=b, r=recipe: w.step(w.fastzoo(b, r), r)))
         exact = (lambda cl=recipe.channels_last: w.reference(cl, torch.float64)) if w.fp64_reference and not low else None

@@ -155,8 +155,9 @@ class DetrMLPPredictionHead(nn.Module):
 
 class TransformersDetector:
     """What transformers' ``Trainer`` and its tests ask of every detector of the family, written once for
-    DETR, Deformable DETR and RT-DETR (``checkpoint_stacks`` are ``GradientCheckpointingLayer`` s): gradient
-    checkpointing, ``num_parameters``, ``can_generate``, no input embeddings."""
+    DETR, Deformable DETR, RT-DETR, D-FINE and RF-DETR (``checkpoint_stacks`` are ``GradientCheckpointingLayer`` s,
+    or blocks run through ``models/rf_detr/backbone.py``'s ``run_block``): gradient checkpointing,
+    ``num_parameters``, ``can_generate``, no input embeddings."""
 
     supports_gradient_checkpointing = True  # transformers' flag: gradient_checkpointing_enable below
 

@@ -32,6 +32,15 @@ def vit_config(cfg: RfDetrConfig) -> ViTConfig:
                      hf_config={"architectures": ["Dinov2Model"], "model_type": "dinov2"})
 
 
+def run_block(block: nn.Module, x_BSD: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    """``block(x_BSD, ctx)``, recomputed in the backward where gradient checkpointing switched it on
+    (``TransformersDetector.gradient_checkpointing_enable``: what a ``GradientCheckpointingLayer`` does, for
+    fastzoo's ViT blocks, as transformers' DINOv2 layers of RF-DETR are such layers)."""
+    if block.gradient_checkpointing and block.training:
+        return block._gradient_checkpointing_func(block, x_BSD, ctx)
+    return block(x_BSD, ctx)
+
+
 class WindowedDinov2(nn.Module):
     """transformers' ``RfDetrDinov2Backbone``: tokens ``[B * windows, 1 + window patches, D]`` through the
     blocks, the output blocks' patch tokens (final LayerNorm) as ``[B, D, H / patch, W / patch]`` maps."""
@@ -47,6 +56,7 @@ class WindowedDinov2(nn.Module):
         self.blocks = nn.ModuleList(Block(vit, 0.0) for _ in range(cfg.num_hidden_layers))
         for block in self.blocks:  # rounded as transformers' DINOv2: q, k, v projected apart, the scale on q k^T
             block.attn.split_qkv = block.attn.scale_scores = True
+            block.gradient_checkpointing = False  # run_block's switch, as a GradientCheckpointingLayer's
         self.norm = nn.LayerNorm(D, eps=cfg.backbone_layer_norm_eps)
 
     def _pos_embed(self, gh: int, gw: int) -> torch.Tensor:
@@ -69,9 +79,9 @@ class WindowedDinov2(nn.Module):
         ctx, windowed, maps = AttnContext(), cfg.window_blocks, []
         for i, block in enumerate(self.blocks):
             if i in windowed:
-                x_BSD = block(x_BSD, ctx)
+                x_BSD = run_block(block, x_BSD, ctx)
             else:  # every window of an image in one sequence
-                x_BSD = block(x_BSD.reshape(B, -1, D), ctx).reshape(x_BSD.shape)
+                x_BSD = run_block(block, x_BSD.reshape(B, -1, D), ctx).reshape(x_BSD.shape)
             if i + 1 in cfg.backbone_out_indices:
                 maps.append(self._feature_map(x_BSD, B, gh, gw))
         return maps

@@ -70,6 +70,8 @@ class RfDetrConfig(ModelConfig):
     init_std: float = free(0.02, "std of a fresh model's linear weights", gt=0)
     giou_impl: str = free("kernel", "how the set loss's GIoU term runs: " + "; ".join(f"{k}: {v}" for k, v in GIOU_IMPLS.items()),
                           choices=tuple(GIOU_IMPLS))
+    gradient_checkpointing: bool = free(False, "transformers' legacy field: the model is built with gradient "
+                                        "checkpointing on (as gradient_checkpointing_enable())")
 
     def validate(self):
         outs = tuple(self.backbone_out_indices)

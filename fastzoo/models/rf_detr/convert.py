@@ -14,6 +14,7 @@ from fastzoo.errors import CheckpointError
 from fastzoo.models.detr.hf_detector import (HfDetectorConverter, check_model_type, count, labels_from_json, labels_to_hf,
                                              out_indices, sampling_points)
 from fastzoo.models.rf_detr.config import RfDetrConfig
+from fastzoo.models.rt_detr.convert import READ_ONLY
 from fastzoo.models.vit import hf as vit_hf
 
 BACKBONE = "model.backbone.backbone."
@@ -109,7 +110,7 @@ def hf_config(cfg: RfDetrConfig):
 
     backbone = {"model_type": "rf_detr_dinov2", **{theirs: getattr(cfg, ours) for ours, theirs in BACKBONE_FIELDS.items()},
                 "out_indices": list(cfg.backbone_out_indices)}
-    fields = {k: getattr(cfg, k) for k in _top_fields() if k != "num_labels"}
+    fields = {k: getattr(cfg, k) for k in _top_fields() if k != "num_labels" and k not in READ_ONLY}
     return transformers.RfDetrConfig(backbone_config=backbone, **fields, **labels_to_hf(cfg))
 
 

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastzoo.attention.base import AttnContext
 from fastzoo.models.deformable_detr.layers import DeformableDetrMultiscaleDeformableAttention, Levels
@@ -63,7 +64,10 @@ class RfDetrSelfAttention(DetrAttention):
         return out.view(groups, B, Q // groups, D).transpose(0, 1).reshape(B, Q, D)
 
 
-class RfDetrDecoderLayer(nn.Module):
+class RfDetrDecoderLayer(GradientCheckpointingLayer):
+    """A ``GradientCheckpointingLayer`` as transformers' (``models/detr/transformer.py`` says how): every tensor
+    it differentiates through is a positional argument."""
+
     def __init__(self, cfg: RfDetrConfig):
         super().__init__()
         d = cfg.d_model

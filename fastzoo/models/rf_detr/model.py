@@ -26,7 +26,7 @@ from torch import nn
 from fastzoo.attention.deformable import initial_offsets
 from fastzoo.models.base import FastzooModel, refuse_inputs, write_pretrained
 from fastzoo.models.deformable_detr.model import valid_ratio
-from fastzoo.models.detr.model import _check_pixels
+from fastzoo.models.detr.model import TransformersDetector, _check_pixels
 from fastzoo.models.rf_detr.config import RfDetrConfig
 
 
@@ -119,8 +119,9 @@ def check_side(pixel_values, cfg: RfDetrConfig) -> None:
                          f"than num_queries={cfg.num_queries} proposals to pick: use larger images")
 
 
-class RfDetrForObjectDetection(FastzooModel):
-    """RF-DETR with transformers' call convention."""
+class RfDetrForObjectDetection(TransformersDetector, FastzooModel):
+    """RF-DETR with transformers' call convention (and its Trainer's asks: gradient checkpointing of the DINOv2's
+    blocks and the decoder's layers, ``num_parameters``)."""
 
     family = "rf_detr"
     config_class = RfDetrConfig
@@ -139,6 +140,8 @@ class RfDetrForObjectDetection(FastzooModel):
         self.class_embed = nn.Linear(cfg.d_model, cfg.num_labels)
         self.bbox_embed = RTDetrMLPPredictionHead(cfg.d_model, cfg.d_model, 4, num_layers=3)
         self._init_weights()
+        if cfg.gradient_checkpointing:  # transformers' legacy config field, honoured as transformers does
+            self.gradient_checkpointing_enable()
 
     def _init_weights(self):
         """transformers' init of a fresh model (never the compared state: tests draw every parameter)."""
@@ -172,9 +175,14 @@ class RfDetrForObjectDetection(FastzooModel):
             for t in (vit.cls_token, vit.pos_embed):
                 nn.init.trunc_normal_(t, std=0.02)
 
-    @classmethod
-    def can_generate(cls) -> bool:
-        return False
+    def checkpoint_stacks(self) -> list[nn.ModuleList]:
+        """The DINOv2's blocks and the decoder's layers (transformers' ``GradientCheckpointingLayer`` s in its RF-DETR,
+        whose class declares no checkpointing support)."""
+        return [self.model.backbone.backbone.blocks, self.model.decoder.layers]
+
+    def encoder_inputs(self) -> list[nn.Module]:
+        """The module whose output the checkpointed blocks read first: the DINOv2's patch embedding."""
+        return [self.model.backbone.backbone.patch_embed]
 
     def attention_needs(self) -> dict:
         """The backbone's and the decoder's self-attention: unmasked (windows and Group-DETR groups are sequences

@@ -58,7 +58,12 @@ def hybrid_fields_from_keys(s: dict, stage_widths: tuple[int, ...]) -> dict:
 
 def hybrid_backbone_config(cfg: dict, name: str, model_type: str, builds: str) -> dict:
     """A hybrid detector's ``backbone_config`` dict, refused unless of ``model_type`` (the one backbone fastzoo's
-    ``name`` ``builds``), as is a timm backbone."""
+    ``name`` ``builds``), as is a timm backbone and a backbone named to load (``backbone='microsoft/resnet-18'``, no
+    ``backbone_config``: transformers loads that one by name)."""
+    if cfg.get("backbone") and not cfg.get("backbone_config"):
+        raise CheckpointError(f"config.json: backbone={cfg['backbone']!r} without a backbone_config (a backbone "
+                              f"transformers loads by name); fastzoo's {name} builds transformers' {builds} from "
+                              f"backbone_config ({model_type!r})")
     bb = cfg.get("backbone_config") or {}
     if bb.get("model_type", model_type) != model_type or cfg.get("use_timm_backbone"):
         raise CheckpointError(f"config.json: backbone_config model_type={bb.get('model_type')!r}; fastzoo's {name} "
@@ -141,10 +146,6 @@ class HfRTDetrConverter(HfDetectorConverter):
     def config_from_json(cfg: dict) -> dict:
         """fastzoo's fields from a transformers ``RTDetrConfig`` / ``RTDetrV2Config`` dict."""
         model_type = check_model_type(cfg, "RT-DETR", "rt_detr", "rt_detr_v2")
-        if cfg.get("backbone") and not cfg.get("backbone_config"):
-            raise CheckpointError(f"config.json: backbone={cfg['backbone']!r} without a backbone_config (a backbone "
-                                  f"transformers loads by name); fastzoo's RT-DETR builds transformers' ResNet-vd from "
-                                  f"backbone_config ('rt_detr_resnet')")
         bb = hybrid_backbone_config(cfg, "RT-DETR", "rt_detr_resnet", "ResNet-vd")
         stages = len(bb.get("depths", RTDetrConfig.depths))
         return {**hybrid_fields_from_json(cfg, _fields(model_type == "rt_detr_v2"), BACKBONE, stages),

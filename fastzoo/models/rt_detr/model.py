@@ -283,8 +283,8 @@ class RTDetrForObjectDetection(TransformersDetector, FastzooModel):
 
         unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if unknown:
-            raise ValueError(f"{', '.join(unknown)}: fastzoo's RT-DETR takes pixel_values, pixel_mask, labels and "
-                             f"return_dict (no per-layer attentions or hidden states, no precomputed embeddings)")
+            raise ValueError(f"{', '.join(unknown)}: fastzoo's {self.architecture} takes pixel_values, pixel_mask, "
+                             f"labels and return_dict (no per-layer attentions or hidden states, no precomputed embeddings)")
         pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
                                                  self.model.enc_score_head.weight)
         _check_side(pixel_values, self.config, self.training)

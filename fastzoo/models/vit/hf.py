@@ -113,6 +113,9 @@ def _sub(name: str, table: dict) -> str | None:
 def to_fastzoo(state: dict) -> dict:
     """timm's names for a transformers state dict (or its gradients) of any of the layouts above."""
     layout = _layout(state)
+    if layout is None:
+        raise CheckpointError(f"not a transformers ViT / DeiT / DINOv2 / CLIP / SigLIP checkpoint: none of its keys "
+                              f"names a layout fastzoo reads ({', '.join(sorted(state)[:8])}{' ...' if len(state) > 8 else ''})")
     hf, _ = _strip(state, layout)
     block, inside, outside = _NAMES[layout]
     qkv = _QKV[layout]
