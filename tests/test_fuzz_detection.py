@@ -130,15 +130,16 @@ MATCHERS = [loss_for_object_detection.HungarianMatcher, loss_deformable_detr.Def
 @contextlib.contextmanager
 def recorded_matchings():
     """Every Hungarian matching the original's loss makes inside the block: (matcher, its forward,
-    outputs, targets, the matching)."""
+    outputs, targets, the matcher's further arguments (RF-DETR's ``group_detr``), the matching)."""
     calls, originals = [], {cls: cls.__dict__["forward"] for cls in MATCHERS if "forward" in cls.__dict__}
     recording = [True]
 
     def wrap(forward):
-        def recorded(self, outputs, targets):
-            got = forward(self, outputs, targets)
+        def recorded(self, outputs, targets, *args, **kwargs):
+            more = args, kwargs
+            got = forward(self, outputs, targets, *args, **kwargs)
             if recording[0]:
-                calls.append((self, forward, dict(outputs), targets, got))
+                calls.append((self, forward, dict(outputs), targets, more, got))
             return got
         return recorded
 
@@ -162,14 +163,14 @@ def matching_undecided(calls, nudges: int = 3) -> bool:
     the compared outputs, and only the outputs are compared."""
     gen = torch.Generator().manual_seed(0)
     step = equivalence.FP32_OUT_ULPS * torch.finfo(torch.float32).eps
-    for matcher, forward, outputs, targets, got in calls:
+    for matcher, forward, outputs, targets, more, got in calls:
         for _ in range(nudges):
             moved = dict(outputs)
             for k in ("logits", "pred_boxes"):
                 v = outputs[k].detach()
                 noise = (torch.rand(v.shape, generator=gen, dtype=v.dtype) * 2 - 1) * step * v.abs().max()
                 moved[k] = (v + noise).clamp_min(0) if k == "pred_boxes" else v + noise
-            again = forward(matcher, moved, targets)
+            again = forward(matcher, moved, targets, *more[0], **more[1])
             if any(not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])) for a, b in zip(got, again)):
                 return True
     return False
