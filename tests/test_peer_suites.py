@@ -23,7 +23,6 @@ import swap_hf_vision  # noqa: E402
 import swap_hf_llama  # noqa: E402
 from fastzoo.models.decoder.convert import LLAMA_LAYOUTS  # noqa: E402
 import swap_timm  # noqa: E402
-import swap_hf_rt_detr  # noqa: E402
 import swap_hf_detectors  # noqa: E402
 from fastzoo.equivalence.rule import compare_outputs  # noqa: E402
 from fastzoo.equivalence.weights import draw_  # noqa: E402
@@ -136,7 +135,7 @@ def test_hf_rt_detr_swap_builds_fastzoo_rt_detr_of_the_configs_version(version):
                        num_labels=10, disable_custom_kernels=True)
     torch.manual_seed(0)
     hf = draw_((transformers.RTDetrV2ForObjectDetection if v2 else transformers.RTDetrForObjectDetection)(cfg)).eval()
-    cls = swap_hf_rt_detr.STAND_INS["RTDetrV2" if v2 else "RTDetr"]
+    cls = swap_hf_detectors.STAND_INS["RTDetrV2" if v2 else "RTDetr"]
     m = cls(cfg)
     assert isinstance(m, fastzoo.models.rt_detr.RTDetrForObjectDetection) and m.config.model_type == version
     assert cls.__name__ == type(hf).__name__ and not cls.can_generate()  # class look-ups are fastzoo's class's
@@ -145,11 +144,11 @@ def test_hf_rt_detr_swap_builds_fastzoo_rt_detr_of_the_configs_version(version):
     with torch.no_grad():
         assert (m.eval()(pixel_values=x).logits - hf(pixel_values=x).logits).abs().max() <= 1e-4  # the fp32 rule
     plain_resnet = config_class(backbone_config=transformers.ResNetConfig(out_features=["stage2", "stage3", "stage4"]))
-    with pytest.raises(swap_hf_rt_detr.NotProvidedByFastzoo, match="model_type='resnet'.*ResNet-vd"):
+    with pytest.raises(swap_hf_detectors.NotProvidedByFastzoo, match="model_type='resnet'.*ResNet-vd"):
         cls(plain_resnet)
 
 
-@pytest.mark.parametrize("module", sorted(swap_hf_detectors.FAMILIES))
+@pytest.mark.parametrize("module", sorted(m for m, f in swap_hf_detectors.FAMILIES.items() if f.package != "rt_detr"))
 def test_hf_detector_swap_builds_fastzoo_detector_from_the_transformers_config(module):
     """The swapped ``DFineForObjectDetection(config)`` / ``RfDetrForObjectDetection(config)`` on a transformers config
     (the family's tiny one) is fastzoo's detector computing transformers' function on the same drawn weights (eval

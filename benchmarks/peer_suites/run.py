@@ -318,17 +318,12 @@ SUITES = {
     **{f"hf-{key}": {
         "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {what}",
         "target": f"tests/models/{folder}/test_modeling_{folder}.py",
-        "plugin": "swap_hf_rt_detr",
-        "pytest_args": ["--noconftest"],
-        "verdicts": HF_RT_DETR_VERDICTS,
-    } for key, folder, what in (("rt-detr", "rt_detr", "RT-DETR"), ("rt-detr-v2", "rt_detr_v2", "RT-DETRv2"))},
-    **{f"hf-{key}": {
-        "title": f"transformers' tests/models/{folder}/test_modeling_{folder}.py against fastzoo's {what}",
-        "target": f"tests/models/{folder}/test_modeling_{folder}.py",
         "plugin": "swap_hf_detectors",
         "pytest_args": ["--noconftest"],
         "verdicts": verdicts,
-    } for key, folder, what, verdicts in (("d-fine", "d_fine", "D-FINE", HF_D_FINE_VERDICTS),
+    } for key, folder, what, verdicts in (("rt-detr", "rt_detr", "RT-DETR", HF_RT_DETR_VERDICTS),
+                                          ("rt-detr-v2", "rt_detr_v2", "RT-DETRv2", HF_RT_DETR_VERDICTS),
+                                          ("d-fine", "d_fine", "D-FINE", HF_D_FINE_VERDICTS),
                                           ("rf-detr", "rf_detr", "RF-DETR", HF_RF_DETR_VERDICTS))},
     "timm": {
         "title": "timm's tests/test_models.py against fastzoo's vit_b16 and resnet50",

@@ -1,11 +1,12 @@
-"""pytest plugin: Hugging Face's own D-FINE and RF-DETR tests (``tests/models/d_fine/test_modeling_d_fine.py``,
-``tests/models/rf_detr/test_modeling_rf_detr.py``) with fastzoo's detector in the place of transformers'
-``DFineForObjectDetection`` / ``RfDetrForObjectDetection``, as a new user would swap it in.
+"""pytest plugin: Hugging Face's own RT-DETR, RT-DETRv2, D-FINE and RF-DETR tests
+(``tests/models/<folder>/test_modeling_<folder>.py``) with fastzoo's detector in the place of transformers'
+``RTDetrForObjectDetection`` / ``RTDetrV2ForObjectDetection`` / ``DFineForObjectDetection`` /
+``RfDetrForObjectDetection``, as a new user would swap it in.
 
 ``<Prefix>ForObjectDetection(config)`` -> ``fastzoo.create(name, **fields)`` with the fields the family's converter
 reads from the transformers config (what fastzoo does not build is refused by name) and the attention backend
 named by ``config._attn_implementation``; ``from_pretrained(path)`` -> ``fastzoo.create(name, pretrained=path)``.
-The test module's other model classes (``DFineModel``; ``RfDetrModel``, ``RfDetrForInstanceSegmentation``), which
+The test module's other model classes (``RTDetrModel``, ``DFineModel``, ``RfDetrModel``...), which
 fastzoo does not provide, are stand-ins that raise :class:`NotProvidedByFastzoo` when built; the test class's
 ``all_model_classes`` is the swapped detector alone. Test bodies and assertions are not touched.
 Only with ``PEER_SUITE_SWAP=1``.
@@ -26,15 +27,20 @@ class Family:
     name: str  # the fastzoo variant created (the config's fields decide every size)
     package: str  # fastzoo.models.<package>: its convert.HF and its detector class
     not_provided: tuple[str, ...]  # the test module's other model classes
+    fastzoo_class: str = ""  # fastzoo's class, where it is not <prefix>ForObjectDetection (one class serves RT-DETR v1 and v2)
 
 
-FAMILIES = {"tests.models.d_fine.test_modeling_d_fine": Family("DFine", "dfine_small_coco", "d_fine", ("DFineModel",)),
+FAMILIES = {"tests.models.rt_detr.test_modeling_rt_detr": Family("RTDetr", "rtdetr_r50vd", "rt_detr", ("RTDetrModel",)),
+            "tests.models.rt_detr_v2.test_modeling_rt_detr_v2": Family(
+                "RTDetrV2", "rtdetr_v2_r50vd", "rt_detr", ("RTDetrV2Model",), "RTDetrForObjectDetection"),
+            "tests.models.d_fine.test_modeling_d_fine": Family("DFine", "dfine_small_coco", "d_fine", ("DFineModel",)),
             "tests.models.rf_detr.test_modeling_rf_detr": Family(
                 "RfDetr", "rf_detr_base", "rf_detr", ("RfDetrModel", "RfDetrForInstanceSegmentation"))}
 
 
 def detector_class(family: Family):
-    return getattr(importlib.import_module(f"fastzoo.models.{family.package}"), f"{family.prefix}ForObjectDetection")
+    return getattr(importlib.import_module(f"fastzoo.models.{family.package}"),
+                   family.fastzoo_class or f"{family.prefix}ForObjectDetection")
 
 
 def builder(family: Family):
