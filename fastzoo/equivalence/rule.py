@@ -101,15 +101,16 @@ def compare_outputs(name: str, out: torch.Tensor, ref: torch.Tensor,
     users get (transformers' SDPA where ``ref`` ran eager; a sequence: its run on each of those
     kernels, the worst counts): a set loss whose matcher meets a near tie settles it by rounding, and
     transformers' SDPA and eager runs then differ by 5.7e-4 on a drawn D-FINE's ``loss_giou``. Or, as
-    in :func:`compare_grads`, flash-attn's rule one precision up: ``out`` within ``LOW_FACTOR`` times the fp64 error of the fp64 run itself."""
+    in :func:`compare_grads`, flash-attn's rule one precision up: ``out`` within ``LOW_FACTOR`` times
+    the original's fp32 error of the fp64 run itself."""
     err = _max_abs(out, ref)
     if peer is None:
         top = _abs_max(ref.float()) if ref.numel() else 0.0
         fixed = max(FP32_OUT_ATOL, FP32_OUT_ULPS * torch.finfo(torch.float32).eps * top)
-        own = max([_own_rounding(ref, exact)] + [_own_rounding(ref, k) for k in _runs(kernels)])
+        own64 = _own_rounding(ref, exact)
+        own = max([own64] + [_own_rounding(ref, k) for k in _runs(kernels)])
         measured = exact is not None or kernels is not None
         c = Comparison(name, err, max(fixed, LOW_FACTOR * own), own if measured else None)
-        own64 = _own_rounding(ref, exact)
         if own64 and not c.passed:  # flash-attn's form one precision up, as in compare_grads
             c64 = Comparison(name, _max_abs(out, exact), LOW_FACTOR * own64, own64)
             return c64 if c64.passed else c
