@@ -132,14 +132,12 @@ def recorded_matchings():
     """Every Hungarian matching the original's loss makes inside the block: (matcher, its forward,
     outputs, targets, the matcher's further arguments (RF-DETR's ``group_detr``), the matching)."""
     calls, originals = [], {cls: cls.__dict__["forward"] for cls in MATCHERS if "forward" in cls.__dict__}
-    recording = [True]
 
     def wrap(forward):
         def recorded(self, outputs, targets, *args, **kwargs):
             more = args, kwargs
             got = forward(self, outputs, targets, *args, **kwargs)
-            if recording[0]:
-                calls.append((self, forward, dict(outputs), targets, more, got))
+            calls.append((self, forward, dict(outputs), targets, more, got))
             return got
         return recorded
 
@@ -148,7 +146,6 @@ def recorded_matchings():
     try:
         yield calls
     finally:
-        recording[0] = False
         for cls, forward in originals.items():
             cls.forward = forward
 
