@@ -128,6 +128,13 @@ class _SharedFlags:
 
 
 _FLAGS = _SharedFlags()
+
+
+def on_math_kernel():
+    """A block in which a peer library's SDPA calls (transformers' SDPA attention) run on SDPA's math kernel:
+    the one its users get where flash does not serve (fp32 on CUDA, attention dropout). Not for fastzoo's
+    own calls inside it: they name their kernel themselves."""
+    return _FLAGS.pin(SDPBackend.MATH)
 _TINY = torch.finfo(torch.float32).tiny
 
 

@@ -117,12 +117,12 @@ class _Workload:
         self.names = {n for n, _ in self.fastzoo("eager", BASELINE).named_parameters()}
 
     def original_model(self, recipe: Recipe, *, users: bool = False):
-        """A copy of the original in the recipe's memory format; ``users``: on transformers' default
-        attention, SDPA (in bf16 it rounds unlike eager: measured on the tour's DETR, logits error
+        """A copy of the original in the recipe's memory format; ``users``: on the kernels its users get,
+        transformers' SDPA (in bf16 it rounds unlike eager: measured on the tour's DETR, logits error
         0.036 against eager's 0.011, and fastzoo's SDPA path 0.036 with it)."""
         model = copy.deepcopy(self.original)
         if users:
-            model.config._attn_implementation = "sdpa"
+            model = self.spec.as_users_run_it(model)
         return model.to(memory_format=torch.channels_last) if recipe.channels_last else model
 
     def fastzoo(self, attn: str, recipe: Recipe):

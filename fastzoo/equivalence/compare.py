@@ -1,14 +1,17 @@
 """Two models on the same weights and inputs: outputs of the compared rows, and parameter
 gradients of a fixed random projection of them, translated to fastzoo's names by the weights'
-converter; optionally the per-layer report."""
+converter; optionally the per-layer report. In fp32, where the fixed tolerance fails, the original's
+own fp32 rounding is measured (its runs on its users' kernels and in fp64) and judged by the rule."""
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from fastzoo.attention.sdpa import on_math_kernel
 from fastzoo.equivalence.layers import LayerReport, Run, hook, layer_report, logits_of
 from fastzoo.equivalence.rule import FP32_LAYER_RTOL, Comparison, compare_grads, compare_outputs
 from fastzoo.registry import spec_of
@@ -19,7 +22,7 @@ from fastzoo.weights import Source, find_converter
 def _run(model: nn.Module, inputs: Inputs, dtype, device, *, seed: int, grads: bool, layers: bool = False,
          against: Run | None = None) -> Run:
     """Outputs of the compared rows as fp32 ``[N, C]``, and fp32 parameter gradients of a fixed
-    random projection of them (the same projection for every model)."""
+    random projection of them (the same projection for every model); an fp64 run's in fp64."""
     inputs = inputs.to(device, dtype)
     model.zero_grad(set_to_none=True)
     run = Run()
@@ -34,7 +37,7 @@ def _run(model: nn.Module, inputs: Inputs, dtype, device, *, seed: int, grads: b
             out_NC = out.reshape(-1, out.shape[-1]) if out.ndim else out.reshape(1, 1)
             if inputs.keep is not None:  # padded batch: real tokens only, in (b, s) order
                 out_NC = out_NC[inputs.keep.to(device).reshape(-1)]
-            out_NC = out_NC.float()
+            out_NC = out_NC if out_NC.dtype == torch.float64 else out_NC.float()
             if grads:
                 weight_NC = torch.randn(out_NC.shape, generator=torch.Generator().manual_seed(seed + 2)).to(device)
                 (out_NC * weight_NC).sum().backward()
@@ -43,7 +46,8 @@ def _run(model: nn.Module, inputs: Inputs, dtype, device, *, seed: int, grads: b
             h.remove()
     run.out_NC = out_NC.detach()
     if grads:
-        run.grads = {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+        run.grads = {n: p.grad.detach() if p.grad.dtype == torch.float64 else p.grad.detach().float()
+                     for n, p in model.named_parameters() if p.grad is not None}
     return run
 
 
@@ -53,8 +57,29 @@ def _in_fastzoo_names(model: nn.Module, original: nn.Module, grads: dict) -> dic
 
     if isinstance(original, FastzooModel):
         return grads
-    src = Source(grads, f"gradients of {type(original).__name__}")
+    # the converter the original's own keys name (its gradients may lack a key that tells formats apart: a
+    # parameter no loss reaches)
+    src = Source(original.state_dict(), f"{type(original).__name__}")
     return find_converter(spec_of(model), src).to_fastzoo(grads)
+
+
+def _own_rounding(users: nn.Module, original: nn.Module, inputs: Inputs, device, *, seed: int,
+                  grads: bool) -> tuple[list[Run], Run | None]:
+    """The original's own fp32 rounding, measured: its runs on the kernels its users get (``users``: as
+    PyTorch picks, and on SDPA's math kernel, which they get where flash does not serve) and its fp64 run
+    (None where the original cannot run in fp64: transformers' D-FINE loss makes its bin weights fp32)."""
+    runs = [_run(users, inputs, torch.float32, device, seed=seed, grads=grads)]
+    with on_math_kernel():
+        runs.append(_run(users, inputs, torch.float32, device, seed=seed, grads=grads))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # what the original's loss creates (class weights) in fp64 too
+    try:
+        exact = _run(copy.deepcopy(original).double(), inputs, torch.float64, device, seed=seed, grads=grads)
+    except RuntimeError:
+        exact = None
+    finally:
+        torch.set_default_dtype(default)
+    return runs, exact
 
 
 def compare(
@@ -70,6 +95,7 @@ def compare(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     name: str = "logits",
+    users: Callable[[], nn.Module] | None = None,
 ) -> tuple[list[Comparison], LayerReport | None]:
     """Compare ``model`` (run in ``dtype``) with ``original`` (fp32) on the same inputs.
 
@@ -78,6 +104,10 @@ def compare(
     when the original takes another form of the same batch (padded vs packed). ``peer``: the
     original in ``dtype``, or its runs on each of its kernels (low precision: sets the tolerance). ``layers=True`` also returns the
     per-layer :class:`LayerReport` (fp32 only: a low-precision run differs everywhere a little).
+    ``users``: makes the original on the kernels its users get (fp32): where the fixed tolerance fails, the
+    original's own fp32 rounding is measured on it and in fp64 (:func:`_own_rounding`), and the rule judges
+    with it (``kernels`` and ``exact`` of :func:`~fastzoo.equivalence.rule.compare_outputs` /
+    :func:`~fastzoo.equivalence.rule.compare_grads`: a measure only ever widens a bound).
     Returns the comparisons (outputs, then gradients) and the report or None.
     """
     device = torch.device(device)
@@ -99,5 +129,14 @@ def compare(
         peer_grads = [{k: v for k, v in _in_fastzoo_names(model, p, r.grads).items() if k in ref_grads}
                       for p, r in zip(peers, low)]
         comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads or None))
+    if not peers and users is not None and not all(c.passed for c in comps):
+        runs, exact = _own_rounding(users(), original, original_inputs, device, seed=seed, grads=grads)
+        comps = [compare_outputs(name, ours.out_NC, ref.out_NC, exact=None if exact is None else exact.out_NC,
+                                 kernels=[r.out_NC for r in runs])]
+        if grads:
+            def named(r):
+                return {k: v for k, v in _in_fastzoo_names(model, original, r.grads).items() if k in ref_grads}
+            comps.append(compare_grads("grads", ours.grads, ref_grads, kernels=[named(r) for r in runs],
+                                       exact=None if exact is None else named(exact)))
     report = layer_report(model, ours, ref, ref_grads, FP32_LAYER_RTOL) if layers else None
     return comps, report

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from fastzoo.equivalence.rule import Comparison, compare_outputs
-from fastzoo.layers.norm import RMSNorm
+from fastzoo.layers.norm import ChannelsFirstLayerNorm, RMSNorm
 
 PROBE_STDS = (1e-3, 1e-2, 1.0)  # variances 1e-6, 1e-4, 1: around the usual eps (1e-6, 1e-5) and far above it
 ROWS_PER_STD = 4
-_CHANNEL_FIRST = (nn.modules.batchnorm._NormBase, nn.GroupNorm)  # normalise [N, C, ...] over C's statistics
+_CHANNEL_FIRST = (nn.modules.batchnorm._NormBase, nn.GroupNorm, ChannelsFirstLayerNorm)  # [N, C, ...] inputs
 _NORMS = (nn.LayerNorm, nn.RMSNorm, RMSNorm, *_CHANNEL_FIRST)
 
 
@@ -32,7 +32,8 @@ def _probe_input(module: nn.Module, gen: torch.Generator) -> torch.Tensor:
     n = len(PROBE_STDS) * ROWS_PER_STD
     std = torch.tensor(PROBE_STDS).repeat_interleave(ROWS_PER_STD)
     if isinstance(module, _CHANNEL_FIRST) or hasattr(module, "running_var"):
-        channels = module.num_channels if isinstance(module, nn.GroupNorm) else module.running_var.shape[0]
+        channels = (module.num_channels if isinstance(module, nn.GroupNorm) else module.normalized_shape[0]
+                    if isinstance(module, ChannelsFirstLayerNorm) else module.running_var.shape[0])
         return torch.randn(n, channels, 2, 2, generator=gen) * std.reshape(-1, 1, 1, 1)
     shape = tuple(getattr(module, "normalized_shape", None) or module.weight.shape)
     return torch.randn(n, *shape, generator=gen) * std.reshape(-1, *(1,) * len(shape))

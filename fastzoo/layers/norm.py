@@ -30,3 +30,11 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         extra = (f", offset={self.offset}" if self.offset else "") + (", weight in fp32" if self.weight_in_fp32 else "")
         return f"{self.weight.shape[0]}, eps={self.eps}{extra}"
+
+
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """LayerNorm over the channels of ``[B, C, H, W]`` (ConvNeXt's and transformers'
+    ``RfDetrLayerNorm(data_format="channels_first")``)."""
+
+    def forward(self, x_BCHW: torch.Tensor) -> torch.Tensor:
+        return super().forward(x_BCHW.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

@@ -48,6 +48,9 @@ class Original:
     build: Callable[[dict], nn.Module]  # config fields -> the original at random init (reference kernels)
     description: str  # "timm VisionTransformer (eager attention)"
     attn_dropout_field: str | None = None  # the field zeroed for a deterministic comparison
+    # the original switched to the kernels its users get (timm's fused attention, Hugging Face's SDPA); None:
+    # the original as built is what its users run
+    users: Callable[[nn.Module], nn.Module] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,6 @@ class BenchSettings:
     variant: str  # the variant the tour builds (its config is the base of every workload)
     sizes: Mapping[str, Workload]
     library: str  # the original's library as tables name it: "timm", "HF", "torchvision"
-    peer: Callable[[nn.Module], nn.Module] | None = None  # None: the original as built is what its users run
     peer_attention: str | None = None  # the attention the peer runs ("sdpa"); None: the model has none
     channels_last: bool = False  # NHWC is worth trying (convolutions)
     compile: bool = True  # torch.compile is worth trying (the tour tries it with --compile)
@@ -128,14 +130,13 @@ class ModelSpec:
 
     def original_as_users_run_it(self, cfg: dict) -> nn.Module | None:
         """The original library's model on config fields ``cfg`` at random init, on the kernels its
-        users get (``original.build``, then ``bench.peer``); None for a family without an original."""
+        users get (``original.build``, then ``original.users``); None for a family without an original."""
         return None if self.original is None else self.as_users_run_it(self.original.build(cfg))
 
     def as_users_run_it(self, original: nn.Module) -> nn.Module:
         """An original built by ``original.build`` (reference kernels), switched to the kernels its
-        users get (``bench.peer``: timm's fused attention, Hugging Face's SDPA)."""
-        peer = self.bench.peer if self.bench is not None else None
-        return original if peer is None else peer(original)
+        users get (``original.users``: timm's fused attention, Hugging Face's SDPA)."""
+        return original if self.original.users is None else self.original.users(original)
 
     @property
     def config_class(self) -> type:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastzoo.models.d_fine.config import DFineConfig
 from fastzoo.models.d_fine.convert import HF
 from fastzoo.models.d_fine.model import DFineForObjectDetection
+from fastzoo.models.detr.hf_detector import on_users_attention
 from fastzoo.models.spec import ModelSpec, Original, Variant
 from fastzoo.tasks import DETECTION
 
@@ -68,6 +69,6 @@ SPEC = ModelSpec(
     converters=(HF,),
     tiny=TINY,
     original=Original(build_original, f"{PEER} (eager attention, grid_sample deformable attention)",
-                      attn_dropout_field="attention_dropout"),
+                      attn_dropout_field="attention_dropout", users=on_users_attention),
 )
 SPECS = (SPEC,)

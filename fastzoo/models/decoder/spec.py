@@ -60,11 +60,11 @@ GPT2_SPEC = ModelSpec(
     ),
     converters=(GPT2, GPT2_FASTZOO),
     tiny=dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
-    original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop"),
+    original=Original(hf_gpt2, "transformers GPT2LMHeadModel (eager attention)", "attn_pdrop", users=hf_as_users_run_it),
     shallow=lambda cfg: {**cfg, "n_layer": 1, "vocab_size": 512, "n_positions": 64},
     flops=gpt2_flops,
     bench=BenchSettings(
-        variant="gpt2", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
+        variant="gpt2", library="HF", peer_attention="sdpa", compile=False,
         deterministic=dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         sizes={"bench": Workload("4x256, 8 seqs in [1,512]", dict(n_layer=4, n_embd=256, n_head=4), batch=8, max_len=512),
                "tour": Workload("GPT-2 4x256, 8 seqs of 1-128 tokens", dict(n_layer=4, n_embd=256, n_head=4), batch=8,
@@ -216,14 +216,14 @@ LLAMA_SPEC = ModelSpec(
               num_key_value_heads=2, max_position_embeddings=64, **_RESIZED),
     original=Original(hf_llama, "transformers' causal LM of the config's layout (LlamaForCausalLM, Qwen3ForCausalLM, "
                                 "Gemma2ForCausalLM ...; eager attention)",
-                      "attention_dropout"),
+                      "attention_dropout", users=hf_as_users_run_it),
     shallow=lambda cfg: _shallow(cfg),
     refused={name: f"a mixture of experts ({field}): fastzoo's decoders are dense" for name, field in (
         ("qwen3_moe", "num_experts"), ("qwen2_moe", "num_experts"), ("mixtral", "num_local_experts"),
         ("olmoe", "num_experts"), ("granitemoe", "num_local_experts"))},
     flops=llama_flops,
     bench=BenchSettings(
-        variant="llama", library="HF", peer=hf_as_users_run_it, peer_attention="sdpa", compile=False,
+        variant="llama", library="HF", peer_attention="sdpa", compile=False,
         sizes={"bench": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-1024 tokens (median 128)", _LLAMA_SMALL, batch=8,
                                  max_len=1024, median_len=128),
                "tour": Workload("Llama 4x256 GQA 8/2, 8 seqs of 16-512 tokens (median 64)", _LLAMA_SMALL, batch=8,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastzoo.models.deformable_detr.config import DeformableDetrConfig
 from fastzoo.models.deformable_detr.convert import HF
 from fastzoo.models.deformable_detr.model import DeformableDetrForObjectDetection
+from fastzoo.models.detr.hf_detector import on_users_attention
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.tasks import DETECTION
 
@@ -52,7 +53,7 @@ SPEC = ModelSpec(
     converters=(HF,),
     tiny=TINY,
     original=Original(build_original, f"{PEER} (eager attention, grid_sample)",
-                      attn_dropout_field="attention_dropout"),
+                      attn_dropout_field="attention_dropout", users=on_users_attention),
     bench=BenchSettings(  # the tour: a training step against transformers' model on mixed-size padded images
         variant="deformable_detr", library="transformers", compile=False, channels_last=True,
         # bilinear sampling's gradient jumps at its cell edges: transformers' own fp32 gradient is 3e-2 of its

@@ -3,7 +3,7 @@ RF-DETR; each family's ``convert.py`` imports it from here, the family's lowest 
 (a live model's config read as its ``config.json``, else the architecture from a bare state dict's keys;
 fastzoo's state dict written key for key), the ``model_type`` refusal, the labels both ways, the backbone
 stages a ``backbone_config`` hands on, and what a state dict's keys and shapes show (layer counts, sampling
-points, widths).
+points, widths); and the kernels the originals' users get (``on_users_attention``).
 """
 from __future__ import annotations
 
@@ -11,6 +11,17 @@ import re
 
 from fastzoo.errors import CheckpointError
 from fastzoo.models.spec import SameKeys
+
+
+def on_users_attention(model):
+    """A transformers detector on the attention its users get by default, SDPA (eager is the reference the
+    specs build). A detector whose backbone declares no attention (ResNet, HGNetV2) refuses the switch, and its
+    attention layers read the top config's choice per call."""
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:
+        model.config._attn_implementation = "sdpa"
+    return model
 
 
 class HfDetectorConverter(SameKeys):

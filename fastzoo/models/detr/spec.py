@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastzoo.models.detr.config import DetrConfig
 from fastzoo.models.detr.convert import HF
 from fastzoo.models.detr.model import DetrForObjectDetection
+from fastzoo.models.detr.hf_detector import on_users_attention
 from fastzoo.models.spec import BenchSettings, ModelSpec, Original, Variant, Workload
 from fastzoo.tasks import DETECTION
 
@@ -53,7 +54,7 @@ SPEC = ModelSpec(
     # transformers' own ResNet backbone at its test sizes: any widths, seconds on a CPU
     tiny=TINY,
     original=Original(build_original, "transformers DetrForObjectDetection (eager attention)",
-                      attn_dropout_field="attention_dropout"),
+                      attn_dropout_field="attention_dropout", users=on_users_attention),
     bench=BenchSettings(  # the tour: a training step against transformers' model on mixed-size padded images
         variant="detr", library="transformers", compile=False, channels_last=True,
         sizes={"tour": Workload("DETR, ResNet-18 backbone, 6+6 layers, 4 images of 160x160 / 80x160", R18, batch=4,

@@ -16,6 +16,7 @@ from torch import nn
 
 from fastzoo.attention.base import AttnContext
 from fastzoo.layers import PatchEmbed
+from fastzoo.layers.norm import ChannelsFirstLayerNorm
 from fastzoo.models.rf_detr.config import RfDetrConfig
 from fastzoo.models.vit.config import ViTConfig
 from fastzoo.models.vit.model import Block, resample_pos_embed
@@ -95,14 +96,6 @@ class WindowedDinov2(nn.Module):
         if n > 1:
             x = x.reshape(B, n, n, gh // n, gw // n, D).transpose(2, 3)
         return x.reshape(B, gh, gw, D).permute(0, 3, 1, 2).contiguous()
-
-
-class ChannelsFirstLayerNorm(nn.LayerNorm):
-    """transformers' ``RfDetrLayerNorm(data_format="channels_first")``: LayerNorm over the channels of
-    ``[B, C, H, W]``."""
-
-    def forward(self, x_BCHW):
-        return super().forward(x_BCHW.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 class RfDetrConvNormLayer(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastzoo.models.rf_detr.config import RfDetrConfig
 from fastzoo.models.rf_detr.convert import HF
 from fastzoo.models.rf_detr.model import RfDetrForObjectDetection
+from fastzoo.models.detr.hf_detector import on_users_attention
 from fastzoo.models.spec import ModelSpec, Original, Variant
 from fastzoo.tasks import DETECTION
 
@@ -55,6 +56,6 @@ SPEC = ModelSpec(
     converters=(HF,),
     tiny=TINY,
     original=Original(build_original, f"{PEER} (eager attention, grid_sample deformable attention)",
-                      attn_dropout_field="attention_dropout"),
+                      attn_dropout_field="attention_dropout", users=on_users_attention),
 )
 SPECS = (SPEC,)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastzoo.models.rt_detr.config import RTDetrConfig
 from fastzoo.models.rt_detr.convert import HF
 from fastzoo.models.rt_detr.model import RTDetrForObjectDetection
+from fastzoo.models.detr.hf_detector import on_users_attention
 from fastzoo.models.spec import ModelSpec, Original, Variant
 from fastzoo.tasks import DETECTION
 
@@ -71,6 +72,6 @@ SPEC = ModelSpec(
     converters=(HF,),
     tiny=TINY,
     original=Original(build_original, f"{PEER} / {PEER2} (eager attention, grid_sample deformable attention)",
-                      attn_dropout_field="attention_dropout"),
+                      attn_dropout_field="attention_dropout", users=on_users_attention),
 )
 SPECS = (SPEC,)

@@ -104,11 +104,11 @@ SPEC = ModelSpec(
     why_not=timm_names.why_not,
     converters=(VIT, hf.HF_VIT),
     tiny=dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10),
-    original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate"),
+    original=Original(timm_vit, "timm VisionTransformer (eager attention)", "attn_drop_rate", users=as_users_run_it),
     shallow=lambda cfg: {**cfg, "depth": 1, "img_size": 2 * cfg.get("patch_size", 16)},  # 4 patches
     flops=flops,
     bench=BenchSettings(
-        variant="vit_small_patch16_224", library="timm", peer=as_users_run_it, peer_attention="sdpa",
+        variant="vit_small_patch16_224", library="timm", peer_attention="sdpa",
         sizes={"bench": Workload("", batch=8),
                "tour": Workload("ViT-S/16 224, 4 of 12 layers", dict(depth=4), batch=8),
                "quick": Workload("tiny ViT", dict(img_size=32, patch_size=8, embed_dim=64, depth=1, num_heads=4,
