@@ -321,3 +321,35 @@ def test_a_normalisation_eps_the_outputs_cannot_see_fails_by_name(monkeypatch):
     norms = by_name[NORMS]
     # a normalisation of std-1e-3 rows moves by ~50 %: far past fp32's 1e-4 (observed ~1)
     assert not norms.passed and norms.err > 100 * FP32_OUT_ATOL and norms.worst == target, res.rows()
+
+
+@pytest.mark.parametrize("name", ["deformable_detr", "rtdetr_r18vd", "dfine_small_coco", "rf_detr_nano"])
+@pytest.mark.parametrize("backend,options", [("eager", {}), ("sdpa", {}), ("sdpa", {"sdpa_backend": "math"})])
+def test_fastzoo_check_passes_every_detector_where_fp32_rounding_is_the_originals_own(name, backend, options):
+    """The detectors' tiny configs through ``fastzoo check`` (train: outputs, set loss, every gradient). Where the
+    fixed tolerance fails, the original's own fp32 rounding is measured and the rule judges with it: a Deformable
+    DETR input projection's bias, under a GroupNorm of one channel per group, has a gradient that is 0 in exact
+    arithmetic (fastzoo's eager 2.9e-4 of the scale from transformers' eager, whose own SDPA run is 7.5e-5 away and
+    fp64 run ~0), and RF-DETR's boxes amplify rounding (transformers' own SDPA logits 7.6e-3 from its eager)."""
+    res = equivalence.check(name, backend, backend_options=options, overrides=equivalence.tiny_overrides(name))
+    assert [c.name for c in res.comparisons] == ["logits", "grads", "loss (set loss)", "grads (set loss)", NORMS]
+    assert res.passed, res.rows()
+
+
+def test_the_measured_rounding_does_not_pass_a_wrong_backward_on_a_detector(monkeypatch):
+    """The measure widens a bound only to the original's own fp32 error: RF-DETR whose attention passes half
+    the gradient to its keys and values (the forward the same up to rounding) still fails, on the gradients, by
+    orders of magnitude."""
+    from fastzoo.layers.attention import UsesAttention
+
+    def half_backward(t):
+        return t * 0.5 + (t * 0.5).detach()
+
+    attend = UsesAttention.attend
+    monkeypatch.setattr(UsesAttention, "attend", lambda self, q, k, v, ctx, scale=None:
+                        attend(self, q, half_backward(k), half_backward(v), ctx, scale))
+    res = equivalence.check("rf_detr_nano", "sdpa", overrides=equivalence.tiny_overrides("rf_detr_nano"))
+    by_name = {c.name: c for c in res.comparisons}
+    assert by_name["logits"].passed  # the forward is right
+    grads = by_name["grads"]
+    assert not grads.passed and grads.err > 10 * grads.bound and grads.peer_err is not None, res.rows()

@@ -5,6 +5,7 @@ own fp32 rounding is measured (its runs on its users' kernels and in fp64) and j
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -39,7 +40,8 @@ def _run(model: nn.Module, inputs: Inputs, dtype, device, *, seed: int, grads: b
                 out_NC = out_NC[inputs.keep.to(device).reshape(-1)]
             out_NC = out_NC if out_NC.dtype == torch.float64 else out_NC.float()
             if grads:
-                weight_NC = torch.randn(out_NC.shape, generator=torch.Generator().manual_seed(seed + 2)).to(device)
+                weight_NC = torch.randn(out_NC.shape, generator=torch.Generator().manual_seed(seed + 2),
+                                        dtype=torch.float32).to(device)  # one projection in every run, fp64's too
                 (out_NC * weight_NC).sum().backward()
     finally:
         for h in handles:
@@ -71,10 +73,18 @@ def _own_rounding(users: nn.Module, original: nn.Module, inputs: Inputs, device,
     runs = [_run(users, inputs, torch.float32, device, seed=seed, grads=grads)]
     with on_math_kernel():
         runs.append(_run(users, inputs, torch.float32, device, seed=seed, grads=grads))
+    def wide(x):  # every floating input in fp64, a detector's labels (boxes in a list of dicts) too
+        if isinstance(x, torch.Tensor):
+            return x.double() if x.is_floating_point() else x
+        if isinstance(x, dict):
+            return {k: wide(v) for k, v in x.items()}
+        return type(x)(wide(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+    inputs64 = dataclasses.replace(inputs, args=wide(inputs.args), kwargs=wide(inputs.kwargs))
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # what the original's loss creates (class weights) in fp64 too
     try:
-        exact = _run(copy.deepcopy(original).double(), inputs, torch.float64, device, seed=seed, grads=grads)
+        exact = _run(copy.deepcopy(original).double(), inputs64, torch.float64, device, seed=seed, grads=grads)
     except RuntimeError:
         exact = None
     finally:

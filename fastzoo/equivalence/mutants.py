@@ -77,6 +77,10 @@ MODELS: dict[str, tuple[str, dict]] = {  # label -> (registry name, overrides on
     "deit3": ("deit3_small_patch16_224", {}),  # layer scale
     "resnet": ("resnet18", {}),
     "detr": ("detr", {}),
+    "deformable_detr": ("deformable_detr", {}),  # multi-scale deformable attention, focal loss
+    "rt_detr": ("rtdetr_r18vd", {}),  # hybrid encoder, varifocal loss, BatchNorm backbone
+    "d_fine": ("dfine_small_coco", {}),  # distribution refinement, per-level points
+    "rf_detr": ("rf_detr_nano", {}),  # windowed DINOv2, channels-first LayerNorms
 }
 
 
@@ -252,7 +256,45 @@ def _no_object(model):
 
 def _giou_l1(model):
     cfg = model.config
-    cfg.giou_loss_coefficient, cfg.bbox_loss_coefficient = cfg.bbox_loss_coefficient, cfg.giou_loss_coefficient
+    giou, l1 = ("weight_loss_giou", "weight_loss_bbox") if hasattr(cfg, "weight_loss_giou") else \
+        ("giou_loss_coefficient", "bbox_loss_coefficient")
+    a, b = getattr(cfg, giou), getattr(cfg, l1)
+    setattr(cfg, giou, b)
+    setattr(cfg, l1, a)
+
+
+def _deformable(change: Callable) -> Callable[[Patches], None]:
+    """Multi-scale deformable attention's sampling locations changed by ``change(locations, spatial_shapes_L2,
+    points_per_level)`` wherever a model reaches the kernel (each model module's imported entry)."""
+    def inject(patches: Patches) -> None:
+        import sys
+
+        from fastzoo.attention import deformable
+
+        entry = deformable.multi_scale_deformable_attention
+
+        def mutated(value, shapes_L2, start_L, loc, weights, **kwargs):
+            return entry(value, shapes_L2, start_L, change(loc, shapes_L2, kwargs.get("points_per_level")), weights,
+                         **kwargs)
+
+        for name, module in list(sys.modules.items()):
+            if name.startswith("fastzoo.models.") and getattr(module, "multi_scale_deformable_attention", None) is entry:
+                patches.setattr(module, "multi_scale_deformable_attention", mutated)
+
+    return inject
+
+
+def _xy_swapped(loc, shapes_L2, points_per_level):
+    return loc.flip(-1)  # (y, x) where grid_sample reads (x, y)
+
+
+def _half_pixel(loc, shapes_L2, points_per_level):
+    """Each location half a pixel of its level off (align_corners=True's pixel centres for False's)."""
+    wh_L2 = shapes_L2.flip(-1).to(loc.dtype)
+    if points_per_level is None:  # [B, Q, heads, L, P, 2]
+        return loc - 0.5 / wh_L2[:, None, :]
+    # [B, Q, heads, K, 2], the points of every level flattened (RT-DETRv2, D-FINE)
+    return loc - 0.5 / wh_L2.repeat_interleave(torch.tensor(list(points_per_level), device=loc.device), dim=0)
 
 
 def _packed_positions(model):
@@ -317,11 +359,14 @@ class Mutant:
 
 
 ATTENTION_MODELS = ("gpt2", "llama", "vit", "detr")
+DETECTORS = ("deformable_detr", "rt_detr", "d_fine", "rf_detr")  # beyond DETR: deformable attention, focal losses
+DEFORMABLE = DETECTORS
 _ROTARY_SHIFT = (
     "rotary positions: a score depends on the difference of its query's and key's positions only, which a shift "
     "of every position by one leaves as it was (equal up to rounding); killed on GPT-2, whose positions are learned")
 CATALOGUE: tuple[Mutant, ...] = (
-    Mutant("attention_scale_x1.01", "every attention scale 1.01x", ATTENTION_MODELS, _kernel(_scale), kernel=True),
+    Mutant("attention_scale_x1.01", "every attention scale 1.01x", ATTENTION_MODELS + DETECTORS, _kernel(_scale),
+           kernel=True),
     Mutant("attention_scale_ignored", "a model's own attention scale dropped for 1/sqrt(head_dim)", ("granite", "gemma2"),
            _kernel(_scale_ignored), kernel=True, feature="scale"),
     Mutant("causal_mask_shifted", "causal mask one key late: query i sees key i + 1", ("gpt2", "llama"),
@@ -335,11 +380,11 @@ CATALOGUE: tuple[Mutant, ...] = (
            _kernel(_padding), kernel=True, feature="padding"),
     Mutant("cu_seqlens_off_by_one", "the first packed-sequence boundary one token late", ("gpt2", "llama"),
            _kernel(_cu_seqlens), kernel=True, feature="packed"),
-    Mutant("dropped_bias", "the first linear layer's bias dropped (a key projection's, invisible to softmax, passed over)", ("gpt2", "qwen2", "vit", "detr", "resnet"),
-           _on_built(_drop_bias)),
-    Mutant("transposed_weight", "one square linear weight loaded transposed", ("gpt2", "llama", "vit", "detr"),
+    Mutant("dropped_bias", "the first linear layer's bias dropped (a key projection's, invisible to softmax, passed over)", ("gpt2", "qwen2", "vit", "detr", "resnet",
+                                                                   *DETECTORS), _on_built(_drop_bias)),
+    Mutant("transposed_weight", "one square linear weight loaded transposed", ("gpt2", "llama", "vit", "detr", *DETECTORS),
            _on_built(_transpose)),
-    Mutant("norm_eps_swapped", "LayerNorm / RMSNorm eps 1e-5 <-> 1e-6", ("gpt2", "llama", "vit", "detr"),
+    Mutant("norm_eps_swapped", "LayerNorm / RMSNorm eps 1e-5 <-> 1e-6", ("gpt2", "llama", "vit", "detr", *DETECTORS),
            _on_built(_norm_eps)),
     Mutant("rotary_base_+1%", "rotary base (rope_theta) 1 % larger", ("llama",), _on_built(_rotary_base)),
     Mutant("packed_position_ids_off_by_one", "packed input's position ids one off", ("gpt2", "llama"),
@@ -347,11 +392,17 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("gelu_exact_tanh_swapped", "GELU exact <-> tanh approximation", ("gpt2", "vit", "gemma2"),
            _on_built(_gelu)),
     Mutant("layer_scale_skipped", "LayerScale (DeiT-3) skipped", ("deit3",), _layer_scale),
-    Mutant("bn_eps", "BatchNorm eps 1e-5 <-> 1e-6", ("resnet", "detr"), _on_built(_bn_eps)),
+    Mutant("bn_eps", "BatchNorm eps 1e-5 <-> 1e-6", ("resnet", "detr", "deformable_detr", "rt_detr", "d_fine"),
+           _on_built(_bn_eps)),
     Mutant("detr_no_object_weight", "DETR's no-object class weight 0.1 -> 0.11", ("detr",), _on_built(_no_object)),
-    Mutant("giou_l1_weights_swapped", "DETR's GIoU and L1 loss weights swapped", ("detr",), _on_built(_giou_l1)),
-    Mutant("qk_swapped", "queries and keys swapped (a fused qkv split in the wrong order)", ("gpt2", "vit", "detr"),
-           _qk_swapped),
+    Mutant("giou_l1_weights_swapped", "a detector's GIoU and L1 loss weights swapped", ("detr", *DETECTORS),
+           _on_built(_giou_l1)),
+    Mutant("qk_swapped", "queries and keys swapped (a fused qkv split in the wrong order)",
+           ("gpt2", "vit", "detr", *DETECTORS), _qk_swapped),
+    Mutant("deformable_xy_swapped", "deformable attention's sampling locations read as (y, x)", DEFORMABLE,
+           _deformable(_xy_swapped)),
+    Mutant("deformable_half_pixel", "deformable sampling half a pixel off (align_corners' pixel centres)", DEFORMABLE,
+           _deformable(_half_pixel)),
     Mutant("rmsnorm_as_layernorm", "RMSNorm centred like a LayerNorm", ("llama",), _rms_as_layernorm),
     Mutant("qk_norm_skipped", "per-head q RMSNorm skipped (Qwen3)", ("qwen3",), _on_built(_qk_norm)),
     Mutant("residual_multiplier_dropped", "Granite's residual_multiplier left out", ("granite",),
