@@ -219,9 +219,14 @@ def _bn_eps(model):
 
 
 def _gelu(model):
-    for m in model.modules():
-        if isinstance(m, nn.GELU):
-            m.approximate = "none" if m.approximate == "tanh" else "tanh"
+    from fastzoo.layers.activations import NewGELU
+
+    for parent in list(model.modules()):
+        for name, m in parent.named_children():
+            if isinstance(m, nn.GELU):
+                m.approximate = "none" if m.approximate == "tanh" else "tanh"
+            elif isinstance(m, NewGELU):  # transformers' written-out tanh form (GPT-2's gelu_new) for exact GELU
+                setattr(parent, name, nn.GELU())
 
 
 def _rotary_base(model):

@@ -21,8 +21,11 @@ def hf_gpt2(cfg: dict) -> nn.Module:
 
 
 def hf_as_users_run_it(model: nn.Module) -> nn.Module:
-    """transformers' default attention: SDPA."""
-    model.set_attn_implementation("sdpa")
+    """transformers' default attention, SDPA, where it computes the model's function. Its SDPA path has no
+    attention-logit soft-capping (a tiny Gemma 2 with a cap of 2: logits 1.65 from its eager run), so a model
+    with one stays on eager, as transformers recommends for Gemma 2."""
+    if getattr(model.config, "attn_logit_softcapping", None) is None:
+        model.set_attn_implementation("sdpa")
     return model
 
 
