@@ -148,6 +148,18 @@ def test_loss_without_boxes_without_auxiliary_terms_and_in_eval_mode_equal_trans
     assert list(compare_loss_path(plain, ours, *batch(seed=6)).loss_dict) == ["loss_vfl", "loss_bbox", "loss_giou"]
 
 
+def test_a_training_step_reads_the_host_once(hf):
+    """One host read per training step (forward with the denoising queries, the loss with FGL and DDF, backward),
+    the set loss's: it carries every Hungarian-matched layer's cost and the label checks; the deformable seam is
+    given the level sizes the model holds on the host, the denoising positives come from the box counts (counted as
+    the benchmarks count, `fastzoo.bench.set_loss.HostReads`)."""
+    from fastzoo.bench.set_loss import host_reads
+
+    ours = fastzoo.create(pretrained=hf).train()
+    x, labels = batch()
+    assert host_reads(lambda: ours(pixel_values=x, labels=labels).loss.backward()) == 1
+
+
 def test_save_pretrained_round_trips_with_transformers(tmp_path, hf):
     """Written by fastzoo, read by transformers (and back by fastzoo), in eval mode as transformers loads."""
     import transformers

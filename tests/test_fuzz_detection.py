@@ -45,6 +45,7 @@ from transformers.loss import (loss_deformable_detr, loss_for_object_detection, 
 import fastzoo
 from fastzoo import equivalence
 from fastzoo.attention import get_backend
+from fastzoo.equivalence.exact import fp64_run
 from fastzoo.errors import BackendUnavailableError, FastzooError
 from fastzoo.models.config import FREE
 
@@ -97,30 +98,6 @@ def detector_step(model, images, mask, labels, *, grads: bool, keep_dtype: bool 
         out.loss.backward()
         g = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return {k: v.detach() if keep_dtype else v.detach().float() for k, v in t.items()}, g
-
-
-@contextlib.contextmanager
-def drawn_in_fp32():
-    """Random fp64 tensors drawn in fp32 and widened: an fp64 run draws the numbers its fp32 run draws.
-    transformers' RT-DETR draws its denoising queries' box noise with ``rand_like`` of a tensor in the default
-    dtype, and fp64's ``rand_like`` gives other numbers from the same seed: another function, whose gradients were
-    0.4-1.0 of their scale from the fp32 run's, a bound of 3x that on every gradient."""
-    saved = {n: getattr(torch, n) for n in ("rand_like", "randn_like")}
-
-    def in_fp32(draw):
-        def widened(t, *args, dtype=None, **kwargs):
-            if (dtype or t.dtype) != torch.float64:
-                return draw(t, *args, dtype=dtype, **kwargs)
-            return draw(t, *args, dtype=torch.float32, **kwargs).double()
-        return widened
-
-    try:
-        for n, draw in saved.items():
-            setattr(torch, n, in_fp32(draw))
-        yield
-    finally:
-        for n, draw in saved.items():
-            setattr(torch, n, draw)
 
 
 MATCHERS = [loss_for_object_detection.HungarianMatcher, loss_deformable_detr.DeformableDetrHungarianMatcher,
@@ -178,7 +155,7 @@ def matching_undecided(calls, nudges: int = 3) -> bool:
     return False
 
 
-def original_rounding(ref, images, mask, labels) -> tuple[list, dict, dict, list]:
+def original_rounding(ref, images, mask, labels, original=None) -> tuple[list, dict, dict, list]:
     """The original's gradients on its users' kernels and in fp64, its fp64 outputs and its outputs on its
     users' kernels: what its own fp32 rounding measurably is (the rule's ``kernels`` and ``exact``). Its users'
     kernels: transformers' SDPA as PyTorch picks (CPU: the flash kernel) and on SDPA's math kernel, which its
@@ -192,15 +169,8 @@ def original_rounding(ref, images, mask, labels) -> tuple[list, dict, dict, list
         runs.append(detector_step(users, images, mask, labels, grads=True))
     users_out, users_grads = [out for out, _ in runs], [g for _, g in runs]
     exact = copy.deepcopy(ref).double()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # the loss makes its class weights in the default dtype
-    try:
-        with drawn_in_fp32():
-            exact_out, exact_grads = detector_step(exact, images.double(), mask, labels, grads=True, keep_dtype=True)
-    except RuntimeError:  # transformers' D-FINE loss cannot run in fp64 (its bin weights are made fp32): nothing measured
-        exact_out, exact_grads = {}, {}
-    finally:
-        torch.set_default_dtype(default)
+    with fp64_run(original):  # ``original``: the family's spec of its original, for what its fp64 run needs
+        exact_out, exact_grads = detector_step(exact, images.double(), mask, labels, grads=True, keep_dtype=True)
     return users_grads, exact_grads, exact_out, users_out
 
 
@@ -278,11 +248,6 @@ def _check_detection(family: str, data) -> None:
     # projections, so which BatchNorm gets such a gradient depends on the kernels' layouts, in transformers' run as
     # in fastzoo's: one image is drawn out of D-FINE's property
     assume(not (family == "d_fine" and images.shape[0] == 1))
-    # open: transformers' D-FINE loss cannot run in fp64 (its bin weights are made fp32), so train mode has no measure
-    # of the original's own rounding here, and the learnable affine blocks' scalar gradients (sums over a whole map)
-    # differ by ~1e-3 of the scale; D-FINE's train mode is compared in tests/test_d_fine.py (fp64 of a synthetic loss,
-    # transformers' SDPA run for the loss), its eval mode here
-    assume(not (family == "d_fine" and train))
     if cfg.get("channels_last"):
         images = images.contiguous(memory_format=torch.channels_last)
     try:
@@ -301,7 +266,7 @@ def _check_detection(family: str, data) -> None:
     if not settled:  # a near tie in the matching (see matching_undecided): the outputs only
         count(f"equivalence/{family}", matching_ties=1)
         want = {k: v for k, v in want[0].items() if not k.startswith("loss")}, {}
-    users_grads, exact_grads, exact_out, users_out = original_rounding(ref, images, mask, labels)
+    users_grads, exact_grads, exact_out, users_out = original_rounding(ref, images, mask, labels, spec.original)
     rounding = [names(g) for g in users_grads], names(exact_grads), exact_out, users_out
     start = modes.index(cfg["giou_impl"])
     failures, compared, refused = [], 0, 0

@@ -77,9 +77,10 @@ def test_an_rt_detr_fp64_run_in_training_draws_the_denoising_noise_of_its_fp32_r
     scale from the fp32 run's, and 3x that "rounding" bounded every gradient. The fp64 run now draws in fp32 and
     widens (``drawn_in_fp32``): transformers' own fp32 gradients are then 2e-5 - 6e-5 of their scale from it;
     fastzoo's pass on every backend compared below, and a gradient off by 10x the original's rounding fails."""
-    from test_fuzz_detection import detector_step, drawn_in_fp32, original_rounding
+    from test_fuzz_detection import detector_step, original_rounding
 
     from fastzoo import equivalence
+    from fastzoo.equivalence.exact import drawn_in_fp32
 
     spec = SPECS["rt_detr"]
     torch.manual_seed(0)

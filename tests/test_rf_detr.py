@@ -34,17 +34,12 @@ OUTPUTS = ("logits", "pred_boxes", "enc_outputs_class", "enc_outputs_coord_logit
 
 
 def original(**overrides):
-    """transformers' model, every parameter drawn, then the box deltas' parameters (the reference point deltas,
-    the last layer of each box head) scaled by 0.3: drawn at full scale, three exp() in a row make boxes ~70 times
-    the image, around which the bilinear sampling amplifies fp32 rounding a thousandfold (transformers' own fp32
-    logits then lie 1e-2 from its fp64 ones); at 0.3 boxes stay within the image, as a trained model's."""
+    """transformers' model, every parameter drawn, then its box deltas scaled as a trained model's (the spec's
+    ``like_trained``: at full scale the boxes lie far outside the image, where the bilinear sampling amplifies fp32
+    rounding a thousandfold)."""
     torch.manual_seed(0)
     hf = draw_(SPECS["rf_detr"].original.build({**TINY, **overrides})).train()
-    with torch.no_grad():
-        hf.model.reference_point_embed.weight.mul_(0.3)
-        for head in [hf.bbox_embed, *hf.model.enc_out_bbox_embed]:
-            head.layers[-1].weight.mul_(0.3)
-            head.layers[-1].bias.mul_(0.3)
+    SPECS["rf_detr"].original.like_trained(hf)
     return hf
 
 

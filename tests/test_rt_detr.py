@@ -287,20 +287,34 @@ def test_backbone_maps_that_skip_a_stage_are_refused_at_config():
     assert "backbone_out_indices" in e.value.fields
 
 
-@pytest.mark.parametrize("bad", ["class id", "NaN box", "box past 1"])
-def test_bad_label_values_are_refused_before_any_work(bad):
-    """The denoising queries embed the class ids (an id past num_labels was a bare IndexError) and train-mode
-    BatchNorm moves its statistics: bad values are refused by name first, and no running statistic changes."""
+@pytest.mark.parametrize("bad", ["class id", "negative class id", "NaN box", "box past 1"])
+def test_bad_label_values_are_refused_by_name_and_change_nothing(bad):
+    """The label values come back with the set loss's one host read, after the forward: the denoising queries
+    embed the class ids clamped (an id out of the embedding's range would be a bare IndexError first), and the
+    running statistics train-mode BatchNorm moved are put back when the values are refused by name."""
     ours = fastzoo.create("rtdetr_r50vd", **TINY).train()
     x, labels = batch()
-    if bad == "class id":
-        labels[2]["class_labels"][1] = ours.config.num_labels
+    if bad.endswith("class id"):
+        labels[2]["class_labels"][1] = -1 if bad.startswith("negative") else ours.config.num_labels + 3
     else:
         labels[2]["boxes"][1, 0] = float("nan") if bad == "NaN box" else 1.5
     before = {k: v.clone() for k, v in ours.state_dict().items()}
     with pytest.raises(ValueError, match=r"labels\[2\]\['(class_labels|boxes)'\]\[1\]"):
         ours(pixel_values=x, labels=labels)
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_training_step_reads_the_host_once(version):
+    """One host read per training step (forward with the denoising queries, loss, backward), the set loss's: it
+    carries every Hungarian-matched layer's cost and the label checks; the deformable seam is given the level sizes
+    the model holds on the host, the denoising positives come from the box counts (counted as the benchmarks count,
+    `fastzoo.bench.set_loss.HostReads`)."""
+    from fastzoo.bench.set_loss import host_reads
+
+    ours = fastzoo.create("rtdetr_r50vd", **TINY, **CASES[version]).train()
+    x, labels = batch()
+    assert host_reads(lambda: ours(pixel_values=x, labels=labels).loss.backward()) == 1
 
 
 def fp64_rounding(run, hf, x, labels) -> dict:

@@ -30,7 +30,7 @@ MODELS = [s.bench.variant for s in ORDERED]
 
 # families whose fp32 rows are compared with the original in fp64 (bilinear sampling's gradient jumps at its cell
 # edges): within the fp32 rule or 3x the original fp32's own error from fp64, parameter by parameter
-FP64_REFERENCE = tuple(s.bench.variant for s in ORDERED if s.bench.fp64_reference)
+FP64_REFERENCE = tuple(s.bench.variant for s in ORDERED if s.original.fp64_reference)
 
 
 def _within_rule(r) -> bool:

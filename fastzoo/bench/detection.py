@@ -13,13 +13,16 @@ every parameter gradient against the original in fp32 in the group's memory form
 by the original's own fp32 rounding: the worse of its eager run's and its users' kernels' (transformers'
 SDPA: on drawn weights DETR's SDPA run is 5.5e-3 of a decoder gradient's scale from its eager run, at
 the tour's size) distance, parameter by parameter; for a family
-whose spec says ``fp64_reference`` (Deformable DETR: bilinear sampling's gradient jumps at its cell edges,
-so two fp32 runs differ as much as a wrong port could), the fp32 groups also run the original in fp64,
-and each fp32 case is compared with that run: within 3x the original fp32's own error from it, worst
-over every gradient (flash-attn's rule one precision up, ``Group.exact``).
+whose original's spec says ``fp64_reference`` (Deformable DETR, RT-DETR, D-FINE: bilinear sampling's gradient
+jumps at its cell edges, so two fp32 runs differ as much as a wrong port could), the fp32 groups also run the
+original in fp64 (:mod:`fastzoo.equivalence.exact`: its random draws as the fp32 run's), and each fp32 case is
+compared with that run: within 3x the original fp32's own error from it, worst over every gradient (flash-attn's
+rule one precision up, ``Group.exact``). The weights are drawn (``equivalence.draw_``), then made to behave as
+trained ones where the spec's ``like_trained`` says how (RF-DETR's boxes inside the image).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import cache
 
@@ -28,6 +31,7 @@ import torch
 from fastzoo.bench.harness import Case, Group, Step, Suite
 from fastzoo.bench.recipes import BASELINE, Recipe
 from fastzoo.bench.steps import compared_as
+from fastzoo.equivalence.exact import fp64_run
 from fastzoo.equivalence.weights import draw_
 
 # eager: on a CPU in bf16, torch's fused attention kernels train slower than matmul-softmax-matmul at
@@ -111,8 +115,9 @@ class _Workload:
         cfg = {**entry.config, **config, "dropout": 0.0}
         torch.manual_seed(seed)
         self.original = draw_(entry.spec.original.build(cfg), seed=seed).to(device).train()
+        if entry.spec.original.like_trained is not None:
+            entry.spec.original.like_trained(self.original)
         self.description = entry.spec.original.description
-        self.fp64_reference = entry.spec.bench is not None and entry.spec.bench.fp64_reference
         self.x, self.mask, self.labels = image_batch(images, sizes, self.original.config.num_labels, device, seed)
         self.names = {n for n, _ in self.fastzoo("eager", BASELINE).named_parameters()}
 
@@ -143,23 +148,19 @@ class _Workload:
         return compared_as(s, spec=self.spec, names=self.names, original=original, gate=gate)
 
     @cache
-    def reference(self, channels_last: bool, dtype: torch.dtype = torch.float32, users: bool = False) -> dict:
+    def reference(self, channels_last: bool, exact: bool = False, users: bool = False) -> dict:
         """The original's outputs in the memory format (channels_last sums convolutions in another order),
-        in fp32 or fp64 (the model, images and boxes cast, and the default dtype for what its loss creates
-        per call: transformers' DETR builds its class weights then); ``users``: on its users' kernels."""
+        in fp32 or (``exact``) in fp64 (the model, images and boxes cast; ``fastzoo.equivalence.exact``'s run,
+        with what the original's spec adds to it); ``users``: on its users' kernels."""
         recipe = Recipe(channels_last=channels_last)
+        dtype = torch.float64 if exact else torch.float32
         model = self.original_model(recipe, users=users).to(dtype)
         x = self.x.to(dtype).contiguous(memory_format=torch.channels_last) if channels_last else self.x.to(dtype)
         labels = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()} for t in self.labels]
-        before = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            step = compared_as(train_step(model, x, self.mask, labels, self.images, recipe), spec=self.spec,
-                               names=self.names, original=True)
+        step = compared_as(train_step(model, x, self.mask, labels, self.images, recipe), spec=self.spec,
+                           names=self.names, original=True)
+        with fp64_run(self.spec.original) if exact else contextlib.nullcontext():
             return step.outputs()
-        finally:
-            torch.set_default_dtype(before)
-
 
 def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, sizes=SIZES,
                          device="cpu", seed: int = 0, recipes=(BASELINE,), backends=BACKENDS) -> Suite:
@@ -186,7 +187,7 @@ def detection_step_suite(name: str = "detr", *, config: dict, images: int = 4, s
                               original=True))
         for b in backends:
             cases.append(Case(f"fastzoo {b}, {recipe.name}", lambda b=b, r=recipe: w.step(w.fastzoo(b, r), r)))
-        exact = (lambda cl=recipe.channels_last: w.reference(cl, torch.float64)) if w.fp64_reference and not low else None
+        exact = (lambda cl=recipe.channels_last: w.reference(cl, exact=True)) if w.spec.original.fp64_reference and not low else None
         kernels = None if low else (lambda cl=recipe.channels_last: w.reference(cl, users=True))
         groups.append(Group(f"{name} training step, {images} images of sizes {list(sizes)} | {recipe.name}", cases,
                             unit="images/s", reference=lambda cl=recipe.channels_last: w.reference(cl),

@@ -178,17 +178,6 @@ def _raise_target_problem(flags, t: PaddedTargets, num_classes: int) -> None:
                          f"[0, {num_classes}) (num_labels={num_classes}; 'no object' is not a target class)")
 
 
-def check_target_values(labels, batch: int, num_classes: int, device) -> PaddedTargets:
-    """:func:`pad_targets` with the values checked now, in one host read: for a model whose forward reads
-    its labels or moves statistics (RT-DETR's denoising queries, BatchNorm in train mode), so that bad labels
-    are refused before any work and change nothing."""
-    t = pad_targets(labels, batch, device)
-    flags = _target_problems(t, num_classes).cpu()
-    if flags.any():
-        _raise_target_problem(flags, t, num_classes)
-    return t
-
-
 def assign(cost_LBQM: np.ndarray, counts, layer_names=None) -> np.ndarray:
     """scipy's Hungarian solver per (layer, image) on the host: the query of each target slot
     ``[L, B, M]`` (-1: padding, or a box left unmatched when an image has more boxes than queries).

@@ -55,13 +55,12 @@ from fastzoo.losses.set_matching import (
     by_index,
     center_to_corners,
     check_labels,
-    check_target_values,
     hungarian,
     pad_targets,
     paired_iou,
 )
 
-__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "check_target_values", "lw_detr_loss", "rt_detr_loss",
+__all__ = ["CLASS_TERMS", "GIOU_IMPLS", "ClassTerm", "check_labels", "lw_detr_loss", "rt_detr_loss",
            "set_prediction_loss"]
 
 # how the GIoU term runs: ``giou_impl=`` of the loss, DETR's config field of that name, the bench's cases

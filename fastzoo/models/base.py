@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -138,6 +139,24 @@ class FastzooModel(nn.Module):
         each replaced atomically (see :func:`write_pretrained`)."""
         meta = {"fastzoo_model": self.model_name, "family": self.family, **self.config.to_dict(), **self.extra_config()}
         return write_pretrained(path, meta, self.state_dict())
+
+
+@contextmanager
+def statistics_kept_on_error(model: nn.Module):
+    """BatchNorm's running statistics put back as they were when the block raises, so that a call refused after
+    its forward (a detector's label values, checked with the set loss's one host read) changes nothing: one copy
+    on the device per call, for the layers in train mode (none in eval mode)."""
+    stats = [t for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+             and m.track_running_stats for t in (m.running_mean, m.running_var, m.num_batches_tracked)]
+    saved = [torch.empty_like(t) for t in stats]
+    if stats:
+        torch._foreach_copy_(saved, stats)
+    try:
+        yield
+    except Exception:
+        if stats:
+            torch._foreach_copy_(stats, saved)
+        raise
 
 
 def refuse_inputs(model: str, unserved: dict, unknown: dict, why: str = "") -> None:

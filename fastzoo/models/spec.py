@@ -9,6 +9,7 @@ about a family: adding a model is adding a folder.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -51,6 +52,15 @@ class Original:
     # the original switched to the kernels its users get (timm's fused attention, Hugging Face's SDPA); None:
     # the original as built is what its users run
     users: Callable[[nn.Module], nn.Module] | None = None
+    # the fp32 parity gate compares with the original's fp64 run, within 3x the original fp32's own error from it:
+    # for a function whose fp32 gradient jumps at rounding's scale (bilinear sampling's cell edges)
+    fp64_reference: bool = False
+    # what the original's fp64 run needs beside fastzoo.equivalence.exact.fp64_run (a context manager factory):
+    # a part of the original that makes its tensors fp32 whatever the model's dtype
+    fp64_patch: Callable[[], AbstractContextManager] | None = None
+    # after equivalence.draw_, for a benchmark: what makes the drawn state behave as trained weights where the
+    # draw leaves the model's working range (RF-DETR: drawn box deltas put boxes far outside the image)
+    like_trained: Callable[[nn.Module], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +92,6 @@ class BenchSettings:
     channels_last: bool = False  # NHWC is worth trying (convolutions)
     compile: bool = True  # torch.compile is worth trying (the tour tries it with --compile)
     deterministic: Mapping = field(default_factory=dict)  # config fields that make a training step deterministic (dropout 0)
-    # the fp32 parity gate compares with the original's fp64 run, within 3x the original fp32's own error from it:
-    # for a function whose fp32 gradient jumps at rounding's scale (bilinear sampling's cell edges)
-    fp64_reference: bool = False
 
 
 @dataclass(frozen=True)

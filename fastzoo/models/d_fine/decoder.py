@@ -27,6 +27,7 @@ from fastzoo.losses.set_matching import corners_to_center
 from fastzoo.losses.set_prediction import weighting_function
 from fastzoo.models.d_fine.config import DFineConfig
 from fastzoo.models.d_fine.encoder import DFineMLP
+from fastzoo.models.deformable_detr.layers import Levels
 from fastzoo.models.rt_detr.decoder import RTDetrMLPPredictionHead, RTDetrSelfAttention, inverse_sigmoid
 from fastzoo.models.rt_detr.denoising import DenoisingGroups
 
@@ -99,7 +100,7 @@ class DFineMultiscaleDeformableAttention(nn.Module):
     def levels(self) -> int:
         return len(self.points)
 
-    def forward(self, q_BQD, mem_BSD, ref_BQ14, shapes_L2, start_L):
+    def forward(self, q_BQD, mem_BSD, ref_BQ14, levels: Levels):
         B, Q, _ = q_BQD.shape
         S, H, K = mem_BSD.shape[1], self.heads, sum(self.points)
         v_BSHD = mem_BSD.reshape(B, S, H, -1)
@@ -107,8 +108,9 @@ class DFineMultiscaleDeformableAttention(nn.Module):
         w_BQHK = F.softmax(self.attention_weights(q_BQD).reshape(B, Q, H, K), dim=-1)
         scale_K1 = self.num_points_scale.to(dtype=q_BQD.dtype).unsqueeze(-1)
         loc = ref_BQ14[:, :, None, :, :2] + off_BQHK2 * scale_K1 * ref_BQ14[:, :, None, :, 2:] * self.offset_scale
-        return multi_scale_deformable_attention(v_BSHD, shapes_L2, start_L, loc, w_BQHK, impl=self.impl,
-                                                points_per_level=self.points, method=self.method)
+        return multi_scale_deformable_attention(v_BSHD, levels.shapes_L2, levels.start_L, loc, w_BQHK,
+                                                impl=self.impl, points_per_level=self.points, method=self.method,
+                                                spatial_shapes_list=levels.shapes)
 
 
 class DFineDecoderLayer(GradientCheckpointingLayer):
@@ -123,10 +125,10 @@ class DFineDecoderLayer(GradientCheckpointingLayer):
         self.final_layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.dropout = cfg.dropout
 
-    def forward(self, x_BQD, pos_BQD, ref_BQ14, mem_BSD, shapes_L2, start_L, ctx, dn: DenoisingGroups | None):
+    def forward(self, x_BQD, pos_BQD, ref_BQ14, mem_BSD, levels: Levels, ctx, dn: DenoisingGroups | None):
         a = self.self_attn(x_BQD, pos_BQD, ctx, dn)
         x_BQD = self.self_attn_layer_norm(x_BQD + F.dropout(a, self.dropout, self.training))
-        a = self.encoder_attn(x_BQD + pos_BQD, mem_BSD, ref_BQ14, shapes_L2, start_L)
+        a = self.encoder_attn(x_BQD + pos_BQD, mem_BSD, ref_BQ14, levels)
         x_BQD = self.gateway(x_BQD, F.dropout(a, self.dropout, self.training))
         return self.final_layer_norm((x_BQD + self.mlp(x_BQD)).clamp(min=-65504, max=65504))
 
@@ -147,7 +149,7 @@ class DFineDecoder(nn.Module):
         self.pre_bbox_head = DFineMLP(d, d, 4, 3)
         self.lqe_layers = nn.ModuleList(DFineLQE(cfg) for _ in range(cfg.decoder_layers))
 
-    def forward(self, x_BQD, ref_logit_BQ4, mem_BSD, shapes_L2, start_L, ctx, dn: DenoisingGroups | None) -> dict:
+    def forward(self, x_BQD, ref_logit_BQ4, mem_BSD, levels: Levels, ctx, dn: DenoisingGroups | None) -> dict:
         """``hs [L, B, Q, D]`` (transformers' stacking), and ``[B, n, Q, ...]``: class ``logits`` and ``boxes`` (n =
         L + 1 in training, the initial prediction first; the last layer's in eval mode), each layer's edge
         distributions ``corners`` and its initial boxes ``refs`` (n = L in training, 1 in eval mode)."""
@@ -157,7 +159,7 @@ class DFineDecoder(nn.Module):
         prev_x = prev_corners = 0
         for i, layer in enumerate(self.layers):
             pos = self.query_pos_head(ref).clamp(min=-10, max=10)
-            x_BQD = layer(x_BQD, pos, ref.unsqueeze(2), mem_BSD, shapes_L2, start_L, ctx, dn)
+            x_BQD = layer(x_BQD, pos, ref.unsqueeze(2), mem_BSD, levels, ctx, dn)
             if i == 0:
                 first_box = torch.sigmoid(self.pre_bbox_head(x_BQD) + inverse_sigmoid(ref))
                 initial = first_box.detach()

@@ -30,6 +30,12 @@ class Levels:
     shapes_L2: torch.Tensor
     start_L: torch.Tensor
 
+    @classmethod
+    def of(cls, shapes, device) -> "Levels":
+        """The levels of ``shapes`` (h, w per level, on the host), their tensors made on ``device`` (no read)."""
+        shapes_L2 = torch.as_tensor(shapes, dtype=torch.long, device=device)
+        return cls(tuple(shapes), shapes_L2, torch.cat((shapes_L2.new_zeros((1,)), shapes_L2.prod(1).cumsum(0)[:-1])))
+
 
 class DeformableDetrMultiscaleDeformableAttention(nn.Module):
     """transformers' module: per head, ``n_points`` sampling offsets on each level and their softmaxed

@@ -137,12 +137,10 @@ class DeformableDetrModel(nn.Module):
             p = sine_position_embedding(src.shape, pixel_values.dtype, pixel_values.device, cfg.d_model, mask, offset=0.5)
             pos.append(p.to(src.dtype) + self.level_embed[level].view(1, 1, -1))
             x.append(src.flatten(2).transpose(1, 2))
-        shapes = tuple(tuple(s.shape[-2:]) for s in srcs)
-        shapes_L2 = torch.as_tensor(shapes, dtype=torch.long, device=pixel_values.device)
-        start_L = torch.cat((shapes_L2.new_zeros((1,)), shapes_L2.prod(1).cumsum(0)[:-1]))
+        levels = Levels.of(tuple(tuple(s.shape[-2:]) for s in srcs), pixel_values.device)
         valid_BL2 = torch.stack([valid_ratio(m, x[0].dtype) for m in masks], 1)
         mask_BS = torch.cat([m.flatten(1) for m in masks], 1)
-        return torch.cat(x, 1), torch.cat(pos, 1), mask_BS, Levels(shapes, shapes_L2, start_L), valid_BL2
+        return torch.cat(x, 1), torch.cat(pos, 1), mask_BS, levels, valid_BL2
 
     def _project(self, level: int, f_BCHW, pixel_values):
         """Level ``level``'s input projection; a single value per GroupNorm group (a 1 x 1 map at d_model 32,

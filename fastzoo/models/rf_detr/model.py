@@ -83,8 +83,7 @@ class RfDetrModel(nn.Module):
         B, _, h, w = features_BDHW.shape
         mem_BSD = features_BDHW.flatten(2).transpose(1, 2)
         mask_BS = mask_BHW.flatten(1)
-        shapes_L2 = torch.as_tensor([(h, w)], dtype=torch.long, device=mem_BSD.device)
-        levels = Levels(((h, w),), shapes_L2, shapes_L2.new_zeros((1,)))
+        levels = Levels.of(((h, w),), mem_BSD.device)
         query_BSD, boxes_BS4, invalid_BS1 = proposals(mem_BSD, ~mask_BS, h, w)
         groups = cfg.group_detr if self.training else 1
         Q = cfg.num_queries

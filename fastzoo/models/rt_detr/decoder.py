@@ -17,6 +17,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from fastzoo.attention.deformable import multi_scale_deformable_attention
+from fastzoo.models.deformable_detr.layers import Levels
 from fastzoo.models.detr.transformer import DetrAttention
 from fastzoo.models.rt_detr.config import RTDetrConfig
 from fastzoo.models.rt_detr.denoising import DenoisingGroups, grouped_attention
@@ -75,7 +76,7 @@ class RTDetrMultiscaleDeformableAttention(nn.Module):
             self.offset_scale, self.method = cfg.decoder_offset_scale, cfg.decoder_method
             self.register_buffer("n_points_scale", torch.full((L * P,), 1 / P, dtype=torch.float32))
 
-    def forward(self, q_BQD, mem_BSD, ref_BQ14, shapes_L2, start_L):
+    def forward(self, q_BQD, mem_BSD, ref_BQ14, levels: Levels):
         B, Q, _ = q_BQD.shape
         S = mem_BSD.shape[1]
         H, L, P = self.heads, self.levels, self.points
@@ -84,14 +85,16 @@ class RTDetrMultiscaleDeformableAttention(nn.Module):
         if not self.v2:
             off_BQHLP2 = self.sampling_offsets(q_BQD).view(B, Q, H, L, P, 2)
             loc = ref_BQ14[:, :, None, :, None, :2] + off_BQHLP2 / P * ref_BQ14[:, :, None, :, None, 2:] * 0.5
-            out = multi_scale_deformable_attention(v_BSHD, shapes_L2, start_L, loc, w_BQHK.view(B, Q, H, L, P),
-                                                   impl=self.impl)
+            out = multi_scale_deformable_attention(v_BSHD, levels.shapes_L2, levels.start_L, loc,
+                                                   w_BQHK.view(B, Q, H, L, P), impl=self.impl,
+                                                   spatial_shapes_list=levels.shapes)
         else:
             off_BQHK2 = self.sampling_offsets(q_BQD).view(B, Q, H, L * P, 2)
             scale_K1 = self.n_points_scale.to(dtype=q_BQD.dtype).unsqueeze(-1)
             loc = ref_BQ14[:, :, None, :, :2] + off_BQHK2 * scale_K1 * ref_BQ14[:, :, None, :, 2:] * self.offset_scale
-            out = multi_scale_deformable_attention(v_BSHD, shapes_L2, start_L, loc, w_BQHK, impl=self.impl,
-                                                   points_per_level=[P] * L, method=self.method)
+            out = multi_scale_deformable_attention(v_BSHD, levels.shapes_L2, levels.start_L, loc, w_BQHK,
+                                                   impl=self.impl, points_per_level=[P] * L, method=self.method,
+                                                   spatial_shapes_list=levels.shapes)
         return self.output_proj(out)
 
 
@@ -107,10 +110,10 @@ class RTDetrDecoderLayer(GradientCheckpointingLayer):
         self.final_layer_norm = nn.LayerNorm(d, eps=eps)
         self.dropout = cfg.dropout
 
-    def forward(self, x_BQD, pos_BQD, ref_BQ14, mem_BSD, shapes_L2, start_L, ctx, dn: DenoisingGroups | None):
+    def forward(self, x_BQD, pos_BQD, ref_BQ14, mem_BSD, levels: Levels, ctx, dn: DenoisingGroups | None):
         a = self.self_attn(x_BQD, pos_BQD, ctx, dn)
         x_BQD = self.self_attn_layer_norm(x_BQD + F.dropout(a, self.dropout, self.training))
-        a = self.encoder_attn(x_BQD + pos_BQD, mem_BSD, ref_BQ14, shapes_L2, start_L)
+        a = self.encoder_attn(x_BQD + pos_BQD, mem_BSD, ref_BQ14, levels)
         x_BQD = self.encoder_attn_layer_norm(x_BQD + F.dropout(a, self.dropout, self.training))
         return self.final_layer_norm(x_BQD + self.mlp(x_BQD))
 
@@ -127,12 +130,12 @@ class RTDetrDecoder(nn.Module):
         self.class_embed = nn.ModuleList(nn.Linear(cfg.d_model, cfg.num_labels) for _ in range(n))
         self.bbox_embed = nn.ModuleList(RTDetrMLPPredictionHead(cfg.d_model, cfg.d_model, 4, 3) for _ in range(n))
 
-    def forward(self, x_BQD, ref_logit_BQ4, mem_BSD, shapes_L2, start_L, ctx, dn: DenoisingGroups | None) -> dict:
+    def forward(self, x_BQD, ref_logit_BQ4, mem_BSD, levels: Levels, ctx, dn: DenoisingGroups | None) -> dict:
         """Per layer: hidden states ``hs``, class ``logits``, ``boxes`` ``[B, L, Q, ...]`` each (transformers' stacking)."""
         ref = ref_logit_BQ4.sigmoid()
         hs, logits, boxes = [], [], []
         for i, layer in enumerate(self.layers):
-            x_BQD = layer(x_BQD, self.query_pos_head(ref), ref.unsqueeze(2), mem_BSD, shapes_L2, start_L, ctx, dn)
+            x_BQD = layer(x_BQD, self.query_pos_head(ref), ref.unsqueeze(2), mem_BSD, levels, ctx, dn)
             new = torch.sigmoid(self.bbox_embed[i](x_BQD) + inverse_sigmoid(ref))
             ref = new.detach()
             hs.append(x_BQD)

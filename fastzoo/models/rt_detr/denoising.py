@@ -55,8 +55,8 @@ def denoising_queries(labels: list[dict], num_classes: int, num_queries: int, cl
     box_BM4 = torch.zeros([B, most, 4], device=device)
     real_BM = torch.zeros([B, most], dtype=torch.bool, device=device)
     for i, n in enumerate(counts):
-        if n > 0:
-            cls_BM[i, :n] = labels[i]["class_labels"]
+        if n > 0:  # an id out of range is refused by name with the set loss's read; clamped for the embedding
+            cls_BM[i, :n] = labels[i]["class_labels"].clamp(0, num_classes)
             box_BM4[i, :n] = labels[i]["boxes"]
             real_BM[i, :n] = 1
     cls_BN = cls_BM.tile([1, 2 * groups])
@@ -65,8 +65,9 @@ def denoising_queries(labels: list[dict], num_classes: int, num_queries: int, cl
     negative_BN1 = torch.zeros([B, most * 2, 1], device=device)
     negative_BN1[:, most:] = 1
     negative_BN1 = negative_BN1.tile([1, groups, 1])
-    positive_BN = (1 - negative_BN1).squeeze(-1) * real_BN
-    positive_idx = torch.split(torch.nonzero(positive_BN)[:, 1], [n * groups for n in counts])
+    # the positive copies' query indices per image (transformers' nonzero of the positives), from the counts: no read
+    first_G1 = torch.arange(groups, device=device)[:, None] * 2 * most
+    positive_idx = tuple((first_G1 + torch.arange(n, device=device)).flatten() for n in counts)
     n_queries = most * 2 * groups
     if label_noise_ratio > 0:  # transformers' draws, in its order
         redraw = torch.rand_like(cls_BN, dtype=torch.float) < (label_noise_ratio * 0.5)

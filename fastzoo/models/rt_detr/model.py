@@ -124,11 +124,11 @@ class RTDetrModel(nn.Module):
         return enc_maps, tokens_BSD, shapes
 
     def forward(self, pixel_values, labels=None) -> dict:
+        from fastzoo.models.deformable_detr.layers import Levels
+
         cfg = self.config
         enc_maps, mem_BSD, shapes = self.sources(pixel_values)
         device, dtype = mem_BSD.device, mem_BSD.dtype
-        shapes_L2 = torch.as_tensor(shapes, dtype=torch.long, device=device)
-        start_L = torch.cat((shapes_L2.new_zeros((1,)), shapes_L2.prod(1).cumsum(0)[:-1]))
         dn = None
         if self.training and cfg.num_denoising > 0 and labels is not None:
             dn = denoising_queries(labels, cfg.num_labels, cfg.num_queries, self.denoising_class_embed, cfg.num_denoising,
@@ -151,7 +151,7 @@ class RTDetrModel(nn.Module):
         if dn is not None:
             dn_class, dn_box, dn = dn
             ref_logit, target = torch.concat([dn_box, ref_logit], 1), torch.concat([dn_class, target], 1)
-        out = self.decoder(target, ref_logit.detach(), mem_BSD, shapes_L2, start_L, AttnContext(), dn)
+        out = self.decoder(target, ref_logit.detach(), mem_BSD, Levels.of(shapes, device), AttnContext(), dn)
         return dict(**out, enc_maps=enc_maps, init_ref=ref_logit.detach(),
                     enc_topk_logits=enc_topk_logits, enc_topk_bboxes=enc_topk_boxes, enc_outputs_class=enc_class,
                     enc_outputs_coord_logits=enc_coord, dn=dn)
@@ -279,7 +279,8 @@ class RTDetrForObjectDetection(TransformersDetector, FastzooModel):
         """transformers' ``RTDetrForObjectDetection.forward``: ``pixel_values [B, 3, H, W]``, ``pixel_mask``
         (unused, as transformers), ``labels`` as DETR's. Returns transformers' output class;
         ``return_dict=False`` gives its tuple."""
-        from fastzoo.losses.set_prediction import check_target_values
+        from fastzoo.losses.set_prediction import check_labels
+        from fastzoo.models.base import statistics_kept_on_error
 
         unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if unknown:
@@ -288,12 +289,13 @@ class RTDetrForObjectDetection(TransformersDetector, FastzooModel):
         pixel_values, pixel_mask = _check_pixels(pixel_values, pixel_mask, self.config.num_channels,
                                                  self.model.enc_score_head.weight)
         _check_side(pixel_values, self.config, self.training)
-        if labels is not None:  # the denoising queries embed the labels and BatchNorm moves: refused before any work
-            check_target_values(labels, pixel_values.shape[0], self.config.num_labels, pixel_values.device)
-        out = self.model(pixel_values, labels)
-        meta = out["dn"].meta if out["dn"] is not None and self.training else None
-        loss = loss_dict = aux = None
-        if labels is not None:
+        if labels is None:
+            return self._output(None, None, None, self.model(pixel_values), return_dict)
+        check_labels(labels, pixel_values.shape[0])  # the denoising queries read their structure: refused before any work
+        # their values come back with the set loss's one host read: a refusal then puts BatchNorm's statistics back
+        with statistics_kept_on_error(self):
+            out = self.model(pixel_values, labels)
+            meta = out["dn"].meta if out["dn"] is not None and self.training else None
             loss, loss_dict, aux = self._loss(out, labels, meta)
         return self._output(loss, loss_dict, aux, out, return_dict)
 

@@ -71,7 +71,9 @@ SPEC = ModelSpec(
     ),
     converters=(HF,),
     tiny=TINY,
+    # bilinear sampling's gradient jumps at its cell edges: at the bench's size transformers' own fp32 gradients are
+    # 1.9e-2 of their scale from its fp64 ones (its denoising noise drawn in fp32: fastzoo.equivalence.exact)
     original=Original(build_original, f"{PEER} / {PEER2} (eager attention, grid_sample deformable attention)",
-                      attn_dropout_field="attention_dropout", users=on_users_attention),
+                      attn_dropout_field="attention_dropout", fp64_reference=True, users=on_users_attention),
 )
 SPECS = (SPEC,)
