@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fastzoo.attention.sdpa import on_math_kernel
+from fastzoo.equivalence.exact import fp64_run
 from fastzoo.equivalence.layers import LayerReport, Run, hook, layer_report, logits_of
 from fastzoo.equivalence.rule import FP32_LAYER_RTOL, Comparison, compare_grads, compare_outputs
 from fastzoo.registry import spec_of
@@ -65,11 +66,11 @@ def _in_fastzoo_names(model: nn.Module, original: nn.Module, grads: dict) -> dic
     return find_converter(spec_of(model), src).to_fastzoo(grads)
 
 
-def _own_rounding(users: nn.Module, original: nn.Module, inputs: Inputs, device, *, seed: int,
+def _own_rounding(spec, users: nn.Module, original: nn.Module, inputs: Inputs, device, *, seed: int,
                   grads: bool) -> tuple[list[Run], Run | None]:
     """The original's own fp32 rounding, measured: its runs on the kernels its users get (``users``: as
     PyTorch picks, and on SDPA's math kernel, which they get where flash does not serve) and its fp64 run
-    (None where the original cannot run in fp64: transformers' D-FINE loss makes its bin weights fp32)."""
+    (:func:`~fastzoo.equivalence.exact.fp64_run`; None where the original cannot run in fp64)."""
     runs = [_run(users, inputs, torch.float32, device, seed=seed, grads=grads)]
     with on_math_kernel():
         runs.append(_run(users, inputs, torch.float32, device, seed=seed, grads=grads))
@@ -81,14 +82,11 @@ def _own_rounding(users: nn.Module, original: nn.Module, inputs: Inputs, device,
         return type(x)(wide(v) for v in x) if isinstance(x, (list, tuple)) else x
 
     inputs64 = dataclasses.replace(inputs, args=wide(inputs.args), kwargs=wide(inputs.kwargs))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # what the original's loss creates (class weights) in fp64 too
     try:
-        exact = _run(copy.deepcopy(original).double(), inputs64, torch.float64, device, seed=seed, grads=grads)
+        with fp64_run(spec.original):
+            exact = _run(copy.deepcopy(original).double(), inputs64, torch.float64, device, seed=seed, grads=grads)
     except RuntimeError:
         exact = None
-    finally:
-        torch.set_default_dtype(default)
     return runs, exact
 
 
@@ -140,7 +138,7 @@ def compare(
                       for p, r in zip(peers, low)]
         comps.append(compare_grads("grads", ours.grads, ref_grads, peer_grads or None))
     if not peers and users is not None and not all(c.passed for c in comps):
-        runs, exact = _own_rounding(users(), original, original_inputs, device, seed=seed, grads=grads)
+        runs, exact = _own_rounding(spec_of(model), users(), original, original_inputs, device, seed=seed, grads=grads)
         comps = [compare_outputs(name, ours.out_NC, ref.out_NC, exact=None if exact is None else exact.out_NC,
                                  kernels=[r.out_NC for r in runs])]
         if grads:
