@@ -80,5 +80,20 @@ class NestedBackend(AttentionBackend):
                 jagged_NHjD(q_THD, seqlens.cu_q, seqlens.max_q), jagged_NHjD(k_THD, *k_args), jagged_NHjD(v_THD, *k_args),
                 dropout_p=ctx.dropout_p, is_causal=ctx.causal and not cached, scale=ctx.scale,
             )
-            o_THD = o_NHjD.transpose(1, 2).values()
+            o_THD = _CompactGrad.apply(o_NHjD.transpose(1, 2).values())
         return packing.from_THD(o_THD, q_BHSD.shape[0])
+
+
+class _CompactGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a compact copy of its gradient. torch's jagged NestedTensor SDPA
+    backward reads a gradient that is a view into a larger tensor at the wrong place (torch 2.14, CPU): two
+    attentions whose outputs are concatenated (``torch.cat``'s backward hands each a slice of its gradient, as
+    RT-DETR's denoising groups do) got q / k / v gradients 1.5-2.9 off, their forwards exact."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone(memory_format=torch.contiguous_format)
