@@ -134,7 +134,7 @@ def _recipe_group(m: _Models, mode: str, recipe: Recipe, backends, original_eage
     if not baseline:  # the original under the same recipe: low-precision parity is held to its own error
         cases.append(Case(m.peer_label, lambda: m.step(m.users_original(), mode, recipe, original=True),
                           reference=True, original=True, compiled=c))
-    if baseline and original_eager and m.bench.peer is not None:
+    if baseline and original_eager and m.spec.original.users is not None:
         cases.append(Case(f"{m.bench.library} (eager)", lambda: m.step(copy.deepcopy(m.original), mode, recipe, original=True)))
     for b in backends if m.attention else (None,):
         b, options = (b, {}) if b is None or isinstance(b, str) else b  # a name, or (name, options): a pinned kernel
