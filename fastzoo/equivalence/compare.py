@@ -74,6 +74,7 @@ def _own_rounding(spec, users: nn.Module, original: nn.Module, inputs: Inputs, d
     runs = [_run(users, inputs, torch.float32, device, seed=seed, grads=grads)]
     with on_math_kernel():
         runs.append(_run(users, inputs, torch.float32, device, seed=seed, grads=grads))
+
     def wide(x):  # every floating input in fp64, a detector's labels (boxes in a list of dicts) too
         if isinstance(x, torch.Tensor):
             return x.double() if x.is_floating_point() else x

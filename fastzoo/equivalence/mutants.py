@@ -365,7 +365,6 @@ class Mutant:
 
 ATTENTION_MODELS = ("gpt2", "llama", "vit", "detr")
 DETECTORS = ("deformable_detr", "rt_detr", "d_fine", "rf_detr")  # beyond DETR: deformable attention, focal losses
-DEFORMABLE = DETECTORS
 _ROTARY_SHIFT = (
     "rotary positions: a score depends on the difference of its query's and key's positions only, which a shift "
     "of every position by one leaves as it was (equal up to rounding); killed on GPT-2, whose positions are learned")
@@ -404,9 +403,9 @@ CATALOGUE: tuple[Mutant, ...] = (
            _on_built(_giou_l1)),
     Mutant("qk_swapped", "queries and keys swapped (a fused qkv split in the wrong order)",
            ("gpt2", "vit", "detr", *DETECTORS), _qk_swapped),
-    Mutant("deformable_xy_swapped", "deformable attention's sampling locations read as (y, x)", DEFORMABLE,
+    Mutant("deformable_xy_swapped", "deformable attention's sampling locations read as (y, x)", DETECTORS,
            _deformable(_xy_swapped)),
-    Mutant("deformable_half_pixel", "deformable sampling half a pixel off (align_corners' pixel centres)", DEFORMABLE,
+    Mutant("deformable_half_pixel", "deformable sampling half a pixel off (align_corners' pixel centres)", DETECTORS,
            _deformable(_half_pixel)),
     Mutant("rmsnorm_as_layernorm", "RMSNorm centred like a LayerNorm", ("llama",), _rms_as_layernorm),
     Mutant("qk_norm_skipped", "per-head q RMSNorm skipped (Qwen3)", ("qwen3",), _on_built(_qk_norm)),
