@@ -36,6 +36,7 @@ class CausalSelfAttention(UsesAttention):
     """HF ``GPT2Attention``: one ``c_attn`` projection to q, k, v; ``c_proj`` back."""
 
     attn_dropout_field = "attn_pdrop"
+    scale_scores = True  # transformers' eager attention scales q k^T
 
     def __init__(self, cfg: GPT2Config, layer_idx: int):
         super().__init__()

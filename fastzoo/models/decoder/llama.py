@@ -48,6 +48,7 @@ class LlamaAttention(UsesAttention):
     (not on smollm3's no-rope layers), ``o_proj`` back."""
 
     attn_dropout_field = "attention_dropout"
+    scale_scores = True  # transformers' eager attention scales q k^T
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int):
         super().__init__()
