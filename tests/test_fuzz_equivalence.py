@@ -11,7 +11,8 @@ the KV cache (left padding, positions from the mask as ``generate`` makes them),
 ``labels``, in eval or (the fused LM-head loss) train mode. Precision: fp32, or bf16 autocast
 for fastzoo and, as the peers that set the tolerance, for the original on its reference kernels and
 on its users' (``fastzoo.equivalence.rule``). Outputs, loss and
-gradients are judged by ``fastzoo.equivalence``'s rule (fp32: 1e-4; bf16: 3x the original's own
+gradients are judged by ``fastzoo.equivalence``'s rule (fp32: 1e-4, or 3x the original's own fp32
+error where larger, measured by its fp64 run and its runs on its users' kernels; bf16: 3x the original's own
 bf16 error + floor), on weights drawn by ``fastzoo.equivalence.draw_`` (every bias, norm gain,
 BatchNorm statistic and embedding: a library's init hides bugs), named in a failure's message. The
 bf16 loss is compared too (``equivalence.compare_loss``: the original's own error on one number
@@ -36,6 +37,7 @@ own packed batches do (``fastzoo/attention/packing.py``); that case is counted, 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -49,6 +51,7 @@ from hypothesis.errors import HypothesisException
 import fastzoo
 from fastzoo import equivalence
 from fastzoo.attention import get_backend
+from fastzoo.attention.sdpa import on_math_kernel
 from fastzoo.data import pack
 from fastzoo.errors import BackendUnavailableError, CheckpointError
 from fastzoo.layers.attention import UsesAttention
@@ -86,8 +89,6 @@ def exact_run(ref, call, grads: bool, seed: int):
     """The original's run in fp64 on its own weights (a copy), as ``_run``: its outputs, loss and gradients
     as the fp32 rule's measure of the original's own rounding; (None, None, None) where it cannot run in
     fp64 (nothing measured: nothing widened)."""
-    import copy
-
     exact = copy.deepcopy(ref).double()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # tensors an original makes in the default dtype (masks, positions)
@@ -299,9 +300,9 @@ def _check_equivalence(family: str, data) -> None:
     ours.train(train)
     peers = []  # bf16: the original on its reference kernels and on its users' (fastzoo.equivalence.rule)
     if precision == "bf16":
-        import copy
-
         peers = [copy.deepcopy(ref), spec.as_users_run_it(copy.deepcopy(ref))]
+    # fp32: the original on its users' kernels, a measure of its own rounding (as equivalence.check takes it)
+    users = spec.as_users_run_it(copy.deepcopy(ref)) if precision == "fp32" and spec.original.users else None
     # a model without attention runs on one backend: more inputs per built pair (cases cost less than builds)
     cases = (image_case(ours, (1, 3) if with_attention else (2, 4)) if spec.task.name == "image-classification"
              else token_case(ours, train))
@@ -318,6 +319,13 @@ def _check_equivalence(family: str, data) -> None:
         # conditioning measure: a function that is rounding noise, e.g. a LayerNorm over one feature)
         e_rows, e_loss, e_grads = exact_run(ref, ref_call, needs["grads"], seed) if precision == "fp32" else (None,) * 3
         e_grads = _in_fastzoo_names(spec, ours, e_grads) if e_grads else None
+        # ... and its runs on its users' kernels: SDPA as PyTorch picks it, and SDPA's math kernel (where flash does
+        # not serve); the SDPA backends round as those do, not as the original's eager
+        k = [] if users is None else [_run(users, ref_call, precision="fp32", grads=needs["grads"], seed=seed)]
+        if k:
+            with on_math_kernel():
+                k.append(_run(users, ref_call, precision="fp32", grads=needs["grads"], seed=seed))
+        k_grads = [_in_fastzoo_names(spec, ours, q[2]) for q in k if q[2]] or None
         p = [_run(peer, ref_call, precision="bf16", grads=needs["grads"], seed=seed) for peer in peers]
         p_grads = [_in_fastzoo_names(spec, ours, q[2]) for q in p if q[2]] or None
         if p and kinds_are_rounding((r_rows, r_loss, r_grads), [(q[0], q[1], g) for q, g in zip(p, p_grads or [{}] * len(p))]):
@@ -355,7 +363,7 @@ def _check_equivalence(family: str, data) -> None:
             comps, through_padding = [], False
             if rows is not None:
                 c = equivalence.compare_outputs_where_finite("outputs", rows, r_rows, [q[0] for q in p] or None,
-                                                             exact=e_rows)
+                                                             exact=e_rows, kernels=[q[0] for q in k] or None)
                 if (not c.passed and needs.get("packed") and not torch.isfinite(r_rows).all()
                         and (name, options.get("impl")) not in READS_EACH_SEQUENCE_ALONE):
                     spread += 1  # the declared limit of one dense attention over the packed row (module docstring)
@@ -370,9 +378,11 @@ def _check_equivalence(family: str, data) -> None:
                 comps.append(c)
             if loss is not None and not (through_padding and not torch.isfinite(r_loss).all()):
                 comps.append(equivalence.compare_loss("loss", loss, r_loss, [q[1] for q in p] or None,
-                                                      dtype=torch.bfloat16 if p else torch.float32, exact=e_loss))
+                                                      dtype=torch.bfloat16 if p else torch.float32, exact=e_loss,
+                                                      kernels=[q[1] for q in k if q[1] is not None] or None))
             if grads:
-                comps.append(equivalence.compare_grads_where_finite("grads", g, r_grads, p_grads, exact=e_grads))
+                comps.append(equivalence.compare_grads_where_finite("grads", g, r_grads, p_grads, exact=e_grads,
+                                                                    kernels=k_grads))
             compared += 1
             failures += [f"{label} {form} {precision}: {c.name} err {c.err:.3g} > bound {c.bound:.3g}"
                          + (f" (worst {c.worst})" if c.worst else "") for c in comps if not c.passed]

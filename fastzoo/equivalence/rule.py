@@ -203,7 +203,8 @@ def compare_grads_where_finite(name: str, g: dict, ref: dict, peer: dict | Seque
 
 
 def compare_loss(name: str, loss: torch.Tensor, ref: torch.Tensor, peer: Sequence[torch.Tensor] | None = None, *,
-                 dtype: torch.dtype = torch.float32, exact: torch.Tensor | None = None) -> Comparison:
+                 dtype: torch.dtype = torch.float32, exact: torch.Tensor | None = None,
+                 kernels: torch.Tensor | Sequence[torch.Tensor] | None = None) -> Comparison:
     """A scalar loss against the fp32 reference's (non-finite values as in
     :func:`compare_outputs_where_finite`). fp32: the output rule. In a low precision ``dtype``, the
     original's own error on one number can cancel by chance (a Qwen2 layout, one head, vocabulary 2:
@@ -211,9 +212,10 @@ def compare_loss(name: str, loss: torch.Tensor, ref: torch.Tensor, peer: Sequenc
     the bound is ``LOW_FACTOR`` times that error plus half a unit of ``dtype``'s rounding of the loss
     (round-to-nearest's largest error on the loss's own value): a loss of 5 in bf16 is held to
     3x the original's error + 0.02, so a loss 1% off fails even where the original's error cancelled.
-    ``exact``: the original's fp64 loss (fp32 only, as in :func:`compare_outputs`)."""
+    ``exact`` and ``kernels``: the original's fp64 loss and its losses on its users' kernels (fp32 only, as in
+    :func:`compare_outputs`)."""
     if peer is None:
-        return compare_outputs_where_finite(name, loss, ref, exact=exact)
+        return compare_outputs_where_finite(name, loss, ref, exact=exact, kernels=kernels)
     c = compare_outputs_where_finite(name, loss, ref, peer)
     finite = ref[torch.isfinite(ref)]
     return Comparison(c.name, c.err, c.bound + loss_rounding(_abs_max(finite) if finite.numel() else 0.0, dtype),
