@@ -464,7 +464,6 @@ def test_a_state_of_no_transformers_vit_layout_is_refused_by_the_vit_converter_n
         hf.to_fastzoo({"blocks.0.norm1.weight": torch.ones(2), "cls_token": torch.zeros(1, 1, 2)})
 
 
-
 @pytest.mark.parametrize("family, heads", [("gpt2", {"n_embd": 96, "n_head": 4}),
                                            ("llama", {"hidden_size": 96, "num_attention_heads": 4})])
 def test_a_decoders_eager_attention_rounds_as_transformers_eager_attention_in_bf16(family, heads):
