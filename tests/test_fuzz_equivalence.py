@@ -106,6 +106,15 @@ def _in_fastzoo_names(spec, ours, grads: dict) -> dict:
     return {k: v for k, v in conv.to_fastzoo(grads).items() if k in own}
 
 
+def projected_grads(spec, ours, model, ids: torch.Tensor, *, precision: str = "fp32", seed: int = 7) -> dict:
+    """The property's gradients of ``model`` (fastzoo's, or the original's in fastzoo's names): of a fixed random
+    projection of its logits on ``ids``, in ``precision`` (fp64: the original's fp64 run, as ``exact_run``)."""
+    call = lambda m: (m(ids).logits.flatten(0, 1), None)  # noqa: E731
+    grads = (exact_run(model, call, True, seed) if precision == "fp64" else
+             _run(model, call, precision=precision, grads=True, seed=seed))[2]
+    return grads if model is ours else _in_fastzoo_names(spec, ours, grads)
+
+
 # -- inputs per task --------------------------------------------------------------------------------
 @st.composite
 def image_case(draw, model, inputs: tuple[int, int]):

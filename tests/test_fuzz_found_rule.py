@@ -395,7 +395,7 @@ def test_an_lm_gradient_in_fp32_is_judged_against_the_originals_run_on_its_users
     of its bound, and ten times that error still fails."""
     import copy
 
-    from test_fuzz_equivalence import _in_fastzoo_names
+    from test_fuzz_equivalence import projected_grads
 
     from fastzoo import equivalence
     from fastzoo.attention.sdpa import on_math_kernel
@@ -408,16 +408,9 @@ def test_an_lm_gradient_in_fp32_is_judged_against_the_originals_run_on_its_users
     equivalence.draw_(ref, seed=3)
     ours = fastzoo.create("gpt2", pretrained=ref, attn="sdpa").eval()
     users = spec.as_users_run_it(copy.deepcopy(ref))
-    gen = torch.Generator().manual_seed(22)
-    ids = torch.randint(0, 128, (2, 9), generator=gen)
-    proj = torch.randn(2, 9, 128, generator=gen)  # the property's gradients: of a fixed projection of the logits
-
-    def grads(m, dtype=torch.float32):
-        m.zero_grad(set_to_none=True)
-        (m(ids).logits.to(dtype) * proj.to(dtype)).sum().backward()
-        return _in_fastzoo_names(spec, ours, {n: p.grad for n, p in m.named_parameters() if p.grad is not None})
-
-    want, exact, got = grads(ref), grads(copy.deepcopy(ref).double(), torch.float64), grads(ours)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(13))
+    grads = lambda m, precision="fp32": projected_grads(spec, ours, m, ids, precision=precision)  # noqa: E731
+    want, exact, got = grads(ref), grads(ref, "fp64"), grads(ours)
     kernels = [grads(users)]
     with on_math_kernel():
         kernels.append(grads(users))
